@@ -1,0 +1,61 @@
+"""Reference attention backend: gather each sequence's pages, then SDPA. CPU and CUDA.
+
+It is the oracle the Triton kernels are compared with, and the CPU engine's backend. It reads
+the host mirrors of the metadata, so it is not graph-capturable.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from outpace.attention.base import NULL_BLOCK, AttentionBackend, AttentionMetadata
+
+
+def store_kv(kv_cache: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Write k/v [T, Hkv, D] at slot_mapping [T]; slot -1 (padding) lands in the null block."""
+    _, _, num_blocks, block_size, hkv, d = kv_cache.shape
+    slots = torch.where(slot_mapping < 0, NULL_BLOCK * block_size, slot_mapping)
+    kv_cache[layer, 0].view(num_blocks * block_size, hkv, d).index_copy_(0, slots, k.to(kv_cache.dtype))
+    kv_cache[layer, 1].view(num_blocks * block_size, hkv, d).index_copy_(0, slots, v.to(kv_cache.dtype))
+
+
+def gather_kv(kv_cache: torch.Tensor, layer: int, block_table: torch.Tensor, seq_len: int):
+    """K, V of one sequence as [seq_len, Hkv, D] each."""
+    block_size = kv_cache.shape[3]
+    nb = (seq_len + block_size - 1) // block_size
+    ids = block_table[:nb].long()
+    k = kv_cache[layer, 0].index_select(0, ids).flatten(0, 1)[:seq_len]
+    v = kv_cache[layer, 1].index_select(0, ids).flatten(0, 1)[:seq_len]
+    return k, v
+
+
+def causal_mask(q_len: int, kv_len: int, device) -> torch.Tensor:
+    """[q_len, kv_len] bool: query i (position kv_len - q_len + i) sees kv j <= its position."""
+    qpos = torch.arange(kv_len - q_len, kv_len, device=device)[:, None]
+    return torch.arange(kv_len, device=device)[None, :] <= qpos
+
+
+class TorchRefBackend(AttentionBackend):
+    def forward(self, layer, q, k, v, meta: AttentionMetadata):
+        store_kv(self.kv_cache, layer, k, v, meta.slot_mapping)
+        out = torch.empty_like(q)
+        qsl = meta.query_start_loc_host
+        gqa = self.num_heads != self.num_kv_heads
+        for s, kv_len in enumerate(meta.seq_lens_host):
+            a, b = qsl[s], qsl[s + 1]
+            if b == a:
+                continue
+            ks, vs = gather_kv(self.kv_cache, layer, meta.block_tables[s], kv_len)
+            qs = q[a:b].transpose(0, 1)  # [Hq, n, D]
+            ks, vs = ks.transpose(0, 1).to(q.dtype), vs.transpose(0, 1).to(q.dtype)
+            n = b - a
+            if n == 1:
+                mask = None  # a single query at the end sees everything
+            else:
+                mask = causal_mask(n, kv_len, q.device)
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=self.scale,
+                                               enable_gqa=gqa)
+            out[a:b] = o.transpose(0, 1)
+        return out

@@ -1,0 +1,281 @@
+"""The objects that cross the engine/runner boundary, and the user-facing request types.
+
+Request      one generation, owned by the scheduler; the runner reads it.
+StepPlan     scheduler -> runner: which requests run this step and how many tokens each.
+StepResult   runner -> engine: the tokens each request committed this step (and new drafts).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+from outpace.errors import InvalidRequestError
+
+
+@dataclass
+class SamplingParams:
+    """vLLM-shaped sampling parameters. Validated on construction."""
+
+    max_tokens: Optional[int] = 16  # None: up to the context length
+    temperature: float = 1.0  # 0: greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    seed: Optional[int] = None
+    stop: list = field(default_factory=list)  # stop strings, cut from the text
+    stop_token_ids: list = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: Optional[int] = None  # top-n logprobs per output token (0: only the chosen one)
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    n: int = 1
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        self._validate()
+
+    def _validate(self):
+        def bad(msg):
+            raise InvalidRequestError(msg)
+
+        def is_num(x):
+            return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+        if self.n != 1:
+            bad(f"n={self.n} is not supported; outpace returns one completion per request (n=1)")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int)
+                                            or isinstance(self.max_tokens, bool)
+                                            or self.max_tokens < 1):
+            bad(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not is_num(self.temperature) or self.temperature < 0:
+            bad(f"temperature must be >= 0, got {self.temperature!r}")
+        if not is_num(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            bad(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
+            bad(f"top_k must be -1, 0 (off) or a positive integer, got {self.top_k!r}")
+        if not is_num(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            bad(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if not is_num(self.repetition_penalty) or self.repetition_penalty <= 0:
+            bad(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            v = getattr(self, name)
+            if not is_num(v) or not -2.0 <= v <= 2.0:
+                bad(f"{name} must be in [-2, 2], got {v!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            bad(f"seed must be an integer, got {self.seed!r}")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            bad("stop must be a non-empty string or a list of non-empty strings")
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                   for t in self.stop_token_ids):
+            bad("stop_token_ids must be a list of non-negative integers")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int)
+                                          or isinstance(self.logprobs, bool)
+                                          or not 0 <= self.logprobs <= 20):
+            bad(f"logprobs must be an integer in 0..20, got {self.logprobs!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def needs_penalties(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
+                or self.presence_penalty != 0.0)
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                        RequestStatus.FINISHED_ABORTED)
+
+
+@dataclass
+class SpecStats:
+    """Speculative decoding counters of one request (or, summed, of the engine)."""
+
+    num_drafts: int = 0  # verify steps that carried at least one draft token
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list = field(default_factory=list)  # [k]: accepted at draft index i
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens per verify step, bonus included: 1 + accepted / drafts."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    def record(self, num_draft: int, num_accepted: int) -> None:
+        if num_draft == 0:
+            return
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft
+        self.num_accepted_tokens += num_accepted
+        if len(self.accepted_per_position) < num_draft:
+            self.accepted_per_position.extend([0] * (num_draft - len(self.accepted_per_position)))
+        for i in range(num_accepted):
+            self.accepted_per_position[i] += 1
+
+    def merge(self, other: "SpecStats") -> None:
+        self.num_drafts += other.num_drafts
+        self.num_draft_tokens += other.num_draft_tokens
+        self.num_accepted_tokens += other.num_accepted_tokens
+        n = len(other.accepted_per_position)
+        if len(self.accepted_per_position) < n:
+            self.accepted_per_position.extend([0] * (n - len(self.accepted_per_position)))
+        for i, v in enumerate(other.accepted_per_position):
+            self.accepted_per_position[i] += v
+
+    def as_dict(self) -> dict:
+        return {"num_drafts": self.num_drafts, "num_draft_tokens": self.num_draft_tokens,
+                "num_accepted_tokens": self.num_accepted_tokens,
+                "accepted_per_position": list(self.accepted_per_position),
+                "mean_acceptance_length": self.mean_acceptance_length,
+                "acceptance_rate": self.acceptance_rate}
+
+
+@dataclass
+class Request:
+    """One generation. The scheduler owns it; the runner only reads it."""
+
+    request_id: str
+    prompt_token_ids: list
+    sampling_params: SamplingParams
+    eos_token_ids: tuple = ()
+    max_model_len: int = 1 << 30
+    arrival_time: float = field(default_factory=time.monotonic)
+    prompt: Optional[str] = None
+
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list = field(default_factory=list)
+    output_logprobs: list = field(default_factory=list)  # per output token: (logprob, {id: lp})
+    num_computed_tokens: int = 0  # tokens whose KV is in the pool (target plane)
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache (first admission)
+    num_preemptions: int = 0
+    spec_token_ids: list = field(default_factory=list)  # drafts to verify in the next step
+    spec_stats: SpecStats = field(default_factory=SpecStats)
+    stop_reason: object = None  # the stop string or token id that ended it
+    first_token_time: Optional[float] = None
+
+    @property
+    def all_token_ids(self) -> list:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    @property
+    def finish_reason(self) -> Optional[str]:
+        return self.status.value if self.status.finished else None
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step.
+
+    The step computes KV for tokens [num_computed_tokens, num_computed_tokens + num_new_tokens)
+    of `request.all_token_ids + draft_token_ids`. When `sample` is set, the last position (and,
+    with drafts, every draft position) gets logits.
+    """
+
+    request: Request
+    num_computed_tokens: int  # before this step
+    num_new_tokens: int  # tokens computed this step, drafts included
+    draft_token_ids: list = field(default_factory=list)  # verified this step
+    sample: bool = True  # False for a prefill chunk that doesn't reach the end of the prompt
+
+
+@dataclass
+class StepPlan:
+    scheduled: list = field(default_factory=list)  # [ScheduledRequest]
+    preempted_ids: list = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class RequestStepOutput:
+    """What one request committed in one step."""
+
+    token_ids: list  # accepted drafts then the recovered/bonus token; [] for a mid-prompt chunk
+    logprobs: Optional[list] = None  # per token: (logprob, {token_id: logprob} top-n)
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    next_draft_token_ids: list = field(default_factory=list)  # drafts for the next step
+
+
+@dataclass
+class StepResult:
+    outputs: dict = field(default_factory=dict)  # request_id -> RequestStepOutput
+
+
+@dataclass
+class CompletionOutput:
+    text: str
+    token_ids: list
+    finish_reason: Optional[str] = None
+    stop_reason: object = None
+    logprobs: Optional[list] = None  # per token: {token_id: logprob} incl. the chosen one
+
+
+@dataclass
+class RequestOutput:
+    """vLLM-shaped result of one request; `outs[0].text` and `.token_ids` are shortcuts."""
+
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: list
+    outputs: list  # [CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+    spec_stats: Optional[SpecStats] = None
+    metrics: dict = field(default_factory=dict)
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> Optional[str]:
+        return self.outputs[0].finish_reason
