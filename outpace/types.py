@@ -214,6 +214,7 @@ class ScheduledRequest:
     num_new_tokens: int  # tokens computed this step, drafts included
     draft_token_ids: list = field(default_factory=list)  # verified this step
     sample: bool = True  # False for a prefill chunk that doesn't reach the end of the prompt
+    block_ids: list = field(default_factory=list)  # the request's block table (filled by the engine)
 
 
 @dataclass

@@ -42,20 +42,20 @@ class TorchRefBackend(AttentionBackend):
         store_kv(self.kv_cache, layer, k, v, meta.slot_mapping)
         out = torch.empty_like(q)
         qsl = meta.query_start_loc_host
-        gqa = self.num_heads != self.num_kv_heads
+        hkv, d = self.num_kv_heads, self.head_dim
+        group = self.num_heads // hkv
         for s, kv_len in enumerate(meta.seq_lens_host):
             a, b = qsl[s], qsl[s + 1]
-            if b == a:
+            n = b - a
+            if n == 0:
                 continue
             ks, vs = gather_kv(self.kv_cache, layer, meta.block_tables[s], kv_len)
-            qs = q[a:b].transpose(0, 1)  # [Hq, n, D]
-            ks, vs = ks.transpose(0, 1).to(q.dtype), vs.transpose(0, 1).to(q.dtype)
-            n = b - a
-            if n == 1:
-                mask = None  # a single query at the end sees everything
-            else:
-                mask = causal_mask(n, kv_len, q.device)
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=self.scale,
-                                               enable_gqa=gqa)
-            out[a:b] = o.transpose(0, 1)
+            ks = ks.transpose(0, 1).to(q.dtype)  # [Hkv, L, D]
+            vs = vs.transpose(0, 1).to(q.dtype)
+            # GQA without copying K/V: fold each KV head's query group into the query axis,
+            # [n, Hq, D] -> [Hkv, group * n, D]. (SDPA's enable_gqa is very slow on CPU.)
+            qs = q[a:b].view(n, hkv, group, d).permute(1, 2, 0, 3).reshape(hkv, group * n, d)
+            mask = None if n == 1 else causal_mask(n, kv_len, q.device).repeat(group, 1)
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=self.scale)
+            out[a:b] = o.view(hkv, group, n, d).permute(2, 0, 1, 3).reshape(n, hkv * group, d)
         return out

@@ -1,1 +1,77 @@
-"""models/loader"""
+"""Model loading facade: a catalog name, HF folder or .gguf file -> (model, ModelConfig, tokenizer).
+
+    model, cfg, tok = load_model("smollm2-135m", RunnerConfig())
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Optional
+
+from outpace.errors import ModelLoadError
+
+
+def locate(path_or_name, quiet: bool = False) -> tuple[str, Path]:
+    """-> ("hf", folder) or ("gguf", file). Catalog names are fetched into the cache first."""
+    from outpace.models.catalog import resolve_model
+    path = resolve_model(path_or_name, quiet)
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return "hf", path
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return "gguf", ggufs[0]
+        hint = (f"it holds several .gguf files ({', '.join(p.name for p in ggufs)}): pass one"
+                if ggufs else "pass a Hugging Face model folder or a .gguf file")
+        raise ModelLoadError(f"{path} has no config.json; {hint}")
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise ModelLoadError(f"can't read {path}: {e}") from e
+    if magic == b"GGUF" or path.suffix == ".gguf":
+        return "gguf", path  # a bad magic in a .gguf is reported by the GGUF reader
+    if path.suffix == ".safetensors" or path.name == "config.json":
+        raise ModelLoadError(f"{path} is one file of a model; pass the folder that contains it")
+    raise ModelLoadError(f"{path} is neither a GGUF file nor a model folder")
+
+
+def load_model_config(path_or_name, quiet: bool = False):
+    """Just the ModelConfig (cheap: reads config.json or the GGUF header)."""
+    kind, path = locate(path_or_name, quiet)
+    if kind == "hf":
+        from outpace.models.loader.safetensors import read_hf_config
+        return read_hf_config(path)
+    from outpace.models.loader.gguf import GGUFFile, config_from_gguf
+    return config_from_gguf(GGUFFile(path))
+
+
+def load_model(path_or_name, runner_cfg=None, quiet: bool = False, *, dtype=None, device=None):
+    """-> (model in eval mode, ModelConfig, Tokenizer).
+
+    Device and dtype come from `runner_cfg` (default RunnerConfig(): CPU, float32); the `dtype`
+    (torch.dtype) and `device` keywords override it.
+    """
+    import sys
+
+    from outpace.config import RunnerConfig
+    from outpace.tokenizer import Tokenizer
+    runner_cfg: Optional[RunnerConfig] = runner_cfg or RunnerConfig()
+    dtype = dtype or runner_cfg.torch_dtype
+    device = device if device is not None else runner_cfg.device
+    t0 = time.perf_counter()
+    kind, path = locate(path_or_name, quiet)
+    if kind == "hf":
+        from outpace.models.loader.safetensors import load_hf_folder
+        model, cfg = load_hf_folder(path, dtype, device, quiet)
+        tok = Tokenizer.from_folder(path, cfg.eos_token_ids)
+    else:
+        from outpace.models.loader.gguf import load_gguf
+        model, cfg, g = load_gguf(path, dtype, device, quiet)
+        tok = Tokenizer.from_gguf(path, cfg.eos_token_ids, cache_key=g.metadata_sha256())
+    if not quiet:
+        print(f"outpace: loaded {path.name} ({cfg.architecture}, "
+              f"{sum(p.numel() for p in model.parameters()) / 1e6:.0f}M params, {dtype}) in "
+              f"{time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    return model, cfg, tok

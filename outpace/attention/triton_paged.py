@@ -1,0 +1,309 @@
+"""Paged attention in Triton: one varlen kernel for prefill chunks, decode and verify blocks.
+
+Each program owns one tile: BLOCK_Q query tokens of one sequence x the GROUP query heads that
+share one KV head (GQA heads are folded into the rows, so K/V tiles are loaded once per group):
+
+    rows of a tile (GROUP_PAD = next pow2 of GROUP; pad rows are masked out)
+      r = 0 .. BLOCK_M-1      token = qb*BLOCK_Q + r // GROUP_PAD    head = kvh*GROUP + r % GROUP_PAD
+
+    grid = (cdiv(max_query_len, BLOCK_Q), num_seqs, num_kv_heads * NUM_SPLITS)
+
+Query token i of a sequence sits at position ctx + i, ctx = seq_len - q_len, and sees KV columns
+<= its position. Per tile the KV range [0, kv_end) is walked in BLOCK_N columns, gathering K/V
+through the block table (column c lives in block_table[c // block_size], offset c % block_size):
+
+    0 ........ mid ............ kv_end
+    | unmasked | causal-masked   |        mid = full_end rounded down to BLOCK_N, where
+                                          full_end = ctx + first token of the tile + 1
+
+Graph capture: the kernel reads only device tensors (query_start_loc, seq_lens, block_tables); the
+grid depends on shapes and on `max_query_len`, which the runner fixes per captured bucket as an
+upper bound. Tiles past a sequence's q_len exit at once; padded sequences have q_len 0.
+
+Split-KV (flash-decoding): when few tiles exist (decode/verify at small batch) each tile's KV range
+is cut into NUM_SPLITS chunks (>= min_split_tokens each, computed on device from seq_lens); each
+program writes an unnormalised partial (acc, running max m, running sum l) to a workspace, and a
+second kernel merges them:  out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s.
+
+Softmax runs in base 2 (qk is pre-scaled by scale * log2 e) with fp32 accumulation. fp32 inputs
+use IEEE dot products (no TF32) so they match the reference to ~1e-5.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from outpace.attention.base import AttentionBackend, AttentionMetadata
+from outpace.errors import ConfigError
+from outpace.kernels import next_pow2
+from outpace.kernels.store_kv import store_kv_triton
+
+try:  # guarded: `import outpace` (and this module) must work without triton
+    import triton
+    import triton.language as tl
+except Exception:  # pragma: no cover
+    triton = None
+    tl = None
+
+LOG2E = 1.4426950408889634
+
+
+if triton is not None:
+
+    @triton.jit
+    def _attn_tiles(acc, l_i, m_i, q, kc_ptr, vc_ptr, bt_row_ptr, lo, hi, qpos, offs_d, dmask,
+                    kvh, stride_cb, stride_co, stride_ch, qk_scale, BLOCK_SIZE: tl.constexpr,
+                    MASKED: tl.constexpr, BLOCK_N: tl.constexpr, IS_FP32: tl.constexpr):
+        # Online softmax over KV columns [lo, hi). MASKED applies the causal mask (and hi);
+        # unmasked calls only get full tiles every row of the tile may see.
+        for start in range(lo, hi, BLOCK_N):
+            cols = start + tl.arange(0, BLOCK_N)
+            cmask = cols < hi
+            blk = tl.load(bt_row_ptr + cols // BLOCK_SIZE, mask=cmask, other=0).to(tl.int64)
+            kv_off = blk * stride_cb + (cols % BLOCK_SIZE) * stride_co + kvh * stride_ch
+            kv_mask = cmask[None, :] & dmask[:, None]
+            k = tl.load(kc_ptr + kv_off[None, :] + offs_d[:, None], mask=kv_mask, other=0.0)
+            k = k.to(q.dtype)  # [BLOCK_D, BLOCK_N]
+            if IS_FP32:
+                qk = tl.dot(q, k, input_precision="ieee")
+            else:
+                qk = tl.dot(q, k)
+            qk = qk * qk_scale  # [BLOCK_M, BLOCK_N], log2 domain
+            if MASKED:
+                vis = (cols[None, :] <= qpos[:, None]) & cmask[None, :]
+                qk = tl.where(vis, qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            # A row that has seen nothing yet (possible under split-KV) keeps m = -inf; shift by 0
+            # instead so exp2 gives 0 rather than NaN.
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp2(qk - m_use[:, None])
+            alpha = tl.exp2(m_i - m_use)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(vc_ptr + kv_off[:, None] + offs_d[None, :],
+                        mask=cmask[:, None] & dmask[None, :], other=0.0)
+            v = v.to(q.dtype)  # [BLOCK_N, BLOCK_D]; masked rows are 0 so garbage can't leak
+            if IS_FP32:
+                pv = tl.dot(p, v, input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
+        return acc, l_i, m_i
+
+    @triton.jit
+    def _paged_attn_kernel(
+            q_ptr, kc_ptr, vc_ptr, out_ptr, ws_acc_ptr, ws_m_ptr, ws_l_ptr,
+            qsl_ptr, seq_lens_ptr, bt_ptr,
+            stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_co, stride_ch,
+            stride_bt, num_tokens, num_q_heads, qk_scale, min_chunk, HEAD_DIM,
+            BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+            BLOCK_Q: tl.constexpr,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+            NUM_SPLITS: tl.constexpr, IS_FP32: tl.constexpr):
+        qb = tl.program_id(0)
+        seq = tl.program_id(1)
+        kvh = tl.program_id(2) // NUM_SPLITS
+        split = tl.program_id(2) % NUM_SPLITS
+        q_start = tl.load(qsl_ptr + seq)
+        q_len = tl.load(qsl_ptr + seq + 1) - q_start
+        first = qb * BLOCK_Q  # first local query token of this tile
+        if first >= q_len:  # tile past this sequence's queries (or a padded sequence)
+            return
+        seq_len = tl.load(seq_lens_ptr + seq)
+        ctx = seq_len - q_len
+        last = tl.minimum(q_len, first + BLOCK_Q) - 1
+
+        rows = tl.arange(0, BLOCK_M)
+        tok = first + rows // GROUP_PAD  # local query token of each row
+        hig = rows % GROUP_PAD
+        row_ok = (tok < q_len) & (hig < GROUP)
+        head = kvh * GROUP + hig
+        # Pad rows borrow the last real token's position so no row is ever fully masked.
+        qpos = ctx + tl.minimum(tok, q_len - 1)
+        offs_d = tl.arange(0, BLOCK_D)
+        dmask = offs_d < HEAD_DIM
+        tok_g = (q_start + tok).to(tl.int64)
+        io_mask = row_ok[:, None] & dmask[None, :]
+        q = tl.load(q_ptr + tok_g[:, None] * stride_qt + head[:, None] * stride_qh
+                    + offs_d[None, :], mask=io_mask, other=0.0)  # [BLOCK_M, BLOCK_D]
+
+        kv_end = ctx + last + 1
+        if NUM_SPLITS == 1:
+            lo = kv_end * 0
+            hi = kv_end
+        else:
+            chunk = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
+            chunk = tl.maximum(chunk, min_chunk)  # min_chunk is a multiple of BLOCK_N
+            lo = split * chunk
+            hi = tl.minimum(lo + chunk, kv_end)
+        mid = ((ctx + first + 1) // BLOCK_N) * BLOCK_N
+        mid = tl.minimum(tl.maximum(mid, lo), hi)
+
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        bt_row_ptr = bt_ptr + seq.to(tl.int64) * stride_bt
+        acc, l_i, m_i = _attn_tiles(acc, l_i, m_i, q, kc_ptr, vc_ptr, bt_row_ptr, lo, mid, qpos,
+                                    offs_d, dmask, kvh, stride_cb, stride_co, stride_ch,
+                                    qk_scale, BLOCK_SIZE, False, BLOCK_N, IS_FP32)
+        acc, l_i, m_i = _attn_tiles(acc, l_i, m_i, q, kc_ptr, vc_ptr, bt_row_ptr, mid, hi, qpos,
+                                    offs_d, dmask, kvh, stride_cb, stride_co, stride_ch,
+                                    qk_scale, BLOCK_SIZE, True, BLOCK_N, IS_FP32)
+
+        if NUM_SPLITS == 1:
+            out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+            tl.store(out_ptr + tok_g[:, None] * stride_ot + head[:, None] * stride_oh
+                     + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=io_mask)
+        else:
+            # workspace: acc [NUM_SPLITS, T, Hq, HEAD_DIM], m and l [NUM_SPLITS, T, Hq]
+            idx = (split * num_tokens + tok_g) * num_q_heads + head
+            tl.store(ws_acc_ptr + idx[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=io_mask)
+            tl.store(ws_m_ptr + idx, m_i, mask=row_ok)
+            tl.store(ws_l_ptr + idx, l_i, mask=row_ok)
+
+    @triton.jit
+    def _merge_splits_kernel(ws_acc_ptr, ws_m_ptr, ws_l_ptr, out_ptr, qsl_ptr, num_seqs,
+                             stride_ot, stride_oh, num_tokens, num_q_heads, HEAD_DIM,
+                             NUM_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1)
+        if t >= tl.load(qsl_ptr + num_seqs):  # padding token after the last sequence
+            return
+        s = tl.arange(0, NUM_SPLITS)
+        idx = (s * num_tokens + t) * num_q_heads + h
+        m = tl.load(ws_m_ptr + idx)
+        l_s = tl.load(ws_l_ptr + idx)
+        m_max = tl.max(m, 0)
+        m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+        w = tl.exp2(m - m_max)  # empty splits have m = -inf -> weight 0
+        d = tl.arange(0, BLOCK_D)
+        a = tl.load(ws_acc_ptr + idx[:, None] * HEAD_DIM + d[None, :],
+                    mask=(d < HEAD_DIM)[None, :], other=0.0)
+        num = tl.sum(w[:, None] * a, 0)
+        den = tl.sum(w * l_s, 0)
+        out = num / tl.where(den > 0, den, 1.0)
+        tl.store(out_ptr + t * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty),
+                 mask=d < HEAD_DIM)
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Compile-time tile shape of one launch (chosen from shapes only, so fixed per graph)."""
+
+    block_q: int  # query tokens per tile
+    block_m: int  # rows per tile = block_q * group_pad
+    block_n: int  # KV columns per inner step
+    num_warps: int
+    num_stages: int
+
+
+def choose_tiles(max_query_len: int, group: int, head_dim: int, dtype: torch.dtype) -> TileConfig:
+    gp = next_pow2(group)
+    small = dtype.itemsize <= 2 and next_pow2(head_dim) <= 128  # fits big tiles in shared mem
+    if max_query_len > 16:  # prefill chunks in the batch: big query tiles
+        block_m = 128 if small else 64
+        block_n = 64 if small else 32
+        warps = 8 if small else 4
+    else:  # decode / verify: as many tokens of one sequence as the bound allows
+        block_m = max(16, min(next_pow2(max_query_len), max(1, 64 // gp)) * gp)
+        block_n = 64 if small else 32
+        warps = 4
+    block_m = max(block_m, gp)
+    return TileConfig(block_m // gp, block_m, block_n, warps, 2)
+
+
+def choose_splits(num_tiles: int, sm_count: int, max_splits: int) -> int:
+    """Split-KV factor (power of two) so that roughly every SM gets a program."""
+    if num_tiles >= sm_count or max_splits <= 1:
+        return 1
+    return min(next_pow2(max_splits), next_pow2(-(-sm_count // num_tiles)))
+
+
+def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, meta: AttentionMetadata,
+                    scale: float, num_splits: int = 1, min_split_tokens: int = 256) -> torch.Tensor:
+    """q [T, Hq, D] (last dim contiguous) -> out [T, Hq, D]; K/V are read from the pool only.
+
+    Uses meta.query_start_loc / seq_lens / block_tables (device) and meta.max_query_len (a bound
+    fixed per captured graph); never the *_host mirrors. num_splits: power of two.
+    """
+    t, hq, d = q.shape
+    kc, vc = kv_cache[layer, 0], kv_cache[layer, 1]  # [blocks, block_size, Hkv, D]
+    hkv = kc.shape[2]
+    out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
+    num_seqs = meta.seq_lens.shape[0]
+    if t == 0 or num_seqs == 0:
+        return out
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    group = hq // hkv
+    cfg = choose_tiles(meta.max_query_len, group, d, q.dtype)
+    num_splits = next_pow2(max(1, num_splits))
+    block_d = next_pow2(max(d, 16))
+    min_chunk = -(-max(1, min_split_tokens) // cfg.block_n) * cfg.block_n
+    if num_splits > 1:
+        ws_acc = torch.empty((num_splits, t, hq, d), dtype=torch.float32, device=q.device)
+        ws_m = torch.empty((num_splits, t, hq), dtype=torch.float32, device=q.device)
+        ws_l = torch.empty_like(ws_m)
+    else:
+        ws_acc = ws_m = ws_l = out  # unused by the kernel; any pointer will do
+    grid = (max(1, -(-meta.max_query_len // cfg.block_q)), num_seqs, hkv * num_splits)
+    _paged_attn_kernel[grid](
+        q, kc, vc, out, ws_acc, ws_m, ws_l,
+        meta.query_start_loc, meta.seq_lens, meta.block_tables,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        kc.stride(0), kc.stride(1), kc.stride(2), meta.block_tables.stride(0),
+        t, hq, float(scale) * LOG2E, min_chunk, d, kc.shape[1],
+        GROUP=group, GROUP_PAD=next_pow2(group), BLOCK_Q=cfg.block_q, BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n, BLOCK_D=block_d, NUM_SPLITS=num_splits,
+        IS_FP32=q.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if num_splits > 1:
+        _merge_splits_kernel[(t, hq)](
+            ws_acc, ws_m, ws_l, out, meta.query_start_loc, num_seqs, out.stride(0),
+            out.stride(1), t, hq, d, NUM_SPLITS=num_splits, BLOCK_D=block_d, num_warps=4)
+    return out
+
+
+class TritonPagedBackend(AttentionBackend):
+    """GPU backend: Triton KV store + paged attention, graph-capturable (no host reads).
+
+    max_kv_splits: upper bound of the split-KV factor used when a launch has fewer tiles than
+    the GPU has SMs (1 disables split-KV); min_split_tokens: smallest KV chunk per split.
+    """
+
+    def __init__(self, kv_cache: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
+                 scale: float, *, max_kv_splits: int = 16, min_split_tokens: int = 256):
+        super().__init__(kv_cache, num_heads, num_kv_heads, head_dim, scale)
+        if triton is None:
+            raise ConfigError("the Triton attention backend needs triton; install it "
+                              "(pip install triton) or use the reference backend")
+        if kv_cache.dim() != 6 or kv_cache.shape[4] != num_kv_heads or kv_cache.shape[5] != head_dim:
+            raise ConfigError(f"kv_cache shape {tuple(kv_cache.shape)} does not match "
+                              f"num_kv_heads={num_kv_heads}, head_dim={head_dim}")
+        if num_heads % num_kv_heads:
+            raise ConfigError("num_heads must be a multiple of num_kv_heads")
+        if kv_cache.stride(-1) != 1:
+            raise ConfigError("kv_cache must be contiguous in its last dimension")
+        self.max_kv_splits = max_kv_splits
+        self.min_split_tokens = min_split_tokens
+        # Read once here, not per step: a device query is a host call we keep out of the step.
+        self.sm_count = (torch.cuda.get_device_properties(kv_cache.device).multi_processor_count
+                         if kv_cache.is_cuda else 1)
+
+    def num_splits_for(self, meta: AttentionMetadata, num_q_heads: int) -> int:
+        """Split-KV factor for this launch; a function of shapes and max_query_len only."""
+        if meta.max_query_len > 16:
+            return 1  # prefill tiles already fill the GPU
+        cfg = choose_tiles(meta.max_query_len, num_q_heads // self.num_kv_heads, self.head_dim,
+                           self.kv_cache.dtype)
+        tiles = math.ceil(meta.max_query_len / cfg.block_q) * meta.seq_lens.shape[0] \
+            * self.num_kv_heads
+        return choose_splits(tiles, self.sm_count, self.max_kv_splits)
+
+    def forward(self, layer, q, k, v, meta: AttentionMetadata):
+        """q [T, Hq, D], k/v [T, Hkv, D] -> out [T, Hq, D]; writes k/v at meta.slot_mapping."""
+        store_kv_triton(self.kv_cache, layer, k, v, meta.slot_mapping)
+        return paged_attention(q, self.kv_cache, layer, meta, self.scale,
+                               self.num_splits_for(meta, q.shape[1]), self.min_split_tokens)

@@ -1,0 +1,429 @@
+"""Async front of the synchronous `LLMEngine`, for the server.
+
+    event loop (uvicorn)                         engine thread (one, owns the LLMEngine)
+    --------------------                         ----------------------------------------
+    add_request() --("add", ..., future)--> cmd queue --> engine.add_request()
+         ^                                                   | ok / error -> future
+    RequestStream <--call_soon_threadsafe(deliver batch)--- engine.step() -> StreamItem per request
+    abort()       --("abort", rid)-------> cmd queue --> engine.abort_request() (frees KV now)
+
+Only the engine thread touches the engine (it is not thread-safe); the event loop talks to it
+through a FIFO command queue drained between steps, so an abort that follows an add is always
+applied after it. Outputs are snapshotted in the engine thread (the engine keeps mutating its
+lists) and delivered in one `call_soon_threadsafe` per step, not one per request.
+
+A failing `add_request` fails only that request. A failing `step()` fails the requests that were in
+flight (their streams get the error, their KV is released) and the loop goes on; after
+`max_consecutive_step_failures` failures in a row, or any error outside a step, the engine is
+declared dead: every stream gets `EngineDeadError` and `healthy` turns False (/health -> 503).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Union
+
+from outpace.errors import OutpaceError
+from outpace.types import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class EngineDeadError(OutpaceError):
+    """The engine thread has stopped; the server can't serve requests any more."""
+
+
+@dataclass
+class StreamItem:
+    """What one request gained in one (or, merged, several) engine steps. Owned by the consumer."""
+
+    text: str = ""  # cumulative visible text
+    num_tokens: int = 0  # cumulative output tokens
+    new_token_ids: list = field(default_factory=list)  # tokens since the previous item
+    new_logprobs: Optional[list] = None  # per new token: {token_id: logprob}, chosen included
+    token_pieces: dict = field(default_factory=dict)  # token_id -> text, for ids in new_logprobs
+    finished: bool = False
+    finish_reason: Optional[str] = None
+    stop_reason: object = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    error: Optional[BaseException] = None
+
+    def merge(self, later: "StreamItem") -> "StreamItem":
+        """Fold a later item into this one (a slow consumer reads several steps at once)."""
+        lps = None
+        if self.new_logprobs is not None or later.new_logprobs is not None:
+            lps = (self.new_logprobs or []) + (later.new_logprobs or [])
+        return StreamItem(
+            text=later.text, num_tokens=later.num_tokens,
+            new_token_ids=self.new_token_ids + later.new_token_ids, new_logprobs=lps,
+            token_pieces={**self.token_pieces, **later.token_pieces}, finished=later.finished,
+            finish_reason=later.finish_reason, stop_reason=later.stop_reason,
+            num_prompt_tokens=later.num_prompt_tokens or self.num_prompt_tokens,
+            num_cached_tokens=later.num_cached_tokens or self.num_cached_tokens,
+            error=later.error or self.error)
+
+
+@dataclass
+class RequestTiming:
+    """Per-request timestamps (time.monotonic), handed to the `on_finished` observer."""
+
+    request_id: str
+    arrival: float
+    first_token: Optional[float] = None
+    last_token: Optional[float] = None
+    finished: Optional[float] = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    finish_reason: Optional[str] = None
+
+    @property
+    def ttft(self) -> Optional[float]:
+        return None if self.first_token is None else self.first_token - self.arrival
+
+    @property
+    def tpot(self) -> Optional[float]:
+        """Mean time per output token after the first (vLLM's TPOT)."""
+        if self.first_token is None or self.num_output_tokens < 2:
+            return None
+        return (self.last_token - self.first_token) / (self.num_output_tokens - 1)
+
+    @property
+    def e2e(self) -> Optional[float]:
+        return None if self.finished is None else self.finished - self.arrival
+
+
+@dataclass
+class _Tracked:
+    """Engine-thread bookkeeping of one live request."""
+
+    stream: "RequestStream"
+    timing: RequestTiming
+    want_logprobs: bool
+    num_sent: int = 0
+
+
+class RequestStream:
+    """Async iterator over one request's StreamItems; ends after the finished item."""
+
+    def __init__(self, request_id: str, owner: "AsyncEngine"):
+        self.request_id = request_id
+        self._owner = owner
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self.finished = False
+
+    def _put(self, item: StreamItem) -> None:  # event loop thread only
+        self._queue.put_nowait(item)
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> StreamItem:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        while not item.finished and not self._queue.empty():
+            item = item.merge(self._queue.get_nowait())
+        if item.finished:
+            self.finished = True
+        if item.error is not None:
+            self.finished = True
+            raise item.error
+        return item
+
+    def abort(self) -> None:
+        """Stop generating (client gone). Safe to call more than once, from any thread."""
+        if not self.finished:
+            self.finished = True
+            self._owner.abort(self.request_id)
+
+
+class AsyncEngine:
+    def __init__(self, engine, on_finished: Optional[Callable[[RequestTiming], None]] = None,
+                 max_consecutive_step_failures: int = 3):
+        self.engine = engine
+        self.on_finished = on_finished
+        self.max_consecutive_step_failures = max_consecutive_step_failures
+        self._cmds: queue.Queue = queue.Queue()
+        self._thread: Optional[threading.Thread] = None
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._tracked: dict = {}  # request_id -> _Tracked; engine thread only
+        self._stats: dict = dict(engine.stats())  # replaced (never mutated) by the engine thread
+        self.dead_error: Optional[BaseException] = None
+        self._stopping = False
+
+    # ---- passthrough ----------------------------------------------------------------------
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def model_name(self) -> str:
+        return self.engine.model_name
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    # ---- lifecycle --------------------------------------------------------------------------
+    def start(self, loop: Optional[asyncio.AbstractEventLoop] = None) -> None:
+        """Start the engine thread; outputs are delivered to `loop` (default: the running one)."""
+        if self._thread is not None:
+            return
+        self._loop = loop or asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="outpace-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        if self._thread is None:
+            return
+        self._stopping = True
+        self._cmds.put(("stop",))
+        self._thread.join(timeout)
+
+    @property
+    def healthy(self) -> bool:
+        return (self.dead_error is None and self._thread is not None and self._thread.is_alive()
+                and not self._stopping)
+
+    def stats(self) -> dict:
+        """Last engine stats snapshot (refreshed by the engine thread after every step/command)."""
+        return self._stats
+
+    # ---- requests (event loop side) ---------------------------------------------------------
+    async def add_request(self, request_id: str, prompt: Union[str, list],
+                          params: SamplingParams,
+                          add_special_tokens: bool = True) -> RequestStream:
+        """Admit a request; raises what `LLMEngine.add_request` raises (InvalidRequestError,
+        QueueFullError), or EngineDeadError.
+
+        A text prompt is tokenized in the engine thread (the tokenizer is not shared across
+        threads); `add_special_tokens=False` for text that already holds them (a rendered chat
+        template)."""
+        self._check_alive()
+        loop = asyncio.get_running_loop()
+        stream = RequestStream(request_id, self)
+        timing = RequestTiming(request_id, arrival=time.monotonic())
+        fut = loop.create_future()
+        self._cmds.put(("add", request_id, prompt, params, add_special_tokens, stream, timing,
+                        fut))
+        try:
+            await fut
+        except asyncio.CancelledError:
+            self.abort(request_id)  # the add may still go through: undo it
+            raise
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Thread-safe, non-blocking; the engine thread frees the request's KV blocks."""
+        self._cmds.put(("abort", request_id))
+
+    def _check_alive(self) -> None:
+        if not self.healthy:
+            raise EngineDeadError(f"the engine is not running ({self.dead_error!r}); "
+                                  "restart the server")
+
+    # ---- engine thread ----------------------------------------------------------------------
+    def _run(self) -> None:
+        failures = 0
+        try:
+            while True:
+                idle = not self.engine.has_unfinished_requests()
+                if not self._apply_commands(block=idle):
+                    return
+                if not self.engine.has_unfinished_requests():
+                    self._refresh_stats()
+                    continue
+                try:
+                    outputs = self.engine.step()
+                except Exception as e:  # noqa: BLE001 -- isolated to the requests in flight
+                    failures += 1
+                    log.exception("engine step failed (%d in a row)", failures)
+                    if failures >= self.max_consecutive_step_failures:
+                        raise
+                    self._fail_in_flight(e)
+                    continue
+                failures = 0
+                self._dispatch(outputs)
+                self._refresh_stats()
+        except BaseException as e:  # noqa: BLE001 -- the thread must report, never vanish
+            self.dead_error = e
+            log.exception("engine thread died")
+            self._fail_in_flight(EngineDeadError(f"the engine stopped: {e!r}"), release=False)
+        finally:
+            self._fail_pending_adds()
+
+    def _apply_commands(self, block: bool) -> bool:
+        """Run queued adds/aborts; False when asked to stop."""
+        try:
+            cmd = self._cmds.get(timeout=0.5) if block else self._cmds.get_nowait()
+        except queue.Empty:
+            return True
+        while True:
+            if cmd[0] == "stop":
+                return False
+            if cmd[0] == "add":
+                self._do_add(*cmd[1:])
+            elif cmd[0] == "abort":
+                self._do_abort(cmd[1])
+            try:
+                cmd = self._cmds.get_nowait()
+            except queue.Empty:
+                self._refresh_stats()
+                return True
+
+    def _do_add(self, rid, prompt, params, add_special_tokens, stream, timing, fut) -> None:
+        try:
+            if isinstance(prompt, str) and not add_special_tokens:
+                prompt = self.engine.tokenizer.encode(prompt, add_special_tokens=False)
+            self.engine.add_request(rid, prompt, params)
+        except Exception as e:  # noqa: BLE001 -- goes to that request only
+            self._resolve(fut, e)
+            return
+        self._tracked[rid] = _Tracked(stream, timing, want_logprobs=params.logprobs is not None)
+        self._resolve(fut, None)
+
+    def _do_abort(self, rid) -> None:
+        tracked = self._tracked.pop(rid, None)
+        if tracked is None:
+            return
+        try:
+            self.engine.abort_request(rid)
+        except Exception:  # noqa: BLE001
+            log.exception("abort of %s failed", rid)
+        tracked.timing.finished = time.monotonic()
+        tracked.timing.finish_reason = "abort"
+        self._notify_finished(tracked.timing)
+        item = StreamItem(num_tokens=tracked.num_sent, finished=True, finish_reason="abort")
+        self._deliver([(tracked.stream, item)])
+
+    def _dispatch(self, outputs) -> None:
+        now = time.monotonic()
+        batch = []
+        for out in outputs:
+            tracked = self._tracked.get(out.request_id)
+            if tracked is None:  # aborted while the step ran
+                continue
+            try:
+                item = self._snapshot(out, tracked, now)
+            except Exception as e:  # noqa: BLE001 -- a bad output fails its request only
+                log.exception("output of %s could not be read", out.request_id)
+                self._tracked.pop(out.request_id, None)
+                self._abort_quietly(out.request_id)
+                item = _error_item(e)
+            batch.append((tracked.stream, item))
+            if item.finished:
+                self._tracked.pop(out.request_id, None)
+                self._notify_finished(tracked.timing)
+        self._deliver(batch)
+
+    def _snapshot(self, out, tracked: _Tracked, now: float) -> StreamItem:
+        comp = out.outputs[0]
+        n = len(comp.token_ids)
+        new_ids = list(comp.token_ids[tracked.num_sent:n])
+        timing = tracked.timing
+        if new_ids:
+            if timing.first_token is None:
+                timing.first_token = now
+            timing.last_token = now
+        timing.num_prompt_tokens = len(out.prompt_token_ids)
+        timing.num_output_tokens = n
+        lps, pieces = None, {}
+        if tracked.want_logprobs:
+            lps = [dict(d) for d in (comp.logprobs or [])[tracked.num_sent:n]]
+            pieces = {t: self._piece(t) for d in lps for t in d}
+        tracked.num_sent = n
+        if out.finished:
+            timing.finished = now
+            timing.finish_reason = comp.finish_reason
+        return StreamItem(text=comp.text, num_tokens=n, new_token_ids=new_ids, new_logprobs=lps,
+                          token_pieces=pieces, finished=out.finished,
+                          finish_reason=comp.finish_reason, stop_reason=comp.stop_reason,
+                          num_prompt_tokens=len(out.prompt_token_ids),
+                          num_cached_tokens=out.num_cached_tokens or 0)
+
+    def _piece(self, token_id: int) -> str:
+        """A token's own text, special tokens included (logprobs name every token)."""
+        try:
+            return self.engine.tokenizer.decode([token_id], skip_special_tokens=False)
+        except TypeError:  # a tokenizer without the keyword
+            return self.engine.tokenizer.decode([token_id])
+
+    def _fail_in_flight(self, error: BaseException, release: bool = True) -> None:
+        batch = []
+        for rid, tracked in list(self._tracked.items()):
+            if release:
+                self._abort_quietly(rid)
+            batch.append((tracked.stream, _error_item(error)))
+        self._tracked.clear()
+        self._deliver(batch)
+        if release:
+            self._refresh_stats()
+
+    def _fail_pending_adds(self) -> None:
+        """Adds still queued when the thread ends get EngineDeadError, so no caller hangs."""
+        err = EngineDeadError("the engine stopped before the request was admitted")
+        while True:
+            try:
+                cmd = self._cmds.get_nowait()
+            except queue.Empty:
+                return
+            if cmd[0] == "add":
+                self._resolve(cmd[-1], err)
+
+    def _abort_quietly(self, rid) -> None:
+        try:
+            self.engine.abort_request(rid)
+        except Exception:  # noqa: BLE001
+            log.exception("abort of %s failed", rid)
+
+    def _refresh_stats(self) -> None:
+        try:
+            self._stats = dict(self.engine.stats())
+        except Exception:  # noqa: BLE001 -- stats are best effort
+            log.exception("engine.stats() failed")
+
+    def _notify_finished(self, timing: RequestTiming) -> None:
+        if self.on_finished is None:
+            return
+        try:
+            self.on_finished(timing)
+        except Exception:  # noqa: BLE001
+            log.exception("on_finished observer failed")
+
+    # ---- crossing back to the event loop ------------------------------------------------------
+    def _deliver(self, batch: list) -> None:
+        if batch:
+            self._call_in_loop(_deliver_batch, batch)
+
+    def _resolve(self, fut: asyncio.Future, error: Optional[BaseException]) -> None:
+        self._call_in_loop(_set_future, fut, error)
+
+    def _call_in_loop(self, fn, *args) -> None:
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # loop closed during shutdown: nobody is listening any more
+            pass
+
+
+def _error_item(error: BaseException) -> StreamItem:
+    return StreamItem(finished=True, finish_reason="error", error=error)
+
+
+def _deliver_batch(batch: list) -> None:
+    for stream, item in batch:
+        stream._put(item)
+
+
+def _set_future(fut: asyncio.Future, error: Optional[BaseException]) -> None:
+    if fut.done():  # the caller was cancelled
+        return
+    if error is None:
+        fut.set_result(None)
+    else:
+        fut.set_exception(error)

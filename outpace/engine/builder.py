@@ -1,0 +1,81 @@
+"""Builds an LLMEngine from user-level arguments (the ones `LLM(...)` and the CLI take)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+
+from outpace.config import (CacheConfig, EngineConfig, RunnerConfig, SchedulerConfig,
+                            SpecConfig)
+from outpace.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+def build_engine(cls, model: str, *, device: str = "auto", dtype: str = "auto",
+                 speculative_config: Optional[dict] = None, max_model_len: Optional[int] = None,
+                 num_kv_blocks: Optional[int] = None, block_size: int = 16,
+                 max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
+                 max_waiting_requests: Optional[int] = None, enable_prefix_caching: bool = True,
+                 enable_chunked_prefill: bool = True, memory_fraction: float = 0.85,
+                 enforce_eager: bool = False, seed: int = 0, quiet: bool = False,
+                 loaded=None):
+    """loaded: an already loaded (model, ModelConfig, Tokenizer) to reuse, e.g. when several
+    engines with different cache or scheduler settings share one set of weights."""
+    from outpace.kvcache.manager import KVCacheManager
+    from outpace.kvcache.sizing import num_kv_blocks as size_kv
+    from outpace.models.loader import load_model
+    from outpace.runner.model_runner import ModelRunner
+    from outpace.scheduler.scheduler import Scheduler
+    from outpace.spec.factory import build_proposer
+
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError("device 'cuda' was asked for but CUDA is not available; use --device cpu")
+    runner_cfg = RunnerConfig(device=device, dtype=dtype, enforce_eager=enforce_eager, seed=seed)
+    spec_cfg = SpecConfig.from_dict(speculative_config)
+    torch_device = torch.device(device)
+    torch.manual_seed(seed)
+
+    if loaded is not None:
+        target, model_cfg, tokenizer = loaded
+    else:
+        target, model_cfg, tokenizer = load_model(model, dtype=runner_cfg.torch_dtype,
+                                                  device=torch_device, quiet=quiet)
+    limit = model_cfg.max_position_embeddings
+    if max_model_len is not None and max_model_len > limit:
+        raise ConfigError(f"max_model_len={max_model_len} is longer than the model's "
+                          f"{limit} positions; use at most {limit}")
+    sched_cfg = SchedulerConfig(max_num_seqs=max_num_seqs,
+                                max_num_batched_tokens=max_num_batched_tokens,
+                                max_model_len=max_model_len or limit,
+                                enable_chunked_prefill=enable_chunked_prefill,
+                                max_waiting_requests=max_waiting_requests)
+    cache_cfg = CacheConfig(block_size=block_size, num_blocks=num_kv_blocks,
+                            memory_fraction=memory_fraction,
+                            enable_prefix_caching=enable_prefix_caching)
+    config = EngineConfig(model=model, model_config=model_cfg, cache=cache_cfg,
+                          scheduler=sched_cfg, spec=spec_cfg, runner=runner_cfg)
+
+    proposer = build_proposer(spec_cfg, target, model_cfg, runner_cfg) if spec_cfg.enabled else None
+    num_slots = model_cfg.num_hidden_layers + (proposer.num_kv_layers if proposer else 0)
+    num_blocks = size_kv(cache_cfg, model_cfg, num_slots, runner_cfg.torch_dtype, torch_device)
+    lookahead = proposer.num_lookahead_tokens if proposer else 0
+    kv = KVCacheManager(cache_cfg, num_blocks, config.max_model_len,
+                        **({"trim_last_matched_block": True}
+                           if proposer is not None and proposer.num_kv_layers else {}))
+    scheduler = Scheduler(sched_cfg, kv, config.max_model_len, num_lookahead_tokens=lookahead,
+                          block_size=block_size)
+    max_k = spec_cfg.num_speculative_tokens if proposer else 0
+    runner = ModelRunner(target, model_cfg, num_blocks=num_blocks, block_size=block_size,
+                         max_model_len=config.max_model_len,
+                         max_num_tokens=max_num_batched_tokens + max_num_seqs * (max_k + 1),
+                         max_num_seqs=max_num_seqs, device=torch_device,
+                         dtype=runner_cfg.torch_dtype, proposer=proposer, seed=seed)
+    if not quiet:
+        log.info("outpace: %s on %s (%s), %d KV blocks of %d tokens", model, device,
+                 runner_cfg.torch_dtype, num_blocks, block_size)
+    return cls(config, tokenizer, scheduler, kv, runner, model_name=model)

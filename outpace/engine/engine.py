@@ -1,0 +1,165 @@
+"""The synchronous engine: add_request / step / abort_request, with incremental detokenization.
+
+    add_request -> Scheduler.waiting
+    step():  Scheduler.schedule() -> StepPlan -> ModelRunner.execute() -> StepResult
+             -> Scheduler.update() -> detokenize, stop strings -> RequestOutput list
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Optional, Union
+
+from outpace.engine.detokenize import IncrementalDetokenizer
+from outpace.errors import InvalidRequestError
+from outpace.types import (CompletionOutput, Request, RequestOutput, RequestStatus,
+                           SamplingParams, SpecStats)
+
+log = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    def __init__(self, config, tokenizer, scheduler, kv_manager, runner, model_name: str):
+        self.config = config
+        self.tokenizer = tokenizer
+        self.scheduler = scheduler
+        self.kv = kv_manager
+        self.runner = runner
+        self.model_name = model_name
+        self.max_model_len = config.max_model_len
+        self.vocab_size = config.model_config.vocab_size
+        self._requests: dict = {}  # request_id -> Request (unfinished)
+        self._detok: dict = {}  # request_id -> IncrementalDetokenizer
+        self._emitted: dict = {}  # request_id -> output tokens already fed to the detokenizer
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.spec_stats = SpecStats()
+        self.num_preemptions_total = 0
+
+    @classmethod
+    def from_args(cls, model: str, **kwargs) -> "LLMEngine":
+        from outpace.engine.builder import build_engine
+        return build_engine(cls, model, **kwargs)
+
+    # ---- requests -------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: Union[str, list],
+                    params: Optional[SamplingParams] = None) -> None:
+        params = params or SamplingParams()
+        if request_id in self._requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        if isinstance(prompt, str):
+            text = prompt
+            ids = self.tokenizer.encode(prompt)
+        else:
+            text = None
+            ids = list(prompt)
+            if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.vocab_size
+                       for t in ids):
+                raise InvalidRequestError(
+                    f"prompt token ids must be integers in 0..{self.vocab_size - 1}")
+        if not ids:
+            raise InvalidRequestError("the prompt is empty; give at least one token")
+        n = len(ids)
+        if n >= self.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {n} tokens but the context is {self.max_model_len} tokens "
+                f"(prompt and output together); shorten the prompt or raise max_model_len")
+        if params.max_tokens is not None and n + params.max_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                f"this model's context is {self.max_model_len} tokens, but {n + params.max_tokens}"
+                f" were asked for ({n} in the prompt, {params.max_tokens} for the output); "
+                f"lower max_tokens or shorten the prompt")
+        eos = () if params.ignore_eos else tuple(self.tokenizer.eos_token_ids)
+        req = Request(request_id=request_id, prompt_token_ids=ids, sampling_params=params,
+                      eos_token_ids=eos, max_model_len=self.max_model_len, prompt=text)
+        self.scheduler.add_request(req)  # may raise QueueFullError: nothing recorded yet
+        self._requests[request_id] = req
+        self._detok[request_id] = IncrementalDetokenizer(
+            self.tokenizer, ids, params.skip_special_tokens, params.stop,
+            params.include_stop_str_in_output)
+        self._emitted[request_id] = 0
+        if self.runner.proposer is not None:
+            self.runner.proposer.begin(req)
+
+    def abort_request(self, request_id: str) -> None:
+        if request_id not in self._requests:
+            return
+        self.scheduler.abort_request(request_id)
+        self._forget(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    # ---- the step -------------------------------------------------------------------------
+    def step(self) -> list:
+        plan = self.scheduler.schedule()
+        self.num_preemptions_total += len(plan.preempted_ids)
+        if plan.is_empty:
+            return []
+        for sr in plan.scheduled:
+            sr.block_ids = self.kv.block_ids(sr.request.request_id)
+        result = self.runner.execute(plan)
+        for out in result.outputs.values():
+            self.spec_stats.record(out.num_draft_tokens, out.num_accepted_tokens)
+        progressed = self.scheduler.update(plan, result)
+        return [self._output_of(req) for req in progressed if req.request_id in self._requests]
+
+    def _output_of(self, req: Request) -> RequestOutput:
+        rid = req.request_id
+        detok = self._detok[rid]
+        done = self._emitted[rid]
+        new = req.output_token_ids[done:]
+        if done == 0 and new:
+            self.prompt_tokens_total += req.num_prompt_tokens
+        for i, t in enumerate(new):
+            stop = detok.add_token(t)
+            if stop is not None:
+                # Everything after the token that completed the stop string is dropped.
+                cut = done + i + 1
+                del req.output_token_ids[cut:]
+                del req.output_logprobs[cut:]
+                if not req.is_finished:
+                    self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED, stop)
+                else:
+                    req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop
+                break
+        self.generation_tokens_total += len(req.output_token_ids) - done
+        self._emitted[rid] = len(req.output_token_ids)
+        finished = req.is_finished
+        lps = None
+        if req.sampling_params.logprobs is not None:
+            lps = [dict(top, **{tok: lp}) for tok, (lp, top) in
+                   zip(req.output_token_ids, req.output_logprobs)]
+        completion = CompletionOutput(
+            text=detok.visible_text(finished), token_ids=list(req.output_token_ids),
+            finish_reason=req.finish_reason, stop_reason=req.stop_reason, logprobs=lps)
+        out = RequestOutput(
+            request_id=rid, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
+            outputs=[completion], finished=finished, num_cached_tokens=req.num_cached_tokens,
+            spec_stats=req.spec_stats,
+            metrics={"arrival_time": req.arrival_time, "first_token_time": req.first_token_time,
+                     "num_preemptions": req.num_preemptions})
+        if finished:
+            out.metrics["finished_time"] = time.monotonic()
+            self._forget(rid)
+        return out
+
+    def _forget(self, request_id: str) -> None:
+        self._requests.pop(request_id, None)
+        self._detok.pop(request_id, None)
+        self._emitted.pop(request_id, None)
+        self.runner.release(request_id)
+
+    # ---- introspection --------------------------------------------------------------------
+    def stats(self) -> dict:
+        return {
+            "num_running": self.scheduler.num_running,
+            "num_waiting": self.scheduler.num_waiting,
+            "kv_blocks_used": self.kv.num_used_blocks,
+            "kv_blocks_total": self.kv.num_blocks,
+            "prompt_tokens_total": self.prompt_tokens_total,
+            "generation_tokens_total": self.generation_tokens_total,
+            "num_preemptions_total": self.num_preemptions_total,
+            "spec": self.spec_stats.as_dict(),
+        }

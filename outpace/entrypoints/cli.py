@@ -1,0 +1,224 @@
+"""`outpace` command line: generate, chat, serve, init-draft."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+
+from outpace.errors import OutpaceError
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2-135m",
+                   help="catalog name (smollm2-135m), HF folder or .gguf file")
+    p.add_argument("--device", default="auto", help="cpu or cuda (auto: cuda when available)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--spec", default=None, choices=["ngram", "suffix", "mtp", "eagle3"],
+                   help="speculative decoding method")
+    p.add_argument("--draft", default=None, help="draft head folder (mtp, eagle3)")
+    p.add_argument("--k", type=int, default=3, help="draft tokens per step")
+    p.add_argument("--spec-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra speculative option (repeatable), e.g. force_accept_mean=3")
+    p.add_argument("--quiet", action="store_true", help="no progress output")
+
+
+def _parse_value(v: str):
+    for conv in (int, float):
+        try:
+            return conv(v)
+        except ValueError:
+            pass
+    return {"true": True, "false": False}.get(v.lower(), v)
+
+
+def engine_kwargs(a: argparse.Namespace) -> dict:
+    spec = None
+    if a.spec:
+        spec = {"method": a.spec, "num_speculative_tokens": a.k}
+        if a.draft:
+            spec["model"] = a.draft
+        for kv in a.spec_option:
+            if "=" not in kv:
+                raise OutpaceError(f"--spec-option wants KEY=VALUE, got {kv!r}")
+            key, val = kv.split("=", 1)
+            spec[key] = _parse_value(val)
+    return dict(device=a.device, dtype=a.dtype, max_model_len=a.max_model_len,
+                num_kv_blocks=a.num_kv_blocks, max_num_seqs=a.max_num_seqs,
+                max_num_batched_tokens=a.max_num_batched_tokens,
+                enable_prefix_caching=not a.no_prefix_caching, enforce_eager=a.enforce_eager,
+                seed=a.seed, speculative_config=spec, quiet=a.quiet)
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--sample-seed", type=int, default=None, help="per-request sampling seed")
+    p.add_argument("--spec-stats", action="store_true", help="print speculative decoding stats")
+
+
+def sampling_params(a: argparse.Namespace):
+    from outpace.types import SamplingParams
+    return SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p,
+                          top_k=a.top_k, min_p=a.min_p, seed=a.sample_seed)
+
+
+def _stream(engine, request_id: str, prompt_ids: list, params, out) -> object:
+    """Run one request to the end, writing its text to `out` as it grows."""
+    engine.add_request(request_id, prompt_ids, params)
+    shown, final, t0 = 0, None, time.perf_counter()
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.request_id != request_id:
+                continue
+            out.write(o.text[shown:])
+            out.flush()
+            shown = len(o.text)
+            if o.finished:
+                final = o
+    out.write("\n")
+    final.metrics["wall_s"] = time.perf_counter() - t0
+    return final
+
+
+def _print_stats(o, err) -> None:
+    n = len(o.token_ids)
+    wall = o.metrics.get("wall_s", 0.0)
+    s = o.spec_stats
+    err.write(f"[{n} tokens in {wall:.2f} s, {n / max(wall, 1e-9):.1f} tok/s")
+    if s is not None and s.num_drafts:
+        per = ", ".join(f"{v / s.num_drafts:.2f}" for v in s.accepted_per_position)
+        err.write(f"; mean acceptance length {s.mean_acceptance_length:.2f}, "
+                  f"drafts {s.num_drafts}, draft tokens {s.num_draft_tokens}, "
+                  f"accepted {s.num_accepted_tokens}, acceptance per position [{per}]")
+    err.write("]\n")
+
+
+def _prompt_ids(engine, text: str, raw: bool) -> list:
+    tok = engine.tokenizer
+    if raw or not tok.has_chat_template:
+        return tok.encode(text)
+    chat = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+    return tok.encode(chat, add_special_tokens=False)
+
+
+def cmd_generate(a) -> int:
+    from outpace.engine.engine import LLMEngine
+    engine = LLMEngine.from_args(a.model, **engine_kwargs(a))
+    final = _stream(engine, "cli-0", _prompt_ids(engine, a.prompt, a.raw), sampling_params(a),
+                    sys.stdout)
+    if a.spec_stats or not a.quiet:
+        _print_stats(final, sys.stderr)
+    return 0
+
+
+def cmd_chat(a) -> int:
+    from outpace.engine.engine import LLMEngine
+    engine = LLMEngine.from_args(a.model, **engine_kwargs(a))
+    tok = engine.tokenizer
+    messages, turn = [], 0
+    print("outpace chat: type a message, /reset to start over, /exit or Ctrl-D to leave.")
+    while True:
+        try:
+            line = input("> ")
+        except (EOFError, KeyboardInterrupt):
+            print()
+            return 0
+        if line.strip() in ("/exit", "/quit"):
+            return 0
+        if line.strip() == "/reset":
+            messages = []
+            continue
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line})
+        ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True),
+                         add_special_tokens=False)
+        try:
+            final = _stream(engine, f"chat-{turn}", ids, sampling_params(a), sys.stdout)
+        except OutpaceError as e:  # e.g. the conversation outgrew the context
+            print(f"error: {e}", file=sys.stderr)
+            messages.pop()
+            continue
+        turn += 1
+        messages.append({"role": "assistant", "content": final.text})
+        if a.spec_stats:
+            _print_stats(final, sys.stderr)
+
+
+def cmd_serve(a) -> int:
+    from outpace.config import ServerConfig
+    from outpace.entrypoints.openai.server import run_server
+    if a.model_pos:
+        a.model = a.model_pos
+    server_cfg = ServerConfig(host=a.host, port=a.port, api_key=a.api_key,
+                              served_model_name=a.served_model_name)
+    run_server(a.model, engine_kwargs(a), server_cfg, max_waiting_requests=a.max_waiting)
+    return 0
+
+
+def cmd_init_draft(a) -> int:
+    from outpace.training.init_draft import init_draft
+    init_draft(a.method, a.target, a.out, seed=a.seed, quiet=a.quiet,
+               num_layers=a.num_layers)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="outpace", description=__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    g = sub.add_parser("generate", help="generate a completion, streamed to the terminal")
+    g.add_argument("prompt")
+    g.add_argument("--raw", action="store_true", help="no chat template")
+    add_engine_args(g)
+    add_sampling_args(g)
+    g.set_defaults(func=cmd_generate)
+    c = sub.add_parser("chat", help="interactive chat")
+    add_engine_args(c)
+    add_sampling_args(c)
+    c.set_defaults(func=cmd_chat)
+    s = sub.add_parser("serve", help="OpenAI-compatible server")
+    s.add_argument("model_pos", nargs="?", default=None, metavar="MODEL")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", default=None)
+    s.add_argument("--served-model-name", default=None)
+    s.add_argument("--max-waiting", type=int, default=None,
+                   help="bound of the waiting queue; more requests get 503")
+    add_engine_args(s)
+    s.set_defaults(func=cmd_serve)
+    d = sub.add_parser("init-draft", help="write a randomly initialised draft head")
+    d.add_argument("--method", required=True, choices=["mtp", "eagle3"])
+    d.add_argument("--target", default="smollm2-135m")
+    d.add_argument("--out", required=True)
+    d.add_argument("--num-layers", type=int, default=1, help="MTP depths (modules)")
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--quiet", action="store_true")
+    d.set_defaults(func=cmd_init_draft)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING if getattr(args, "quiet", False) else logging.INFO,
+                        format="%(message)s")
+    try:
+        return args.func(args)
+    except OutpaceError as e:
+        print(f"outpace: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,63 @@
+"""The offline API, shaped like vLLM's `LLM` so users feel at home.
+
+    llm = LLM("smollm2-135m", device="cpu", dtype="float32")
+    outs = llm.generate(["Hello"], SamplingParams(max_tokens=32, temperature=0.0))
+    outs[0].text, outs[0].token_ids, outs[0].spec_stats
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Optional, Union
+
+from outpace.engine.engine import LLMEngine
+from outpace.types import SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str = "smollm2-135m", *, device: str = "auto", dtype: str = "auto",
+                 speculative_config: Optional[dict] = None, quiet: bool = False, **engine_args):
+        self.engine = LLMEngine.from_args(model, device=device, dtype=dtype,
+                                          speculative_config=speculative_config, quiet=quiet,
+                                          **engine_args)
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Union[str, list], sampling_params=None) -> list:
+        """prompts: a string, a list of strings, or a list of token-id lists."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
+                                        and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError("give one SamplingParams, or one per prompt")
+        return self._run(list(zip(prompts, params_list)))
+
+    def chat(self, messages: list, sampling_params=None) -> list:
+        """messages: one conversation (list of {role, content}) or a list of conversations."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in convs]
+        ids = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+        return self.generate(ids, sampling_params)
+
+    def _run(self, items: list) -> list:
+        order = []
+        try:
+            for prompt, params in items:
+                rid = f"llm-{next(self._ids)}"
+                self.engine.add_request(rid, prompt, params)
+                order.append(rid)
+            done = {}
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        done[out.request_id] = out
+        except BaseException:
+            for rid in order:  # leave nothing half-run in the engine (KV blocks included)
+                self.engine.abort_request(rid)
+            raise
+        return [done[rid] for rid in order]

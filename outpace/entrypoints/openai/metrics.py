@@ -1,0 +1,115 @@
+"""/metrics: Prometheus exposition through prometheus_client, with vLLM-like names.
+
+Engine-wide counters and gauges (requests running/waiting, KV blocks, token totals, speculative
+counters) are read at scrape time from the engine thread's last stats snapshot by a custom
+collector, so the numbers come from one place (the engine) and can't drift from it. Per-request
+latencies (TTFT, TPOT, end-to-end) are histograms fed by the AsyncEngine's `on_finished` hook.
+Each server gets its own CollectorRegistry (no module-global state).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+PREFIX = "outpace:"
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0)
+TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
+                0.75, 1.0, 2.5, 5.0)
+E2E_BUCKETS = (0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+               50.0, 60.0, 120.0, 240.0)
+
+__all__ = ["ServerMetrics", "CONTENT_TYPE_LATEST"]
+
+
+class _EngineStatsCollector:
+    """Turns `AsyncEngine.stats()` into metric families at scrape time."""
+
+    def __init__(self, async_engine, model_name: str):
+        self._engine = async_engine
+        self._model = model_name
+
+    def collect(self):
+        s = self._engine.stats() or {}
+        m = [self._model]
+
+        def gauge(name, doc, value):
+            g = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            g.add_metric(m, float(value))
+            return g
+
+        def counter(name, doc, value):
+            c = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            c.add_metric(m, float(value))
+            return c
+
+        used, total = s.get("kv_blocks_used", 0), s.get("kv_blocks_total", 0)
+        yield gauge("num_requests_running", "Requests in the running batch.",
+                    s.get("num_running", 0))
+        yield gauge("num_requests_waiting", "Requests waiting to be scheduled.",
+                    s.get("num_waiting", 0))
+        yield gauge("kv_cache_blocks_used", "KV cache blocks in use by requests.", used)
+        yield gauge("kv_cache_blocks_total", "KV cache blocks in the pool.", total)
+        yield gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0..1).",
+                    used / total if total else 0.0)
+        yield gauge("engine_healthy", "1 while the engine thread runs.",
+                    1.0 if self._engine.healthy else 0.0)
+        yield counter("prompt_tokens", "Prompt tokens processed.", s.get("prompt_tokens_total", 0))
+        yield counter("generation_tokens", "Output tokens generated.",
+                      s.get("generation_tokens_total", 0))
+        yield counter("num_preemptions", "Requests preempted.", s.get("num_preemptions_total", 0))
+        spec = s.get("spec") or {}
+        yield counter("spec_decode_num_drafts", "Verify steps that carried drafts.",
+                      spec.get("num_drafts", 0))
+        yield counter("spec_decode_num_draft_tokens", "Draft tokens proposed.",
+                      spec.get("num_draft_tokens", 0))
+        yield counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                      spec.get("num_accepted_tokens", 0))
+        per_pos = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                      "Draft tokens accepted, by draft position.",
+                                      labels=["model_name", "position"])
+        for i, v in enumerate(spec.get("accepted_per_position") or []):
+            per_pos.add_metric([self._model, str(i)], float(v))
+        yield per_pos
+
+
+class ServerMetrics:
+    def __init__(self, async_engine, model_name: str):
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        labels = ["model_name"]
+        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds",
+                              "Time from arrival to the first output token.", labels,
+                              buckets=TTFT_BUCKETS, registry=self.registry)
+        self.tpot = Histogram(PREFIX + "time_per_output_token_seconds",
+                              "Mean time per output token after the first, per request.", labels,
+                              buckets=TPOT_BUCKETS, registry=self.registry)
+        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds",
+                             "Time from arrival to the last output.", labels,
+                             buckets=E2E_BUCKETS, registry=self.registry)
+        self.finished = Counter(PREFIX + "request_success", "Finished requests, by reason.",
+                                labels + ["finished_reason"], registry=self.registry)
+        self.http_errors = Counter(PREFIX + "http_request_errors",
+                                   "Requests answered with an error status.",
+                                   ["status_code"], registry=self.registry)
+        self.rejected = Counter(PREFIX + "request_rejected_queue_full",
+                                "Requests refused because the waiting queue was full (503).",
+                                labels, registry=self.registry)
+        self.registry.register(_EngineStatsCollector(async_engine, model_name))
+
+    def on_request_finished(self, timing) -> None:
+        """AsyncEngine observer; runs in the engine thread (prometheus_client is thread-safe)."""
+        m = self.model_name
+        if timing.ttft is not None:
+            self.ttft.labels(m).observe(timing.ttft)
+        if timing.tpot is not None:
+            self.tpot.labels(m).observe(timing.tpot)
+        if timing.e2e is not None:
+            self.e2e.labels(m).observe(timing.e2e)
+        self.finished.labels(m, timing.finish_reason or "unknown").inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,169 @@
+"""The OpenAI-compatible HTTP server: FastAPI app factory and uvicorn runner.
+
+    GET  /health               200 while the engine thread runs, else 503
+    GET  /metrics              Prometheus text (see metrics.py)
+    GET  /v1/models            the served model
+    POST /v1/completions       serving_completion.py
+    POST /v1/chat/completions  serving_chat.py
+
+Bodies are read and parsed here (not by FastAPI) so that a body that is too big, not UTF-8 or
+not JSON gets an OpenAI-style 4xx that says what is wrong, like every other malformed request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+from contextlib import asynccontextmanager
+from typing import Optional
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from outpace.config import ServerConfig
+from outpace.engine.async_engine import AsyncEngine
+from outpace.entrypoints.openai.errors import APIError, install_error_handlers, to_api_error
+from outpace.entrypoints.openai.metrics import CONTENT_TYPE_LATEST, ServerMetrics
+from outpace.entrypoints.openai.protocol import now_s, parse_body
+from outpace.entrypoints.openai.serving_chat import create_chat_completion
+from outpace.entrypoints.openai.serving_common import ServingContext
+from outpace.entrypoints.openai.serving_completion import create_completion
+
+log = logging.getLogger(__name__)
+
+# A body this many times over the limit is not drained (the connection is dropped instead).
+_DRAIN_FACTOR = 16
+
+
+async def read_json(request: Request, limit: int) -> dict:
+    declared = request.headers.get("content-length")
+    if declared is not None and (not declared.isdigit() or int(declared) > limit * _DRAIN_FACTOR):
+        raise APIError(413, f"the request body is larger than the limit of {limit} bytes")
+    size, chunks = 0, []
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size <= limit:
+            chunks.append(chunk)
+        elif size > limit * _DRAIN_FACTOR:
+            break
+    if size > limit:
+        # Read to the end first (above) so the client, still sending, sees the answer.
+        raise APIError(413, f"the request body has {size} bytes or more; the limit is {limit} "
+                       "bytes (server option max_body_bytes)")
+    return parse_body(b"".join(chunks))
+
+
+def build_app(engine: AsyncEngine, server_cfg: ServerConfig,
+              metrics: Optional[ServerMetrics] = None) -> FastAPI:
+    """The app around an AsyncEngine (started by the app's lifespan, stopped at shutdown)."""
+    served = server_cfg.served_model_name or engine.model_name
+    metrics = metrics or ServerMetrics(engine, served)
+    if engine.on_finished is None:
+        engine.on_finished = metrics.on_request_finished
+    ctx = ServingContext(engine=engine, served_name=served,
+                         accepted_names=frozenset({served, engine.model_name}), metrics=metrics)
+
+    @asynccontextmanager
+    async def lifespan(_app):
+        engine.start(asyncio.get_running_loop())
+        try:
+            yield
+        finally:
+            engine.shutdown()
+
+    app = FastAPI(title="outpace", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    install_error_handlers(app, on_error=lambda s: metrics.http_errors.labels(str(s)).inc())
+
+    async def check_api_key(request: Request) -> None:
+        if server_cfg.api_key is None:
+            return
+        auth = request.headers.get("authorization", "")
+        scheme, _, token = auth.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+                token.strip().encode(), server_cfg.api_key.encode()):
+            what = "is missing" if not auth else "is wrong"
+            raise APIError(401, f"the API key {what}; send the header "
+                           "'Authorization: Bearer <key>' with the server's --api-key",
+                           code="invalid_api_key")
+
+    auth = [Depends(check_api_key)]
+
+    @app.get("/health")
+    async def health():
+        if not engine.healthy:
+            raise APIError(503, f"the engine is not running ({engine.dead_error!r})",
+                           code="engine_dead")
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics_endpoint():
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    def model_card() -> dict:
+        return {"id": served, "object": "model", "created": now_s(), "owned_by": "outpace",
+                "root": engine.model_name, "max_model_len": engine.max_model_len}
+
+    @app.get("/v1/models", dependencies=auth)
+    async def list_models():
+        return JSONResponse({"object": "list", "data": [model_card()]})
+
+    @app.get("/v1/models/{model_id:path}", dependencies=auth)
+    async def get_model(model_id: str):
+        ctx.check_model(model_id)
+        return JSONResponse(model_card())
+
+    async def serve(request: Request, handler):
+        try:
+            body = await read_json(request, server_cfg.max_body_bytes)
+            return await handler(ctx, body, request)
+        except Exception as e:  # noqa: BLE001 -- answered here so the connection stays usable
+            raise to_api_error(e) from e
+
+    @app.post("/v1/completions", dependencies=auth)
+    async def completions(request: Request):
+        return await serve(request, create_completion)
+
+    @app.post("/v1/chat/completions", dependencies=auth)
+    async def chat_completions(request: Request):
+        return await serve(request, create_chat_completion)
+
+    app.state.engine = engine
+    app.state.metrics = metrics
+    return app
+
+
+def run_server(model: str, engine_kwargs: dict, server_cfg: ServerConfig,
+               max_waiting_requests: Optional[int] = None, log_level: str = "info") -> None:
+    """Load the engine (`LLMEngine.from_args(model, **engine_kwargs)`), then serve until
+    SIGINT/SIGTERM. Blocks. `max_waiting_requests` bounds the waiting queue (503 above it)."""
+    import uvicorn
+
+    from outpace.engine.engine import LLMEngine
+
+    kwargs = dict(engine_kwargs)
+    if max_waiting_requests is not None:
+        kwargs["max_waiting_requests"] = max_waiting_requests
+    engine = AsyncEngine(LLMEngine.from_args(model, **kwargs))
+    app = build_app(engine, server_cfg)
+    if server_cfg.host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("outpace: listening on %s, reachable from other machines%s", server_cfg.host,
+                    "" if server_cfg.api_key else " with no API key (--api-key)")
+    log.info("outpace: serving %r on http://%s:%d", app.state.metrics.model_name,
+             server_cfg.host, server_cfg.port)
+    uvicorn.run(app, host=server_cfg.host, port=server_cfg.port, log_level=log_level,
+                timeout_graceful_shutdown=5, access_log=log_level == "debug")
+
+
+def serve_main(args) -> int:
+    """Run `outpace serve` from the CLI's parsed arguments (the `serve` subparser)."""
+    from outpace.entrypoints.cli import cmd_serve
+    return cmd_serve(args)
+
+
+if __name__ == "__main__":
+    import sys
+
+    from outpace.entrypoints.cli import main
+    sys.exit(main(["serve", *sys.argv[1:]]))

@@ -1,0 +1,90 @@
+"""POST /v1/chat/completions, non-streaming and SSE streaming.
+
+The prompt is the model's own chat template (from its tokenizer files) rendered over the messages,
+with the assistant turn opened."""
+
+from __future__ import annotations
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from outpace.entrypoints.openai.errors import APIError
+from outpace.entrypoints.openai.protocol import (ChatCompletionRequest, chat_logprobs, new_id,
+                                                 now_s, usage, validate)
+from outpace.entrypoints.openai.serving_common import (DONE, DeltaTracker, ServingContext,
+                                                       SSEResponse, collect, finish_reason, sse,
+                                                       sse_error)
+from outpace.errors import InvalidRequestError
+
+
+def render_prompt(ctx: ServingContext, req: ChatCompletionRequest) -> str:
+    messages = req.template_messages()
+    try:
+        return ctx.engine.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=req.add_generation_prompt)
+    except InvalidRequestError as e:
+        raise APIError(400, str(e), param="messages") from e
+    except Exception as e:  # noqa: BLE001 -- jinja raises plain exceptions on bad conversations
+        raise APIError(400, f"the chat template could not render these messages: "
+                       f"{type(e).__name__}: {e}", param="messages") from e
+
+
+async def create_chat_completion(ctx: ServingContext, body: dict, http_request: Request):
+    req = validate(ChatCompletionRequest, body)
+    ctx.check_model(req.model)
+    req.check(ctx.max_model_len)
+    prompt = render_prompt(ctx, req)
+    n_top = (req.top_logprobs or 0) if req.logprobs else None
+    params = req.sampling_params(req.max_tokens, n_top)
+    rid = new_id("chatcmpl")
+    stream = await ctx.admit(rid, prompt, params, add_special_tokens=False)
+    created = now_s()
+    if req.stream:
+        return SSEResponse(_stream(ctx, req, rid, created, stream, params.stop, n_top), stream)
+
+    last, token_ids, lps = await collect(stream, http_request)
+    choice = {"index": 0, "message": {"role": "assistant", "content": last.text},
+              "logprobs": None, "finish_reason": last.finish_reason,
+              "stop_reason": last.stop_reason}
+    if n_top is not None:
+        choice["logprobs"] = chat_logprobs(token_ids, lps or [], last.token_pieces, n_top)
+    return JSONResponse({
+        "id": rid, "object": "chat.completion", "created": created, "model": ctx.served_name,
+        "choices": [choice], "system_fingerprint": None,
+        "usage": usage(last.num_prompt_tokens, last.num_tokens, last.num_cached_tokens)})
+
+
+async def _stream(ctx: ServingContext, req: ChatCompletionRequest, rid: str, created: int,
+                  stream, stop: list, n_top):
+    tracker = DeltaTracker(stop)
+    head = {"id": rid, "object": "chat.completion.chunk", "created": created,
+            "model": ctx.served_name}
+    last = None
+    try:
+        # The role comes first, on its own, as OpenAI sends it.
+        yield sse({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                        "logprobs": None, "finish_reason": None}],
+                   "usage": None})
+        async for item in stream:
+            last = item
+            delta = tracker.delta(item.text, item.finished)
+            lp = None
+            if n_top is not None and item.new_token_ids:
+                lp = chat_logprobs(item.new_token_ids, item.new_logprobs or [], item.token_pieces,
+                                   n_top)
+            if not delta and lp is None and not item.finished:
+                continue
+            choice = {"index": 0, "delta": {"content": delta} if delta or lp else {},
+                      "logprobs": lp, "finish_reason": finish_reason(item)}
+            if item.finished:
+                choice["stop_reason"] = item.stop_reason
+            yield sse({**head, "choices": [choice], "usage": None})
+        if req.include_usage and last is not None:
+            yield sse({**head, "choices": [],
+                       "usage": usage(last.num_prompt_tokens, last.num_tokens,
+                                      last.num_cached_tokens)})
+    except Exception as e:  # noqa: BLE001 -- the status line is gone; report in-band
+        yield sse_error(e)
+    finally:
+        stream.abort()  # no-op when it finished
+    yield DONE

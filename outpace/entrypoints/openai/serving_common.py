@@ -1,0 +1,134 @@
+"""What completions and chat share: the serving context, SSE framing, streamed-text deltas,
+collecting a non-streamed result, and aborting a request whose client went away."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from dataclasses import dataclass
+from typing import Optional
+
+from fastapi import Request
+from starlette.responses import StreamingResponse
+
+from outpace.engine.async_engine import AsyncEngine, RequestStream, StreamItem
+from outpace.entrypoints.openai.errors import APIError, error_body, to_api_error
+
+log = logging.getLogger(__name__)
+
+DONE = "data: [DONE]\n\n"
+
+
+@dataclass
+class ServingContext:
+    engine: AsyncEngine
+    served_name: str  # what /v1/models lists and responses carry
+    accepted_names: frozenset  # model names a request may use
+    metrics: Optional[object] = None  # ServerMetrics
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    def check_model(self, name: str) -> None:
+        if name not in self.accepted_names:
+            raise APIError(404, f"the model {name!r} does not exist; this server serves "
+                           f"{self.served_name!r} (see /v1/models)", param="model",
+                           code="model_not_found")
+
+    async def admit(self, request_id: str, prompt, params,
+                    add_special_tokens: bool = True) -> RequestStream:
+        try:
+            return await self.engine.add_request(request_id, prompt, params, add_special_tokens)
+        except Exception as e:
+            err = to_api_error(e)
+            if err.status == 503 and err.code == "queue_full" and self.metrics is not None:
+                self.metrics.rejected.labels(self.served_name).inc()
+            raise err from e
+
+
+def sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def sse_error(exc: BaseException) -> str:
+    err = to_api_error(exc)
+    return sse(error_body(err.status, err.message, err.param, err.code))
+
+
+class DeltaTracker:
+    """Cuts the streamed text so that the chunks, joined, equal the final (non-streamed) text.
+
+    Until a request finishes it holds back (a) the last max(len(stop)) - 1 characters, which a
+    stop string completed by a later token could still remove, and (b) trailing U+FFFD, the mark
+    of a UTF-8 character whose remaining bytes are in the next token."""
+
+    def __init__(self, stop: list):
+        self.hold = max((len(s) for s in stop), default=1) - 1
+        self.num_sent = 0
+
+    def delta(self, text: str, finished: bool) -> str:
+        if not finished:
+            if self.hold:
+                text = text[:max(len(text) - self.hold, 0)]
+            text = text.rstrip("\ufffd")
+        if len(text) <= self.num_sent:
+            return ""
+        out = text[self.num_sent:]
+        self.num_sent = len(text)
+        return out
+
+
+class SSEResponse(StreamingResponse):
+    """An event stream that aborts its engine request however the response ends (client gone,
+    server shutdown, error), so the request's KV blocks are freed at once."""
+
+    def __init__(self, content, stream: RequestStream):
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._stream = stream
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._stream.abort()  # no-op when it finished
+
+
+async def _abort_on_disconnect(http_request: Request, stream: RequestStream) -> None:
+    # The body has been read, so the next ASGI message is the disconnect.
+    while True:
+        message = await http_request.receive()
+        if message["type"] == "http.disconnect":
+            stream.abort()
+            return
+
+
+async def collect(stream: RequestStream, http_request: Request) -> tuple:
+    """Run a request to the end; returns (last item, all token ids, all logprobs or None).
+
+    A client that disconnects while waiting gets its request aborted (the abort shows up here
+    as a finished item with reason 'abort')."""
+    watcher = asyncio.create_task(_abort_on_disconnect(http_request, stream))
+    token_ids, lps, last = [], None, None
+    try:
+        async for item in stream:
+            token_ids.extend(item.new_token_ids)
+            if item.new_logprobs is not None:
+                lps = (lps or []) + item.new_logprobs
+                pieces = (last.token_pieces if last else {}) | item.token_pieces
+                item.token_pieces = pieces
+            elif last is not None:
+                item.token_pieces = last.token_pieces
+            last = item
+    finally:
+        watcher.cancel()
+        stream.abort()
+    if last is None or not last.finished:
+        raise APIError(499, "the client closed the connection; the request was aborted")
+    return last, token_ids, lps
+
+
+def finish_reason(item: StreamItem) -> Optional[str]:
+    return item.finish_reason if item.finished else None

@@ -1,0 +1,38 @@
+"""Triton kernels for the GPU fast path, each next to the PyTorch reference it is tested against.
+
+    norm.py      rms_norm, fused_add_rms_norm (+ *_ref, *_triton)
+    rope.py      apply_rope (+ apply_rope_ref, apply_rope_triton), neox / rotate_half style, in place
+    store_kv.py  store_kv_triton: write K/V into the paged pool through the slot mapping
+
+The paged attention kernel lives in outpace/attention/triton_paged.py.
+
+Every module imports triton behind a guard, so importing it on a machine without triton works and
+the dispatchers (`rms_norm`, `fused_add_rms_norm`, `apply_rope`) fall back to the reference.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def triton_available() -> bool:
+    """True when `import triton` works here (cheap after the first call: sys.modules hit)."""
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except Exception:  # ImportError, or a broken install raising something else
+        return False
+    return True
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    """Whether the Triton op should run on tensor `t`: a CUDA tensor and triton importable."""
+    return t.is_cuda and triton_available()
+
+
+def next_pow2(n: int) -> int:
+    """Smallest power of two >= n (>= 1); Triton block shapes must be powers of two."""
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+__all__ = ["triton_available", "use_triton", "next_pow2"]

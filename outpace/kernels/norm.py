@@ -1,0 +1,130 @@
+"""RMSNorm and fused residual-add + RMSNorm: Triton kernels and their PyTorch references.
+
+Semantics are HF transformers' (LlamaRMSNorm and the decoder layer's residual add):
+
+    new_residual = x + residual                 # rounded to the activation dtype, as torch adds
+    normed       = (new_residual_f32 * rsqrt(mean(new_residual_f32^2) + eps)).to(input dtype)
+    out          = weight * normed              # dtype promote(weight, input), as torch multiplies
+
+The kernels compute the statistics in fp32 and round at the same two points as HF, so on bf16 they
+differ from the reference only by reduction order (at most an ulp here and there).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from outpace.kernels import next_pow2, use_triton
+
+try:  # guarded: CPU machines may not have triton, and `import outpace` must still work
+    import triton
+    import triton.language as tl
+except Exception:  # pragma: no cover - exercised only where triton is missing
+    triton = None
+    tl = None
+
+_MAX_BLOCK = 65536  # one row per program; wider rows go to the reference
+
+
+# ----------------------------------------------------------------------------- references
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., H], weight [H] -> [..., H] (dtype promote(x, weight))."""
+    xf = x.float()
+    normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return weight * normed
+
+
+def fused_add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """x, residual [..., H] -> (rms_norm(x + residual), x + residual)."""
+    new_residual = x + residual
+    return rms_norm_ref(new_residual, weight, eps), new_residual
+
+
+# ----------------------------------------------------------------------------- triton
+
+if triton is not None:
+
+    @triton.jit
+    def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr, H, stride_x, stride_r,
+                         stride_o, stride_ro, eps, HAS_RESIDUAL: tl.constexpr,
+                         BLOCK: tl.constexpr):
+        # One program per row; the whole row sits in registers, so x is read once.
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < H
+        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+        if HAS_RESIDUAL:
+            r = tl.load(r_ptr + row * stride_r + cols, mask=mask, other=0.0)
+            # Round the sum to the residual's dtype before the statistics, as HF does.
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(res_out_ptr.dtype.element_ty)
+            tl.store(res_out_ptr + row * stride_ro + cols, x, mask=mask)
+        xf = x.to(tl.float32)
+        var = tl.sum(xf * xf, axis=0) / H
+        rstd = 1.0 / tl.sqrt(var + eps)
+        normed = (xf * rstd).to(x.dtype).to(tl.float32)  # HF casts back before the weight
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * stride_o + cols, (normed * w).to(out_ptr.dtype.element_ty),
+                 mask=mask)
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """[..., H] -> [N, H] with a unit last stride (a view when possible)."""
+    t2 = t.reshape(-1, t.shape[-1])
+    return t2 if t2.stride(-1) == 1 else t2.contiguous()
+
+
+def _launch(x2, r2, weight, eps, out, res_out):
+    n, h = x2.shape
+    if n == 0:
+        return
+    block = next_pow2(h)
+    _rms_norm_kernel[(n,)](
+        x2, r2 if r2 is not None else x2, weight, out, res_out if res_out is not None else out,
+        h, x2.stride(0), r2.stride(0) if r2 is not None else 0, out.stride(0),
+        res_out.stride(0) if res_out is not None else 0, float(eps),
+        HAS_RESIDUAL=r2 is not None, BLOCK=block, num_warps=min(max(block // 256, 1), 8))
+
+
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Triton RMSNorm. x [..., H], weight [H] -> [..., H] (dtype promote(x, weight))."""
+    h = x.shape[-1]
+    x2 = _rows(x)
+    out = torch.empty(x2.shape, dtype=torch.promote_types(x.dtype, weight.dtype),
+                      device=x.device)
+    _launch(x2, None, weight.contiguous(), eps, out, None)
+    return out.view(*x.shape[:-1], h)
+
+
+def fused_add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                              eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton residual add + RMSNorm in one pass. x, residual [..., H] -> (normed, new_residual)."""
+    h = x.shape[-1]
+    x2, r2 = _rows(x), _rows(residual)
+    res_dtype = torch.promote_types(x.dtype, residual.dtype)
+    new_res = torch.empty(x2.shape, dtype=res_dtype, device=x.device)
+    out = torch.empty(x2.shape, dtype=torch.promote_types(res_dtype, weight.dtype),
+                      device=x.device)
+    _launch(x2, r2, weight.contiguous(), eps, out, new_res)
+    shape = (*x.shape[:-1], h)
+    return out.view(shape), new_res.view(shape)
+
+
+# ----------------------------------------------------------------------------- dispatch
+
+def _triton_ok(x: torch.Tensor) -> bool:
+    return use_triton(x) and next_pow2(x.shape[-1]) <= _MAX_BLOCK
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Triton on CUDA when triton is importable, the reference otherwise."""
+    return rms_norm_triton(x, weight, eps) if _triton_ok(x) else rms_norm_ref(x, weight, eps)
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual); Triton on CUDA, the reference otherwise."""
+    if _triton_ok(x):
+        return fused_add_rms_norm_triton(x, residual, weight, eps)
+    return fused_add_rms_norm_ref(x, residual, weight, eps)

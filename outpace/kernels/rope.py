@@ -1,0 +1,131 @@
+"""Rotary position embedding (neox / rotate_half style), applied in place to q and k.
+
+For a head vector x = [x1, x2] (halves of D/2) at position p with angles theta_i(p):
+
+    out1 = x1 * cos - x2 * sin
+    out2 = x2 * cos + x1 * sin
+
+cos/sin tables are [max_pos, D/2] (one entry per frequency) or [max_pos, D]. A D-wide table is
+read from its second half only: that half is (cos, +sin) both in HF's cat(freqs, freqs) layout
+and in the "signed sin" layout ([-sin, sin]) some models precompute, so either works.
+The math runs in fp32 and rounds once on the store (HF rounds after each bf16 op, so bf16 results
+can differ from HF by an ulp; fp32 matches).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from outpace.kernels import next_pow2, use_triton
+
+try:  # guarded: CPU machines may not have triton
+    import triton
+    import triton.language as tl
+except Exception:  # pragma: no cover
+    triton = None
+    tl = None
+
+
+def _table_offset(table: torch.Tensor, head_dim: int) -> int:
+    """Column where the D/2 frequencies start in a cos/sin table; raises on a bad width."""
+    if head_dim % 2:
+        raise ValueError(f"rope needs an even head_dim, got {head_dim}")
+    width = table.shape[-1]
+    if width == head_dim // 2:
+        return 0
+    if width == head_dim:
+        return head_dim // 2
+    raise ValueError(f"cos/sin table width {width} must be head_dim/2 ({head_dim // 2}) "
+                     f"or head_dim ({head_dim})")
+
+
+# ----------------------------------------------------------------------------- reference
+
+def apply_rope_ref(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """In place. q [T, Hq, D], k [T, Hkv, D], cos/sin [max_pos, D/2 or D], positions [T].
+
+    Returns (q, k) for convenience.
+    """
+    d = q.shape[-1]
+    half = d // 2
+    off = _table_offset(cos, d)
+    c = cos[positions.long()][:, off:off + half].float().unsqueeze(1)  # [T, 1, D/2]
+    s = sin[positions.long()][:, off:off + half].float().unsqueeze(1)
+    for x in (q, k):
+        x1, x2 = x[..., :half].float(), x[..., half:].float()
+        x.copy_(torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1))
+    return q, k
+
+
+# ----------------------------------------------------------------------------- triton
+
+if triton is not None:
+
+    @triton.jit
+    def _rotate_heads(base, stride_h, num_heads, cos, sin, d, dmask, HALF,
+                      BLOCK_H: tl.constexpr):
+        h = tl.arange(0, BLOCK_H)
+        mask = (h < num_heads)[:, None] & dmask[None, :]
+        p1 = base + h[:, None] * stride_h + d[None, :]  # first half; the second is HALF further
+        x1 = tl.load(p1, mask=mask, other=0.0)
+        x2 = tl.load(p1 + HALF, mask=mask, other=0.0)
+        x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
+        tl.store(p1, (x1f * cos - x2f * sin).to(x1.dtype), mask=mask)
+        tl.store(p1 + HALF, (x2f * cos + x1f * sin).to(x1.dtype), mask=mask)
+
+    @triton.jit
+    def _rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, pos_ptr, stride_qt, stride_qh, stride_kt,
+                     stride_kh, stride_cos, stride_sin, num_q_heads, num_kv_heads, HALF,
+                     TABLE_OFF, BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr,
+                     BLOCK_HALF: tl.constexpr):
+        # One program per token: the cos/sin row is loaded once for all q and k heads.
+        t = tl.program_id(0).to(tl.int64)
+        pos = tl.load(pos_ptr + t).to(tl.int64)
+        d = tl.arange(0, BLOCK_HALF)
+        dmask = d < HALF
+        cos = tl.load(cos_ptr + pos * stride_cos + TABLE_OFF + d, mask=dmask, other=0.0)
+        sin = tl.load(sin_ptr + pos * stride_sin + TABLE_OFF + d, mask=dmask, other=0.0)
+        cos = cos.to(tl.float32)[None, :]
+        sin = sin.to(tl.float32)[None, :]
+        _rotate_heads(q_ptr + t * stride_qt, stride_qh, num_q_heads, cos, sin, d, dmask, HALF,
+                      BLOCK_H=BLOCK_HQ)
+        _rotate_heads(k_ptr + t * stride_kt, stride_kh, num_kv_heads, cos, sin, d, dmask, HALF,
+                      BLOCK_H=BLOCK_HKV)
+
+
+def apply_rope_triton(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """In place, Triton. Same contract as `apply_rope_ref`; q/k may be strided views (e.g. slices
+    of a fused qkv buffer) as long as their last dim is contiguous."""
+    t, hq, d = q.shape
+    hkv = k.shape[1]
+    off = _table_offset(cos, d)
+    _table_offset(sin, d)
+    if q.stride(-1) != 1 or k.stride(-1) != 1:  # rare: rotate contiguous copies, copy back
+        qc, kc = q.contiguous(), k.contiguous()
+        apply_rope_triton(qc, kc, cos, sin, positions)
+        q.copy_(qc)
+        k.copy_(kc)
+        return q, k
+    if cos.stride(-1) != 1:
+        cos = cos.contiguous()
+    if sin.stride(-1) != 1:
+        sin = sin.contiguous()
+    if t == 0:
+        return q, k
+    half = d // 2
+    _rope_kernel[(t,)](
+        q, k, cos, sin, positions, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        cos.stride(0), sin.stride(0), hq, hkv, half, off,
+        BLOCK_HQ=next_pow2(hq), BLOCK_HKV=next_pow2(hkv), BLOCK_HALF=next_pow2(half),
+        num_warps=4)
+    return q, k
+
+
+def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """In place; Triton on CUDA when triton is importable, the reference otherwise."""
+    if use_triton(q):
+        return apply_rope_triton(q, k, cos, sin, positions)
+    return apply_rope_ref(q, k, cos, sin, positions)

@@ -1,0 +1,314 @@
+"""Draft-head checkpoints (EAGLE-3, MTP): the file format, its validation, loading and saving.
+
+A draft head folder holds config.json and *.safetensors (pytorch_model*.bin is read too, as the
+EAGLE authors released theirs). The head runs inside the target's KV pool and vocabulary, so
+every shape that touches them is checked against the target's ModelConfig before a weight is
+copied, and each mismatch names the field, both values and what to do about it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from pathlib import Path
+from typing import Union
+
+import torch
+
+from outpace.config import ModelConfig
+from outpace.errors import ConfigError, ModelLoadError
+from outpace.models.eagle3 import Eagle3Config, Eagle3Head
+from outpace.models.mtp import MTPHead
+
+log = logging.getLogger(__name__)
+
+DRAFT_METHODS = ("eagle3", "mtp")
+_HF_CLASS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+             "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+# ---- checkpoint names -> parameters ---------------------------------------------------------
+
+
+def decoder_layer_slices(layer, prefix: str) -> dict:
+    """HF names of one LlamaDecoderLayer -> (tensor, first row, rows) of its fused parameters."""
+    a, mlp = layer.self_attn, layer.mlp
+    out = {prefix + "input_layernorm.weight": (layer.input_layernorm.weight, 0, None),
+           prefix + "post_attention_layernorm.weight": (layer.post_attention_layernorm.weight,
+                                                        0, None),
+           prefix + "self_attn.o_proj.weight": (a.o_weight, 0, None),
+           prefix + "mlp.gate_proj.weight": (mlp.gate_up_weight, 0, mlp.inter),
+           prefix + "mlp.up_proj.weight": (mlp.gate_up_weight, mlp.inter, mlp.inter),
+           prefix + "mlp.down_proj.weight": (mlp.down_weight, 0, None)}
+    offs = {"q": (0, a.q_size), "k": (a.q_size, a.kv_size), "v": (a.q_size + a.kv_size, a.kv_size)}
+    for n, (off, rows) in offs.items():
+        out[f"{prefix}self_attn.{n}_proj.weight"] = (a.qkv_weight, off, rows)
+        if a.qkv_bias is not None:
+            out[f"{prefix}self_attn.{n}_proj.bias"] = (a.qkv_bias, off, rows)
+    if a.o_bias is not None:
+        out[prefix + "self_attn.o_proj.bias"] = (a.o_bias, 0, None)
+    if a.q_norm is not None:
+        out[prefix + "self_attn.q_norm.weight"] = (a.q_norm.weight, 0, None)
+        out[prefix + "self_attn.k_norm.weight"] = (a.k_norm.weight, 0, None)
+    return out
+
+
+def head_slices(head) -> dict:
+    """Checkpoint name -> (tensor, first row, rows) for every tensor of an EAGLE-3 or MTP head."""
+    if isinstance(head, Eagle3Head):
+        out = {"fc.weight": (head.fc_weight, 0, None),
+               "midlayer.hidden_norm.weight": (head.hidden_norm.weight, 0, None),
+               "norm.weight": (head.norm.weight, 0, None),
+               "lm_head.weight": (head.lm_head_weight, 0, None),
+               "d2t": (head.d2t, 0, None), "t2d": (head.t2d, 0, None)}
+        if head.embed_weight is not None:
+            out["embed_tokens.weight"] = (head.embed_weight, 0, None)
+        out.update(decoder_layer_slices(head.midlayer, "midlayer."))
+    else:
+        out = {}
+        for d, m in enumerate(head.layers):
+            p = f"layers.{d}."
+            out[p + "enorm.weight"] = (m.enorm.weight, 0, None)
+            out[p + "hnorm.weight"] = (m.hnorm.weight, 0, None)
+            out[p + "eh_proj.weight"] = (m.eh_proj_weight, 0, None)
+            out.update(decoder_layer_slices(m.layer, p))
+    return {k: (t, off, t.shape[0] if rows is None else rows) for k, (t, off, rows) in out.items()}
+
+
+def export_weights(head) -> dict:
+    """The head's tensors under their checkpoint names (CPU, contiguous): what save writes."""
+    return {name: t.detach().narrow(0, off, rows).to("cpu").contiguous()
+            for name, (t, off, rows) in sorted(head_slices(head).items())}
+
+# ---- config.json ------------------------------------------------------------------------------
+
+
+def model_config_dict(cfg: ModelConfig) -> dict:
+    """A transformers-style config.json dict that ModelConfig.from_hf_dict reads back as `cfg`."""
+    d = {"architectures": [_HF_CLASS[cfg.architecture]], "model_type": cfg.architecture,
+         "hidden_act": "silu", "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
+         "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_hidden_layers,
+         "num_attention_heads": cfg.num_attention_heads,
+         "num_key_value_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim,
+         "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta,
+         "max_position_embeddings": cfg.max_position_embeddings,
+         "tie_word_embeddings": cfg.tie_word_embeddings, "attention_bias": cfg.attention_bias,
+         "bos_token_id": cfg.bos_token_id, "eos_token_id": list(cfg.eos_token_ids)}
+    if cfg.rope_scaling:
+        d["rope_scaling"] = {k: list(v) if isinstance(v, tuple) else v
+                             for k, v in cfg.rope_scaling.items()}
+    return d
+
+
+def eagle3_config_dict(cfg: Eagle3Config) -> dict:
+    d = model_config_dict(cfg.layer)
+    d.update(architectures=["LlamaForCausalLMEagle3"], model_type="llama", num_hidden_layers=1,
+             tie_word_embeddings=False, draft_vocab_size=cfg.draft_vocab_size,
+             eagle_config={"eagle_aux_hidden_state_layer_ids": list(cfg.resolved_aux_layer_ids)})
+    if cfg.norm_before_residual:
+        d["norm_before_residual"] = True
+    return d
+
+
+def mtp_config_dict(layer_cfg: ModelConfig, num_modules: int) -> dict:
+    d = model_config_dict(layer_cfg)
+    d["num_nextn_predict_layers"] = num_modules
+    return d
+
+
+def save_draft_head(config: dict, tensors: dict, out_dir: Union[str, Path]) -> Path:
+    """Write config.json and model.safetensors ({checkpoint name: tensor}, e.g. export_weights
+    of a head) into out_dir, created if needed."""
+    from safetensors.torch import save_file
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    save_file({k: t.contiguous() for k, t in tensors.items()}, str(out / "model.safetensors"),
+              metadata={"format": "pt"})
+    return out
+
+# ---- reading ----------------------------------------------------------------------------------
+
+
+def _read_folder(path: Path) -> tuple:
+    """-> (config dict, {checkpoint name: CPU tensor}). Raises ModelLoadError."""
+    if not path.is_dir():
+        raise ModelLoadError(f"draft head folder {str(path)!r} does not exist (or is not a "
+                             f"folder); pass the folder written by `outpace init-draft` or a "
+                             f"released EAGLE-3/MTP checkpoint")
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise ModelLoadError(f"{path} has no config.json; a draft head folder needs config.json "
+                             f"and model.safetensors")
+    try:
+        config = json.loads(cfg_file.read_text())
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"{cfg_file} is not valid JSON: {e}") from e
+    files = sorted(path.glob("*.safetensors")) or sorted(path.glob("pytorch_model*.bin"))
+    if not files:
+        raise ModelLoadError(f"{path} has no *.safetensors (or pytorch_model.bin) weight file; "
+                             f"the draft head folder is incomplete")
+    tensors = {}
+    for f in files:
+        try:
+            if f.suffix == ".safetensors":
+                from safetensors.torch import load_file
+                part = load_file(str(f))
+            else:
+                part = torch.load(f, map_location="cpu", weights_only=True)
+        except Exception as e:  # corrupt or truncated file: say which one
+            raise ModelLoadError(f"can't read draft head weights {f}: {e}") from e
+        for name, t in part.items():
+            name = name[len("model."):] if name.startswith("model.") else name
+            tensors[name] = t
+    return config, tensors
+
+
+def _same(path, what: str, draft, target, why: str) -> None:
+    if draft != target:
+        raise ModelLoadError(f"draft head {path}: {what}={draft}, but the target has "
+                             f"{what}={target}; {why}")
+
+
+def _check_attention_shape(path, cfg: ModelConfig, target_cfg: ModelConfig) -> None:
+    why = ("the head's KV lives in the target's KV pool and attention backend, so its attention "
+           "heads must have the target's layout; use a head trained for this target")
+    _same(path, "hidden_size", cfg.hidden_size, target_cfg.hidden_size,
+          "this head was trained for another model; use a head made for this target")
+    _same(path, "num_attention_heads", cfg.num_attention_heads, target_cfg.num_attention_heads, why)
+    _same(path, "num_key_value_heads", cfg.num_key_value_heads, target_cfg.num_key_value_heads, why)
+    _same(path, "head_dim", cfg.head_dim, target_cfg.head_dim, why)
+
+
+def _copy_weights(head, tensors: dict, path) -> None:
+    slots = head_slices(head)
+    missing = sorted(set(slots) - set(tensors))
+    if missing:
+        raise ModelLoadError(
+            f"draft head {path} lacks {len(missing)} tensor(s) the head needs, e.g. "
+            f"{', '.join(missing[:4])}; the files are incomplete or for another head type")
+    unused = sorted(n for n in tensors if n not in slots and not n.endswith("inv_freq"))
+    if unused:
+        log.warning("draft head %s: ignoring %d unknown tensor(s), e.g. %s", path, len(unused),
+                    ", ".join(unused[:4]))
+    with torch.no_grad():
+        for name, (dest, off, rows) in slots.items():
+            part, t = dest.narrow(0, off, rows), tensors[name]
+            if tuple(part.shape) != tuple(t.shape):
+                raise ModelLoadError(
+                    f"draft head {path}: tensor {name} has shape {tuple(t.shape)}, but the head's "
+                    f"config.json (and the target) expect {tuple(part.shape)}; the weights do not "
+                    f"match config.json or were made for another target")
+            part.copy_(t)
+
+
+def _fill_vocab_maps(cfg: Eagle3Config, tensors: dict, path) -> None:
+    """Check d2t/t2d against the target vocabulary; derive them where a head lacks them."""
+    dv, v = cfg.draft_vocab_size, cfg.vocab_size
+    if "d2t" not in tensors:
+        if dv != v:
+            raise ModelLoadError(f"draft head {path} has draft_vocab_size={dv} < vocab_size={v} "
+                                 f"but no d2t tensor mapping draft ids to target ids")
+        tensors["d2t"] = torch.zeros(dv, dtype=torch.int64)
+    d2t = tensors["d2t"].to(torch.int64)
+    if tuple(d2t.shape) != (dv,):
+        raise ModelLoadError(f"draft head {path}: d2t has shape {tuple(d2t.shape)}, expected "
+                             f"({dv},) (draft_vocab_size)")
+    ids = torch.arange(dv, dtype=torch.int64) + d2t
+    if dv and (int(ids.min()) < 0 or int(ids.max()) >= v):
+        raise ModelLoadError(f"draft head {path}: d2t maps draft ids to target ids in "
+                             f"[{int(ids.min())}, {int(ids.max())}], outside the target "
+                             f"vocabulary [0, {v}); the head was made for another tokenizer")
+    if "t2d" not in tensors:
+        t2d = torch.zeros(v, dtype=torch.bool)
+        t2d[ids] = True
+        tensors["t2d"] = t2d
+    if tuple(tensors["t2d"].shape) != (v,):
+        raise ModelLoadError(f"draft head {path}: t2d has {tuple(tensors['t2d'].shape)} entries "
+                             f"but the target vocabulary has {v}; the head was made for another "
+                             f"tokenizer")
+    tensors["d2t"], tensors["t2d"] = d2t, tensors["t2d"].to(torch.bool)
+
+
+def _eagle3_config(config: dict, tensors: dict, target_cfg: ModelConfig, path) -> Eagle3Config:
+    L = target_cfg.num_hidden_layers
+    cfg = Eagle3Config.from_hf_dict(config, L, has_embedding="embed_tokens.weight" in tensors)
+    # The head's rope table must cover every position the target can reach.
+    layer = dataclasses.replace(cfg.layer, max_position_embeddings=max(
+        cfg.layer.max_position_embeddings, target_cfg.max_position_embeddings))
+    cfg = dataclasses.replace(cfg, layer=layer)
+    _check_attention_shape(path, cfg.layer, target_cfg)
+    _same(path, "vocab_size", cfg.vocab_size, target_cfg.vocab_size,
+          "the head was made for another tokenizer; use a head trained for this target")
+    if not 1 <= cfg.draft_vocab_size <= cfg.vocab_size:
+        raise ModelLoadError(f"draft head {path}: draft_vocab_size={cfg.draft_vocab_size} must "
+                             f"be in 1..vocab_size ({cfg.vocab_size})")
+    aux = cfg.resolved_aux_layer_ids
+    if len(aux) != 3:
+        raise ModelLoadError(f"draft head {path}: eagle_aux_hidden_state_layer_ids={list(aux)} "
+                             f"must name 3 target layers (fc fuses 3 hidden states)")
+    bad = [i for i in aux if not 0 <= i < L]
+    if bad:
+        src = "eagle_config.eagle_aux_hidden_state_layer_ids" if cfg.aux_layer_ids else \
+            "the default aux layers (1, L/2-1, L-4)"
+        raise ModelLoadError(
+            f"draft head {path}: {src} = {list(aux)} name layer(s) {bad} outside the target's "
+            f"{L} layers (0..{L - 1}); the head was trained for a deeper model, or set "
+            f"eagle_config.eagle_aux_hidden_state_layer_ids in its config.json")
+    return cfg
+
+
+def _mtp_config(config: dict, target_cfg: ModelConfig, path) -> tuple:
+    n = config.get("num_nextn_predict_layers")
+    if n is None:
+        raise ModelLoadError(f"draft head {path}: config.json lacks num_nextn_predict_layers "
+                             f"(the number of MTP modules); it is not an MTP head config")
+    if not isinstance(n, int) or n < 1:
+        raise ModelLoadError(f"draft head {path}: num_nextn_predict_layers={n!r} must be an "
+                             f"integer >= 1")
+    try:
+        layer = dataclasses.replace(
+            target_cfg, intermediate_size=int(config.get("intermediate_size",
+                                                          target_cfg.intermediate_size)),
+            rms_norm_eps=float(config.get("rms_norm_eps", target_cfg.rms_norm_eps)),
+            num_attention_heads=int(config.get("num_attention_heads",
+                                               target_cfg.num_attention_heads)),
+            num_key_value_heads=int(config.get("num_key_value_heads",
+                                               target_cfg.num_key_value_heads)),
+            hidden_size=int(config.get("hidden_size", target_cfg.hidden_size)))
+    except (ConfigError, TypeError, ValueError) as e:
+        raise ModelLoadError(f"draft head {path}: invalid MTP config.json: {e}") from e
+    hd = config.get("head_dim") or layer.hidden_size // max(layer.num_attention_heads, 1)
+    layer = dataclasses.replace(layer, head_dim=int(hd))
+    _check_attention_shape(path, layer, target_cfg)
+    _same(path, "vocab_size", config.get("vocab_size", target_cfg.vocab_size),
+          target_cfg.vocab_size, "the head was made for another tokenizer; use a head trained "
+          "for this target")
+    return layer, n
+
+
+def load_draft_head(method: str, path: Union[str, Path], target_cfg: ModelConfig,
+                    first_layer_slot: int, dtype=torch.float32, device="cpu"):
+    """Load an EAGLE-3 (`method='eagle3'`) or MTP (`'mtp'`) head for `target_cfg`.
+
+    Its attention layers use KV slots first_layer_slot.. (normally target_cfg.num_hidden_layers).
+    Raises ModelLoadError (with what to change) when the folder, config or weights are unusable
+    or don't fit the target.
+    """
+    if method not in DRAFT_METHODS:
+        raise ConfigError(f"draft head method {method!r} is unknown; use one of "
+                          f"{', '.join(DRAFT_METHODS)}")
+    path = Path(path)
+    config, tensors = _read_folder(path)
+    if method == "eagle3":
+        # vLLM-style exports name the one layer layers.0 instead of midlayer
+        tensors = {("midlayer." + n[len("layers.0."):] if n.startswith("layers.0.") else n): t
+                   for n, t in tensors.items()}
+        cfg = _eagle3_config(config, tensors, target_cfg, path)
+        _fill_vocab_maps(cfg, tensors, path)
+        head = Eagle3Head(cfg, first_layer_slot, dtype=dtype, device=device)
+    else:
+        layer_cfg, n = _mtp_config(config, target_cfg, path)
+        head = MTPHead(layer_cfg, n, first_layer_slot, dtype=dtype, device=device)
+    _copy_weights(head, tensors, path)
+    return head.eval()

@@ -1,0 +1,324 @@
+"""Load a llama.cpp GGUF file: metadata -> ModelConfig, tensors -> dequantized HF-named weights.
+
+Why not gguf.GGUFReader for the header: it builds a numpy view per array element, which costs
+~2.3 s on the default model just for its 98k tokenizer strings. The header is a simple
+length-prefixed format, so `GGUFFile` parses it with `struct` (~50 ms) and maps tensor data with
+zero-copy numpy views. The `gguf` package still supplies the type table and the K-quant
+dequantizers; Q8_0/Q4_0/Q4_1/F16/BF16 are dequantized with torch ops (bit-identical to
+gguf.quants, about twice as fast because torch uses every core).
+
+llama.cpp's converter permutes the rows of q/k for Llama (interleaved rope); we undo that on the
+raw quantized rows (quant blocks never cross a row) so HF's rotate_half rope applies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import mmap
+import struct
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+
+from outpace.config import ModelConfig
+from outpace.errors import ConfigError, ModelLoadError, UnsupportedModelError
+
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q",
+            11: "<q", 12: "<d"}
+_STRING, _ARRAY = 8, 9
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    shape: tuple  # numpy order (rows first), the reverse of GGUF's ne[]
+    type_name: str  # GGMLQuantizationType name, e.g. "Q4_1"
+    qtype: int
+    offset: int  # absolute byte offset in the file
+    nbytes: int
+
+
+class GGUFFile:
+    """A GGUF v2/v3 file: `metadata` (key -> value), `tensors` (name -> TensorInfo), `raw(name)`."""
+
+    def __init__(self, path):
+        import gguf  # type table and block sizes
+        self.path = Path(path)
+        try:
+            with open(self.path, "rb") as f:
+                # ACCESS_COPY: writable (copy-on-write) views, so torch.from_numpy needs no copy
+                self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        except (OSError, ValueError) as e:  # ValueError: empty file
+            raise ModelLoadError(f"can't read GGUF file {self.path}: {e}") from e
+        try:
+            self._parse(gguf)
+        except (struct.error, IndexError, UnicodeDecodeError, OverflowError, ValueError) as e:
+            raise ModelLoadError(
+                f"{self.path} is not a valid GGUF file (corrupt or truncated header: {e}); "
+                f"download or convert it again") from e
+
+    def _parse(self, gguf) -> None:
+        mm, pos = self._mm, 0
+
+        def take(fmt):
+            nonlocal pos
+            v = struct.unpack_from(fmt, mm, pos)[0]
+            pos += struct.calcsize(fmt)
+            return v
+
+        def string():
+            nonlocal pos
+            n = take("<Q")
+            if pos + n > len(mm):
+                raise ValueError("string runs past the end of the file")
+            s = mm[pos:pos + n].decode("utf-8")
+            pos += n
+            return s
+
+        def value(vtype):
+            nonlocal pos
+            if vtype in _SCALARS:
+                return take(_SCALARS[vtype])
+            if vtype == _STRING:
+                return string()
+            if vtype != _ARRAY:
+                raise ValueError(f"unknown metadata value type {vtype}")
+            itype, count = take("<I"), take("<Q")
+            if itype in _SCALARS and itype != 7:
+                dt = np.dtype(_SCALARS[itype])
+                arr = np.frombuffer(mm, dtype=dt, count=count, offset=pos).copy()
+                pos += dt.itemsize * count
+                return arr
+            return [value(itype) for _ in range(count)]
+
+        if mm[:4] != b"GGUF":
+            raise ModelLoadError(f"{self.path} is not a GGUF file (no GGUF magic); pass a .gguf "
+                                 "file or a Hugging Face model folder")
+        pos = 4
+        version = take("<I")
+        if version not in (2, 3):
+            raise UnsupportedModelError(
+                f"{self.path}: GGUF version {version} is not supported (only little-endian v2/v3); "
+                "re-convert it with a recent llama.cpp")
+        n_tensors, n_kv = take("<Q"), take("<Q")
+        self.metadata: dict[str, Any] = {}
+        for _ in range(n_kv):
+            key = string()
+            self.metadata[key] = value(take("<I"))
+        self.metadata_end = pos
+        infos = []
+        for _ in range(n_tensors):
+            name = string()
+            dims = [take("<Q") for _ in range(take("<I"))]
+            infos.append((name, tuple(reversed(dims)), take("<I"), take("<Q")))
+        align = int(self.metadata.get("general.alignment", 32))
+        data_start = (pos + align - 1) // align * align
+        self.tensors: dict[str, TensorInfo] = {}
+        for name, shape, qtype, off in infos:
+            try:
+                t = gguf.GGMLQuantizationType(qtype)
+                block, type_size = gguf.GGML_QUANT_SIZES[t]
+                type_name = t.name
+            except (ValueError, KeyError):
+                block, type_size, type_name = 1, 0, f"type{qtype}"
+            n = int(np.prod(shape)) if shape else 1
+            nbytes = n // block * type_size
+            start = data_start + off
+            if start + nbytes > len(mm):
+                raise ModelLoadError(
+                    f"{self.path} is truncated: tensor {name} ends at byte {start + nbytes} but "
+                    f"the file has {len(mm)} bytes; download it again")
+            self.tensors[name] = TensorInfo(name, shape, type_name, qtype, start, nbytes)
+
+    def raw(self, info: TensorInfo) -> np.ndarray:
+        """The tensor's bytes as uint8 [rows, bytes_per_row], a view of the file (no copy)."""
+        rows = int(np.prod(info.shape[:-1])) if len(info.shape) > 1 else 1
+        a = np.frombuffer(self._mm, dtype=np.uint8, count=info.nbytes, offset=info.offset)
+        return a.reshape(rows, info.nbytes // rows)
+
+    def metadata_sha256(self) -> str:
+        """Hash of the metadata section: identifies the tokenizer and chat template cheaply."""
+        return hashlib.sha256(self._mm[:self.metadata_end]).hexdigest()
+
+
+# ---- dequantization -----------------------------------------------------------------------
+
+def _f16_pairs(b: torch.Tensor, start: int, n: int) -> torch.Tensor:
+    """n float16 values per block from byte column `start` -> float32 [blocks, n]."""
+    return b[:, start:start + 2 * n].contiguous().view(torch.float16).float()
+
+
+def dequantize(raw: np.ndarray, type_name: str, shape: tuple, device=None) -> torch.Tensor:
+    """raw uint8 [rows, bytes_per_row] -> float32 tensor of `shape`.
+
+    On a CUDA `device` the raw bytes are moved first and dequantized there (fast, and the host
+    never holds the float32 copy); K-quants always go through gguf's numpy code on the host.
+    """
+    if type_name not in SUPPORTED_TYPES:
+        raise UnsupportedModelError(
+            f"GGUF tensor type {type_name} is not supported; outpace reads "
+            f"{', '.join(SUPPORTED_TYPES)} (re-quantize the model to one of them)")
+    t = torch.from_numpy(raw)
+    if device is not None and torch.device(device).type != "cpu":
+        t = t.to(device)
+    if type_name == "F32":
+        return t.view(torch.float32).reshape(shape)
+    if type_name == "F16":
+        return t.view(torch.float16).float().reshape(shape)
+    if type_name == "BF16":
+        return t.view(torch.bfloat16).float().reshape(shape)
+    if type_name == "Q8_0":  # block: f16 scale, 32 x int8
+        b = t.reshape(-1, 34)
+        return (b[:, 2:].view(torch.int8) * _f16_pairs(b, 0, 1)).reshape(shape)
+    if type_name in ("Q4_0", "Q4_1"):  # block: f16 scale [, f16 min], 16 bytes of nibble pairs
+        b = t.reshape(-1, 18 if type_name == "Q4_0" else 20)
+        qs = b[:, -16:]
+        # low nibbles are elements 0..15 of the block, high nibbles 16..31
+        out = torch.empty(b.shape[0], 2, 16, device=b.device)
+        out[:, 0].copy_(qs & 0x0F)
+        out[:, 1].copy_(qs >> 4)
+        out = out.view(-1, 32)
+        if type_name == "Q4_0":
+            return out.sub_(8).mul_(_f16_pairs(b, 0, 1)).reshape(shape)
+        dm = _f16_pairs(b, 0, 2)
+        return out.mul_(dm[:, :1]).add_(dm[:, 1:]).reshape(shape)
+    import gguf  # K-quants: gguf's numpy implementation
+    qt = gguf.GGMLQuantizationType[type_name]
+    return torch.from_numpy(gguf.quants.dequantize(raw, qt)).reshape(shape)
+
+
+# ---- names and config ----------------------------------------------------------------------
+
+_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_LAYER = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+          "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+          "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
+          "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+          "ffn_down": "mlp.down_proj"}
+
+
+def hf_name(gguf_name: str):
+    """'blk.3.attn_q.weight' -> 'model.layers.3.self_attn.q_proj.weight'; None if unknown."""
+    parts = gguf_name.split(".")
+    if len(parts) == 2 and parts[0] in _TOP:
+        return f"{_TOP[parts[0]]}.{parts[1]}"
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _LAYER:
+        return f"model.layers.{parts[1]}.{_LAYER[parts[2]]}.{parts[3]}"
+    return None
+
+
+def config_from_gguf(g: GGUFFile) -> ModelConfig:
+    from outpace.models.registry import GGUF_ARCHITECTURES
+    md, tensors = g.metadata, g.tensors
+    raw_arch = md.get("general.architecture")
+    arch = GGUF_ARCHITECTURES.get(raw_arch)
+    if arch is None:
+        raise UnsupportedModelError(
+            f"{g.path}: GGUF architecture {raw_arch!r} is not supported; outpace runs GGUF "
+            f"files of {', '.join(GGUF_ARCHITECTURES)} (Llama, Mistral, Qwen2, Qwen3, SmolLM2)")
+    p = raw_arch + "."
+
+    def need(key):
+        if p + key not in md:
+            raise ModelLoadError(f"{g.path}: GGUF metadata lacks {p + key}; re-convert the model")
+        return md[p + key]
+
+    hidden, heads = int(need("embedding_length")), need("attention.head_count")
+    if not isinstance(heads, int):
+        raise UnsupportedModelError(f"{g.path}: per-layer head counts are not supported")
+    head_dim = int(md.get(p + "attention.key_length", hidden // heads))
+    if int(md.get(p + "rope.dimension_count", head_dim)) != head_dim:
+        raise UnsupportedModelError(f"{g.path}: partial rotary embeddings are not supported")
+    tokens = md.get("tokenizer.ggml.tokens")
+    vocab = md.get(p + "vocab_size") or (len(tokens) if tokens is not None else None)
+    vocab = int(vocab or tensors["token_embd.weight"].shape[0])
+    rope_scaling = None
+    kind = md.get(p + "rope.scaling.type", "none")
+    if kind == "linear":
+        rope_scaling = {"rope_type": "linear", "factor": float(md[p + "rope.scaling.factor"])}
+    elif kind not in ("none", ""):
+        raise UnsupportedModelError(f"{g.path}: rope scaling {kind!r} is not supported")
+    if "rope_freqs.weight" in tensors:  # Llama 3.1+: llama.cpp stores llama3 scaling as factors
+        info = tensors["rope_freqs.weight"]
+        factors = dequantize(g.raw(info), info.type_name, info.shape).reshape(-1)
+        rope_scaling = {"rope_type": "freq_factors", "factors": tuple(factors.tolist())}
+    eos = [md[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
+           if k in md]
+    try:
+        return ModelConfig(
+            architecture=arch, vocab_size=vocab, hidden_size=hidden,
+            intermediate_size=int(need("feed_forward_length")),
+            num_hidden_layers=int(need("block_count")), num_attention_heads=int(heads),
+            num_key_value_heads=int(md.get(p + "attention.head_count_kv", heads)),
+            head_dim=head_dim,
+            rms_norm_eps=float(md.get(p + "attention.layer_norm_rms_epsilon", 1e-5)),
+            rope_theta=float(md.get(p + "rope.freq_base", 10000.0)),
+            rope_scaling=rope_scaling,
+            max_position_embeddings=int(md.get(p + "context_length", 4096)),
+            tie_word_embeddings="output.weight" not in tensors,
+            attention_bias="blk.0.attn_q.bias" in tensors,
+            qk_norm="blk.0.attn_q_norm.weight" in tensors,
+            bos_token_id=md.get("tokenizer.ggml.bos_token_id"),
+            eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos)),
+        )
+    except ConfigError as e:
+        raise ModelLoadError(f"{g.path}: inconsistent GGUF metadata: {e}") from e
+
+
+def _unpermute_rows(raw: np.ndarray, n_head: int) -> np.ndarray:
+    # llama.cpp stored row (h, i, s) where HF has (h, s, i), for s in {0, 1} and i < D/2
+    rows = raw.shape[0]
+    return (raw.reshape(n_head, rows // n_head // 2, 2, -1).swapaxes(1, 2)
+            .reshape(raw.shape))
+
+
+def iter_gguf_weights(g: GGUFFile, cfg: ModelConfig, quiet: bool = False, device=None
+                      ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, float32 tensor) for every weight, in file order, with a progress bar."""
+    from tqdm import tqdm
+    permuted = cfg.architecture in ("llama", "mistral")  # llama.cpp permutes q/k only there
+    for info in tqdm(list(g.tensors.values()), desc=f"Loading {g.path.name}", unit="tensor",
+                     file=sys.stderr, disable=quiet, leave=False):
+        name = hf_name(info.name)
+        if name is None:
+            continue  # rope_freqs (already in the config) and anything the model doesn't use
+        raw = g.raw(info)
+        if permuted and name.endswith(("q_proj.weight", "k_proj.weight", "q_proj.bias",
+                                       "k_proj.bias")):
+            heads = cfg.num_attention_heads if ".q_proj." in name else cfg.num_key_value_heads
+            if len(info.shape) == 1:
+                raw = raw.reshape(info.shape[0], -1)
+            raw = _unpermute_rows(raw, heads)
+        yield name, dequantize(raw, info.type_name, info.shape, device)
+
+
+@contextlib.contextmanager
+def _one_cpu_thread(device):
+    """Dequantize on one CPU thread: the ops are memory-bound, so a second thread gains ~20 %,
+    but when the cores are shared with other processes OpenMP barriers made it 10x slower."""
+    if torch.device(device).type != "cpu":
+        yield
+        return
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
+def load_gguf(path, dtype=torch.float32, device="cpu", quiet: bool = False):
+    """-> (model, ModelConfig, GGUFFile). The GGUFFile stays useful for the tokenizer cache key."""
+    from outpace.models.registry import model_class
+    g = GGUFFile(path)
+    cfg = config_from_gguf(g)
+    model = model_class(cfg.architecture)(cfg, dtype=dtype, device=device)
+    with _one_cpu_thread(device):
+        model.load_weights(iter_gguf_weights(g, cfg, quiet, device))
+    return model.eval(), cfg, g

@@ -1,0 +1,98 @@
+"""Load a Hugging Face model folder: config.json + *.safetensors (single file or sharded)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from outpace.config import ModelConfig
+from outpace.errors import ConfigError, ModelLoadError, UnsupportedModelError
+
+_INDEX = "model.safetensors.index.json"
+
+
+def read_hf_config(folder) -> ModelConfig:
+    """ModelConfig from `folder/config.json`, with errors that say what is wrong."""
+    folder = Path(folder)
+    path = folder / "config.json"
+    if not path.is_file():
+        raise ModelLoadError(
+            f"{folder} has no config.json; pass a Hugging Face model folder (config.json, "
+            "*.safetensors, tokenizer files) or a .gguf file")
+    try:
+        d = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"can't parse {path}: {e}; fix or re-download it") from e
+    if not isinstance(d, dict):
+        raise ModelLoadError(f"{path} is not a JSON object; fix or re-download it")
+    try:
+        return ModelConfig.from_hf_dict(d)
+    except UnsupportedModelError:
+        raise
+    except (KeyError, TypeError, ValueError, ConfigError) as e:
+        raise ModelLoadError(f"{path} is missing or has a bad value for {e}; "
+                             "it does not describe a Llama-family model") from e
+
+
+def weight_files(folder) -> list[Path]:
+    """The checkpoint's .safetensors files: the shards named by the index, else all of them."""
+    folder = Path(folder)
+    index = folder / _INDEX
+    if index.is_file():
+        try:
+            wmap = json.loads(index.read_text())["weight_map"]
+        except (OSError, KeyError, TypeError, json.JSONDecodeError) as e:
+            raise ModelLoadError(f"can't read the shard index {index}: {e}; re-download it") from e
+        files = [folder / n for n in sorted(set(wmap.values()))]
+        absent = [f.name for f in files if not f.is_file()]
+        if absent:
+            raise ModelLoadError(f"{folder} lacks shard(s) {', '.join(absent)} listed in "
+                                 f"{_INDEX}; the download is incomplete")
+        return files
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        other = sorted(p.name for p in folder.glob("*.bin"))[:1] or sorted(
+            p.name for p in folder.glob("*.pt"))[:1]
+        hint = (f" (found {other[0]}: convert PyTorch checkpoints to safetensors, e.g. "
+                "model.save_pretrained(dir, safe_serialization=True))") if other else ""
+        raise ModelLoadError(f"{folder} has no *.safetensors weights{hint}")
+    return files
+
+
+def iter_safetensors(files: list[Path], quiet: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every tensor of every file, with a progress bar over tensors."""
+    from safetensors import safe_open
+    from tqdm import tqdm
+    handles = []
+    for f in files:
+        try:
+            handles.append((f, safe_open(str(f), framework="pt", device="cpu")))
+        except Exception as e:  # SafetensorError, OSError: corrupt header or truncated file
+            raise ModelLoadError(
+                f"{f} is not a valid safetensors file ({e}); re-download it") from e
+    total = sum(len(h.keys()) for _, h in handles)
+    with tqdm(total=total, desc="Loading weights", unit="tensor", file=sys.stderr,
+              disable=quiet, leave=False) as bar:
+        for f, h in handles:
+            for name in h.keys():
+                try:
+                    t = h.get_tensor(name)
+                except Exception as e:
+                    raise ModelLoadError(f"can't read tensor {name} from {f} ({e}); "
+                                         "the file is corrupt, re-download it") from e
+                yield name, t
+                bar.update(1)
+
+
+def load_hf_folder(folder, dtype=torch.float32, device="cpu", quiet: bool = False):
+    """-> (model, ModelConfig)."""
+    from outpace.models.registry import model_class
+    cfg = read_hf_config(folder)
+    files = weight_files(folder)
+    model = model_class(cfg.architecture)(cfg, dtype=dtype, device=device)
+    model.load_weights(iter_safetensors(files, quiet))
+    return model.eval(), cfg

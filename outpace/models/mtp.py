@@ -1,0 +1,70 @@
+"""MTP (multi-token prediction) draft modules, DeepSeek-V3 style.
+
+Module d (weights `layers.{d}.*` in the checkpoint):
+
+    x   = eh_proj(cat[enorm(embed(t[p+1])), hnorm(h[p])])      eh_proj: [H, 2H]
+    out = decoder_layer_d(x)                                      same architecture as the target
+    logits = target.lm_head(target.norm(out))                     shared with the target
+
+`h[p]` is the target's hidden (first depth) or the previous depth's `out` (later depths). The
+proposer picks the schedule: one module applied k times ("MTP-Eagle"), or the D modules in order
+(depth d uses module d). Module d keeps its KV in draft-plane slot `first_layer_slot + d` of the
+target's pool. The embedding, final norm and LM head are the target's, passed in at call time,
+so the head holds no vocabulary-sized tensor.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from outpace.attention.base import ForwardContext
+from outpace.config import ModelConfig
+from outpace.models.llama import LlamaDecoderLayer, RMSNorm, RotaryEmbedding
+
+
+class MTPModule(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_slot: int, dtype=torch.float32, device="cpu"):
+        super().__init__()
+        kw = dict(dtype=dtype, device=device)
+        h = cfg.hidden_size
+        self.enorm = RMSNorm(h, cfg.rms_norm_eps, **kw)
+        self.hnorm = RMSNorm(h, cfg.rms_norm_eps, **kw)
+        # Uninitialized: the loader (or init-draft) fills it.
+        self.eh_proj_weight = nn.Parameter(torch.empty(h, 2 * h, **kw))
+        self.layer = LlamaDecoderLayer(cfg, layer_slot, **kw)
+
+
+class MTPHead(nn.Module):
+    def __init__(self, cfg: ModelConfig, num_modules: int, first_layer_slot: int,
+                 dtype=torch.float32, device="cpu"):
+        super().__init__()
+        if num_modules < 1:
+            raise ValueError(f"an MTP head needs >= 1 module, got {num_modules}")
+        self.config = cfg
+        self.num_modules = num_modules
+        self.first_layer_slot = first_layer_slot
+        self.layers = nn.ModuleList(
+            MTPModule(cfg, first_layer_slot + d, dtype=dtype, device=device)
+            for d in range(num_modules))
+        self.rotary = RotaryEmbedding(cfg, dtype=dtype, device=device)
+
+    @property
+    def num_kv_layers(self) -> int:  # KV slots of the draft plane this head uses
+        return self.num_modules
+
+    def forward(self, depth: int, hidden: torch.Tensor, input_ids: torch.Tensor,
+                positions: torch.Tensor, ctx: ForwardContext, embed_fn: Callable) -> torch.Tensor:
+        # depth: which module runs; hidden [T, H] (target hidden or previous depth's output),
+        # input_ids [T] (token at position + 1), positions [T] -> new hidden [T, H] (pre-norm)
+        m = self.layers[depth]
+        emb = embed_fn(input_ids).to(hidden.dtype)
+        x = F.linear(torch.cat([m.enorm(emb), m.hnorm(hidden)], dim=-1), m.eh_proj_weight)
+        return m.layer(x, self.rotary(positions), self.rotary, ctx)
+
+    def compute_logits(self, hidden: torch.Tensor, target) -> torch.Tensor:
+        # [N, H] (forward output) -> [N, vocab] float32, through the target's final norm and head
+        return target.compute_logits(target.norm(hidden))

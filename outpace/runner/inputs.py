@@ -1,0 +1,112 @@
+"""Fixed-address input buffers of the model runner.
+
+Every step writes its token ids, positions, slot mapping, block tables and lengths into the same
+device tensors, so a CUDA graph captured over them replays with new values. The host side is
+built with numpy and copied in once per buffer (pinned + non_blocking on CUDA).
+
+    input_ids      [max_tokens]            int64
+    positions      [max_tokens]            int64
+    slot_mapping   [max_tokens]            int64  (-1: padded row, writes nowhere that is read)
+    logits_indices [max_tokens]            int64  rows of hidden that get logits
+    query_start_loc[max_seqs + 1]          int32
+    seq_lens       [max_seqs]              int32  KV length after the step
+    block_tables   [max_seqs, max_blocks]  int32
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from outpace.attention.base import AttentionMetadata
+
+
+@dataclass
+class HostBatch:
+    """One step's inputs on the host (numpy), before the copy to the device."""
+
+    input_ids: np.ndarray  # [T]
+    positions: np.ndarray  # [T]
+    slot_mapping: np.ndarray  # [T]
+    query_start_loc: np.ndarray  # [B+1]
+    seq_lens: np.ndarray  # [B]
+    block_tables: np.ndarray  # [B, nb]
+    logits_indices: np.ndarray  # [N]
+
+
+class InputBuffers:
+    def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int, device: torch.device):
+        self.device = device
+        self.max_tokens, self.max_seqs, self.max_blocks = max_tokens, max_seqs, max_blocks
+        pin = device.type == "cuda"
+
+        def buf(*shape, dtype):
+            return torch.zeros(*shape, dtype=dtype, device=device)
+
+        self.input_ids = buf(max_tokens, dtype=torch.long)
+        self.positions = buf(max_tokens, dtype=torch.long)
+        self.slot_mapping = buf(max_tokens, dtype=torch.long)
+        self.logits_indices = buf(max_tokens, dtype=torch.long)
+        self.query_start_loc = buf(max_seqs + 1, dtype=torch.int32)
+        self.seq_lens = buf(max_seqs, dtype=torch.int32)
+        self.block_tables = buf(max_seqs, max_blocks, dtype=torch.int32)
+        self._pin = pin
+
+    def _put(self, dst: torch.Tensor, src: np.ndarray) -> torch.Tensor:
+        """Copy src into the leading part of dst and return that view."""
+        view = dst[tuple(slice(0, n) for n in src.shape)]
+        t = torch.from_numpy(src)
+        if self._pin:
+            t = t.pin_memory()
+        view.copy_(t, non_blocking=self._pin)
+        return view
+
+    def load(self, hb: HostBatch):
+        """-> (input_ids [T], positions [T], logits_indices [N], AttentionMetadata)."""
+        ids = self._put(self.input_ids, hb.input_ids)
+        pos = self._put(self.positions, hb.positions)
+        slots = self._put(self.slot_mapping, hb.slot_mapping)
+        li = self._put(self.logits_indices, hb.logits_indices)
+        qsl = self._put(self.query_start_loc, hb.query_start_loc)
+        sl = self._put(self.seq_lens, hb.seq_lens)
+        bt = self._put(self.block_tables, hb.block_tables)
+        q_lens = np.diff(hb.query_start_loc)
+        meta = AttentionMetadata(
+            slot_mapping=slots, query_start_loc=qsl, seq_lens=sl, block_tables=bt,
+            query_start_loc_host=hb.query_start_loc.tolist(), seq_lens_host=hb.seq_lens.tolist(),
+            max_query_len=int(q_lens.max()) if len(q_lens) else 1,
+            max_seq_len=int(hb.seq_lens.max()) if len(hb.seq_lens) else 1)
+        return ids, pos, li, meta
+
+
+def build_host_batch(rows, block_size: int) -> HostBatch:
+    """rows: list of (token_ids [n], start_position, block_ids, logits_offsets).
+
+    Tokens of row i sit at positions start..start+n-1; logits_offsets are indices within the
+    row (e.g. [n-1] for plain decode, [n-k-1 .. n-1] when verifying k drafts).
+    """
+    n_tok = sum(len(r[0]) for r in rows)
+    nb = max((len(r[2]) for r in rows), default=1) or 1
+    ids = np.empty(n_tok, dtype=np.int64)
+    pos = np.empty(n_tok, dtype=np.int64)
+    slots = np.empty(n_tok, dtype=np.int64)
+    qsl = np.zeros(len(rows) + 1, dtype=np.int32)
+    seq_lens = np.empty(len(rows), dtype=np.int32)
+    bt = np.zeros((len(rows), nb), dtype=np.int32)
+    li = []
+    at = 0
+    for i, (toks, start, blocks, offsets) in enumerate(rows):
+        n = len(toks)
+        p = np.arange(start, start + n, dtype=np.int64)
+        table = np.asarray(blocks, dtype=np.int64)
+        ids[at:at + n] = toks
+        pos[at:at + n] = p
+        slots[at:at + n] = table[p // block_size] * block_size + p % block_size
+        bt[i, :len(blocks)] = blocks
+        seq_lens[i] = start + n
+        li.extend(at + o for o in offsets)
+        at += n
+        qsl[i + 1] = at
+    return HostBatch(ids, pos, slots, qsl, seq_lens, bt, np.asarray(li, dtype=np.int64))

@@ -1,0 +1,154 @@
+"""The model runner: one StepPlan in, one StepResult out.
+
+It owns the KV pool (target layers + draft KV plane), the attention backend, the fixed-address
+input buffers, the per-request sampling generators and the proposer. A step:
+
+    build host inputs -> copy into fixed buffers -> target forward (hidden + captured layers)
+    -> logits at sampled rows -> sample / verify drafts -> propose next drafts -> StepResult
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from outpace.attention.base import ForwardContext
+from outpace.runner.inputs import InputBuffers, build_host_batch
+from outpace.runner.sampling_step import SamplingStep
+from outpace.spec.base import DraftBatch
+from outpace.types import RequestStepOutput, StepPlan, StepResult
+
+log = logging.getLogger(__name__)
+
+
+def make_backend(kv_cache, model_cfg, device: torch.device):
+    scale = model_cfg.head_dim ** -0.5
+    args = (kv_cache, model_cfg.num_attention_heads, model_cfg.num_key_value_heads,
+            model_cfg.head_dim, scale)
+    if device.type == "cuda":
+        try:
+            from outpace.attention.triton_paged import TritonPagedBackend
+            return TritonPagedBackend(*args)
+        except ImportError:
+            log.warning("triton is not available; using the PyTorch reference attention")
+    from outpace.attention.torch_ref import TorchRefBackend
+    return TorchRefBackend(*args)
+
+
+class ModelRunner:
+    def __init__(self, model, model_cfg, num_blocks: int, block_size: int, max_model_len: int,
+                 max_num_tokens: int, max_num_seqs: int, device: torch.device, dtype,
+                 proposer=None, seed: int = 0):
+        self.model = model
+        self.model_cfg = model_cfg
+        self.device = device
+        self.block_size = block_size
+        self.proposer = proposer
+        num_draft_layers = proposer.num_kv_layers if proposer is not None else 0
+        self.num_layer_slots = model_cfg.num_hidden_layers + num_draft_layers
+        # [slots, K|V, blocks, block_size, Hkv, D]: draft layers sit after the target's.
+        self.kv_cache = torch.zeros(self.num_layer_slots, 2, num_blocks, block_size,
+                                    model_cfg.num_key_value_heads, model_cfg.head_dim,
+                                    dtype=dtype, device=device)
+        self.backend = make_backend(self.kv_cache, model_cfg, device)
+        max_blocks = (max_model_len + 2 * 16 + block_size - 1) // block_size + 1
+        self.inputs = InputBuffers(max_num_tokens, max_num_seqs, max_blocks, device)
+        self.sampling = SamplingStep(device, seed)
+        if proposer is not None:
+            self.sampling.force_accept_mean = proposer.options.get("force_accept_mean")
+            if hasattr(proposer, "bind"):
+                proposer.bind(self)
+
+    def release(self, request_id: str) -> None:
+        """Forget per-request state (generator, proposer state)."""
+        self.sampling.release(request_id)
+        if self.proposer is not None:
+            self.proposer.finish(request_id)
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> StepResult:
+        rows = []
+        for sr in plan.scheduled:
+            req = sr.request
+            start, n = sr.num_computed_tokens, sr.num_new_tokens
+            seq = req.all_token_ids
+            committed_part = seq[start:start + n]
+            toks = committed_part + sr.draft_token_ids[:n - len(committed_part)]
+            nd = len(sr.draft_token_ids)
+            offsets = list(range(n - 1 - nd, n)) if sr.sample else []
+            rows.append((toks, start, sr.block_ids, offsets))
+        hb = build_host_batch(rows, self.block_size)
+        ids, pos, logits_idx, meta = self.inputs.load(hb)
+        ctx = ForwardContext(self.backend, meta)
+        capture = self.proposer.capture_layers if self.proposer is not None else ()
+        hidden, aux = self.model(ids, pos, ctx, capture_layers=capture)  # [T, H]
+        logits = self.model.compute_logits(hidden[logits_idx])  # [N, V]
+
+        per_req = self.sampling.run(plan, logits)  # list[RequestStepOutput | None]
+        result = StepResult()
+        for sr, out in zip(plan.scheduled, per_req):
+            result.outputs[sr.request.request_id] = out or RequestStepOutput(token_ids=[])
+        if self.proposer is not None:
+            for sr, out in zip(plan.scheduled, per_req):
+                if out is not None:
+                    self.proposer.policy.observe(sr.request.request_id, out.num_draft_tokens,
+                                                 out.num_accepted_tokens)
+            self._propose(plan, per_req, hb, ids, pos, hidden, aux, meta, result)
+        return result
+
+    def _propose(self, plan, per_req, hb, ids, pos, hidden, aux, meta, result) -> None:
+        """Ask the proposer for the next drafts of every request that committed a token."""
+        qsl = hb.query_start_loc
+        reqs, committed, starts, ends, last_rows, ks = [], [], [], [], [], []
+        next_ids = np.empty_like(hb.input_ids)
+        for i, (sr, out) in enumerate(zip(plan.scheduled, per_req)):
+            req = sr.request
+            a, b = int(qsl[i]), int(qsl[i + 1])
+            new = out.token_ids if out is not None else []
+            full = req.all_token_ids + new
+            s = sr.num_computed_tokens
+            # Token at position p+1 for rows p = s..s+n-1 (committed ones; the rest is filler).
+            nxt = full[s + 1:s + 1 + (b - a)]
+            nxt = nxt + [0] * ((b - a) - len(nxt))
+            next_ids[a:b] = nxt
+            reqs.append(req)
+            committed.append(full)
+            starts.append(a)
+            ends.append(b)
+            if out is not None and new:
+                # Last committed-next row: the row of position len(full) - 2.
+                last_rows.append(a + (len(full) - 2 - s))
+                ks.append(self.draft_length(req, len(plan.scheduled), len(full)))
+            else:
+                last_rows.append(-1)
+                ks.append(0)
+        batch = DraftBatch(requests=reqs, committed=committed, row_start=starts, row_end=ends,
+                           last_row=last_rows, positions=pos,
+                           next_token_ids=torch.from_numpy(next_ids).to(self.device),
+                           hidden=hidden, aux_hidden=aux, meta=meta,
+                           block_ids=[sr.block_ids for sr in plan.scheduled])
+        try:
+            drafts = self.proposer.propose(batch, ks)
+        except Exception:  # a drafter bug must not take the engine down: go on without drafts
+            if not getattr(self, "_proposer_failed", False):
+                log.exception("the drafter raised; continuing without drafts for this step")
+                self._proposer_failed = True
+            return
+        for sr, d, k in zip(plan.scheduled, drafts, ks):
+            if k > 0 and d:
+                result.outputs[sr.request.request_id].next_draft_token_ids = list(d[:k])
+
+    def draft_length(self, req, batch_size: int, num_committed: int) -> int:
+        """Drafts to propose for req: the policy's k, never past max_tokens or the context.
+
+        The next step emits up to k + 1 tokens, so k <= tokens left - 1.
+        """
+        k = self.proposer.draft_length(req, batch_size)
+        params = req.sampling_params
+        left = req.max_model_len - num_committed - 1
+        if params.max_tokens is not None:
+            num_out = num_committed - req.num_prompt_tokens
+            left = min(left, params.max_tokens - num_out - 1)
+        return max(0, min(k, left))

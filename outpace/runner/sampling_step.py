@@ -1,0 +1,149 @@
+"""Sampling and verification of one step's logits, per request.
+
+Row layout: a sampled request contributes 1 + d logits rows, where d = its number of drafts
+(row j = the position after the j-th draft). Every row gets the request's own sampling
+processing (penalties over the history up to that row, temperature, top-k/p, min-p), so a draft
+position is judged by exactly the distribution a non-speculative step would sample from.
+
+    no drafts  -> sample (greedy argmax or seeded exponential race)
+    greedy     -> strict prefix match (greedy_verify_batched)
+    sampling   -> lossless rejection sampling (rejection_verify_batched)
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from outpace.sample.logits_processing import SamplingRow, process_logits
+from outpace.sample.sampler import Sampler, make_generator, probs_from_processed
+from outpace.spec.verify import (draw_verify_randomness, greedy_verify_batched,
+                                 rejection_verify_batched)
+from outpace.types import RequestStepOutput
+
+
+class SamplingStep:
+    def __init__(self, device: torch.device, seed: int = 0):
+        self.device = device
+        self.sampler = Sampler(seed=seed)
+        self._generators: dict = {}  # request_id -> torch.Generator (seeded requests only)
+        # Benchmarks only (lossy): accept floor(mean - 1 + U) drafts regardless of the target,
+        # so a random head can stand in for a trained one at a chosen mean acceptance length.
+        self.force_accept_mean: Optional[float] = None
+
+    def release(self, request_id: str) -> None:
+        self._generators.pop(request_id, None)
+
+    def _generator(self, req) -> Optional[torch.Generator]:
+        seed = req.sampling_params.seed
+        if seed is None:
+            return None
+        gen = self._generators.get(req.request_id)
+        if gen is None:
+            gen = self._generators[req.request_id] = make_generator(seed, self.device)
+        return gen
+
+    def run(self, plan, logits: torch.Tensor, draft_probs: Optional[dict] = None) -> list:
+        """logits [N, V] in row order -> list (one per scheduled request) of RequestStepOutput,
+        None for requests that sampled nothing (mid-prompt chunks)."""
+        rows, groups = [], []  # groups: (index in plan, first row, num drafts)
+        for i, sr in enumerate(plan.scheduled):
+            if not sr.sample:
+                continue
+            req, drafts = sr.request, sr.draft_token_ids
+            hist, gen = req.all_token_ids, self._generator(req)
+            groups.append((i, len(rows), len(drafts)))
+            for j in range(len(drafts) + 1):
+                rows.append(SamplingRow(req.sampling_params, hist + drafts[:j],
+                                        req.num_prompt_tokens, gen))
+        outputs = [None] * len(plan.scheduled)
+        if not rows:
+            return outputs
+        processed = process_logits(logits, rows)  # [N, V]
+        emitted: dict = {}  # plan index -> (tokens, num_accepted)
+
+        plain = [g for g in groups if g[2] == 0]
+        if plain:
+            idx = [g[1] for g in plain]
+            toks = self.sampler.sample_processed(processed[idx], [rows[r] for r in idx])
+            for g, t in zip(plain, toks.tolist()):  # sync-ok: the step's output copy
+                emitted[g[0]] = ([t], 0)
+        spec = [g for g in groups if g[2] > 0]
+        greedy = [g for g in spec if rows[g[1]].is_greedy]
+        random = [g for g in spec if not rows[g[1]].is_greedy]
+        if greedy:
+            self._verify(plan, greedy, processed, rows, emitted, greedy_mode=True)
+        if random:
+            self._verify(plan, random, processed, rows, emitted, greedy_mode=False,
+                         draft_probs=draft_probs)
+
+        for g in groups:
+            i, first, nd = g
+            toks, acc = emitted[i]
+            out = RequestStepOutput(token_ids=toks, num_draft_tokens=nd, num_accepted_tokens=acc)
+            if plan.scheduled[i].request.sampling_params.logprobs is not None:
+                out.logprobs = self._logprobs(logits, first, toks,
+                                              plan.scheduled[i].request.sampling_params.logprobs)
+            outputs[i] = out
+        return outputs
+
+    def _verify(self, plan, groups, processed, rows, emitted, greedy_mode, draft_probs=None):
+        dev = processed.device
+        kmax = max(g[2] for g in groups)
+        # [B, kmax+1] row indices; positions past a request's drafts repeat its last row.
+        index = torch.tensor([[g[1] + min(j, g[2]) for j in range(kmax + 1)] for g in groups],
+                             device=dev)
+        drafts = torch.tensor([plan.scheduled[g[0]].draft_token_ids + [-1] * (kmax - g[2])
+                               for g in groups], dtype=torch.long, device=dev)
+        num_drafts = torch.tensor([g[2] for g in groups], device=dev)
+        if greedy_mode:
+            target_argmax = processed.argmax(dim=-1)[index]  # [B, kmax+1]
+            out, acc = greedy_verify_batched(target_argmax, drafts, num_drafts)
+        else:
+            probs = probs_from_processed(processed)[index]  # [B, kmax+1, V]
+            q = None
+            if draft_probs:
+                q = torch.zeros(len(groups), kmax, probs.shape[-1], device=dev)
+                for b, g in enumerate(groups):
+                    dp = draft_probs.get(plan.scheduled[g[0]].request.request_id)
+                    if dp is None:  # a deterministic drafter for this request: one-hot q
+                        q[b, torch.arange(g[2]), drafts[b, :g[2]]] = 1.0
+                    else:
+                        q[b, :g[2]] = dp[:g[2]]
+            gens = [rows[g[1]].generator for g in groups]
+            uniforms, noise = draw_verify_randomness(gens, kmax, probs.shape[-1], dev,
+                                                     self.sampler.default_generator(dev))
+            out, acc = rejection_verify_batched(probs, drafts, q, num_drafts, uniforms, noise)
+        if self.force_accept_mean is not None:
+            out, acc = self._force_accept(processed, index, drafts, num_drafts)
+        out_l, acc_l = out.tolist(), acc.tolist()  # sync-ok: the step's output copy
+        for g, o, a in zip(groups, out_l, acc_l):
+            emitted[g[0]] = (o[:a + 1], a)
+
+    def _force_accept(self, processed, index, drafts, num_drafts):
+        """Accept a random count with mean force_accept_mean - 1 (stochastic rounding, drawn on
+        the device), then the target's greedy token at the first unaccepted position."""
+        b = drafts.shape[0]
+        u = torch.rand(b, device=drafts.device)
+        acc = torch.minimum((self.force_accept_mean - 1.0 + u).floor().long().clamp(min=0),
+                            num_drafts)
+        target = processed.argmax(dim=-1)[index]  # [B, k+1]
+        out = torch.cat([drafts, torch.full_like(drafts[:, :1], -1)], dim=1)
+        out.scatter_(1, acc.unsqueeze(1), target.gather(1, acc.unsqueeze(1)))
+        return out, acc
+
+    @staticmethod
+    def _logprobs(logits, first_row: int, tokens: list, n: int) -> list:
+        """Raw logprobs (vLLM's default) of each emitted token and the top-n at its row."""
+        lp = torch.log_softmax(logits[first_row:first_row + len(tokens)].float(), dim=-1)
+        chosen = lp.gather(1, torch.tensor(tokens, device=lp.device).unsqueeze(1)).squeeze(1)
+        result = []
+        top_v, top_i = (lp.topk(n, dim=-1) if n > 0 else (None, None))
+        chosen_l = chosen.tolist()  # sync-ok: logprobs are part of the output copy
+        for j in range(len(tokens)):
+            top = {}
+            if n > 0:
+                top = dict(zip(top_i[j].tolist(), top_v[j].tolist()))  # sync-ok
+            result.append((chosen_l[j], top))
+        return result

@@ -1,0 +1,303 @@
+"""FCFS continuous batching with chunked prefill, preemption by recompute, and lookahead.
+
+One step (schedule):
+  1. decodes of running requests, oldest first: 1 token + the request's drafts (trimmed so the
+     step can't run past max_tokens or the context), with lookahead slots for the draft KV;
+  2. unfinished prefills of running requests (chunked to the budget left);
+  3. admission of waiting requests (front first) while the budget, max_num_seqs and the pool
+     allow; skipped in a step that preempted, so a victim isn't re-admitted at once.
+All share max_num_batched_tokens. When a running request can't get its blocks, the most recently
+arrived running request is preempted (possibly itself): its blocks are freed, it goes back to the
+front of the waiting queue and, when resumed, recomputes prompt + outputs as one prefill (the
+prefix cache may serve part of it); its next sampled token continues its output.
+
+num_computed_tokens advances in schedule() by everything scheduled, drafts included; update()
+rolls back the rejected drafts, so afterwards a decoding request has exactly
+num_computed_tokens == num_tokens - 1 (the last sampled token has no KV yet).
+
+Context limit: a request may not grow past what the whole pool holds for it alone (less the
+lookahead), so a request running alone can always get its blocks and preemption never loops.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Optional
+
+from outpace.config import SchedulerConfig
+from outpace.errors import ConfigError, InvalidRequestError, QueueFullError
+from outpace.kvcache.manager import KVCacheManager
+from outpace.types import (Request, RequestStatus, ScheduledRequest, StepPlan, StepResult)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Step:
+    budget: int
+    scheduled: dict = field(default_factory=dict)  # request_id -> ScheduledRequest, in order
+    preempted: list = field(default_factory=list)  # request ids
+
+
+class Scheduler:
+    def __init__(self, cfg: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
+                 num_lookahead_tokens: int = 0, block_size: int = 16):
+        if block_size != kv.block_size:
+            raise ConfigError(f"scheduler block_size {block_size} differs from the KV cache's "
+                              f"{kv.block_size}; build both from one CacheConfig")
+        self.cfg = cfg
+        self.kv = kv
+        self.max_model_len = max_model_len
+        self.num_lookahead_tokens = num_lookahead_tokens
+        self.block_size = block_size
+        # The manager caps lookahead at max_model_len, so only a pool smaller than one
+        # max-length request shortens the context (see the module docstring).
+        cap = kv.capacity_tokens
+        self.max_len = max_model_len if max_model_len <= cap else cap - num_lookahead_tokens
+        if self.max_len < 2:
+            raise ConfigError(
+                f"the KV pool holds {cap} tokens, too few for any request with "
+                f"{num_lookahead_tokens} lookahead tokens; give the KV cache more memory")
+        self.waiting: deque = deque()
+        self.running: list = []  # arrival order: running[-1] is the first preemption victim
+        self._requests: dict = {}  # request_id -> Request, waiting or running
+        self._order: dict = {}  # request_id -> arrival number (FCFS order)
+        self._counter = itertools.count()
+        self._finished_pending: list = []  # finished inside schedule(); reported by update()
+
+    # ---- queue ----------------------------------------------------------------------------
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests) or bool(self._finished_pending)
+
+    def get_request(self, request_id: str) -> Optional[Request]:
+        return self._requests.get(request_id)
+
+    def _max_len(self, req: Request) -> int:
+        return min(self.max_len, req.max_model_len)
+
+    def add_request(self, request: Request) -> None:
+        rid = request.request_id
+        if rid in self._requests:
+            raise InvalidRequestError(f"request id {rid!r} is already in use; use a new id")
+        limit = self.cfg.max_waiting_requests
+        if limit is not None and len(self.waiting) >= limit:
+            raise QueueFullError(f"{len(self.waiting)} requests are waiting (the bound is "
+                                 f"max_waiting_requests={limit}); retry later")
+        n = request.num_tokens
+        if n == 0:
+            raise InvalidRequestError("the prompt is empty; give at least one token")
+        max_len = self._max_len(request)
+        if n >= max_len:
+            why = ("the KV pool" if max_len < min(self.max_model_len, request.max_model_len)
+                   else "max_model_len")
+            raise InvalidRequestError(
+                f"the prompt has {n} tokens but at most {max_len - 1} fit ({why} allows "
+                f"{max_len} tokens of prompt and output); shorten the prompt"
+                + (" or give the KV cache more memory" if why == "the KV pool" else
+                   " or raise max_model_len"))
+        request.status = RequestStatus.WAITING
+        self._order[rid] = next(self._counter)
+        self._requests[rid] = request
+        self.waiting.append(request)
+
+    def finish_request(self, request_id: str, status: RequestStatus,
+                       stop_reason=None) -> Optional[Request]:
+        """End a waiting or running request now (stop string, abort); frees its blocks."""
+        if not status.finished:
+            raise ValueError(f"finish_request needs a finished status, got {status}")
+        req = self._requests.get(request_id)
+        if req is None:
+            return None
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        self.kv.free(req)
+        req.status = status
+        req.stop_reason = stop_reason
+        req.spec_token_ids = []
+        del self._requests[request_id]
+        del self._order[request_id]
+        return req
+
+    def abort_request(self, request_id: str) -> Optional[Request]:
+        return self.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+
+    # ---- schedule -------------------------------------------------------------------------
+    def schedule(self) -> StepPlan:
+        step = _Step(budget=self.cfg.max_num_batched_tokens)
+        RUNNING = RequestStatus.RUNNING
+        for req in list(self.running):  # 1. decodes
+            if step.budget <= 0:
+                break
+            if req.status is not RUNNING or req.num_tokens - req.num_computed_tokens != 1:
+                continue
+            drafts = self._drafts_for(req, step.budget)
+            self._schedule_running(req, 1 + len(drafts), drafts, True, step)
+        for req in list(self.running):  # 2. unfinished prefills (chunked)
+            if step.budget <= 0:
+                break
+            if req.status is not RUNNING or req.request_id in step.scheduled:
+                continue
+            remaining = req.num_tokens - req.num_computed_tokens
+            if remaining <= 1:
+                continue  # a decode the budget had no room for
+            n = self._chunk(remaining, step.budget)
+            if n:
+                self._schedule_running(req, n, [], n == remaining, step)
+        if not step.preempted:  # 3. admission
+            self._admit(step)
+        return StepPlan(scheduled=list(step.scheduled.values()), preempted_ids=step.preempted)
+
+    def _drafts_for(self, req: Request, budget: int) -> list:
+        """The request's drafts, trimmed so this step emits no token past its limits."""
+        spec = req.spec_token_ids
+        if not spec:
+            return []
+        left = self._max_len(req) - req.num_tokens
+        max_tokens = req.sampling_params.max_tokens
+        if max_tokens is not None:
+            left = min(left, max_tokens - len(req.output_token_ids))
+        k = min(len(spec), left - 1, budget - 1)  # k drafts emit up to k + 1 tokens
+        return list(spec[:k]) if k > 0 else []
+
+    def _chunk(self, remaining: int, budget: int) -> int:
+        """Prefill tokens to schedule now; 0 means wait for a step with more room."""
+        if remaining <= budget:
+            return remaining
+        if self.cfg.enable_chunked_prefill or remaining > self.cfg.max_num_batched_tokens:
+            return budget  # (chunking off: a prefill longer than any step is chunked anyway)
+        return 0
+
+    def _schedule_running(self, req: Request, n: int, drafts: list, sample: bool,
+                          step: _Step) -> None:
+        lookahead = self.num_lookahead_tokens if sample else 0
+        while not self.kv.allocate_slots(req, n, lookahead):
+            victim = self.running[-1]
+            if victim is req and len(self.running) == 1:
+                # Alone and still too big: can't happen while max_len respects the pool;
+                # end it rather than loop.
+                self._finish_for_capacity(req)
+                return
+            self._preempt(victim, step)
+            if victim is req:
+                return
+        self._add(req, n, drafts, sample, step)
+
+    def _admit(self, step: _Step) -> None:
+        while self.waiting and step.budget > 0 and len(self.running) < self.cfg.max_num_seqs:
+            req = self.waiting[0]
+            cached = self.kv.get_computed_blocks(req)
+            req.num_computed_tokens = cached
+            remaining = req.num_tokens - cached
+            n = self._chunk(remaining, step.budget)
+            sample = n == remaining
+            lookahead = self.num_lookahead_tokens if sample else 0
+            if n == 0 or not self.kv.allocate_slots(req, n, lookahead):
+                self.kv.free(req)  # gives back the touched prefix blocks
+                req.num_computed_tokens = 0
+                break  # FCFS: nobody overtakes the head of the queue
+            self.waiting.popleft()
+            if req.status is RequestStatus.WAITING:  # first admission (not a resume)
+                req.num_cached_tokens = cached
+            req.status = RequestStatus.RUNNING
+            order = self._order
+            bisect.insort(self.running, req, key=lambda r: order[r.request_id])
+            self._add(req, n, [], sample, step)
+
+    def _add(self, req: Request, n: int, drafts: list, sample: bool, step: _Step) -> None:
+        step.scheduled[req.request_id] = ScheduledRequest(
+            request=req, num_computed_tokens=req.num_computed_tokens, num_new_tokens=n,
+            draft_token_ids=drafts, sample=sample)
+        req.num_computed_tokens += n
+        step.budget -= n
+
+    def _preempt(self, req: Request, step: _Step) -> None:
+        self.running.remove(req)
+        self.kv.free(req)
+        undone = step.scheduled.pop(req.request_id, None)  # scheduled earlier in this step
+        if undone is not None:
+            step.budget += undone.num_new_tokens
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.spec_token_ids = []
+        req.num_preemptions += 1
+        self.waiting.appendleft(req)
+        step.preempted.append(req.request_id)
+
+    def _finish_for_capacity(self, req: Request) -> None:
+        log.warning("request %s needs more KV blocks than the whole pool holds; ending it with "
+                    "finish_reason 'length'", req.request_id)
+        self.finish_request(req.request_id, RequestStatus.FINISHED_LENGTH)
+        self._finished_pending.append(req)
+
+    # ---- update ---------------------------------------------------------------------------
+    def update(self, plan: StepPlan, result: StepResult) -> list:
+        """Commit one step's results; returns the requests that got tokens or finished."""
+        progressed, self._finished_pending = self._finished_pending, []
+        for s in plan.scheduled:
+            req = s.request
+            rid = req.request_id
+            if self._requests.get(rid) is not req or req.status is not RequestStatus.RUNNING:
+                continue  # aborted or finished (stop string) since schedule()
+            out = result.outputs.get(rid)
+            tokens = out.token_ids if out is not None else []
+            num_draft = len(s.draft_token_ids)
+            num_accepted = out.num_accepted_tokens if out is not None else 0
+            expected = num_accepted + 1 if s.sample else 0
+            if not 0 <= num_accepted <= num_draft or len(tokens) != expected:
+                raise RuntimeError(
+                    f"runner output for {rid} is inconsistent: {len(tokens)} tokens, "
+                    f"{num_accepted} of {num_draft} drafts accepted, sample={s.sample}")
+            req.num_computed_tokens -= num_draft - num_accepted  # rejected drafts' KV is dead
+            req.spec_stats.record(num_draft, num_accepted)
+            self._append(req, tokens, out.logprobs if out is not None else None)
+            # Tokens after a stop token were dropped, so cache only what is still the sequence.
+            self.kv.cache_committed(req, min(req.num_computed_tokens, req.num_tokens))
+            if req.is_finished:
+                self.running.remove(req)
+                self.kv.free(req)
+                req.spec_token_ids = []
+                del self._requests[rid]
+                del self._order[rid]
+                progressed.append(req)
+            else:
+                req.spec_token_ids = list(out.next_draft_token_ids) if out is not None else []
+                if tokens:
+                    progressed.append(req)
+        return progressed
+
+    def _append(self, req: Request, tokens: list, logprobs: Optional[list]) -> None:
+        """Append tokens one by one, stopping at the first that ends the request."""
+        sp = req.sampling_params
+        max_len = self._max_len(req)
+        for i, t in enumerate(tokens):
+            req.output_token_ids.append(t)
+            if logprobs is not None and i < len(logprobs):
+                req.output_logprobs.append(logprobs[i])
+            if req.first_token_time is None:
+                req.first_token_time = time.monotonic()
+            if t in sp.stop_token_ids:
+                req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, t
+            elif not sp.ignore_eos and t in req.eos_token_ids:
+                req.status = RequestStatus.FINISHED_STOPPED  # stop_reason None: EOS (as vLLM)
+            elif sp.max_tokens is not None and len(req.output_token_ids) >= sp.max_tokens:
+                req.status = RequestStatus.FINISHED_LENGTH
+            elif req.num_tokens >= max_len:
+                req.status = RequestStatus.FINISHED_LENGTH
+            else:
+                continue
+            return

@@ -1,0 +1,58 @@
+"""Proposer lifecycle shared by every drafting method.
+
+    begin(request)        the request was admitted (build per-request state)
+    propose(batch)  ->    drafts for every request that committed tokens this step
+    finish(request_id)    the request finished or was aborted (drop its state)
+
+A proposer runs inside the runner's step, right after the target forward and verification, so
+neural heads can read the target's hidden states of that very step (one-model speculation).
+Proposers that keep KV (EAGLE-3, MTP) declare `num_kv_layers`: the runner adds that many layer
+slots to the target's KV pool (the draft KV plane) and tells the proposer where they start.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+
+@dataclass
+class DraftBatch:
+    """What the runner hands a proposer after the target forward of a step.
+
+    Rows are the target's rows of this step (all scheduled requests packed). For request i,
+    rows row_start[i]..row_end[i]-1 hold positions pos..; `next_token_ids[r]` is the token at
+    position(r)+1 when known (prompt token or a committed token), anything otherwise; the entry
+    `last_row[i]` is the row of the last position whose next token is committed (the row whose
+    head output predicts the first draft); -1 when the request sampled nothing this step.
+    """
+
+    requests: list  # [Request] every scheduled request, in row order
+    committed: list  # [list[int]] all committed token ids per request after this step
+    row_start: list  # [B]
+    row_end: list  # [B]
+    last_row: list  # [B]
+    positions: Optional[torch.Tensor] = None  # [T]
+    next_token_ids: Optional[torch.Tensor] = None  # [T]
+    hidden: Optional[torch.Tensor] = None  # [T, H] target output (after the final norm)
+    aux_hidden: list = field(default_factory=list)  # [T, H] per captured layer
+    meta: object = None  # AttentionMetadata of the target forward
+    block_ids: list = field(default_factory=list)  # [B] block tables
+
+
+class Proposer(ABC):
+    num_kv_layers: int = 0  # draft KV layer slots this proposer needs in the pool
+    capture_layers: tuple = ()  # target layers whose hidden states it reads
+
+    def begin(self, request) -> None:
+        pass
+
+    @abstractmethod
+    def propose(self, batch: DraftBatch, k: list) -> list:
+        """k[i]: drafts wanted for request i (0: none). Returns list[list[int]] (may be shorter)."""
+
+    def finish(self, request_id: str) -> None:
+        pass

@@ -1,0 +1,31 @@
+"""EAGLE-3 proposer: fuse three captured target layers, then chain-draft with one layer.
+
+The target exposes the residual stream after layers (1, L/2-1, L-4) (or the head config's ids)
+for every row of the step; `fc` fuses them into the head's input hidden (DESIGN idea 6). Drafts
+come from the head's reduced vocabulary, mapped to target ids by `d2t`.
+"""
+
+from __future__ import annotations
+
+from outpace.spec.head_proposer import HeadProposer
+
+
+class Eagle3Proposer(HeadProposer):
+    def __init__(self, spec, policy, target, model_cfg, runner_cfg):
+        super().__init__(policy, target, spec.options)
+        from outpace.models.draft_loader import load_draft_head
+        self.head = load_draft_head("eagle3", spec.model, model_cfg,
+                                    first_layer_slot=model_cfg.num_hidden_layers,
+                                    dtype=runner_cfg.torch_dtype, device=runner_cfg.device)
+        self.num_kv_layers = 1
+        self.capture_layers = tuple(self.head.aux_layer_ids)
+
+    def first_hidden(self, batch):
+        return self.head.fuse(batch.aux_hidden)  # 3 x [T, H] -> [T, H]
+
+    def step(self, hidden, input_ids, positions, ctx):
+        return self.head(hidden, input_ids, positions, ctx, embed_fn=self.target.embed_tokens)
+
+    def draft_ids(self, hidden):
+        logits = self.head.compute_draft_logits(hidden)  # [N, draft_vocab]
+        return self.head.draft_to_target(logits.argmax(dim=-1))

@@ -1,0 +1,120 @@
+"""Chain drafting with a one-layer head whose KV lives in the target's pool (EAGLE-3, MTP).
+
+Roll-by-one (DESIGN idea 2): the draft KV entry at position q is computed from the target's
+hidden at q and the token at q+1. Each step has two phases:
+
+  first pass   the head runs over *every* target row of the step (prefill chunks and verify
+               blocks alike), with input token = token at position+1. Rows whose next token is
+               committed write exact entries; rows past the accepted prefix write filler that
+               the draft loop or the next step overwrites before anyone reads it.
+  draft loop   for a request with frontier f (committed length), the first pass's row at
+               f-2 predicts draft 1 (the token at f). Draft step j >= 1 runs one row at
+               position f-2+j with the head's previous output as hidden and draft j as token,
+               and predicts draft j+1. It writes draft KV up to f+k-3 = p+a+k-1 <= p+2k-1,
+               the lookahead the scheduler reserved (DESIGN idea 3).
+
+    positions:  ... f-3  f-2 | f-1      f       f+1 ...
+    tokens:     ...  c    c  |  x(c)   d1      d2
+    first pass: exact entries up to f-2 (token at f-1 = x is committed)
+    draft loop:            j=1 at f-1 (token d1) -> d2;  j=2 at f (token d2) -> d3 ...
+
+The invariant "entries below the first row of a step are exact" holds by induction, which is
+why a rejected draft needs no rewind. The draft loop uses its own input buffers, so nothing the
+target's step shares is touched (DESIGN idea 8).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from outpace.attention.base import ForwardContext
+from outpace.runner.inputs import InputBuffers, build_host_batch
+from outpace.spec.base import DraftBatch, Proposer
+from outpace.spec.draft_length import DraftLengthPolicy
+
+
+class HeadProposer(Proposer):
+    """Subclasses define first_hidden(batch), step(hidden, ids, pos, ctx) and logits_to_ids."""
+
+    def __init__(self, policy: DraftLengthPolicy, target, options: dict):
+        self.policy = policy
+        self.target = target
+        self.runner = None
+        self.enhancer = None
+        min_match = options.get("enhancer_min_match")
+        if min_match:
+            from outpace.spec.model_free import SuffixProposer
+            self.enhancer = SuffixProposer(DraftLengthPolicy(policy.k), options)
+            self.enhancer_min_match = int(min_match)
+
+    def bind(self, runner) -> None:
+        self.runner = runner
+        self.block_size = runner.block_size
+        self.loop_inputs = InputBuffers(runner.inputs.max_seqs, runner.inputs.max_seqs,
+                                        runner.inputs.max_blocks, runner.device)
+
+    def draft_length(self, req, batch_size: int) -> int:
+        return self.policy(req.request_id, batch_size)
+
+    def begin(self, request) -> None:
+        if self.enhancer is not None:
+            self.enhancer.begin(request)
+
+    def finish(self, request_id: str) -> None:
+        self.policy.forget(request_id)
+        if self.enhancer is not None:
+            self.enhancer.finish(request_id)
+
+    # ---- subclass hooks -------------------------------------------------------------------
+    def first_hidden(self, batch: DraftBatch) -> torch.Tensor:  # [T, H]
+        raise NotImplementedError
+
+    def step(self, hidden, input_ids, positions, ctx) -> torch.Tensor:  # -> [T, H]
+        raise NotImplementedError
+
+    def draft_ids(self, hidden) -> torch.Tensor:  # [N, H] -> [N] target token ids (greedy)
+        raise NotImplementedError
+
+    # ---- the two phases -------------------------------------------------------------------
+    def propose(self, batch: DraftBatch, k: list) -> list:
+        ctx = ForwardContext(self.runner.backend, batch.meta)
+        h = self.step(self.first_hidden(batch), batch.next_token_ids, batch.positions, ctx)
+        active = [i for i, ki in enumerate(k) if ki > 0 and batch.last_row[i] >= 0]
+        drafts = [[] for _ in k]
+        if not active:
+            return drafts
+        rows = torch.tensor([batch.last_row[i] for i in active], device=h.device)
+        h = h.index_select(0, rows)  # [A, H]: head output at each request's position f-2
+        tok = self.draft_ids(h)  # [A] draft 1
+        record = [(list(active), tok)]
+        for j in range(1, max(k[i] for i in active)):
+            keep = [n for n, i in enumerate(active) if k[i] > j]
+            if len(keep) < len(active):  # requests that have all their drafts drop out
+                sel = torch.tensor(keep, device=h.device)
+                h, tok = h.index_select(0, sel), tok.index_select(0, sel)
+                active = [active[n] for n in keep]
+            loop_rows = [([0], len(batch.committed[i]) - 2 + j, batch.block_ids[i], [0])
+                         for i in active]
+            _, pos, _, meta = self.loop_inputs.load(build_host_batch(loop_rows, self.block_size))
+            h = self.step(h, tok, pos, ForwardContext(self.runner.backend, meta))
+            tok = self.draft_ids(h)
+            record.append((list(active), tok))
+        flat = torch.cat([t for _, t in record]).tolist()  # sync-ok: the drafts are step output
+        at = 0
+        for idxs, _ in record:
+            for i in idxs:
+                drafts[i].append(flat[at])
+                at += 1
+        return self._enhance(batch, drafts, k)
+
+    def _enhance(self, batch: DraftBatch, drafts: list, k: list) -> list:
+        """Suffix enhancer: a long enough suffix match replaces the head's drafts."""
+        if self.enhancer is None:
+            return drafts
+        for i, (req, committed) in enumerate(zip(batch.requests, batch.committed)):
+            if k[i] <= 0:
+                continue
+            toks, match_len = self.enhancer.match(req, committed, k[i])
+            if toks and match_len >= self.enhancer_min_match:
+                drafts[i] = toks[:k[i]]
+        return drafts

@@ -1,0 +1,148 @@
+"""Tokenizer: a thin wrapper over a transformers tokenizer (HF folder or GGUF metadata).
+
+Building a tokenizer from GGUF metadata takes transformers ~5 s (it converts 49k tokens and
+merges to a fast tokenizer); loading the saved result takes ~0.3 s. So the first load of a GGUF
+saves the converted tokenizer under <cache>/tokenizers/<key>, keyed by the hash of the GGUF's
+metadata section (which holds the vocabulary and chat template) and the transformers version.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+from outpace.errors import InvalidRequestError, ModelLoadError
+
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model",
+                    "tokenizer.tiktoken")
+
+
+def _flatten_content(content, i: int) -> str:
+    """OpenAI content: a string, or a list of {"type": "text", "text": ...} parts."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(
+            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+            for p in content):
+        return "".join(p["text"] for p in content)
+    raise InvalidRequestError(
+        f"messages[{i}].content must be a string or a list of text parts; images and other "
+        "content types are not supported")
+
+
+class Tokenizer:
+    def __init__(self, hf_tokenizer, model_eos_ids=()):
+        self.hf = hf_tokenizer
+        eos = [] if hf_tokenizer.eos_token_id is None else [hf_tokenizer.eos_token_id]
+        self.eos_token_ids: tuple = tuple(dict.fromkeys([*eos, *model_eos_ids]))
+
+    # ---- construction -------------------------------------------------------------------
+
+    @classmethod
+    def load(cls, path, model_eos_ids=()) -> "Tokenizer":
+        """From an HF model folder or a .gguf file."""
+        path = Path(path)
+        if path.is_dir():
+            return cls.from_folder(path, model_eos_ids)
+        return cls.from_gguf(path, model_eos_ids)
+
+    @classmethod
+    def from_folder(cls, folder, model_eos_ids=()) -> "Tokenizer":
+        from transformers import AutoTokenizer
+        need = "the folder needs tokenizer.json (or tokenizer.model / vocab.json) from the model"
+        # transformers >= 5 quietly builds an empty tokenizer when the files are absent
+        if not any((Path(folder) / n).is_file() for n in _TOKENIZER_FILES):
+            raise ModelLoadError(f"{folder} has no tokenizer files; {need}")
+        try:
+            hf = AutoTokenizer.from_pretrained(str(folder))
+        except Exception as e:  # transformers raises OSError/ValueError/... for bad files
+            raise ModelLoadError(f"can't load the tokenizer in {folder} ({e}); {need}") from e
+        if len(hf) < 2:
+            raise ModelLoadError(f"the tokenizer in {folder} is empty; {need}")
+        return cls(hf, model_eos_ids)
+
+    @classmethod
+    def from_gguf(cls, path, model_eos_ids=(), cache_key: Optional[str] = None) -> "Tokenizer":
+        """`cache_key`: GGUFFile.metadata_sha256() if the caller has it (saves a parse)."""
+        import transformers
+        from transformers import AutoTokenizer
+        path = Path(path)
+        if cache_key is None:
+            from outpace.models.loader.gguf import GGUFFile
+            cache_key = GGUFFile(path).metadata_sha256()
+        from outpace.models.catalog import cache_dir
+        cached = cache_dir() / "tokenizers" / f"{cache_key[:32]}-tf{transformers.__version__}"
+        if (cached / "tokenizer_config.json").is_file():
+            try:
+                return cls(AutoTokenizer.from_pretrained(str(cached)), model_eos_ids)
+            except Exception:
+                pass  # a damaged cache entry: rebuild it from the GGUF below
+        try:
+            hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        except Exception as e:
+            raise ModelLoadError(f"can't build a tokenizer from the metadata of {path} ({e}); "
+                                 "the GGUF lacks tokenizer.ggml.* keys or uses an unsupported "
+                                 "tokenizer model") from e
+        _save_atomically(hf, cached)
+        return cls(hf, model_eos_ids)
+
+    # ---- API ----------------------------------------------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.hf)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.hf.encode(text, add_special_tokens=add_special_tokens)
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)  # tensors and arrays too
+        return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def convert_ids_to_tokens(self, ids):
+        return self.hf.convert_ids_to_tokens(ids)
+
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True) -> str:
+        """Render chat messages to the prompt text; bad messages raise InvalidRequestError.
+
+        The text already holds the template's special tokens: encode it with
+        add_special_tokens=False, or tokenizers that add a BOS (Llama 3) would add a second one.
+        """
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise InvalidRequestError("messages must be a non-empty list of {role, content}")
+        clean = []
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or "role" not in m:
+                raise InvalidRequestError(f"messages[{i}] must be an object with 'role' and "
+                                          "'content'")
+            if m["role"] not in CHAT_ROLES:
+                raise InvalidRequestError(f"messages[{i}].role {m['role']!r} is invalid; use one "
+                                          f"of {', '.join(CHAT_ROLES)}")
+            clean.append({**m, "content": _flatten_content(m.get("content") or "", i)})
+        if not self.hf.chat_template:
+            raise InvalidRequestError("this model has no chat template; send a plain prompt to "
+                                      "the completions API instead")
+        try:
+            return self.hf.apply_chat_template(clean, tokenize=False,
+                                               add_generation_prompt=add_generation_prompt)
+        except Exception as e:  # jinja2 TemplateError, raise_exception() inside templates
+            raise InvalidRequestError(f"the model's chat template rejected the messages: {e}"
+                                      ) from e
+
+
+def _save_atomically(hf, dest: Path) -> None:
+    """save_pretrained into a temp dir, then rename; a failure only costs the cache."""
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=".tok-"))
+        hf.save_pretrained(str(tmp))
+        try:
+            os.replace(tmp, dest)
+        except OSError:  # another process saved it first
+            import shutil
+            shutil.rmtree(tmp, ignore_errors=True)
+    except OSError:
+        pass  # read-only cache: keep working without it

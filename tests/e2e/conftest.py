@@ -1,0 +1,54 @@
+"""Fixtures of the server tests: a tiny random Llama HF folder and real `outpace serve` processes.
+
+The model folder is built once per session (config.json + model.safetensors + the SmolLM2
+tokenizer with its chat template, taken from the default GGUF). Each server is a subprocess of
+`python -m outpace.entrypoints.cli serve` on a free loopback port, started on first use and kept
+for the session (tests read metric *deltas*, so sharing one is safe when tests run serially).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.server_helpers import API_KEY, GGUF_DIR, GGUF_NAME, ServerProcess, build_tiny_llama
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    if not (GGUF_DIR / GGUF_NAME).exists():
+        pytest.skip(f"{GGUF_DIR / GGUF_NAME} (tokenizer source) is not on this machine")
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny_llama"))
+
+
+@pytest.fixture(scope="session")
+def start_server(tiny_model_dir, tmp_path_factory):
+    """start_server(name, extra_args, api_key) -> ServerProcess, started once per name."""
+    servers: dict = {}
+    log_dir = tmp_path_factory.mktemp("server_logs")
+
+    def start(name: str, extra_args: list, api_key: str | None = None) -> ServerProcess:
+        if name not in servers:
+            srv = ServerProcess(tiny_model_dir, extra_args, log_dir / f"{name}.log", api_key)
+            servers[name] = srv
+            srv.wait_healthy()
+        srv = servers[name]
+        assert srv.proc.poll() is None, f"server {name} died:\n{srv.log_tail()}"
+        return srv
+
+    yield start
+    for srv in servers.values():
+        srv.stop()
+
+
+@pytest.fixture(scope="session")
+def server(start_server) -> ServerProcess:
+    """Plain server with an API key."""
+    return start_server("plain", ["--seed", "0"], api_key=API_KEY)
+
+
+@pytest.fixture(scope="session")
+def spec_server(start_server) -> ServerProcess:
+    """Same model with n-gram speculation (k=3), no API key."""
+    return start_server("spec", ["--seed", "0", "--spec", "ngram", "--k", "3"])

@@ -1,0 +1,243 @@
+"""Triton kernels vs their PyTorch references on CUDA, and CUDA-graph replay of the attention
+backend with new metadata values. Run: python -m pytest tests/gpu -q
+
+Oracles: outpace.attention.torch_ref (attention, KV store), *_ref in outpace.kernels.*; attention
+is compared with the reference run in fp32 on the same (rounded) inputs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+triton = pytest.importorskip("triton")
+
+from outpace.attention.base import AttentionMetadata  # noqa: E402
+from outpace.attention.torch_ref import store_kv as store_kv_ref  # noqa: E402
+from outpace.attention.triton_paged import TritonPagedBackend, paged_attention  # noqa: E402
+from outpace.kernels.norm import (fused_add_rms_norm, fused_add_rms_norm_ref,  # noqa: E402
+                                  rms_norm, rms_norm_ref)
+from outpace.kernels.rope import apply_rope, apply_rope_ref  # noqa: E402
+from outpace.kernels.store_kv import store_kv_triton  # noqa: E402
+from tests.unit.kernel_cases import COMPOSITIONS, check_attention, make_batch  # noqa: E402
+
+DEV = "cuda"
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=2e-3, rtol=2e-3),
+       torch.bfloat16: dict(atol=1e-2, rtol=1e-2)}
+
+
+def _lens(n, lo, hi, seed):
+    r = random.Random(seed)
+    return [r.randint(lo, hi) for _ in range(n)]
+
+
+# Larger batch compositions: (q_len, kv_len) per sequence.
+BIG = {
+    "prefill_long": [(1000, 1000)],
+    "chunk_after_ctx": [(512, 1537), (77, 3001)],
+    "decode_many": [(1, n) for n in _lens(48, 1, 3000, 1)],
+    "verify_many": [(4, n) for n in _lens(12, 4, 2000, 2)] + [(6, n) for n in _lens(5, 6, 900, 3)],
+    "mixed_big": [(300, 700), (1, 1), (1, 2049), (4, 100), (6, 6), (129, 129), (1, 17),
+                  (2, 2001), (64, 64)],
+}
+SMALL = dict(COMPOSITIONS)
+
+
+def _no_host_mirrors(meta):
+    return dataclasses.replace(meta, query_start_loc_host=[], seq_lens_host=[], max_seq_len=1)
+
+
+def _run_attention(seqs, hkv, group, d, dtype, *, splits=None, slack=0, seed=0):
+    b = make_batch(seqs, hkv, group, d, dtype, DEV, pad_seqs=2, pad_tokens=3,
+                   max_query_len=max(q for q, _ in seqs) + slack, seed=seed)
+    scale = d ** -0.5
+    meta = _no_host_mirrors(b.meta)
+    if splits is None:  # the backend's own choice (split-KV when the GPU would idle)
+        backend = TritonPagedBackend(b.kv_cache, hkv * group, hkv, d, scale)
+        out = backend.forward(b.layer, b.q, b.k, b.v, meta)
+    else:
+        store_kv_triton(b.kv_cache, b.layer, b.k, b.v, b.meta.slot_mapping)
+        out = paged_attention(b.q, b.kv_cache, b.layer, meta, scale, num_splits=splits,
+                              min_split_tokens=64)
+    torch.cuda.synchronize()
+    check_attention(b, out, scale)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("group", [1, 3, 4])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("name", sorted(SMALL))
+def test_attention_small(name, d, group, dtype):
+    _run_attention(SMALL[name], 2, group, d, dtype, slack=2, seed=d + 10 * group + len(name))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("group,d", [(1, 128), (3, 64), (4, 128)])
+@pytest.mark.parametrize("name", sorted(BIG))
+def test_attention_big(name, group, d, dtype):
+    _run_attention(BIG[name], 4 if group == 1 else 2, group, d, dtype, seed=len(name))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("splits", [2, 8, 16])
+@pytest.mark.parametrize("name", ["decode_many", "verify_many", "mixed_big"])
+def test_attention_forced_splits(name, splits, dtype):
+    _run_attention(BIG[name], 2, 4, 128, dtype, splits=splits, slack=1, seed=splits)
+
+
+def test_backend_picks_split_kv_for_small_decode():
+    b = make_batch([(1, 2000)], 2, 4, 128, torch.bfloat16, DEV)
+    backend = TritonPagedBackend(b.kv_cache, 8, 2, 128, 128 ** -0.5)
+    assert backend.num_splits_for(b.meta, 8) > 1
+    _run_attention([(1, 2000), (1, 3)], 2, 4, 128, torch.bfloat16, seed=5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_store_kv_padded_rows_write_nothing(dtype):
+    g = torch.Generator(device=DEV).manual_seed(0)
+    blocks, bs, hkv, d, t = 64, 16, 8, 128, 500
+    cache = torch.full((3, 2, blocks, bs, hkv, d), float("nan"), dtype=dtype, device=DEV)
+    slots = torch.randperm((blocks - 1) * bs, device=DEV, generator=g)[:t] + bs
+    slots[::7] = -1
+    fused = torch.randn(t, 3 * hkv, d, device=DEV, generator=g).to(dtype)
+    k, v = fused[:, hkv:2 * hkv], fused[:, 2 * hkv:]  # strided views, as from a qkv split
+    ref = cache.clone()
+    store_kv_ref(ref, 2, k, v, slots)
+    store_kv_triton(cache, 2, k, v, slots)
+    torch.testing.assert_close(cache[:, :, 1:], ref[:, :, 1:], atol=0, rtol=0, equal_nan=True)
+    assert torch.isnan(cache[:, :, 0].float()).all()  # padded rows went nowhere
+    assert torch.isnan(cache[:2].float()).all()  # other layer slots untouched
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(1, 576), (37, 4096), (5, 3, 128), (300, 960)])
+def test_rms_norm(dtype, shape):
+    g = torch.Generator(device=DEV).manual_seed(1)
+    x = (torch.randn(*shape, device=DEV, generator=g) * 3).to(dtype)
+    w = (1 + 0.1 * torch.randn(shape[-1], device=DEV, generator=g)).to(dtype)
+    out = rms_norm(x, w, 1e-6)
+    assert out.dtype == dtype and out.shape == x.shape
+    torch.testing.assert_close(out, rms_norm_ref(x, w, 1e-6), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(3, 576), (64, 4096), (129, 2048)])
+def test_fused_add_rms_norm(dtype, shape):
+    g = torch.Generator(device=DEV).manual_seed(2)
+    x, r = (torch.randn(*shape, device=DEV, generator=g).to(dtype) for _ in range(2))
+    w = torch.randn(shape[-1], device=DEV, generator=g).to(dtype)
+    normed, new_res = fused_add_rms_norm(x, r, w, 1e-5)
+    ref_normed, ref_res = fused_add_rms_norm_ref(x, r, w, 1e-5)
+    torch.testing.assert_close(new_res, ref_res, atol=0, rtol=0)  # rounded exactly as torch adds
+    torch.testing.assert_close(normed, ref_normed, **TOL[dtype])
+
+
+def test_rms_norm_promotes_like_hf():
+    g = torch.Generator(device=DEV).manual_seed(3)
+    x = torch.randn(7, 256, device=DEV, generator=g).bfloat16()
+    w = torch.randn(256, device=DEV, generator=g)
+    out = rms_norm(x, w, 1e-6)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, rms_norm_ref(x, w, 1e-6), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("t,hq,hkv,d", [(300, 9, 3, 64), (77, 32, 8, 128), (1, 4, 1, 64)])
+@pytest.mark.parametrize("layout", ["half", "hf", "signed"])
+def test_rope(dtype, t, hq, hkv, d, layout):
+    g = torch.Generator(device=DEV).manual_seed(4)
+    max_pos = 4096
+    inv = 1.0 / 10000.0 ** (torch.arange(0, d, 2, device=DEV).float() / d)
+    freqs = torch.outer(torch.arange(max_pos, device=DEV).float(), inv)
+    cos, sin = freqs.cos(), freqs.sin()
+    tab_cos, tab_sin = cos, sin
+    if layout == "hf":
+        tab_cos, tab_sin = torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)
+    elif layout == "signed":
+        tab_cos, tab_sin = torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1)
+    pos = torch.randint(0, max_pos, (t,), device=DEV, generator=g)
+    qkv = torch.randn(t, hq + 2 * hkv, d, device=DEV, generator=g).to(dtype)
+    ref = qkv.clone()
+    apply_rope(qkv[:, :hq], qkv[:, hq:hq + hkv], tab_cos, tab_sin, pos)
+    apply_rope_ref(ref[:, :hq], ref[:, hq:hq + hkv], cos, sin, pos)
+    torch.testing.assert_close(qkv, ref, **TOL[dtype])
+    assert torch.equal(qkv[:, hq + hkv:], ref[:, hq + hkv:])
+
+
+# ----------------------------------------------------------------------------- CUDA graphs
+
+# bucket: (num_seqs B, num_tokens T, max_query_len bound, [step compositions, each <= B seqs])
+BUCKETS = {
+    "decode": (4, 4, 1, [[(1, 700), (1, 1), (1, 33)], [(1, 2000), (1, 64), (1, 5), (1, 900)],
+                         [(1, 17)]]),
+    "verify": (8, 32, 4, [[(4, 100), (4, 4), (2, 50)], [(4, 900)] * 8,
+                          [(1, 1), (3, 300), (4, 17), (4, 1000)]]),
+    "mixed": (6, 128, 64, [[(64, 64), (1, 10), (4, 300)], [(40, 1000), (30, 30), (1, 1),
+                                                          (4, 4), (6, 520)], [(1, 2)]]),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("bucket", sorted(BUCKETS))
+def test_cuda_graph_replay_matches_reference(bucket, dtype):
+    """Capture store + attention once, then replay with new metadata values of the same shapes."""
+    num_seqs, num_tokens, bound, steps = BUCKETS[bucket]
+    hkv, group, d = 2, 4, 128
+    shape_kw = dict(num_blocks=600, max_blocks=140, max_query_len=bound)
+
+    def batch(seqs, seed):
+        n = sum(q for q, _ in seqs)
+        return make_batch(seqs, hkv, group, d, dtype, DEV, pad_seqs=num_seqs - len(seqs),
+                          pad_tokens=num_tokens - n, seed=seed, **shape_kw)
+
+    first = batch(steps[0], 0)
+    q, k, v, kv = first.q.clone(), first.k.clone(), first.v.clone(), first.kv_cache.clone()
+    meta = AttentionMetadata(
+        slot_mapping=first.meta.slot_mapping.clone(),
+        query_start_loc=first.meta.query_start_loc.clone(),
+        seq_lens=first.meta.seq_lens.clone(), block_tables=first.meta.block_tables.clone(),
+        max_query_len=bound)  # no host mirrors at all
+    backend = TritonPagedBackend(kv, hkv * group, hkv, d, d ** -0.5)
+    if bucket == "decode":
+        assert backend.num_splits_for(meta, hkv * group) > 1  # the split-KV path is captured too
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile and warm up outside the capture
+        backend.forward(first.layer, q, k, v, meta)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = backend.forward(first.layer, q, k, v, meta)
+
+    for i, seqs in enumerate(steps):
+        b = batch(seqs, 10 + i)
+        for dst, src in ((q, b.q), (k, b.k), (v, b.v), (kv, b.kv_cache),
+                         (meta.slot_mapping, b.meta.slot_mapping),
+                         (meta.query_start_loc, b.meta.query_start_loc),
+                         (meta.seq_lens, b.meta.seq_lens),
+                         (meta.block_tables, b.meta.block_tables)):
+            dst.copy_(src)
+        graph.replay()
+        torch.cuda.synchronize()
+        b.kv_cache = kv  # the pool the graph wrote
+        check_attention(b, out, d ** -0.5)
+
+
+def test_forward_does_not_sync_with_host():
+    b = make_batch(BIG["mixed_big"], 2, 3, 64, torch.bfloat16, DEV)
+    backend = TritonPagedBackend(b.kv_cache, 6, 2, 64, 0.125)
+    meta = _no_host_mirrors(b.meta)
+    backend.forward(b.layer, b.q, b.k, b.v, meta)  # compile first
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        backend.forward(b.layer, b.q, b.k, b.v, meta)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

@@ -1,0 +1,165 @@
+"""GGUF loading: small files written with gguf.GGUFWriter from tiny HF models, and bad files."""
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from outpace.errors import ModelLoadError, UnsupportedModelError
+from outpace.models.loader import load_model_config, locate
+from outpace.models.loader.gguf import GGUFFile, dequantize, load_gguf
+from outpace.models.llama import rope_inv_freq
+from tests.models.helpers import (PagedRunner, hf_logits, hf_with_quantized_weights, tiny_hf,
+                                  write_gguf)
+
+IDS = torch.randint(0, 96, (24,), generator=torch.Generator().manual_seed(5)).tolist()
+
+
+@pytest.fixture(scope="module")
+def hf_llama():
+    return tiny_hf("llama", seed=11)
+
+
+def _ours(path):
+    model, cfg, _ = load_gguf(path, quiet=True)
+    return PagedRunner(model, num_seqs=1).step({0: IDS})[0], cfg
+
+
+@pytest.mark.parametrize("qtype", ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1"])
+def test_llama_gguf_matches_hf(hf_llama, tmp_path, qtype):
+    path = write_gguf(hf_llama, tmp_path / f"m-{qtype}.gguf", qtype)
+    got, cfg = _ours(path)
+    assert cfg.architecture == "llama" and not cfg.tie_word_embeddings
+    # exact: against HF running the very weights the file holds (gguf's numpy dequantizer)
+    ref_q = hf_logits(hf_with_quantized_weights(hf_llama, qtype), IDS)
+    assert (got - ref_q).abs().max().item() <= 1e-4
+    # and close to the unquantized model, within what the quantization costs
+    ref = hf_logits(hf_llama, IDS)
+    rel = ((got - ref).norm() / ref.norm()).item()
+    assert rel <= {"F32": 1e-5, "F16": 5e-3, "BF16": 6e-2, "Q8_0": 6e-2}.get(qtype, 0.6)
+
+
+@pytest.mark.parametrize("family,arch,qtype", [("qwen2", "qwen2", "F32"),
+                                               ("qwen3", "qwen3", "Q8_0"),
+                                               ("smollm2", "llama", "F16")])
+def test_other_families_gguf(tmp_path, family, arch, qtype):
+    hf = tiny_hf(family, seed=12)
+    path = write_gguf(hf, tmp_path / "m.gguf", qtype, arch=arch)
+    got, cfg = _ours(path)
+    assert cfg.architecture == arch
+    assert cfg.tie_word_embeddings == (family == "smollm2")
+    assert cfg.attention_bias == (family == "qwen2") and cfg.qk_norm == (family == "qwen3")
+    ref = hf_logits(hf_with_quantized_weights(hf, qtype), IDS)
+    assert (got - ref).abs().max().item() <= 1e-4
+
+
+def test_llama3_rope_freqs_tensor(tmp_path):
+    # llama.cpp stores Llama 3.1 rope scaling as a rope_freqs tensor of per-frequency divisors
+    hf = tiny_hf("llama3_rope", seed=13)
+    from outpace.config import ModelConfig
+    cfg = ModelConfig.from_hf_dict(hf.config.to_dict())
+    plain = rope_inv_freq(ModelConfig(**{**cfg.__dict__, "rope_scaling": None}))
+    factors = plain / rope_inv_freq(cfg)
+    # every regime is exercised: kept (1), stretched (8) and the blended band between
+    assert factors.min() == 1.0 and factors.max() > 7.99 and ((factors > 1) & (factors < 7)).any()
+    path = write_gguf(hf, tmp_path / "m.gguf", "F32", rope_freqs=factors)
+    got, gcfg = _ours(path)
+    assert gcfg.rope_scaling["rope_type"] == "freq_factors"
+    assert (got - hf_logits(hf, IDS)).abs().max().item() <= 1e-4
+
+
+def test_reader_agrees_with_gguf_reader(hf_llama, tmp_path):
+    path = write_gguf(hf_llama, tmp_path / "m.gguf", "Q8_0")
+    ours, ref = GGUFFile(path), gguf.GGUFReader(path)
+    for key, field in ref.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        v = ours.metadata[key]
+        assert (v.tolist() if isinstance(v, np.ndarray) else v) == pytest.approx(field.contents())
+    assert len(ours.tensors) == len(ref.tensors)
+    for t in ref.tensors:
+        mine = ours.tensors[t.name]
+        assert (mine.offset, mine.nbytes, mine.type_name) == (t.data_offset, t.n_bytes,
+                                                              t.tensor_type.name)
+        ref_bytes = np.asarray(t.data).view(np.uint8).reshape(-1)
+        assert np.array_equal(ours.raw(mine).reshape(-1), ref_bytes)
+
+
+@pytest.mark.parametrize("qtype", ["F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"])
+def test_dequantize_matches_gguf_reference(qtype):
+    qt = gguf.GGMLQuantizationType[qtype]
+    block, size = gguf.GGML_QUANT_SIZES[qt]
+    rows, cols = 6, 2 * 256
+    rng = np.random.default_rng(0)
+    if qtype in ("Q8_0", "Q4_0", "Q4_1", "BF16", "F16"):
+        raw = gguf.quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32), qt)
+    else:  # no K-quant quantizer in gguf-py: random blocks with finite f16 scales
+        raw = rng.integers(0, 256, (rows, cols // block * size), dtype=np.uint8)
+        raw.reshape(rows, -1, size)[..., -4:] = np.frombuffer(
+            np.float16([0.01, -0.002]).tobytes(), np.uint8)
+        if qtype == "Q6_K":
+            raw.reshape(rows, -1, size)[..., -2:] = np.frombuffer(np.float16(0.01).tobytes(),
+                                                                   np.uint8)
+    ref = torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(raw, qt)))
+    got = dequantize(raw, qtype, (rows, cols))
+    assert got.dtype == torch.float32 and got.shape == (rows, cols)
+    assert torch.isfinite(ref).all() and torch.equal(got, ref.reshape(rows, cols))
+
+
+# ---- errors ----------------------------------------------------------------------------------
+
+def test_missing_file(tmp_path):
+    with pytest.raises(ModelLoadError, match="no model at"):
+        locate(tmp_path / "nope.gguf")
+
+
+def test_truncated_gguf(hf_llama, tmp_path):
+    path = write_gguf(hf_llama, tmp_path / "m.gguf", "Q8_0")
+    data = path.read_bytes()
+    for cut in (len(data) - 100, len(data) // 2, 2000, 30, 10, 0):
+        bad = tmp_path / f"cut{cut}.gguf"
+        bad.write_bytes(data[:cut])
+        with pytest.raises(ModelLoadError, match=f"cut{cut}.gguf"):
+            load_gguf(bad, quiet=True)
+
+
+def test_corrupt_gguf(hf_llama, tmp_path):
+    path = write_gguf(hf_llama, tmp_path / "m.gguf", "F32")
+    data = bytearray(path.read_bytes())
+    bad = tmp_path / "garbage.gguf"
+    bad.write_bytes(bytes(data[:24]) + b"\xff" * 200 + bytes(data[224:]))
+    with pytest.raises(ModelLoadError, match="garbage.gguf"):
+        load_gguf(bad, quiet=True)
+    notgguf = tmp_path / "x.gguf"
+    notgguf.write_bytes(b"PK\x03\x04" + bytes(data[4:]))
+    with pytest.raises(ModelLoadError, match="not a GGUF file"):
+        load_model_config(notgguf)
+
+
+def test_unsupported_architecture(hf_llama, tmp_path):
+    path = write_gguf(hf_llama, tmp_path / "m.gguf", "F32", arch="gpt2")
+    with pytest.raises(UnsupportedModelError, match="'gpt2'.*llama"):
+        load_gguf(path, quiet=True)
+
+
+def test_unsupported_tensor_type(hf_llama, tmp_path):
+    q5 = gguf.GGMLQuantizationType.Q5_0
+    path = write_gguf(hf_llama, tmp_path / "m.gguf", "F32",
+                      override_qtype={"blk.1.ffn_up.weight": q5})
+    with pytest.raises(UnsupportedModelError, match="Q5_0"):
+        load_gguf(path, quiet=True)
+
+
+def test_gguf_without_tokenizer_metadata(hf_llama, tmp_path, monkeypatch):
+    from outpace.tokenizer import Tokenizer
+    monkeypatch.setenv("OUTPACE_CACHE", str(tmp_path / "cache"))
+    path = write_gguf(hf_llama, tmp_path / "m.gguf", "F32")
+    with pytest.raises(ModelLoadError, match="tokenizer"):
+        Tokenizer.from_gguf(path)
+
+
+def test_missing_tensor(hf_llama, tmp_path):
+    path = write_gguf(hf_llama, tmp_path / "m.gguf", "F32",
+                      skip=("model.layers.1.mlp.up_proj.weight",))
+    with pytest.raises(ModelLoadError, match=r"model\.layers\.1\.mlp\.up_proj\.weight"):
+        load_gguf(path, quiet=True)

@@ -1,0 +1,74 @@
+"""Our decoder, loaded from a saved HF checkpoint, gives transformers' logits (fp32, CPU)."""
+
+import pytest
+import torch
+
+from outpace.models.loader.safetensors import load_hf_folder
+from tests.models.helpers import PagedRunner, hf_logits, tiny_hf
+
+FAMILIES = ["llama", "llama_bias", "llama3_rope", "mistral", "qwen2", "qwen3", "smollm2"]
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def pair(request, tmp_path_factory):
+    hf = tiny_hf(request.param, seed=FAMILIES.index(request.param))
+    folder = tmp_path_factory.mktemp(request.param)
+    hf.save_pretrained(folder)  # safetensors
+    ours, cfg = load_hf_folder(folder, quiet=True)
+    return request.param, hf, ours, cfg
+
+
+def test_config_matches_family(pair):
+    family, hf, ours, cfg = pair
+    assert cfg.architecture == {"llama_bias": "llama", "llama3_rope": "llama",
+                                "smollm2": "llama"}.get(family, family)
+    assert cfg.tie_word_embeddings == (family == "smollm2")
+    assert cfg.qk_norm == (family == "qwen3")
+    assert (cfg.rope_scaling or {}).get("rope_type") == ("llama3" if family == "llama3_rope"
+                                                         else None)
+    if family == "smollm2":
+        assert ours.lm_head_weight is ours.embed_weight
+
+
+def test_full_prefill(pair):
+    _, hf, ours, cfg = pair
+    ids = torch.randint(0, cfg.vocab_size, (40,), generator=torch.Generator().manual_seed(1))
+    ref, ref_hidden = hf_logits(hf, ids.tolist(), output_hidden_states=True)
+    runner = PagedRunner(ours, num_seqs=1)
+    capture = (0, cfg.num_hidden_layers - 2)
+    logits, aux = runner.step({0: ids.tolist()}, capture_layers=capture)
+    assert ref.abs().max() > 1.0  # the weights are not so small that everything matches trivially
+    assert (logits - ref).abs().max().item() <= TOL
+    assert len(aux) == len(capture)
+    for i, a in zip(capture, aux):  # layer i's output is HF's hidden_states[i + 1]
+        assert (a - ref_hidden[i + 1]).abs().max().item() <= TOL
+
+
+def test_prefill_then_decode(pair):
+    _, hf, ours, cfg = pair
+    ids = torch.randint(0, cfg.vocab_size, (30,), generator=torch.Generator().manual_seed(2))
+    ids = ids.tolist()
+    ref = hf_logits(hf, ids)
+    runner = PagedRunner(ours, num_seqs=1)
+    got = [runner.step({0: ids[:13]})[0]]
+    got += [runner.step({0: ids[13:20]})[0]]  # a second prefill chunk reads cached KV
+    for t in ids[20:]:  # single-token decode steps
+        got.append(runner.step({0: [t]})[0])
+    assert (torch.cat(got) - ref).abs().max().item() <= TOL
+
+
+def test_two_sequences_packed(pair):
+    _, hf, ours, cfg = pair
+    g = torch.Generator().manual_seed(3)
+    a = torch.randint(0, cfg.vocab_size, (21,), generator=g).tolist()
+    b = torch.randint(0, cfg.vocab_size, (9,), generator=g).tolist()
+    ref_a, ref_b = hf_logits(hf, a), hf_logits(hf, b)
+    runner = PagedRunner(ours, num_seqs=2)
+    la = runner.step({0: a[:17], 1: b[:5]})[0]  # two prefills in one forward
+    mixed = runner.step({0: a[17:18], 1: b[5:]})[0]  # a decode and a prefill chunk together
+    lb = runner.step({1: [], 0: a[18:]})[0]
+    got_a = torch.cat([la[:17], mixed[:1], lb])
+    got_b = torch.cat([la[17:], mixed[1:]])
+    assert (got_a - ref_a).abs().max().item() <= TOL
+    assert (got_b - ref_b).abs().max().item() <= TOL

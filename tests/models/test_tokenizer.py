@@ -1,0 +1,85 @@
+"""Tokenizer wrapper: a tiny word-level tokenizer saved as an HF folder (fast, no real model)."""
+
+import pytest
+import torch
+
+from outpace.errors import InvalidRequestError, ModelLoadError
+from outpace.tokenizer import Tokenizer
+
+TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'tool' %}"
+            "{{ raise_exception('tools are not supported') }}{% endif %}"
+            "<|im_start|>{{ m['role'] }} {{ m['content'] }}<|im_end|> {% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>assistant {% endif %}")
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    from tokenizers import Tokenizer as RawTokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+    from transformers import PreTrainedTokenizerFast
+    words = ["<unk>", "<s>", "<|im_end|>", "<|im_start|>", "hello", "world", "user",
+             "assistant", "system", "hi", "<|endoftext|>"]
+    raw = RawTokenizer(WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    raw.pre_tokenizer = Whitespace()
+    hf = PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="<unk>", bos_token="<s>",
+                                 eos_token="<|im_end|>",
+                                 additional_special_tokens=["<|im_start|>", "<|endoftext|>"])
+    hf.chat_template = TEMPLATE
+    d = tmp_path_factory.mktemp("tok")
+    hf.save_pretrained(d)
+    return d
+
+
+def test_encode_decode_and_eos(folder):
+    tok = Tokenizer.from_folder(folder, model_eos_ids=(10, 2))
+    assert tok.eos_token_ids == (2, 10)  # tokenizer's first, then the model's, no duplicates
+    ids = tok.encode("hello world hello")
+    assert ids == [4, 5, 4]
+    assert tok.decode(ids + [2]) == "hello world hello"  # specials skipped by default
+    assert "<|im_end|>" in tok.decode(ids + [2], skip_special_tokens=False)
+    assert tok.decode(torch.tensor(ids)) == "hello world hello"
+    assert Tokenizer.load(folder).encode("world") == [5]
+    assert tok.convert_ids_to_tokens([4, 5]) == ["hello", "world"]
+    assert tok.vocab_size == 11
+    assert tok.hf.eos_token == "<|im_end|>"
+
+
+def test_chat_template(folder):
+    tok = Tokenizer.from_folder(folder)
+    msgs = [{"role": "system", "content": "hi"},
+            {"role": "user", "content": [{"type": "text", "text": "hello "},
+                                         {"type": "text", "text": "world"}]}]
+    text = tok.apply_chat_template(msgs)
+    assert text == ("<|im_start|>system hi<|im_end|> <|im_start|>user hello world<|im_end|> "
+                    "<|im_start|>assistant ")
+    assert not tok.apply_chat_template(msgs, add_generation_prompt=False).endswith("assistant ")
+
+
+@pytest.mark.parametrize("messages,match", [
+    ([], "non-empty"),
+    ("hello", "non-empty"),
+    ([{"content": "x"}], "role"),
+    ([{"role": "wizard", "content": "x"}], "wizard"),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}], "text parts"),
+    ([{"role": "tool", "content": "x"}], "tools are not supported"),  # the template raises
+])
+def test_bad_messages(folder, messages, match):
+    tok = Tokenizer.from_folder(folder)
+    with pytest.raises(InvalidRequestError, match=match):
+        tok.apply_chat_template(messages)
+
+
+def test_no_chat_template(folder, tmp_path):
+    tok = Tokenizer.from_folder(folder)
+    tok.hf.chat_template = None
+    with pytest.raises(InvalidRequestError, match="no chat template"):
+        tok.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+def test_folder_without_tokenizer(tmp_path):
+    with pytest.raises(ModelLoadError, match="no tokenizer files"):
+        Tokenizer.from_folder(tmp_path)
+    (tmp_path / "tokenizer.json").write_text("{broken")
+    with pytest.raises(ModelLoadError, match="tokenizer"):
+        Tokenizer.from_folder(tmp_path)

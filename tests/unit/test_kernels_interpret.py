@@ -1,0 +1,251 @@
+"""Triton kernels vs their PyTorch references on CPU, through Triton's interpreter.
+
+TRITON_INTERPRET=1 must be set before any kernel is decorated (triton.jit reads it then), and other
+tests in this process may already have imported the kernel modules without it. So the one
+`test_*` function here reruns this file in a fresh subprocess with the variable set, where pytest
+collects the `check_*` functions instead (`-o python_functions=check_*`).
+
+Interpreter limits worked around here (the GPU tests cover what is left out):
+  - its tl.dot on bfloat16 operands is wrong (it multiplies raw bits), so attention runs in fp32
+    and fp16 here; bf16 is still covered for the element-wise kernels (store, norm, rope);
+  - its fp32 -> bf16 casts truncate instead of rounding to nearest even, so bf16 results may be
+    one bf16 ulp off the reference (1 in 128 relative): bf16 tolerances below allow for it;
+  - with numpy >= 2.4 its `range()` over a loaded scalar fails (int() of a 1-element array); the
+    child patches that one conversion (`_patch_interpreter_index`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+IN_CHILD = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def test_kernels_under_triton_interpreter():
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed (pip install --no-deps triton)")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+           "-o", "python_functions=check_*", str(pathlib.Path(__file__).resolve())]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    tail = proc.stdout[-12000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, tail
+    assert " passed" in proc.stdout and "failed" not in proc.stdout, tail
+
+
+def test_split_and_tile_choice_is_shape_only():
+    """The launch configuration depends on shapes and the max_query_len bound only."""
+    from outpace.attention.triton_paged import choose_splits, choose_tiles
+    for group in (1, 3, 4, 8, 16):
+        for mql in (1, 4, 16, 17, 2048):
+            cfg = choose_tiles(mql, group, 128, torch.bfloat16)
+            gp = 1 << (group - 1).bit_length()
+            assert cfg.block_m == cfg.block_q * gp and cfg.block_m >= 16 and cfg.block_q >= 1
+    assert choose_splits(200, 132, 16) == 1
+    assert choose_splits(8, 132, 16) == 16
+    assert choose_splits(40, 132, 16) == 4
+    assert choose_splits(8, 132, 1) == 1
+
+
+# ----------------------------------------------------------------------------- child only
+
+def _patch_interpreter_index():
+    """numpy >= 2.4 refuses int() of a 1-element array, which the interpreter does for range()."""
+    import numpy as np
+    try:
+        int(np.array([1]))
+        return
+    except TypeError:
+        pass
+    import triton.runtime.interpreter as interp
+    if getattr(interp, "_outpace_patched", False):
+        return
+    original = interp._patch_lang_tensor
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interp._patch_lang_tensor = patched
+    interp._outpace_patched = True
+
+
+if IN_CHILD:
+    _patch_interpreter_index()
+    from outpace.attention.torch_ref import store_kv as store_kv_ref
+    from outpace.attention.triton_paged import TritonPagedBackend, paged_attention
+    from outpace.kernels.norm import (fused_add_rms_norm_ref, fused_add_rms_norm_triton,
+                                      rms_norm_ref, rms_norm_triton)
+    from outpace.kernels.rope import apply_rope_ref, apply_rope_triton
+    from outpace.kernels.store_kv import store_kv_triton
+    from tests.unit.kernel_cases import COMPOSITIONS, make_batch
+    from tests.unit.kernel_cases import check_attention as verify_attention
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+ULP_BF16 = 2.0 ** -7  # largest relative spacing of bf16 numbers
+NORM_TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=2e-3, rtol=2e-3),
+            torch.bfloat16: dict(atol=1e-2, rtol=1e-2 + ULP_BF16)}  # + interpreter truncation
+# The residual sum is rounded exactly as torch rounds it (GPU tests demand equality); only the
+# interpreter's truncating bf16 cast may move it by one ulp.
+EXACT_TOL = {torch.float32: dict(atol=0, rtol=0), torch.float16: dict(atol=0, rtol=0),
+             torch.bfloat16: dict(atol=0, rtol=ULP_BF16)}
+
+
+def _no_host_mirrors(meta):
+    """The metadata with the host mirrors blanked: a graph-safe kernel must not need them."""
+    return dataclasses.replace(meta, query_start_loc_host=[], seq_lens_host=[], max_seq_len=1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def check_store_kv_skips_padded_rows(dtype):
+    g = torch.Generator().manual_seed(1)
+    blocks, bs, hkv, d, t = 6, 16, 3, 64, 11
+    cache = torch.full((2, 2, blocks, bs, hkv, d), float("nan"), dtype=dtype)
+    slots = torch.randperm((blocks - 1) * bs, generator=g)[:t] + bs  # never the null block
+    slots[[2, 7]] = -1
+    # k and v as strided head slices of one fused buffer, as a qkv projection produces them
+    fused = torch.randn(t, 3 * hkv, d, generator=g).to(dtype)
+    k, v = fused[:, hkv:2 * hkv], fused[:, 2 * hkv:]
+    ref = cache.clone()
+    store_kv_ref(ref, 1, k, v, slots)
+    store_kv_triton(cache, 1, k, v, slots)
+    torch.testing.assert_close(cache[:, :, 1:], ref[:, :, 1:], atol=0, rtol=0, equal_nan=True)
+    assert torch.isnan(cache[:, :, 0].float()).all(), "a padded row was written"
+    assert torch.isnan(cache[0].float()).all(), "another layer slot was written"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(4, 64), (3, 100), (2, 3, 48)])
+def check_rms_norm(dtype, shape):
+    g = torch.Generator().manual_seed(2)
+    x = (torch.randn(*shape, generator=g) * 3).to(dtype)
+    w = (1 + 0.1 * torch.randn(shape[-1], generator=g)).to(dtype)
+    out = rms_norm_triton(x, w, 1e-6)
+    assert out.dtype == dtype and out.shape == x.shape
+    torch.testing.assert_close(out, rms_norm_ref(x, w, 1e-6), **NORM_TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(5, 64), (2, 96)])
+def check_fused_add_rms_norm(dtype, shape):
+    g = torch.Generator().manual_seed(3)
+    x, r = (torch.randn(*shape, generator=g).to(dtype) for _ in range(2))
+    w = torch.randn(shape[-1], generator=g).to(dtype)
+    x_before, r_before = x.clone(), r.clone()
+    normed, new_res = fused_add_rms_norm_triton(x, r, w, 1e-5)
+    ref_normed, ref_res = fused_add_rms_norm_ref(x, r, w, 1e-5)
+    torch.testing.assert_close(new_res, ref_res, **EXACT_TOL[dtype])
+    torch.testing.assert_close(normed, ref_normed, **NORM_TOL[dtype])
+    assert torch.equal(x, x_before) and torch.equal(r, r_before)  # inputs untouched
+
+
+def check_rms_norm_promotes_like_hf():
+    """fp16 activations with an fp32 weight give fp32, as HF's `weight * x.to(dtype)` does."""
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(3, 32, generator=g).half()
+    w = torch.randn(32, generator=g)
+    out = rms_norm_triton(x, w, 1e-6)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, rms_norm_ref(x, w, 1e-6), atol=1e-5, rtol=1e-5)
+
+
+def _rope_tables(d, max_pos, theta=10000.0):
+    inv = 1.0 / theta ** (torch.arange(0, d, 2).float() / d)
+    freqs = torch.outer(torch.arange(max_pos).float(), inv)  # [max_pos, D/2]
+    return freqs.cos(), freqs.sin()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hq,hkv,d", [(4, 2, 64), (6, 2, 128), (3, 3, 32)])
+@pytest.mark.parametrize("layout", ["half", "hf", "signed"])
+def check_rope(dtype, hq, hkv, d, layout):
+    g = torch.Generator().manual_seed(5)
+    t, max_pos = 9, 64
+    cos, sin = _rope_tables(d, max_pos)
+    ref_cos, ref_sin = cos, sin
+    if layout == "hf":  # HF: cat(freqs, freqs)
+        cos, sin = torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)
+    elif layout == "signed":  # [-sin, sin] folded sign, as outpace.models.llama precomputes
+        cos, sin = torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1)
+    pos = torch.randint(0, max_pos, (t,), generator=g)
+    # q and k as head slices of one fused qkv buffer (non-contiguous views), rotated in place
+    qkv = torch.randn(t, hq + 2 * hkv, d, generator=g).to(dtype)
+    ref = qkv.clone()
+    apply_rope_triton(qkv[:, :hq], qkv[:, hq:hq + hkv], cos, sin, pos)
+    apply_rope_ref(ref[:, :hq], ref[:, hq:hq + hkv], ref_cos, ref_sin, pos)
+    torch.testing.assert_close(qkv, ref, **NORM_TOL[dtype])
+    assert torch.equal(qkv[:, hq + hkv:], ref[:, hq + hkv:])  # v untouched
+
+
+# Attention cases: (composition, dtype, kv heads, group, head_dim, kv splits, bound slack).
+# bound slack > 0 launches with max_query_len above the real maximum, as a captured graph does.
+ATTN_CASES = [
+    ("prefill", torch.float32, 2, 3, 64, 1, 0),
+    ("prefill", torch.float16, 1, 4, 128, 1, 0),
+    ("chunk", torch.float32, 2, 1, 128, 1, 0),
+    ("chunk", torch.float16, 2, 3, 64, 1, 2),
+    ("decode", torch.float32, 2, 4, 64, 1, 0),
+    ("decode", torch.float16, 2, 1, 128, 1, 3),
+    ("decode", torch.float32, 1, 3, 64, 4, 0),
+    ("verify", torch.float32, 2, 3, 128, 1, 0),
+    ("verify", torch.float16, 2, 4, 64, 1, 0),
+    ("verify", torch.float32, 2, 1, 64, 4, 2),
+    ("mixed", torch.float32, 2, 3, 64, 1, 3),
+    ("mixed", torch.float16, 2, 4, 128, 1, 0),
+    ("mixed", torch.float32, 1, 1, 64, 2, 0),
+    ("long_prefill", torch.float32, 1, 1, 64, 1, 0),
+    ("long_prefill", torch.float16, 1, 4, 64, 1, 0),
+    ("long_decode", torch.float32, 2, 4, 64, 8, 0),
+    ("long_decode", torch.float16, 1, 3, 128, 4, 1),
+]
+EXTRA = {
+    "long_prefill": [(150, 170)],  # several query tiles, chunk boundary off the block size
+    "long_decode": [(1, 300), (2, 201), (3, 64)],  # multi-split decode and verify
+}
+
+
+@pytest.mark.parametrize("case", ATTN_CASES, ids=lambda c: f"{c[0]}-{str(c[1])[6:]}-"
+                         f"h{c[2]}g{c[3]}d{c[4]}s{c[5]}b{c[6]}")
+def check_paged_attention(case):
+    name, dtype, hkv, group, d, splits, slack = case
+    seqs = EXTRA.get(name) or COMPOSITIONS[name]
+    b = make_batch(seqs, hkv, group, d, dtype, "cpu", pad_seqs=1, pad_tokens=2,
+                   max_query_len=max(q for q, _ in seqs) + slack, seed=len(ATTN_CASES))
+    scale = d ** -0.5
+    store_kv_triton(b.kv_cache, b.layer, b.k, b.v, b.meta.slot_mapping)
+    out = paged_attention(b.q, b.kv_cache, b.layer, _no_host_mirrors(b.meta), scale,
+                          num_splits=splits, min_split_tokens=16)
+    verify_attention(b, out, scale)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def check_backend_forward(dtype):
+    """The backend: store + attention in one call, strided q/k/v from a fused projection."""
+    b = make_batch(COMPOSITIONS["mixed"], 2, 3, 64, dtype, "cpu", pad_seqs=2, pad_tokens=3,
+                   max_query_len=32, seed=7)
+    fused = torch.cat([b.q, b.k, b.v], dim=1)  # [T, Hq + 2 Hkv, D]
+    hq, hkv = b.q.shape[1], b.k.shape[1]
+    q, k, v = fused[:, :hq], fused[:, hq:hq + hkv], fused[:, hq + hkv:]
+    backend = TritonPagedBackend(b.kv_cache, hq, hkv, 64, 0.125)
+    out = backend.forward(b.layer, q, k, v, _no_host_mirrors(b.meta))
+    assert out.shape == b.q.shape and out.dtype == dtype
+    verify_attention(b, out, 0.125)
+
+
+def check_harness_catches_a_wrong_kernel():
+    """The comparison must be able to fail: a result off by a little is rejected."""
+    b = make_batch(COMPOSITIONS["verify"], 2, 1, 64, torch.float32, "cpu", seed=8)
+    store_kv_triton(b.kv_cache, b.layer, b.k, b.v, b.meta.slot_mapping)
+    out = paged_attention(b.q, b.kv_cache, b.layer, b.meta, 0.125)
+    out[1, 0, 3] += 1e-3
+    with pytest.raises(AssertionError):
+        verify_attention(b, out, 0.125)

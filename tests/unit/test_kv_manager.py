@@ -1,0 +1,220 @@
+"""KV cache manager: prefix hits, all-or-nothing allocation, lookahead, caching; sizing."""
+
+import logging
+
+import pytest
+import torch
+
+from outpace.config import CacheConfig, ModelConfig
+from outpace.errors import ConfigError
+from outpace.kvcache.manager import KVCacheManager
+from outpace.kvcache.prefix_cache import hash_blocks
+from outpace.kvcache.sizing import kv_bytes_per_block, num_kv_blocks
+from outpace.types import Request, SamplingParams
+
+BS = 4
+
+
+def req(rid, prompt, out=()):
+    r = Request(request_id=rid, prompt_token_ids=list(prompt), sampling_params=SamplingParams())
+    r.output_token_ids = list(out)
+    return r
+
+
+def make(num_blocks=9, caching=True, max_model_len=64, **kw):
+    return KVCacheManager(CacheConfig(block_size=BS, enable_prefix_caching=caching), num_blocks,
+                          max_model_len, **kw)
+
+
+def run_prefill(kv, r):
+    """Admit r, compute its whole sequence, commit it (what the scheduler + runner do)."""
+    r.num_computed_tokens = kv.get_computed_blocks(r)
+    assert kv.allocate_slots(r, r.num_tokens - r.num_computed_tokens)
+    r.num_computed_tokens = r.num_tokens
+    kv.cache_committed(r, r.num_computed_tokens)
+    return kv.block_ids(r.request_id)
+
+
+def assert_all_free(kv):
+    assert kv.num_free_blocks == kv.num_blocks and kv.num_used_blocks == 0 and kv.usage == 0.0
+
+
+def test_prefix_hit_attaches_same_blocks_and_counts_tokens():
+    kv = make()
+    a = req("a", range(10))  # 2 full blocks + 2 tokens
+    blocks_a = run_prefill(kv, a)
+    assert len(blocks_a) == 3
+    b = req("b", list(range(8)) + [99, 98, 97])  # shares the first 2 blocks
+    assert kv.get_computed_blocks(b) == 8
+    assert kv.block_ids("b") == blocks_a[:2]
+    assert kv.pool.ref_count(blocks_a[0]) == 2
+    b.num_computed_tokens = 8
+    assert kv.allocate_slots(b, 3)
+    assert kv.block_ids("b")[2] != blocks_a[2]
+    assert kv.stats.num_hit_tokens == 8 and kv.stats.num_query_tokens == 21
+    assert kv.stats.num_queries == 2 and kv.prefix_cache_hit_tokens == 8
+    kv.free(a)
+    kv.free(b)
+    assert_all_free(kv)
+    # After both left, the prefix is still findable (cached free blocks).
+    c = req("c", list(range(8)) + [5])
+    assert kv.get_computed_blocks(c) == 8 and kv.block_ids("c") == blocks_a[:2]
+    kv.free(c)
+    assert_all_free(kv)
+
+
+def test_failed_admission_is_not_counted_and_gives_blocks_back():
+    kv = make(num_blocks=6)  # 5 usable
+    a = req("a", range(9))
+    blocks_a = run_prefill(kv, a)  # 3 blocks, 2 hashed
+    kv.free(a)
+    before = kv.stats.as_dict()
+    big = req("big", list(range(8)) + [60 + i for i in range(20)])  # 7 blocks > 5
+    big.num_computed_tokens = kv.get_computed_blocks(big)
+    assert big.num_computed_tokens == 8 and kv.num_free_blocks == 3  # 2 cached blocks touched
+    assert not kv.allocate_slots(big, big.num_tokens - 8)
+    kv.free(big)
+    assert kv.stats.as_dict() == before and kv.num_free_blocks == 5
+    b = req("b", list(range(8)) + [1, 2])
+    assert kv.get_computed_blocks(b) == 8 and kv.block_ids("b") == blocks_a[:2]
+    b.num_computed_tokens = 8
+    assert kv.allocate_slots(b, 2)
+    assert kv.stats.num_queries == before["num_queries"] + 1
+    assert kv.stats.num_hit_tokens == before["num_hit_tokens"] + 8
+    kv.free(b)
+    assert_all_free(kv)
+
+
+def test_hit_never_covers_the_last_token_and_rounds_down():
+    kv = make()
+    a = req("a", range(8))  # exactly 2 blocks
+    run_prefill(kv, a)
+    same = req("same", range(8))
+    # The last token must be computed to sample from it: only 1 block (4 tokens) is served.
+    assert kv.get_computed_blocks(same) == 4
+    kv.free(same)
+    partial = req("p", list(range(6)) + [50, 51, 52])  # diverges inside block 1
+    assert kv.get_computed_blocks(partial) == 4
+    kv.free(partial)
+    miss = req("m", [100] + list(range(1, 12)))
+    assert kv.get_computed_blocks(miss) == 0 and kv.block_ids("m") == []
+    kv.free(miss)
+    kv.free(a)
+    assert_all_free(kv)
+
+
+def test_trim_last_matched_block_for_draft_plane():
+    kv = make(trim_last_matched_block=True)
+    a = req("a", range(13))
+    blocks_a = run_prefill(kv, a)
+    b = req("b", range(13))
+    assert kv.get_computed_blocks(b) == 8  # 3 matchable blocks, the last one recomputed
+    assert kv.block_ids("b") == blocks_a[:2]
+    kv.free(b)
+    kv.free(a)
+    assert_all_free(kv)
+
+
+def test_caching_disabled():
+    kv = make(caching=False)
+    a = req("a", range(10))
+    run_prefill(kv, a)
+    b = req("b", range(10))
+    assert kv.get_computed_blocks(b) == 0
+    kv.free(a)
+    kv.free(b)
+    assert kv.pool.num_cached_blocks == 0
+    assert_all_free(kv)
+
+
+def test_allocate_is_all_or_nothing_and_evicts_cached_first():
+    kv = make(num_blocks=5)  # 4 usable
+    a = req("a", range(8))
+    blocks_a = run_prefill(kv, a)  # 2 blocks, both hashed
+    kv.free(a)
+    assert kv.num_free_blocks == 4 and kv.pool.num_cached_blocks == 2
+    b = req("b", [50 + i for i in range(20)])  # needs 5 blocks > 4
+    assert not kv.allocate_slots(b, 20)
+    assert kv.block_ids("b") == [] and kv.num_free_blocks == 4 and kv.pool.num_cached_blocks == 2
+    c = req("c", [70 + i for i in range(9)])  # 3 blocks: 2 empty + evicts 1 cached (LRU)
+    assert kv.allocate_slots(c, 9)
+    assert kv.pool.num_cached_blocks == 1
+    # The tail block of a's prefix is evicted first, its head survives.
+    hs = hash_blocks(list(range(8)), BS)
+    assert kv.pool.lookup(hs[1]) is None and kv.pool.lookup(hs[0]) == blocks_a[0]
+    d = req("d", range(8))
+    assert kv.get_computed_blocks(d) == 4 and kv.block_ids("d") == blocks_a[:1]
+    kv.free(d)
+    kv.free(c)
+    kv.free(b)
+    assert_all_free(kv)
+
+
+def test_allocate_grows_incrementally_and_lookahead_is_capped():
+    kv = make(num_blocks=20, max_model_len=20)
+    r = req("r", range(5))
+    assert kv.allocate_slots(r, 5, num_lookahead_tokens=3)  # covers 8 -> 2 blocks
+    assert len(kv.block_ids("r")) == 2
+    r.num_computed_tokens = 5
+    assert kv.allocate_slots(r, 1)  # 6 tokens: still 2 blocks
+    assert len(kv.block_ids("r")) == 2
+    r.num_computed_tokens = 6
+    assert kv.allocate_slots(r, 4, num_lookahead_tokens=3)  # 10 + 3 = 13 -> 4 blocks
+    assert len(kv.block_ids("r")) == 4
+    r.num_computed_tokens = 17
+    assert kv.allocate_slots(r, 2, num_lookahead_tokens=8)  # 19 + 8, capped at 20 -> 5 blocks
+    assert len(kv.block_ids("r")) == 5 == kv.max_blocks_per_request
+    kv.free(r)
+    assert_all_free(kv)
+
+
+def test_cache_committed_only_full_committed_blocks():
+    kv = make()
+    r = req("r", range(6))
+    r.num_computed_tokens = kv.get_computed_blocks(r)
+    assert kv.allocate_slots(r, 6 + 3)  # prompt + 3 drafts written into blocks
+    kv.cache_committed(r, 6)  # one full block committed; block 1 holds uncommitted slots
+    assert kv.pool.num_cached_blocks == 1
+    # Drafts 6,7 accepted + bonus: tokens 0..8, KV for 0..7 committed -> 2 full blocks.
+    r.output_token_ids = [6, 7, 8]
+    kv.cache_committed(r, 8)
+    assert kv.pool.num_cached_blocks == 2
+    probe = req("p", list(range(8)) + [1])  # prompt+outputs of r as a new prompt
+    assert kv.get_computed_blocks(probe) == 8
+    kv.free(probe)
+    kv.free(r)
+    assert_all_free(kv)
+
+
+def test_free_unknown_request_is_noop_and_double_admit_raises():
+    kv = make()
+    kv.free(req("nobody", [1]))
+    r = req("r", range(9))
+    run_prefill(kv, r)
+    with pytest.raises(RuntimeError):
+        kv.get_computed_blocks(r)
+    kv.free(r)
+    kv.free(r)
+    assert_all_free(kv)
+
+
+MODEL = ModelConfig(architecture="llama", vocab_size=32, hidden_size=64, intermediate_size=128,
+                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                    head_dim=16)
+
+
+def test_sizing_cpu_and_override(caplog):
+    cache = CacheConfig(block_size=16, cpu_kv_bytes=1 << 20)
+    per = kv_bytes_per_block(cache, MODEL, 3, torch.float32)
+    assert per == 2 * 3 * 16 * 2 * 16 * 4
+    assert num_kv_blocks(cache, MODEL, 3, torch.float32, "cpu") == (1 << 20) // per
+    assert num_kv_blocks(cache, MODEL, 3, torch.bfloat16, "cpu") == (1 << 20) // (per // 2)
+    assert num_kv_blocks(CacheConfig(num_blocks=7), MODEL, 3, torch.float32, "cpu") == 7
+    with pytest.raises(ConfigError):
+        num_kv_blocks(CacheConfig(num_blocks=1), MODEL, 3, torch.float32, "cpu")
+    with pytest.raises(ConfigError):
+        num_kv_blocks(CacheConfig(cpu_kv_bytes=per), MODEL, 3, torch.float32, "cpu")
+    with caplog.at_level(logging.WARNING, logger="outpace.kvcache.sizing"):
+        num_kv_blocks(CacheConfig(num_blocks=4, block_size=16), MODEL, 3, torch.float32, "cpu",
+                      max_model_len=1024)
+    assert "fewer than one" in caplog.text
