@@ -92,6 +92,10 @@ class Tokenizer:
     # ---- API ----------------------------------------------------------------------------
 
     @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.hf, "chat_template", None))
+
+    @property
     def vocab_size(self) -> int:
         return len(self.hf)
 

@@ -230,14 +230,16 @@ class AsyncEngine:
 
     # ---- engine thread ----------------------------------------------------------------------
     def _run(self) -> None:
-        failures = 0
+        failures, stalled = 0, False
         try:
             while True:
+                # Block for commands when there is nothing to step; pause briefly when the last
+                # step ran nothing (requests waiting on memory), rather than spin.
                 idle = not self.engine.has_unfinished_requests()
-                if not self._apply_commands(block=idle):
+                if not self._apply_commands(wait=0.5 if idle else 0.005 if stalled else 0.0):
+                    self._fail_in_flight(EngineDeadError("the server is shutting down"))
                     return
                 if not self.engine.has_unfinished_requests():
-                    self._refresh_stats()
                     continue
                 try:
                     outputs = self.engine.step()
@@ -251,6 +253,7 @@ class AsyncEngine:
                 failures = 0
                 self._dispatch(outputs)
                 self._refresh_stats()
+                stalled = not outputs and not self._stats.get("num_running", 1)
         except BaseException as e:  # noqa: BLE001 -- the thread must report, never vanish
             self.dead_error = e
             log.exception("engine thread died")
@@ -258,10 +261,10 @@ class AsyncEngine:
         finally:
             self._fail_pending_adds()
 
-    def _apply_commands(self, block: bool) -> bool:
-        """Run queued adds/aborts; False when asked to stop."""
+    def _apply_commands(self, wait: float) -> bool:
+        """Run queued adds/aborts (waiting up to `wait` s for the first); False: stop."""
         try:
-            cmd = self._cmds.get(timeout=0.5) if block else self._cmds.get_nowait()
+            cmd = self._cmds.get(timeout=wait) if wait else self._cmds.get_nowait()
         except queue.Empty:
             return True
         while True:

@@ -75,6 +75,9 @@ def build_engine(cls, model: str, *, device: str = "auto", dtype: str = "auto",
                          max_num_tokens=max_num_batched_tokens + max_num_seqs * (max_k + 1),
                          max_num_seqs=max_num_seqs, device=torch_device,
                          dtype=runner_cfg.torch_dtype, proposer=proposer, seed=seed)
+    if torch_device.type == "cuda" and not enforce_eager:
+        # Graphs for plain decode (q = 1) and every verify length (q = 2 .. k + 1).
+        runner.enable_cuda_graphs(tuple(range(1, max_k + 2)))
     if not quiet:
         log.info("outpace: %s on %s (%s), %d KV blocks of %d tokens", model, device,
                  runner_cfg.torch_dtype, num_blocks, block_size)

@@ -129,7 +129,7 @@ class LLMEngine:
         finished = req.is_finished
         lps = None
         if req.sampling_params.logprobs is not None:
-            lps = [dict(top, **{tok: lp}) for tok, (lp, top) in
+            lps = [{**top, tok: lp} for tok, (lp, top) in
                    zip(req.output_token_ids, req.output_logprobs)]
         completion = CompletionOutput(
             text=detok.visible_text(finished), token_ids=list(req.output_token_ids),

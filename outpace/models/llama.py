@@ -24,6 +24,9 @@ from torch import nn
 from outpace.attention.base import ForwardContext
 from outpace.config import ModelConfig
 from outpace.errors import ModelLoadError, UnsupportedModelError
+from outpace.kernels import use_triton
+from outpace.kernels.norm import fused_add_rms_norm_triton, rms_norm_triton
+from outpace.kernels.rope import apply_rope_triton
 
 
 def _param(*shape, dtype, device) -> nn.Parameter:
@@ -32,6 +35,8 @@ def _param(*shape, dtype, device) -> nn.Parameter:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """HF's RMSNorm: statistics in fp32, cast back, then scale by the weight."""
+    if x.is_cuda and use_triton(x):
+        return rms_norm_triton(x, weight, eps)  # one kernel instead of five
     if x.dtype == torch.float32:
         return F.rms_norm(x, weight.shape, weight, eps)  # one fused kernel
     h = x.float()
@@ -100,11 +105,22 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos().to(dtype=dtype, device=device), persistent=False)
         self.register_buffer("sin", sin.to(dtype=dtype, device=device), persistent=False)
 
-    def forward(self, positions):  # [T] long -> (cos, sin), each [T, 1, D]
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+    def forward(self, positions):
+        # [T] long -> (cos [T, 1, D], sin [T, 1, D], positions); on CUDA the Triton kernel
+        # reads the tables itself: (None, None, positions)
+        if positions.is_cuda and use_triton(positions):
+            return None, None, positions
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1), positions
+
+    def apply_qk(self, q, k, cos_sin):
+        """Rotate q [T, Hq, D] and k [T, Hkv, D]; may work in place (they are fresh)."""
+        if cos_sin[0] is None:
+            # Table columns D/2.. hold cos(f) and the unsigned sin(f), as the kernel expects.
+            return apply_rope_triton(q, k, self.cos, self.sin, cos_sin[2])
+        return self.apply(q, cos_sin), self.apply(k, cos_sin)
 
     def apply(self, x, cos_sin):  # x [T, H, D] -> [T, H, D] (new tensor)
-        cos, sin = cos_sin
+        cos, sin = cos_sin[0], cos_sin[1]
         return torch.addcmul(x * cos, torch.roll(x, self.half, dims=-1), sin)
 
 
@@ -139,12 +155,14 @@ class LlamaAttention(nn.Module):
         t, hq, hkv = qkv.shape[0], self.num_heads, self.num_kv_heads
         heads = qkv.view(t, hq + 2 * hkv, self.head_dim)
         v = heads[:, hq + hkv:]  # [T, Hkv, D] (a view: backends must honour strides)
-        if self.q_norm is None:
+        if self.q_norm is None and cos_sin[0] is not None:
             qk = rope.apply(heads[:, :hq + hkv], cos_sin)  # q and k rotated in one pass
             q, k = qk[:, :hq], qk[:, hq:]
+        elif self.q_norm is None:
+            q, k = rope.apply_qk(heads[:, :hq], heads[:, hq:hq + hkv], cos_sin)
         else:
-            q = rope.apply(self.q_norm(heads[:, :hq]), cos_sin)
-            k = rope.apply(self.k_norm(heads[:, hq:hq + hkv]), cos_sin)
+            q, k = rope.apply_qk(self.q_norm(heads[:, :hq]), self.k_norm(heads[:, hq:hq + hkv]),
+                                 cos_sin)
         out = ctx.backend.forward(self.layer_slot, q, k, v, ctx.meta)  # [T, Hq, D]
         return F.linear(out.reshape(t, self.q_size), self.o_weight, self.o_bias)
 
@@ -187,8 +205,13 @@ class LlamaDecoderLayer(nn.Module):
         if attn_input is None:
             attn_input = self.input_layernorm(hidden)
         h = self.self_attn(attn_input, cos_sin, rope, ctx)
-        h += hidden  # h is fresh from o_proj: add in place, no extra buffer
-        out = self.mlp(self.post_attention_layernorm(h))
+        norm = self.post_attention_layernorm
+        if h.is_cuda and use_triton(h):
+            normed, h = fused_add_rms_norm_triton(h, hidden, norm.weight, norm.eps)
+        else:
+            h += hidden  # h is fresh from o_proj: add in place, no extra buffer
+            normed = norm(h)
+        out = self.mlp(normed)
         out += h
         return out
 

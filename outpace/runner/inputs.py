@@ -82,10 +82,11 @@ class InputBuffers:
 
 
 def build_host_batch(rows, block_size: int) -> HostBatch:
-    """rows: list of (token_ids [n], start_position, block_ids, logits_offsets).
+    """rows: list of (token_ids [n], start_position, block_ids, logits_offsets[, num_real]).
 
     Tokens of row i sit at positions start..start+n-1; logits_offsets are indices within the
-    row (e.g. [n-1] for plain decode, [n-k-1 .. n-1] when verifying k drafts).
+    row (e.g. [n-1] for plain decode, [n-k-1 .. n-1] when verifying k drafts). Tokens past
+    num_real are padding (to a uniform query length for a CUDA graph): slot -1, no KV written.
     """
     n_tok = sum(len(r[0]) for r in rows)
     nb = max((len(r[2]) for r in rows), default=1) or 1
@@ -97,13 +98,17 @@ def build_host_batch(rows, block_size: int) -> HostBatch:
     bt = np.zeros((len(rows), nb), dtype=np.int32)
     li = []
     at = 0
-    for i, (toks, start, blocks, offsets) in enumerate(rows):
+    for i, row in enumerate(rows):
+        toks, start, blocks, offsets = row[:4]
         n = len(toks)
+        real = row[4] if len(row) > 4 else n
         p = np.arange(start, start + n, dtype=np.int64)
         table = np.asarray(blocks, dtype=np.int64)
         ids[at:at + n] = toks
         pos[at:at + n] = p
-        slots[at:at + n] = table[p // block_size] * block_size + p % block_size
+        pr = p[:real]
+        slots[at:at + real] = table[pr // block_size] * block_size + pr % block_size
+        slots[at + real:at + n] = -1
         bt[i, :len(blocks)] = blocks
         seq_lens[i] = start + n
         li.extend(at + o for o in offsets)

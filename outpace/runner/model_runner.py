@@ -16,7 +16,7 @@ import torch
 
 from outpace.attention.base import ForwardContext
 from outpace.runner.inputs import InputBuffers, build_host_batch
-from outpace.runner.sampling_step import SamplingStep
+from outpace.runner.sampling_step import RelaxedAcceptance, SamplingStep
 from outpace.spec.base import DraftBatch
 from outpace.types import RequestStepOutput, StepPlan, StepResult
 
@@ -56,8 +56,11 @@ class ModelRunner:
         max_blocks = (max_model_len + 2 * 16 + block_size - 1) // block_size + 1
         self.inputs = InputBuffers(max_num_tokens, max_num_seqs, max_blocks, device)
         self.sampling = SamplingStep(device, seed)
+        self.graphs = None  # GraphRunner once enable_cuda_graphs() ran
         if proposer is not None:
             self.sampling.force_accept_mean = proposer.options.get("force_accept_mean")
+            self.sampling.relaxed = RelaxedAcceptance.from_options(proposer.options,
+                                                                   model_cfg.vocab_size)
             if hasattr(proposer, "bind"):
                 proposer.bind(self)
 
@@ -67,8 +70,31 @@ class ModelRunner:
         if self.proposer is not None:
             self.proposer.finish(request_id)
 
+    def enable_cuda_graphs(self, q_lens: tuple) -> None:
+        """Capture the target forward for decode/verify batches (CUDA only)."""
+        from outpace.runner.cuda_graph import GraphRunner
+        capture = self.proposer.capture_layers if self.proposer is not None else ()
+        self.graphs = GraphRunner(self.model, self.backend, self.inputs, capture,
+                                  self.inputs.max_seqs, q_lens, self.inputs.max_tokens)
+        self.graphs.capture_all()
+
+    def _graph_q(self, plan: StepPlan):
+        """The captured query length a pure decode/verify step pads to, or None."""
+        if self.graphs is None:
+            return None
+        n = 0
+        for sr in plan.scheduled:
+            if not sr.sample or sr.num_computed_tokens + 1 != sr.request.num_tokens:
+                return None  # a prefill chunk: run eagerly
+            n = max(n, sr.num_new_tokens)
+        q = next((q for q in self.graphs.q_lens if q >= n), None)
+        if q is None or self.graphs.bucket_for(len(plan.scheduled)) is None:
+            return None
+        return q
+
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
+        q_graph = self._graph_q(plan)
         rows = []
         for sr in plan.scheduled:
             req = sr.request
@@ -78,13 +104,21 @@ class ModelRunner:
             toks = committed_part + sr.draft_token_ids[:n - len(committed_part)]
             nd = len(sr.draft_token_ids)
             offsets = list(range(n - 1 - nd, n)) if sr.sample else []
-            rows.append((toks, start, sr.block_ids, offsets))
+            if q_graph is not None and q_graph > n:  # pad to the graph's uniform query length
+                rows.append((toks + [0] * (q_graph - n), start, sr.block_ids, offsets, n))
+            else:
+                rows.append((toks, start, sr.block_ids, offsets))
         hb = build_host_batch(rows, self.block_size)
-        ids, pos, logits_idx, meta = self.inputs.load(hb)
-        ctx = ForwardContext(self.backend, meta)
-        capture = self.proposer.capture_layers if self.proposer is not None else ()
-        hidden, aux = self.model(ids, pos, ctx, capture_layers=capture)  # [T, H]
-        logits = self.model.compute_logits(hidden[logits_idx])  # [N, V]
+        if q_graph is not None:
+            hidden, aux, logits, meta = self.graphs.run(hb)
+            t = len(hb.input_ids)
+            ids, pos = self.inputs.input_ids[:t], self.inputs.positions[:t]
+        else:
+            ids, pos, logits_idx, meta = self.inputs.load(hb)
+            ctx = ForwardContext(self.backend, meta)
+            capture = self.proposer.capture_layers if self.proposer is not None else ()
+            hidden, aux = self.model(ids, pos, ctx, capture_layers=capture)  # [T, H]
+            logits = self.model.compute_logits(hidden[logits_idx])  # [N, V]
 
         per_req = self.sampling.run(plan, logits)  # list[RequestStepOutput | None]
         result = StepResult()

@@ -8,19 +8,70 @@ position is judged by exactly the distribution a non-speculative step would samp
     no drafts  -> sample (greedy argmax or seeded exponential race)
     greedy     -> strict prefix match (greedy_verify_batched)
     sampling   -> lossless rejection sampling (rejection_verify_batched)
+
+Relaxed acceptance (opt-in, lossy, DESIGN idea 7): with `relaxed` set, a draft inside a thinking
+span (per-request ThinkingSpanTracker over the committed tokens and the drafts before it) is also
+accepted when relaxed_accept_batched passes it; outside a span verification stays exact.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
+from outpace.errors import ConfigError
+
 from outpace.sample.logits_processing import SamplingRow, process_logits
 from outpace.sample.sampler import Sampler, make_generator, probs_from_processed
-from outpace.spec.verify import (draw_verify_randomness, greedy_verify_batched,
-                                 rejection_verify_batched)
+from outpace.spec.verify import (ThinkingSpanTracker, draw_verify_randomness,
+                                 greedy_verify_batched, rejection_verify_batched,
+                                 relaxed_accept_batched)
 from outpace.types import RequestStepOutput
+
+
+_RELAXED_KEYS = ("relaxed_top_k", "relaxed_delta", "think_begin_ids", "think_end_ids")
+
+
+@dataclass(frozen=True)
+class RelaxedAcceptance:
+    top_k: int
+    delta: float
+    begin_ids: tuple
+    end_ids: tuple
+
+    @staticmethod
+    def from_options(options: dict, vocab_size: int) -> Optional["RelaxedAcceptance"]:
+        """None when no relaxed option is set; ConfigError when they are set only in part."""
+        given = [k for k in _RELAXED_KEYS if options.get(k) is not None]
+        if not given:
+            return None
+        missing = [k for k in _RELAXED_KEYS if k not in given]
+        if missing:
+            raise ConfigError(f"relaxed acceptance needs all of {list(_RELAXED_KEYS)}; missing "
+                              f"{missing} (it only applies inside a thinking span, so the "
+                              f"span's begin and end token ids are required)")
+
+        def ids(key):
+            v = options[key]
+            v = [v] if isinstance(v, int) else v
+            if (not isinstance(v, (list, tuple)) or not v or not all(
+                    isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size
+                    for t in v)):
+                raise ConfigError(f"{key} must be a token id or a list of token ids in "
+                                  f"0..{vocab_size - 1}, got {options[key]!r}")
+            return tuple(v)
+
+        top_k, delta = options["relaxed_top_k"], options["relaxed_delta"]
+        if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1:
+            raise ConfigError(f"relaxed_top_k must be an integer >= 1, got {top_k!r}")
+        if (not isinstance(delta, (int, float)) or isinstance(delta, bool)
+                or not 0.0 <= delta <= 1.0):
+            raise ConfigError(f"relaxed_delta must be a number in [0, 1], got {delta!r}")
+        cfg = RelaxedAcceptance(top_k, float(delta), ids("think_begin_ids"), ids("think_end_ids"))
+        ThinkingSpanTracker(cfg.begin_ids, cfg.end_ids)  # validates the id sets
+        return cfg
 
 
 class SamplingStep:
@@ -31,9 +82,24 @@ class SamplingStep:
         # Benchmarks only (lossy): accept floor(mean - 1 + U) drafts regardless of the target,
         # so a random head can stand in for a trained one at a chosen mean acceptance length.
         self.force_accept_mean: Optional[float] = None
+        self.relaxed: Optional[RelaxedAcceptance] = None
+        self._spans: dict = {}  # request_id -> [ThinkingSpanTracker, committed tokens fed]
 
     def release(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
+        self._spans.pop(request_id, None)
+
+    def _eligible(self, req, drafts: list, kmax: int) -> list:
+        """[kmax] bool: which drafts of req sit inside a thinking span (False past its drafts)."""
+        hist = req.all_token_ids
+        entry = self._spans.get(req.request_id)
+        if entry is None or entry[1] > len(hist):
+            cfg = self.relaxed
+            entry = self._spans[req.request_id] = [
+                ThinkingSpanTracker(cfg.begin_ids, cfg.end_ids), 0]
+        entry[0].update(hist[entry[1]:])  # only the tokens committed since the last step
+        entry[1] = len(hist)
+        return entry[0].relaxed_eligible(drafts) + [False] * (kmax - len(drafts))
 
     def _generator(self, req) -> Optional[torch.Generator]:
         seed = req.sampling_params.seed
@@ -97,11 +163,21 @@ class SamplingStep:
         drafts = torch.tensor([plan.scheduled[g[0]].draft_token_ids + [-1] * (kmax - g[2])
                                for g in groups], dtype=torch.long, device=dev)
         num_drafts = torch.tensor([g[2] for g in groups], device=dev)
+        probs = None
+        if not greedy_mode or self.relaxed is not None:
+            probs = probs_from_processed(processed)[index]  # [B, kmax+1, V]
+        relaxed = None
+        if self.relaxed is not None:
+            eligible = torch.tensor(
+                [self._eligible(plan.scheduled[g[0]].request,
+                                plan.scheduled[g[0]].draft_token_ids, kmax) for g in groups],
+                dtype=torch.bool, device=dev)  # [B, kmax]
+            relaxed = relaxed_accept_batched(probs, drafts, self.relaxed.top_k,
+                                             self.relaxed.delta, eligible)
         if greedy_mode:
             target_argmax = processed.argmax(dim=-1)[index]  # [B, kmax+1]
-            out, acc = greedy_verify_batched(target_argmax, drafts, num_drafts)
+            out, acc = greedy_verify_batched(target_argmax, drafts, num_drafts, relaxed)
         else:
-            probs = probs_from_processed(processed)[index]  # [B, kmax+1, V]
             q = None
             if draft_probs:
                 q = torch.zeros(len(groups), kmax, probs.shape[-1], device=dev)
@@ -114,7 +190,8 @@ class SamplingStep:
             gens = [rows[g[1]].generator for g in groups]
             uniforms, noise = draw_verify_randomness(gens, kmax, probs.shape[-1], dev,
                                                      self.sampler.default_generator(dev))
-            out, acc = rejection_verify_batched(probs, drafts, q, num_drafts, uniforms, noise)
+            out, acc = rejection_verify_batched(probs, drafts, q, num_drafts, uniforms, noise,
+                                                relaxed)
         if self.force_accept_mean is not None:
             out, acc = self._force_accept(processed, index, drafts, num_drafts)
         out_l, acc_l = out.tolist(), acc.tolist()  # sync-ok: the step's output copy

@@ -112,15 +112,17 @@ def test_stop_strings_cut_exactly(loaded_default):
     stop = text[len(text) // 2: len(text) // 2 + 3]
     assert stop and stop in text
     cut = text.index(stop)
-    got = _final(eng, p, SamplingParams(max_tokens=48, temperature=0.0, stop=[stop]))
+    got = _final(eng, p, SamplingParams(max_tokens=48, temperature=0.0, stop=[stop],
+                                        ignore_eos=True))
     assert got.text == text[:cut]
     assert got.finish_reason == "stop" and got.outputs[0].stop_reason == stop
     assert got.token_ids == full.token_ids[:len(got.token_ids)]
     kept = _final(eng, p, SamplingParams(max_tokens=48, temperature=0.0, stop=[stop],
-                                         include_stop_str_in_output=True))
+                                         include_stop_str_in_output=True, ignore_eos=True))
     assert kept.text == text[:cut + len(stop)]
     tid = full.token_ids[5]
-    by_id = _final(eng, p, SamplingParams(max_tokens=48, temperature=0.0, stop_token_ids=[tid]))
+    by_id = _final(eng, p, SamplingParams(max_tokens=48, temperature=0.0, stop_token_ids=[tid],
+                                          ignore_eos=True))
     assert by_id.token_ids == full.token_ids[:full.token_ids.index(tid) + 1]
     assert by_id.outputs[0].stop_reason == tid
 

@@ -144,7 +144,9 @@ def test_rms_norm_promotes_like_hf():
     w = torch.randn(256, device=DEV, generator=g)
     out = rms_norm(x, w, 1e-6)
     assert out.dtype == torch.float32
-    torch.testing.assert_close(out, rms_norm_ref(x, w, 1e-6), atol=1e-5, rtol=1e-5)
+    # rtol: one bf16 ulp, as the normalized value is rounded to bf16 before the fp32 weight and
+    # reduction order may tip that rounding the other way in a rare element.
+    torch.testing.assert_close(out, rms_norm_ref(x, w, 1e-6), atol=1e-5, rtol=2.0 ** -7)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -1,0 +1,265 @@
+"""The GPU benchmark: checks, then outpace (with and without speculation) and HF transformers side
+by side, in one run. Prints a table last and writes JSON.
+
+    python benchmarks/bench_gpu.py --gguf PATH [--out DIR] [--sections check,smol,hf,big]
+
+Sections
+  check   greedy bf16 GPU output vs CPU fp32 output (first 64 tokens) on MT-bench/HumanEval prompts
+  smol    SmolLM2-135M: outpace no-spec, ngram, suffix, EAGLE-3 and MTP random heads with
+          force-accept at mean acceptance length 2/3/4; batch 1, 8, 32, 128
+  hf      HF transformers eager and static cache + torch.compile (batch 1; eager also at 8)
+  big     Llama-3.1-8B-shaped random bf16 model, batch 1: step time vs weight bytes / bandwidth
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.common import device_name, load_prompts, print_table, write_result  # noqa: E402
+
+
+def chat_ids(tok, prompts):
+    return [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}],
+                                               add_generation_prompt=True),
+                       add_special_tokens=False) for p in prompts]
+
+
+def prompt_set(tok, n):
+    mt = load_prompts("mtbench", 80)
+    he = load_prompts("humaneval", 164)
+    mixed = [p for pair in zip(mt, he) for p in pair] + he[80:]
+    return chat_ids(tok, mixed[:n])
+
+
+def run_engine(engine, prompts, batch, max_tokens):
+    """Submit `batch` requests at once, repeatedly, over `prompts`; -> metrics dict."""
+    from outpace import SamplingParams
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    spec0 = dict(engine.stats()["spec"])
+    n_tok, tpots, t0 = 0, [], time.perf_counter()
+    for i in range(0, len(prompts), batch):
+        chunk = prompts[i:i + batch]
+        for j, p in enumerate(chunk):
+            engine.add_request(f"r{i}-{j}-{time.monotonic_ns()}", p, sp)
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                if o.finished:
+                    n = len(o.token_ids)
+                    n_tok += n
+                    m = o.metrics
+                    if n > 1 and m.get("first_token_time"):
+                        tpots.append((m["finished_time"] - m["first_token_time"]) / (n - 1))
+    wall = time.perf_counter() - t0
+    spec1 = engine.stats()["spec"]
+    drafts = spec1["num_drafts"] - spec0["num_drafts"]
+    acc = spec1["num_accepted_tokens"] - spec0["num_accepted_tokens"]
+    per_pos = [b - (spec0["accepted_per_position"][i] if i < len(spec0["accepted_per_position"]) else 0)
+               for i, b in enumerate(spec1["accepted_per_position"])]
+    return {"tokens": n_tok, "wall_s": round(wall, 3), "tok_s": round(n_tok / wall, 1),
+            "tpot_ms": round(1000 * sum(tpots) / max(1, len(tpots)), 3),
+            "mean_acceptance_length": round(1 + acc / drafts, 3) if drafts else None,
+            "acceptance_per_position": [round(v / drafts, 3) for v in per_pos] if drafts else []}
+
+
+def section_check(args, results):
+    from outpace import LLM, SamplingParams
+    n = args.check_prompts
+    gpu = LLM(args.gguf, device="cuda", dtype="bfloat16", quiet=True)
+    prompts = prompt_set(gpu.tokenizer, n)
+    sp = SamplingParams(max_tokens=64, temperature=0.0)
+    g = [o.token_ids for o in gpu.generate(prompts, sp)]
+    del gpu
+    torch.set_num_threads(min(16, os.cpu_count() or 1))
+    cpu = LLM(args.gguf, device="cpu", dtype="float32", quiet=True)
+    c = [o.token_ids for o in cpu.generate(prompts, sp)]
+    same = [a == b for a, b in zip(g, c)]
+    first_diff = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+                  for a, b in zip(g, c)]
+    results["check"] = {"prompts": n, "identical_64": sum(same), "fraction": sum(same) / n,
+                        "first_divergence_of_others": [d for d, s in zip(first_diff, same) if not s]}
+    print("check:", results["check"], flush=True)
+
+
+def make_heads(gguf, tmp):
+    from outpace.training.init_draft import init_draft
+    eagle = Path(tmp) / "eagle3"
+    mtp = Path(tmp) / "mtp"
+    init_draft("eagle3", gguf, eagle, seed=0, quiet=True)
+    init_draft("mtp", gguf, mtp, seed=0, quiet=True)
+    return eagle, mtp
+
+
+def section_smol(args, results):
+    from outpace.engine.engine import LLMEngine
+    from outpace.models.loader import load_model
+    loaded = load_model(args.gguf, dtype=torch.bfloat16, device=torch.device("cuda"), quiet=True)
+    prompts = prompt_set(loaded[2], max(args.batches) * 2)
+    tmp = tempfile.mkdtemp()
+    eagle, mtp = make_heads(args.gguf, tmp)
+    k = args.k
+    configs = [("no-spec", None), ("ngram", {"method": "ngram", "num_speculative_tokens": k}),
+               ("suffix", {"method": "suffix", "num_speculative_tokens": k})]
+    sched = {"k_schedule": [[32, k], [64, 1]]}  # k = 0 (no drafting) above 64 requests
+    for m in args.force_means:
+        configs.append((f"eagle3-fa{m}", {"method": "eagle3", "model": str(eagle),
+                                          "num_speculative_tokens": k, "force_accept_mean": m,
+                                          **sched}))
+    configs.append((f"mtp-fa3", {"method": "mtp", "model": str(mtp), "num_speculative_tokens": k,
+                                 "force_accept_mean": 3.0, **sched}))
+    rows = []
+    for name, spec in configs:
+        eng = LLMEngine.from_args(args.gguf, loaded=loaded, device="cuda", dtype="bfloat16",
+                                  speculative_config=spec, max_num_seqs=max(args.batches),
+                                  num_kv_blocks=args.kv_blocks, quiet=True)
+        run_engine(eng, prompts[:2], 1, 16)  # warm-up
+        for b in args.batches:
+            n = b if b > 1 else args.batch1_requests
+            r = run_engine(eng, prompts[:n], b, args.max_tokens)
+            r.update(system="outpace", config=name, batch=b, k=0 if spec is None else k)
+            rows.append(r)
+            print(r, flush=True)
+        del eng
+        torch.cuda.empty_cache()
+    results["smol"] = rows
+
+
+def section_hf(args, results):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    p = Path(args.gguf)
+    tok = AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
+    model = AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name,
+                                                 dtype=torch.bfloat16).cuda().eval()
+    from outpace.tokenizer import Tokenizer
+    prompts = prompt_set(Tokenizer(tok), 8)
+    rows = []
+
+    def gen(batch, n_req, compiled):
+        total, t0 = 0, time.perf_counter()
+        for i in range(0, n_req, batch):
+            chunk = prompts[i:i + batch]
+            w = max(len(x) for x in chunk)
+            inp = torch.tensor([[tok.eos_token_id] * (w - len(x)) + x for x in chunk]).cuda()
+            mask = torch.tensor([[0] * (w - len(x)) + [1] * len(x) for x in chunk]).cuda()
+            kw = dict(cache_implementation="static") if compiled else {}
+            out = model.generate(inp, attention_mask=mask, max_new_tokens=args.max_tokens,
+                                 min_new_tokens=args.max_tokens, do_sample=False,
+                                 pad_token_id=tok.eos_token_id, **kw)
+            total += (out.shape[1] - w) * len(chunk)
+        torch.cuda.synchronize()
+        return total, time.perf_counter() - t0
+
+    with torch.inference_mode():
+        for b in (1, 8):
+            gen(b, b, False)
+            n, s = gen(b, 4 if b == 1 else b, False)
+            rows.append({"system": "hf", "config": "eager", "batch": b, "tok_s": round(n / s, 1)})
+            print(rows[-1], flush=True)
+        model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+        gen(1, 1, True)
+        gen(1, 1, True)
+        n, s = gen(1, 4, True)
+        rows.append({"system": "hf", "config": "static+compile", "batch": 1,
+                     "tok_s": round(n / s, 1)})
+        print(rows[-1], flush=True)
+    results["hf"] = rows
+
+
+class _NullTokenizer:
+    eos_token_ids = ()
+    has_chat_template = False
+
+    def decode(self, ids, skip_special_tokens=True):
+        return ""
+
+    def encode(self, text, add_special_tokens=True):
+        return [1]
+
+
+def section_big(args, results):
+    from outpace.config import ModelConfig
+    from outpace.engine.engine import LLMEngine
+    from outpace.models.llama import LlamaForCausalLM
+    cfg = ModelConfig(architecture="llama", vocab_size=128256, hidden_size=4096,
+                      intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                      num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
+                      rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                    "high_freq_factor": 4.0,
+                                    "original_max_position_embeddings": 8192},
+                      max_position_embeddings=8192, eos_token_ids=())
+    model = LlamaForCausalLM(cfg, dtype=torch.bfloat16, device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    with torch.no_grad():
+        for prm in model.parameters():
+            prm.normal_(0.0, 0.02, generator=g) if prm.dim() > 1 else prm.fill_(1.0)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    # Bandwidth: a large device-to-device copy reads and writes each byte once.
+    x = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(10):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    bw = 2 * x.numel() * 10 / (time.perf_counter() - t0)
+    del x, y
+    eng = LLMEngine.from_args("llama3-8b-shaped", loaded=(model, cfg, _NullTokenizer()),
+                              device="cuda", dtype="bfloat16", max_num_seqs=8,
+                              num_kv_blocks=2048, max_model_len=4096, quiet=True)
+    prompt = list(range(100, 228))
+    run_engine(eng, [prompt], 1, 16)
+    r = run_engine(eng, [prompt] * 2, 1, args.max_tokens)
+    floor_ms = 1000 * weight_bytes / bw
+    results["big"] = {"weight_bytes": weight_bytes, "bandwidth_GBs": round(bw / 1e9, 1),
+                      "floor_ms": round(floor_ms, 3), "tpot_ms": r["tpot_ms"],
+                      "ratio_to_floor": round(r["tpot_ms"] / floor_ms, 3), "tok_s": r["tok_s"]}
+    print("big:", results["big"], flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--gguf", required=True)
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--sections", default="check,smol,hf,big")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 128])
+    ap.add_argument("--batch1-requests", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--force-means", type=float, nargs="+", default=[2.0, 3.0, 4.0])
+    ap.add_argument("--check-prompts", type=int, default=20)
+    ap.add_argument("--kv-blocks", type=int, default=8192)
+    args = ap.parse_args()
+    results = {}
+    for s in args.sections.split(","):
+        t0 = time.perf_counter()
+        try:
+            globals()[f"section_{s}"](args, results)
+        except Exception as e:  # keep what the other sections measured
+            import traceback
+            traceback.print_exc()
+            results[f"{s}_error"] = repr(e)
+        print(f"[section {s}: {time.perf_counter() - t0:.1f} s]", flush=True)
+        write_result(Path(args.out) / "gpu_bench.json", {
+            "benchmark": "gpu_side_by_side", "device": device_name("cuda"),
+            "torch": torch.__version__, "model": "smollm2-135m (Q4_1 GGUF -> bf16)",
+            "max_tokens": args.max_tokens, "k": args.k, **results})
+    rows = [r for r in results.get("smol", [])] + results.get("hf", [])
+    print_table(rows, ["system", "config", "batch", "tok_s", "tpot_ms", "mean_acceptance_length"])
+    if "big" in results:
+        print("8B-shaped batch 1:", results["big"])
+    if "check" in results:
+        print("bf16 GPU vs fp32 CPU:", results["check"])
+
+
+if __name__ == "__main__":
+    main()

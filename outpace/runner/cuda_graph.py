@@ -1,0 +1,125 @@
+"""CUDA graphs of the target forward for uniform decode/verify batches.
+
+A batch where every request computes the same number of tokens q (q = 1: plain decode;
+q = k + 1: verify k drafts) is padded up to a batch-size bucket and replayed from a graph
+captured once per (bucket, q). Everything the graph reads sits at fixed addresses in the
+runner's InputBuffers; padded requests have slot -1 (they write no KV) and attend only to their
+own q positions of the null block, and their outputs are ignored.
+
+    buckets: 1 2 4 8 16 24 32 48 64 96 128 ... (up to max_num_seqs)
+    graph(bucket, q): input_ids/positions/slot_mapping[:bucket*q], seq_lens/block_tables[:bucket]
+                      -> hidden [bucket*q, H], aux [bucket*q, H] each, logits [bucket*q, V]
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from outpace.attention.base import AttentionMetadata, ForwardContext
+from outpace.runner.inputs import HostBatch
+
+log = logging.getLogger(__name__)
+
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+
+
+class GraphRunner:
+    def __init__(self, model, backend, inputs, capture_layers: tuple, max_num_seqs: int,
+                 q_lens: tuple, max_tokens: int):
+        self.model = model
+        self.backend = backend
+        self.inputs = inputs
+        self.capture_layers = capture_layers
+        self.buckets = [b for b in DEFAULT_BUCKETS if b <= max_num_seqs and b * max(q_lens) <= max_tokens]
+        self.q_lens = tuple(sorted(set(q_lens)))
+        self.graphs: dict = {}  # (bucket, q) -> (graph, hidden, aux, logits)
+        self.pool = None
+
+    def bucket_for(self, num_seqs: int):
+        for b in self.buckets:
+            if b >= num_seqs:
+                return b
+        return None
+
+    def can_run(self, hb: HostBatch) -> bool:
+        q = np.diff(hb.query_start_loc)
+        if len(q) == 0 or (q != q[0]).any() or int(q[0]) not in self.q_lens:
+            return False
+        return self.bucket_for(len(q)) is not None
+
+    def _meta(self, bucket: int, q: int, max_seq_len: int) -> AttentionMetadata:
+        buf = self.inputs
+        return AttentionMetadata(
+            slot_mapping=buf.slot_mapping[:bucket * q], query_start_loc=buf.query_start_loc[:bucket + 1],
+            seq_lens=buf.seq_lens[:bucket], block_tables=buf.block_tables[:bucket],
+            max_query_len=q, max_seq_len=max_seq_len)
+
+    @torch.inference_mode()
+    def capture_all(self) -> None:
+        """Capture every (bucket, q), largest first so smaller graphs share its memory pool."""
+        buf = self.inputs
+        for q in self.q_lens:
+            for bucket in reversed(self.buckets):
+                n = bucket * q
+                # A valid dummy batch: each sequence attends to its own q positions.
+                buf.input_ids[:n].zero_()
+                buf.positions[:n].copy_(torch.arange(q, device=buf.device).repeat(bucket))
+                buf.slot_mapping[:n].fill_(-1)
+                buf.query_start_loc[:bucket + 1].copy_(
+                    torch.arange(0, (bucket + 1) * q, q, device=buf.device, dtype=torch.int32))
+                buf.seq_lens[:bucket].fill_(q)
+                buf.block_tables[:bucket].zero_()
+                meta = self._meta(bucket, q, buf.max_blocks * self.backend.block_size)
+                ctx = ForwardContext(self.backend, meta)
+                ids, pos = buf.input_ids[:n], buf.positions[:n]
+                for _ in range(2):  # warm-up: Triton compiles, cuBLAS picks its kernels
+                    self._forward(ids, pos, ctx)
+                graph, outs = self.capture(lambda: self._forward(ids, pos, ctx))
+                self.graphs[(bucket, q)] = (graph, *outs)
+        log.info("captured %d CUDA graphs (buckets %s, q %s)", len(self.graphs), self.buckets,
+                 self.q_lens)
+
+    def capture(self, fn):
+        """-> (replayable graph, static outputs of fn)."""
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            outs = fn()
+        if self.pool is None:
+            self.pool = graph.pool()
+        torch.cuda.synchronize()
+        return graph, outs
+
+    def _forward(self, ids, pos, ctx):
+        hidden, aux = self.model(ids, pos, ctx, capture_layers=self.capture_layers)
+        return hidden, aux, self.model.compute_logits(hidden)
+
+    def run(self, hb: HostBatch):
+        """Pad hb to its bucket, copy into the fixed buffers, replay.
+
+        -> (hidden [T, H], aux, logits [N, V] at hb.logits_indices, AttentionMetadata)."""
+        q = int(hb.query_start_loc[1] - hb.query_start_loc[0])
+        b = len(hb.seq_lens)
+        bucket = self.bucket_for(b)
+        n, pad = b * q, (bucket - b) * q
+        ids = np.concatenate([hb.input_ids, np.zeros(pad, np.int64)])
+        pos = np.concatenate([hb.positions, np.tile(np.arange(q), bucket - b)])
+        slots = np.concatenate([hb.slot_mapping, np.full(pad, -1, np.int64)])
+        qsl = np.arange(0, (bucket + 1) * q, q, dtype=np.int32)
+        seq_lens = np.concatenate([hb.seq_lens, np.full(bucket - b, q, np.int32)])
+        bt = np.zeros((bucket, hb.block_tables.shape[1]), np.int32)
+        bt[:b] = hb.block_tables
+        padded = HostBatch(ids, pos, slots, qsl, seq_lens, bt, hb.logits_indices)
+        _, _, li, meta = self.inputs.load(padded)
+        graph, hidden, aux, logits = self.graphs[(bucket, q)]
+        graph.replay()
+        # The caller's metadata describes the real (unpadded) batch, for the proposer.
+        meta = AttentionMetadata(
+            slot_mapping=meta.slot_mapping[:n], query_start_loc=meta.query_start_loc[:b + 1],
+            seq_lens=meta.seq_lens[:b], block_tables=meta.block_tables[:b],
+            query_start_loc_host=hb.query_start_loc.tolist(), seq_lens_host=hb.seq_lens.tolist(),
+            max_query_len=q, max_seq_len=int(hb.seq_lens.max()))
+        return hidden[:n], [a[:n] for a in aux], logits.index_select(0, li), meta
