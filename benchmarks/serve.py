@@ -231,6 +231,7 @@ def main(argv=None) -> int:
     p.add_argument("--temperature", type=float, default=d.temperature)
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--result-file", default=None, help="JSON path (default: print only)")
+    p.add_argument("--note", default="", help="free text stored in the result (server setup)")
     a = p.parse_args(argv)
     cfg = BenchConfig(base_url=a.base_url, model=a.model, endpoint=a.endpoint, api_key=a.api_key,
                       dataset=a.dataset,
@@ -239,6 +240,8 @@ def main(argv=None) -> int:
                       output_len=a.output_len, ignore_eos=not a.no_ignore_eos,
                       temperature=a.temperature, seed=a.seed)
     s = asyncio.run(run_benchmark(cfg))
+    if a.note:
+        s["note"] = a.note
     rows = [{"metric": k, "value": f"{v:.2f}" if isinstance(v, float) else v}
             for k, v in s.items() if k not in ("config", "errors")]
     print_table(rows, ["metric", "value"])

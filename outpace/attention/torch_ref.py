@@ -41,10 +41,13 @@ class TorchRefBackend(AttentionBackend):
     def forward(self, layer, q, k, v, meta: AttentionMetadata):
         store_kv(self.kv_cache, layer, k, v, meta.slot_mapping)
         out = torch.empty_like(q)
-        qsl = meta.query_start_loc_host
+        # Metadata built for a graph carries no host mirrors; read the device tensors instead
+        # (a sync, which is fine for the oracle; the GPU path uses the Triton backend).
+        qsl = meta.query_start_loc_host or meta.query_start_loc.tolist()  # sync-ok: oracle
+        seq_lens = meta.seq_lens_host or meta.seq_lens.tolist()  # sync-ok: oracle
         hkv, d = self.num_kv_heads, self.head_dim
         group = self.num_heads // hkv
-        for s, kv_len in enumerate(meta.seq_lens_host):
+        for s, kv_len in enumerate(seq_lens):
             a, b = qsl[s], qsl[s + 1]
             n = b - a
             if n == 0:

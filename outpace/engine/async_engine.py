@@ -156,19 +156,10 @@ class AsyncEngine:
         self._stats: dict = dict(engine.stats())  # replaced (never mutated) by the engine thread
         self.dead_error: Optional[BaseException] = None
         self._stopping = False
-
-    # ---- passthrough ----------------------------------------------------------------------
-    @property
-    def tokenizer(self):
-        return self.engine.tokenizer
-
-    @property
-    def model_name(self) -> str:
-        return self.engine.model_name
-
-    @property
-    def max_model_len(self) -> int:
-        return self.engine.max_model_len
+        # Read-only after construction, so the event loop may use them.
+        self.tokenizer = engine.tokenizer  # apply_chat_template only (pure jinja, no tokenizing)
+        self.model_name: str = engine.model_name
+        self.max_model_len: int = engine.max_model_len
 
     # ---- lifecycle --------------------------------------------------------------------------
     def start(self, loop: Optional[asyncio.AbstractEventLoop] = None) -> None:
@@ -205,7 +196,9 @@ class AsyncEngine:
         A text prompt is tokenized in the engine thread (the tokenizer is not shared across
         threads); `add_special_tokens=False` for text that already holds them (a rendered chat
         template)."""
-        self._check_alive()
+        if not self.healthy:
+            raise EngineDeadError(f"the engine is not running ({self.dead_error!r}); "
+                                  "restart the server")
         loop = asyncio.get_running_loop()
         stream = RequestStream(request_id, self)
         timing = RequestTiming(request_id, arrival=time.monotonic())
@@ -222,11 +215,6 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         """Thread-safe, non-blocking; the engine thread frees the request's KV blocks."""
         self._cmds.put(("abort", request_id))
-
-    def _check_alive(self) -> None:
-        if not self.healthy:
-            raise EngineDeadError(f"the engine is not running ({self.dead_error!r}); "
-                                  "restart the server")
 
     # ---- engine thread ----------------------------------------------------------------------
     def _run(self) -> None:

@@ -77,7 +77,7 @@ class GraphRunner:
                 ids, pos = buf.input_ids[:n], buf.positions[:n]
                 for _ in range(2):  # warm-up: Triton compiles, cuBLAS picks its kernels
                     self._forward(ids, pos, ctx)
-                graph, outs = self.capture(lambda: self._forward(ids, pos, ctx))
+                graph, outs = self.capture(lambda i=ids, p=pos, c=ctx: self._forward(i, p, c))
                 self.graphs[(bucket, q)] = (graph, *outs)
         log.info("captured %d CUDA graphs (buckets %s, q %s)", len(self.graphs), self.buckets,
                  self.q_lens)

@@ -58,6 +58,8 @@ CASES = [
     ("repetition_penalty_zero", C, _with(OK_COMPLETION, repetition_penalty=0.0), 400,
      "repetition_penalty"),
     ("seed_string", C, _with(OK_COMPLETION, seed="abc"), 400, "seed"),
+    ("seed_out_of_64_bits", C, _with(OK_COMPLETION, seed=2 ** 80), 400, "seed"),
+    ("top_k_huge", C, _with(OK_COMPLETION, top_k=10 ** 20, temperature=1.0), 400, "top_k"),
     ("n_unsupported", C, _with(OK_COMPLETION, n=3), 400, "n=3"),
     ("logprobs_too_many", C, _with(OK_COMPLETION, logprobs=50), 400, "logprobs"),
     ("stop_wrong_type", C, _with(OK_COMPLETION, stop=7), 400, "stop"),

@@ -69,11 +69,15 @@ def _run_attention(seqs, hkv, group, d, dtype, *, splits=None, slack=0, seed=0):
     check_attention(b, out, scale)
 
 
+# (GQA group, head_dim) pairs; each distinct pair x dtype x tile shape is one Triton compile,
+# so the matrix is a cover of the pairs rather than the full product.
+GROUP_DIM = [(1, 64), (3, 128), (4, 64), (4, 128)]
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("group", [1, 3, 4])
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("group,d", GROUP_DIM)
 @pytest.mark.parametrize("name", sorted(SMALL))
-def test_attention_small(name, d, group, dtype):
+def test_attention_small(name, group, d, dtype):
     _run_attention(SMALL[name], 2, group, d, dtype, slack=2, seed=d + 10 * group + len(name))
 
 
@@ -85,7 +89,7 @@ def test_attention_big(name, group, d, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
-@pytest.mark.parametrize("splits", [2, 8, 16])
+@pytest.mark.parametrize("splits", [2, 16])
 @pytest.mark.parametrize("name", ["decode_many", "verify_many", "mixed_big"])
 def test_attention_forced_splits(name, splits, dtype):
     _run_attention(BIG[name], 2, 4, 128, dtype, splits=splits, slack=1, seed=splits)

@@ -321,3 +321,108 @@ def test_draft_writes_stay_inside_reserved_blocks(tiny_loaded, tiny_heads, caplo
     # write r-1 positions past it. The loop reaches p+a+k-1: all k-1 lookahead tokens when
     # every draft is accepted, never more (so token-exact, not only block-exact).
     assert w.max_draft_reach == k - 1, w.max_draft_reach
+
+
+# ---- relaxed acceptance inside thinking spans (opt-in, lossy) ---------------------------------
+
+THINK, END = 94, 95
+RELAXED = {"relaxed_top_k": 96, "relaxed_delta": 1.0,  # inside a span: accept any draft
+           "think_begin_ids": [THINK], "think_end_ids": [END]}
+
+
+def per_request_rate(run):
+    return [o.spec_stats.acceptance_rate for o in run.outs]
+
+
+@pytest.mark.parametrize("method", ["ngram", "eagle3"])
+def test_relaxed_acceptance_only_inside_thinking_spans(tiny_loaded, tiny_heads, method):
+    outside = [p for p in repetitive_prompts(4, 7) if THINK not in p and END not in p][:3]
+    inside = [p + [THINK] for p in outside]
+    prompts = outside + inside
+    kw = dict(block_size=TINY_BLOCK, max_num_batched_tokens=32)
+    want = run_waves(tiny_loaded, [prompts], GREEDY, **kw).outputs
+    assert not any({THINK, END} & set(o) for o in want), "pick other marker ids"
+    base = {"method": method, "num_speculative_tokens": 3}
+    if method == "eagle3":
+        base.update(model=str(tiny_heads["eagle3"]), enhancer_min_match=2)
+    strict = run_waves(tiny_loaded, [prompts], GREEDY, speculative_config=base, **kw)
+    relaxed = run_waves(tiny_loaded, [prompts], GREEDY, speculative_config={**base, **RELAXED},
+                        **kw)
+    n = len(outside)
+    assert strict.outputs == want
+    assert relaxed.outputs[:n] == want[:n]  # outside a span verification stays exact
+    assert per_request_rate(relaxed)[:n] == per_request_rate(strict)[:n]
+    rates_strict, rates_relaxed = per_request_rate(strict)[n:], per_request_rate(relaxed)[n:]
+    # inside the span every draft passes (top_k = vocab, delta = 1), strict accepts fewer
+    assert all(r == 1.0 for r in rates_relaxed), rates_relaxed
+    assert sum(rates_strict) / n < 0.9, rates_strict
+    assert relaxed.outputs[n:] != want[n:]  # lossy where it applies, as documented
+
+
+def relaxed_verify(history, drafts, logits, top_k=96, delta=1.0):
+    """One greedy verify through SamplingStep with relaxed acceptance -> (emitted, accepted)."""
+    from outpace.runner.sampling_step import RelaxedAcceptance, SamplingStep
+    from outpace.types import Request, ScheduledRequest, StepPlan
+    step = SamplingStep(torch.device("cpu"))
+    step.relaxed = RelaxedAcceptance.from_options(
+        {"relaxed_top_k": top_k, "relaxed_delta": delta, "think_begin_ids": [THINK],
+         "think_end_ids": [END]}, 96)
+    req = Request("r", history[:2], GREEDY)
+    req.output_token_ids = list(history[2:])
+    plan = StepPlan([ScheduledRequest(req, len(history) - 1, 1 + len(drafts), list(drafts))])
+    out = step.run(plan, logits)[0]
+    return out.token_ids, out.num_accepted_tokens
+
+
+def peaked_logits(argmax_ids, second=None):
+    """[len, 96] logits: argmax_ids[j] wins row j by 10, `second[j]` (if given) is runner-up."""
+    lg = torch.zeros(len(argmax_ids), 96)
+    for j, t in enumerate(argmax_ids):
+        lg[j, t] = 10.0
+        if second is not None:
+            lg[j, second[j]] = 9.0
+    return lg
+
+
+def test_relaxed_verify_respects_span_markers_top_k_and_delta():
+    target = [1, 2, 3, 4, 5]  # the target's argmax at the 5 positions of a 4-draft block
+    drafts = [20, 21, END, 22]  # all differ from the target
+    outside = [7, 8, 9]
+    inside = [7, THINK, 9]
+    closed = [THINK, 8, END, 9]
+    logits = peaked_logits(target)
+    assert relaxed_verify(outside, drafts, logits) == ([1], 0)
+    assert relaxed_verify(closed, drafts, logits) == ([1], 0)
+    # inside: 20, 21 relaxed; the END marker itself is never relaxed -> target token there
+    assert relaxed_verify(inside, drafts, logits) == ([20, 21, 3], 2)
+    # an END that the target agrees with closes the span: the draft after it is strict
+    agree = peaked_logits([1, 2, END, 4, 5])
+    assert relaxed_verify(inside, drafts, agree) == ([20, 21, END, 4], 3)
+    # top_k and delta gate it: drafts must be the runner-up (top_k=2) and within delta
+    runner_up = peaked_logits(target, second=[20, 21, 30, 31, 32])
+    p1, p2 = torch.softmax(runner_up[0], -1).topk(2).values.tolist()
+    assert relaxed_verify(inside, drafts, runner_up, top_k=2, delta=0.9) == ([20, 21, 3], 2)
+    assert relaxed_verify(inside, drafts, runner_up, top_k=1, delta=0.9) == ([1], 0)
+    assert relaxed_verify(inside, drafts, runner_up, top_k=2, delta=(p1 - p2) / 2) == ([1], 0)
+
+
+def test_relaxed_sampling_path_accepts_inside_span(tiny_loaded):
+    prompts = [p + [THINK] for p in repetitive_prompts(3, 7)]
+    params = SamplingParams(max_tokens=16, temperature=0.8, seed=3, ignore_eos=True)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, **RELAXED}
+    run = run_waves(tiny_loaded, [prompts], params, speculative_config=spec,
+                    block_size=TINY_BLOCK)
+    drafted = [o.spec_stats for o in run.outs if o.spec_stats.num_draft_tokens]
+    assert drafted and all(s.acceptance_rate == 1.0 for s in drafted)
+
+
+@pytest.mark.parametrize("opts,msg", [
+    ({"relaxed_top_k": 5}, "missing"),
+    ({**RELAXED, "relaxed_delta": 1.5}, "relaxed_delta"),
+    ({**RELAXED, "relaxed_top_k": 0}, "relaxed_top_k"),
+    ({**RELAXED, "think_end_ids": [500]}, "think_end_ids"),
+    ({**RELAXED, "think_end_ids": [THINK]}, "differ"),
+])
+def test_relaxed_options_are_validated_at_build(tiny_loaded, opts, msg):
+    with pytest.raises(ConfigError, match=msg):
+        make_engine(tiny_loaded, speculative_config={"method": "ngram", **opts})

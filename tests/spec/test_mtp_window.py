@@ -23,16 +23,18 @@ from outpace.models.mtp import MTPHead
 from outpace.training.init_draft import random_head_tensors
 from outpace.attention.base import AttentionMetadata, ForwardContext
 from outpace.attention.torch_ref import TorchRefBackend
-from tests.spec.spec_helpers import (TINY_BLOCK, dense_target, first_divergence,
-                                     repetitive_prompts, run_waves)
+from tests.spec.spec_helpers import (MIN_MARGIN, TINY_BLOCK, dense_target, first_divergence,
+                                     min_greedy_margin, repetitive_prompts, run_waves,
+                                     tiny_target)
 
 ENGINE = dict(block_size=TINY_BLOCK, max_num_batched_tokens=16, num_kv_blocks=40)
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 TOL = 1e-4  # batched vs dense fp32 differ ~1e-6; an entry built from a wrong token by ~1e-1
 
-# (head, D modules, k drafts, suffix enhancer)
-CASES = [("random", 3, 1, False), ("random", 3, 3, False), ("bigram", 2, 2, False),
-         ("bigram", 3, 2, False), ("bigram", 4, 3, False), ("random", 4, 4, True)]
+# (target, D modules, k drafts, suffix enhancer); the "peaked" target gets the random head
+# (drafts nearly always rejected), the "bigram" one the bigram head (long accepted runs)
+CASES = [("peaked", 3, 1, False), ("peaked", 3, 3, False), ("peaked", 4, 4, True),
+         ("bigram", 2, 2, False), ("bigram", 3, 1, False), ("bigram", 4, 3, False)]
 
 
 def waves():
@@ -42,13 +44,14 @@ def waves():
 
 
 def bigram_head_tensors(head: MTPHead, seed: int) -> dict:
-    """A head that copies the target's bigram part: eh_proj = [I | 0] keeps the embedding of the
-    input token, the layer adds little, so logits ~ lm_head(norm(embed(t))) like the (weakly
-    mixing) target's. Attention weights stay random so the draft KV is not trivial."""
+    """A head that copies the target's bigram part: eh_proj = [I | small] keeps the embedding
+    of the input token, the layer adds little, so logits ~ lm_head(norm(embed(t))) like the
+    (embedding-dominated) target's. Attention weights stay random so the KV is not trivial."""
     t = random_head_tensors(head, seed)
     h = head.config.hidden_size
     for d in range(head.num_modules):
-        t[f"layers.{d}.eh_proj.weight"] = torch.cat([torch.eye(h), torch.zeros(h, h)], dim=1)
+        # a little of the hidden, so that a wrong h^0 or h^d shows in the draft KV
+        t[f"layers.{d}.eh_proj.weight"] = torch.cat([torch.eye(h), t[f"layers.{d}.eh_proj.weight"][:, h:]], dim=1)
         t[f"layers.{d}.self_attn.o_proj.weight"] *= 0.5
         t[f"layers.{d}.mlp.down_proj.weight"] *= 0.5
     return t
@@ -175,16 +178,15 @@ class PlaneOracle:
             self.num_diverted += 1
 
 
-def spec_config(head_dirs, kind, D, k, enhancer):
-    cfg = {"method": "mtp", "model": str(head_dirs[kind, D]), "num_speculative_tokens": k,
+def spec_config(head_dir, k, enhancer):
+    cfg = {"method": "mtp", "model": str(head_dir), "num_speculative_tokens": k,
            "mtp_mode": "depths"}
     if enhancer:
         cfg["enhancer_min_match"] = 2
     return cfg
 
 
-def checked_run(loaded, head_dirs, case, window=None):
-    kind, D, k, enhancer = case
+def checked_run(loaded, head_dir, k, enhancer=False, window=None):
     box = {}
 
     def on_engine(eng):
@@ -193,60 +195,91 @@ def checked_run(loaded, head_dirs, case, window=None):
         box["oracle"] = PlaneOracle(eng, loaded)
 
     run = run_waves(loaded, waves(), GREEDY, on_engine=on_engine,
-                    speculative_config=spec_config(head_dirs, kind, D, k, enhancer), **ENGINE)
+                    speculative_config=spec_config(head_dir, k, enhancer), **ENGINE)
     run.oracle = box["oracle"]
     return run
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_loaded):
-    return run_waves(tiny_loaded, waves(), GREEDY, **ENGINE).outputs
+def targets(tiny_loaded):
+    """{"peaked": the shared tiny target, "bigram": its twin with a 10x embedding, whose greedy
+    output depends mostly on the last token (what the bigram head copies)}."""
+    model, cfg, tok = tiny_target(seed=0)
+    with torch.no_grad():
+        model.embed_weight.mul_(10.0)
+    return {"peaked": tiny_loaded, "bigram": (model, cfg, tok)}
 
 
 @pytest.fixture(scope="module")
-def runs(tiny_loaded, head_dirs):
+def references(targets):
+    out = {}
+    prompts = waves()[0] + waves()[1]
+    for name, (model, cfg, tok) in targets.items():
+        run = run_waves(targets[name], waves(), GREEDY, **ENGINE)
+        margin = min_greedy_margin(model, cfg, [p + o for p, o in zip(prompts, run.outputs)],
+                                   [len(p) for p in prompts])
+        assert margin > MIN_MARGIN, f"{name} reference has a near-tie ({margin:.1e})"
+        out[name] = run.outputs
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(targets, head_dirs):
     cache = {}
 
     def get(case):
         if case not in cache:
-            cache[case] = checked_run(tiny_loaded, head_dirs, case)
+            target, D, k, enhancer = case
+            head = "random" if target == "peaked" else "bigram"
+            cache[case] = checked_run(targets[target], head_dirs[head, D], k, enhancer)
         return cache[case]
     return get
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-D{c[1]}-k{c[2]}"
-                         + ("-enh" if c[3] else ""))
-def test_lossless_exact_plane_and_stash(case, runs, reference, tiny_loaded):
+                         + ("-enhancer" if c[3] else ""))
+def test_lossless_exact_plane_and_stash(case, runs, references, targets):
     run = runs(case)
     eng = run.engine
     assert not getattr(eng.runner, "_proposer_failed", False), "the proposer raised"
     assert run.stats["num_preemptions_total"] > 0, "no preemption: pool too large"
     assert eng.kv.prefix_cache_hit_tokens > 0, "no prefix-cache hit"
     assert run.stats["spec"]["num_draft_tokens"] > 0, "no drafts were proposed"
+    model, cfg, _ = targets[case[0]]
     prompts = waves()[0] + waves()[1]
-    for p, want, got in zip(prompts, reference, run.outputs):
+    for p, want, got in zip(prompts, references[case[0]], run.outputs):
         if want != got:
-            pytest.fail(first_divergence(tiny_loaded[0], tiny_loaded[1], p, want, got))
+            pytest.fail(first_divergence(model, cfg, p, want, got))
     oracle = run.oracle
     assert oracle.num_checked > 100
-    assert not oracle.kv_errors, f"{len(oracle.kv_errors)} stale entries, e.g. {oracle.kv_errors[:3]}"
+    assert not oracle.kv_errors, f"{len(oracle.kv_errors)} stale: {oracle.kv_errors[:3]}"
     assert not oracle.stash_errors, oracle.stash_errors[:3]
 
 
 def test_both_paths_are_exercised(runs):
-    """The random head's drafts are rejected, the bigram head's accepted at every depth, and
-    the enhancer sends drafts other than the fed ones: the exactness checks above cover all."""
-    rejected = runs(("random", 3, 3, False)).stats["spec"]
-    assert rejected["acceptance_rate"] < 0.3
+    """The random head's drafts are rejected, the bigram head's often accepted at every depth,
+    and the enhancer sends drafts other than the fed ones: the checks above cover all three."""
+    rejected = runs(("peaked", 3, 3, False)).stats["spec"]
+    assert rejected["acceptance_rate"] < 0.2, rejected
     accepted = runs(("bigram", 4, 3, False)).stats["spec"]
-    assert accepted["mean_acceptance_length"] > 2.0, accepted
-    assert min(accepted["accepted_per_position"]) > 0, accepted
-    assert runs(("random", 4, 4, True)).oracle.num_diverted > 0
+    assert accepted["mean_acceptance_length"] > 1.5, accepted
+    assert min(accepted["accepted_per_position"]) > 5, accepted
+    assert runs(("peaked", 4, 4, True)).oracle.num_diverted > 0
 
 
-def test_window_narrower_than_k_leaves_stale_entries(tiny_loaded, head_dirs):
+def test_window_narrower_than_k_leaves_stale_entries(targets, head_dirs):
     """Negative control: with K-1 rows per window a rejected draft's entry at the deepest
     module survives below the next window, and the oracle sees it (outputs stay lossless)."""
-    run = checked_run(tiny_loaded, head_dirs, ("random", 3, 3, False), window=2)
+    run = checked_run(targets["peaked"], head_dirs["random", 3], 3, window=2)
     assert run.oracle.kv_errors, "the oracle missed stale entries of a too-narrow window"
     assert all("module 2" in e for e in run.oracle.kv_errors), run.oracle.kv_errors[:3]
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "kvcache/manager.py get_computed_blocks: a matched block's draft tail depends on the next "
+    "block's first tokens, but the physical block behind a hash may have been computed by "
+    "another request with a different next block (the next hash then maps to a block whose "
+    "predecessor was a duplicate); see the MTP depths report"))
+def test_prefix_hit_inherits_exact_draft_entries(runs):
+    run = runs(("bigram", 4, 3, False))
+    assert not run.oracle.inherited_errors, run.oracle.inherited_errors[:3]

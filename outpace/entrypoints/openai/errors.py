@@ -12,6 +12,7 @@ from typing import Optional
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from outpace.engine.async_engine import EngineDeadError
 from outpace.errors import (InvalidRequestError, ModelNotFoundError, OutpaceError,
@@ -59,6 +60,8 @@ def to_api_error(exc: BaseException) -> APIError:
         return APIError(503, f"the waiting queue is full ({exc}); retry after "
                         f"{RETRY_AFTER_S} s", code="queue_full",
                         headers={"Retry-After": str(RETRY_AFTER_S)})
+    if isinstance(exc, ClientDisconnect):
+        return APIError(499, "the client closed the connection while sending the request")
     if isinstance(exc, EngineDeadError):
         return APIError(503, str(exc), code="engine_dead")
     log.error("internal error while serving a request", exc_info=exc)

@@ -75,6 +75,13 @@ class _SamplingFields(_Strict):
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed when stream is true",
                            param="stream_options")
+        # Values the sampler turns into int64 tensors / torch generators: out of range there
+        # would fail a whole engine step (every request in it), so refuse them here.
+        if self.seed is not None and not -(1 << 63) <= self.seed < (1 << 64):
+            raise APIError(400, "seed must fit in 64 bits", param="seed")
+        if self.top_k is not None and self.top_k > (1 << 31):
+            raise APIError(400, f"top_k={self.top_k} is too large; use 0 for no top-k",
+                           param="top_k")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise APIError(400, f"max_tokens must be >= 1, got {self.max_tokens}",
                            param="max_tokens")

@@ -8,7 +8,6 @@ import torch
 from outpace import SamplingParams
 from outpace.runner.cuda_graph import GraphRunner
 from tests.engine_helpers import make_engine, run_batch
-from tests.spec.spec_helpers import tiny_loaded  # noqa: F401  (fixture)
 
 
 class ReplayByRerun:
@@ -34,8 +33,7 @@ def fake_capture(monkeypatch):
 
 @pytest.mark.parametrize("spec", [None, {"method": "ngram", "num_speculative_tokens": 3}])
 def test_graph_padding_matches_eager(tiny_loaded, fake_capture, spec):
-    prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [9, 10, 11], [12, 13, 14, 15, 16, 12, 13, 14],
-               [20, 21, 22, 20, 21]]
+    prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [9, 10, 11], [12, 13, 14, 15, 16, 12, 13, 14]]
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     eager = make_engine(tiny_loaded, speculative_config=spec, max_num_seqs=8)
     want = run_batch(eager, prompts, params)
@@ -48,5 +46,4 @@ def test_graph_padding_matches_eager(tiny_loaded, fake_capture, spec):
     got = run_batch(graphed, prompts, params)
     assert got == want
     assert replays, "no step went through a graph"
-    assert set(replays) - {1, 2, 4, 8}, "only exact bucket sizes seen; padding untested" \
-        if len(prompts) % 2 else True
+    assert 3 in replays, "a batch of 3 (padded to bucket 4) should have replayed"
