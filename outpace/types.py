@@ -63,7 +63,8 @@ class SamplingParams:
             bad(f"temperature must be >= 0, got {self.temperature!r}")
         if not is_num(self.top_p) or not 0.0 < self.top_p <= 1.0:
             bad(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
+        if (not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0
+                or self.top_k >= 1 << 31):
             bad(f"top_k must be -1, 0 (off) or a positive integer, got {self.top_k!r}")
         if not is_num(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             bad(f"min_p must be in [0, 1], got {self.min_p!r}")
@@ -73,8 +74,9 @@ class SamplingParams:
             v = getattr(self, name)
             if not is_num(v) or not -2.0 <= v <= 2.0:
                 bad(f"{name} must be in [-2, 2], got {v!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
-            bad(f"seed must be an integer, got {self.seed!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
+                                      or not -(1 << 63) <= self.seed < 1 << 63):
+            bad(f"seed must be a 64-bit integer, got {self.seed!r}")
         if not all(isinstance(s, str) and s for s in self.stop):
             bad("stop must be a non-empty string or a list of non-empty strings")
         if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0

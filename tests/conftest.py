@@ -33,6 +33,26 @@ def loaded_default(default_model_path):
                       quiet=True)
 
 
+@pytest.fixture(scope="session")
+def hf_default_model(default_gguf):
+    """transformers' own GGUF loading of the default model (slow: ~20 s, once per session)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging
+    logging.disable_progress_bar()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(default_gguf.parent), gguf_file=default_gguf.name, dtype=torch.float32)
+    finally:
+        logging.enable_progress_bar()
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def default_gguf(default_model_path):
+    return default_model_path
+
+
 @pytest.fixture(autouse=True)
 def no_leaked_blocks():
     """After every test, every engine it built holds no KV blocks (all back to free)."""

@@ -3,8 +3,9 @@
 Each program owns one tile: BLOCK_Q query tokens of one sequence x the GROUP query heads that
 share one KV head (GQA heads are folded into the rows, so K/V tiles are loaded once per group):
 
-    rows of a tile (GROUP_PAD = next pow2 of GROUP; pad rows are masked out)
-      r = 0 .. BLOCK_M-1      token = qb*BLOCK_Q + r // GROUP_PAD    head = kvh*GROUP + r % GROUP_PAD
+    row r of tile (qb, seq, kvh), r = 0 .. BLOCK_M-1 (GROUP_PAD = next pow2 of GROUP):
+      token = qb * BLOCK_Q + r // GROUP_PAD      head = kvh * GROUP + r % GROUP_PAD
+      (rows with r % GROUP_PAD >= GROUP, or token >= q_len, are padding and masked out)
 
     grid = (cdiv(max_query_len, BLOCK_Q), num_seqs, num_kv_heads * NUM_SPLITS)
 
@@ -100,8 +101,8 @@ if triton is not None:
             stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_co, stride_ch,
             stride_bt, num_tokens, num_q_heads, qk_scale, min_chunk, HEAD_DIM,
             BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-            BLOCK_Q: tl.constexpr,
-            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+            BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+            BLOCK_D: tl.constexpr,
             NUM_SPLITS: tl.constexpr, IS_FP32: tl.constexpr):
         qb = tl.program_id(0)
         seq = tl.program_id(1)
@@ -279,7 +280,7 @@ class TritonPagedBackend(AttentionBackend):
         if triton is None:
             raise ConfigError("the Triton attention backend needs triton; install it "
                               "(pip install triton) or use the reference backend")
-        if kv_cache.dim() != 6 or kv_cache.shape[4] != num_kv_heads or kv_cache.shape[5] != head_dim:
+        if kv_cache.dim() != 6 or tuple(kv_cache.shape[4:]) != (num_kv_heads, head_dim):
             raise ConfigError(f"kv_cache shape {tuple(kv_cache.shape)} does not match "
                               f"num_kv_heads={num_kv_heads}, head_dim={head_dim}")
         if num_heads % num_kv_heads:

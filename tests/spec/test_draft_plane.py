@@ -24,7 +24,6 @@ import torch
 
 from outpace import SamplingParams
 from outpace.errors import ConfigError
-from outpace.spec.head_proposer import HeadProposer
 from tests.engine_helpers import make_engine
 from tests.spec.spec_helpers import (TINY_BLOCK, ChainRecorder, dense_chain, dense_draft_plane,
                                      engine_draft_plane, repetitive_prompts, run_waves)
@@ -35,6 +34,7 @@ DRAFTER_RAISED = "the drafter raised"
 
 
 def waves():
+    # 10 tokens: requests diverge inside a block (the aligned case is the xfail test below)
     system = repetitive_prompts(1, 99, period=10, repeats=1)[0]
     first = repetitive_prompts(5, 3, prefix=system)
     return [first, repetitive_prompts(2, 4, prefix=system) + [first[1]]]
@@ -50,9 +50,10 @@ def head_spec(heads, method, k, **opts):
 class PlaneChecker:
     """after_step hook: stored draft-plane entries below num_computed_tokens are exact."""
 
-    def __init__(self, loaded):
+    def __init__(self, loaded, soft=False):
         self.model, self.cfg = loaded[0], loaded[1]
         self.entries_checked = 0
+        self.soft, self.failures = soft, []  # soft: collect failures, let the run finish
 
     def __call__(self, engine):
         proposer = engine.runner.proposer
@@ -64,9 +65,12 @@ class PlaneChecker:
             got = engine_draft_plane(engine, req.request_id, c)
             err = (got - want).abs().amax(dim=(0, 2, 3))  # [c] per position
             bad = (err > 1e-4).nonzero().flatten().tolist()
-            assert not bad, (f"{req.request_id}: draft-plane entries at positions {bad[:8]} "
-                             f"(of {c} committed) differ from the dense recomputation "
-                             f"(max err {float(err.max()):.2e})")
+            msg = (f"{req.request_id}: draft-plane entries at positions {bad[:8]} (of {c} "
+                   f"committed) differ from the dense recomputation (max err "
+                   f"{float(err.max()):.2e})")
+            if bad and self.soft:
+                self.failures.append(msg)
+            assert self.soft or not bad, msg
             self.entries_checked += c
 
 
@@ -141,6 +145,43 @@ def test_oracles_catch_a_misplaced_draft_write(tiny_loaded, tiny_heads, monkeypa
                                  atol=1e-4)
               for c, k, h, _ in chains.chains() if k > 2]
     assert any(differ), "the chain oracle missed a misplaced draft write"
+
+
+def aligned_pair():
+    """Two prompts sharing a 12-token system prompt (3 whole blocks), diverging at token 12."""
+    system = repetitive_prompts(1, 99, period=12, repeats=1)[0]
+    return repetitive_prompts(2, 21, prefix=system, period=8, repeats=2)
+
+
+def test_prefix_hit_recomputes_the_last_matched_block(tiny_loaded, tiny_heads):
+    """B matches A's blocks 0..2; block 2's last draft entry was computed from A's token 12,
+    so B must not inherit it (idea 4's trim): its own entry at 11 uses its own token 12."""
+    a, b = aligned_pair()
+    checker = PlaneChecker(tiny_loaded)
+    run = run_waves(tiny_loaded, [[a], [b]], GREEDY, after_step=checker,
+                    speculative_config=head_spec(tiny_heads, "eagle3", 3), block_size=TINY_BLOCK)
+    assert run.outs[1].num_cached_tokens == 8  # blocks 0, 1 inherited, block 2 trimmed
+    assert checker.entries_checked > 100
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "kvcache bug (reported): a prefix hit can inherit a block cached by another request whose "
+    "next token differed, so the block's last draft entry is stale. BlockPool keeps the first "
+    "block cached under a hash; the hash chain fixes the tokens of the matched blocks, not the "
+    "successor the last draft entry was computed with (DESIGN idea 4 assumes one physical "
+    "chain). Only acceptance suffers: output stays lossless."))
+def test_prefix_hit_through_a_block_with_another_successor(tiny_loaded, tiny_heads):
+    """A and B share a 12-token system prompt (3 whole blocks) and diverge at token 12. B
+    recomputes block 2 (trim) and caches its copy under the same hash as A's, which stays the
+    findable one. C repeats B's prompt: it matches blocks 0..3, inherits A's block 2 (the
+    entry at position 11 was computed from A's token 12) and trims only block 3."""
+    a, b = aligned_pair()
+    checker = PlaneChecker(tiny_loaded, soft=True)
+    spec = head_spec(tiny_heads, "eagle3", 3)
+    run = run_waves(tiny_loaded, [[a], [b], [b]], GREEDY, after_step=checker,
+                    speculative_config=spec, block_size=TINY_BLOCK)
+    assert run.outs[2].num_cached_tokens >= 16  # C did match past the system prompt
+    assert not checker.failures, checker.failures[0]
 
 
 # ---- DESIGN idea 8: the draft phase leaves the target's step state alone --------------------

@@ -1,15 +1,19 @@
 """MTP depths mode (outpace/spec/mtp_window.py): lossless, an exact draft plane, the stash.
 
-Every run goes through the real engine on the tiny peaked target (CPU fp32) in a scenario with
-prefill chunks mixed into decode steps, prefix-cache hits and preemption. An oracle wraps the
-proposer and, after every step and for every request, recomputes each module's draft KV densely
-(exact target hiddens from one dense forward, module d over positions 0..min(e, f-1-d)-1 with
-the committed token t[i+d+1]) and compares it with the pool through the request's block table:
-every entry whose inputs are committed must be exact, so no rejected draft's entry is left
-behind below the next window. It also checks the stash (target hiddens of the last K computed
-positions). Two heads: a random one (drafts nearly always rejected) and a "bigram" one built to
-agree with the target most of the time (long accepted runs), so both paths are exercised. A
-negative control narrows the window to K-1 rows and must find stale entries.
+Every run goes through the real engine (CPU fp32, tiny targets) in one scenario with prefill
+chunks mixed into decode steps, prefix-cache hits and preemption, and must give the greedy
+output of the same engine without speculation. An oracle wraps the proposer and, after every
+step and for every request, recomputes each module's draft KV densely (exact target hiddens of
+one dense forward; module d over positions i < min(e, f-1-d), whose tokens t[i+d+1] are all
+committed) and compares it with the pool through the request's block table. Entries the request
+wrote itself must all be exact, so no rejected draft's entry is ever left behind below the next
+window; entries inherited from a prefix hit are checked separately (see test_prefix_hit_inherits_exact_draft_entries). It also
+checks the stash: target hiddens of the last K computed positions.
+
+Two set-ups: the peaked tiny target with a random head (drafts nearly always rejected), and an
+embedding-dominated twin with a "bigram" head (drafts often accepted at every depth). Negative
+controls show the oracle finds the stale entries of a window one row too narrow and of running
+all D modules with a k-row window.
 """
 
 from __future__ import annotations
@@ -18,11 +22,11 @@ import pytest
 import torch
 
 from outpace import SamplingParams
+from outpace.attention.base import AttentionMetadata, ForwardContext
+from outpace.attention.torch_ref import TorchRefBackend
 from outpace.models.draft_loader import mtp_config_dict, save_draft_head
 from outpace.models.mtp import MTPHead
 from outpace.training.init_draft import random_head_tensors
-from outpace.attention.base import AttentionMetadata, ForwardContext
-from outpace.attention.torch_ref import TorchRefBackend
 from tests.spec.spec_helpers import (MIN_MARGIN, TINY_BLOCK, dense_target, first_divergence,
                                      min_greedy_margin, repetitive_prompts, run_waves,
                                      tiny_target)
@@ -51,7 +55,8 @@ def bigram_head_tensors(head: MTPHead, seed: int) -> dict:
     h = head.config.hidden_size
     for d in range(head.num_modules):
         # a little of the hidden, so that a wrong h^0 or h^d shows in the draft KV
-        t[f"layers.{d}.eh_proj.weight"] = torch.cat([torch.eye(h), t[f"layers.{d}.eh_proj.weight"][:, h:]], dim=1)
+        eh = t[f"layers.{d}.eh_proj.weight"]
+        t[f"layers.{d}.eh_proj.weight"] = torch.cat([torch.eye(h), eh[:, h:]], dim=1)
         t[f"layers.{d}.self_attn.o_proj.weight"] *= 0.5
         t[f"layers.{d}.mlp.down_proj.weight"] *= 0.5
     return t
@@ -148,7 +153,8 @@ class PlaneOracle:
                           cfg.head_dim)
 
         def pool_at(d, pos):  # [2, len(pos), Hkv, D] through the request's block table
-            return pool[L + d][:, table[pos // TINY_BLOCK], pos % TINY_BLOCK]
+            bs = pool.shape[3]
+            return pool[L + d][:, table[pos // bs], pos % bs]
 
         below = torch.arange(lo)
         for d in range(K):
@@ -170,8 +176,8 @@ class PlaneOracle:
         st = prop.stash.get(rid)
         start = max(e - prop.window, self._admitted[rid], 0)
         if st is None or (st.start, st.end) != (start, e):
-            self.stash_errors.append(f"{rid}: stash covers {None if st is None else (st.start, st.end)}"
-                                     f", want positions {start}..{e - 1}")
+            have = None if st is None else (st.start, st.end)
+            self.stash_errors.append(f"{rid}: stash covers {have}, want {start}..{e - 1}")
         elif not torch.allclose(st.hidden, hidden[start:e], atol=TOL):
             self.stash_errors.append(f"{rid}: stash hiddens differ from the target's")
         elif st.fed and sent and list(sent[:len(st.fed)]) != st.fed[:len(sent)]:
@@ -275,11 +281,70 @@ def test_window_narrower_than_k_leaves_stale_entries(targets, head_dirs):
     assert all("module 2" in e for e in run.oracle.kv_errors), run.oracle.kv_errors[:3]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "kvcache/manager.py get_computed_blocks: a matched block's draft tail depends on the next "
-    "block's first tokens, but the physical block behind a hash may have been computed by "
-    "another request with a different next block (the next hash then maps to a block whose "
-    "predecessor was a duplicate); see the MTP depths report"))
 def test_prefix_hit_inherits_exact_draft_entries(runs):
     run = runs(("bigram", 4, 3, False))
     assert not run.oracle.inherited_errors, run.oracle.inherited_errors[:3]
+
+
+def test_all_modules_with_a_k_row_window_leave_stale_entries(targets, head_dirs, monkeypatch):
+    """Why only the first k modules run: module d's entry at i reads t[i+d+1], so a rejected
+    draft taints rows down to f_new - 1 - D at the deepest module, below a k-row window when
+    k < D. Running all D modules (3) with W = k (1) leaves stale entries; only d >= k do."""
+    import outpace.spec.mtp_window as mtp_window
+
+    class AllModules(mtp_window.MTPWindowProposer):
+        def __init__(self, spec, policy, target, head):
+            super().__init__(spec, policy, target, head)
+            self.depth = self.num_kv_layers = head.num_modules  # the window stays k rows
+
+    monkeypatch.setattr(mtp_window, "MTPWindowProposer", AllModules)
+    run = checked_run(targets["peaked"], head_dirs["random", 3], 1)
+    errors = run.oracle.kv_errors
+    assert errors and not any("module 0" in e for e in errors), errors[:3]
+
+
+def test_k_larger_than_block_size_is_refused(tiny_loaded, head_dirs):
+    from outpace.errors import ConfigError
+    from tests.engine_helpers import make_engine
+    with pytest.raises(ConfigError, match="block_size"):
+        make_engine(tiny_loaded, block_size=2, num_kv_blocks=64,
+                    speculative_config=spec_config(head_dirs["random", 3], 3, False))
+
+
+def test_padded_graph_steps(targets, head_dirs, monkeypatch):
+    """Decode/verify steps padded to a captured query length and batch bucket (CUDA graphs;
+    on CPU a stand-in re-runs the captured function on replay): rows past a request's real
+    tokens must not shift its window. Output and draft plane as in eager mode."""
+    from outpace.runner.cuda_graph import GraphRunner
+    from tests.engine_helpers import make_engine, run_batch
+
+    class Rerun:  # what a CUDA graph does on replay: recompute from the fixed input buffers
+        def __init__(self, fn):
+            self.fn, self.outs = fn, fn()
+
+        def replay(self):
+            hidden, aux, logits = self.fn()
+            self.outs[0].copy_(hidden)
+            for a, b in zip(self.outs[1], aux):
+                a.copy_(b)
+            self.outs[2].copy_(logits)
+
+    def capture(self, fn):
+        graph = Rerun(fn)
+        return graph, graph.outs
+
+    monkeypatch.setattr(GraphRunner, "capture", capture)
+    loaded = targets["bigram"]
+    prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [9, 10, 11], [12, 13, 14, 15, 16, 12, 13, 14]]
+    want = run_batch(make_engine(loaded, max_num_seqs=8), prompts, GREEDY)
+    eng = make_engine(loaded, max_num_seqs=8, block_size=TINY_BLOCK,
+                      speculative_config=spec_config(head_dirs["bigram", 3], 3, False))
+    eng.runner.enable_cuda_graphs((1, 2, 3, 4))
+    oracle = PlaneOracle(eng, loaded)
+    replays = []
+    inner = eng.runner.graphs.run
+    eng.runner.graphs.run = lambda hb: (replays.append(len(hb.seq_lens)), inner(hb))[1]
+    assert run_batch(eng, prompts, GREEDY) == want
+    assert 3 in replays, "no padded batch went through a graph"
+    assert eng.stats()["spec"]["num_accepted_tokens"] > 0
+    assert not oracle.kv_errors and not oracle.stash_errors, oracle.kv_errors[:3]

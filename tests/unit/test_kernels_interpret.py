@@ -56,6 +56,64 @@ def test_split_and_tile_choice_is_shape_only():
     assert choose_splits(8, 132, 1) == 1
 
 
+def test_import_and_fallback_without_triton():
+    """With triton unimportable: modules import, dispatchers use the references, and the Triton
+    backend refuses with a ConfigError that says what to do."""
+    code = (
+        "import sys; sys.modules['triton'] = None\n"
+        "import torch\n"
+        "from outpace.errors import ConfigError\n"
+        "from outpace.kernels import triton_available\n"
+        "from outpace.kernels.norm import fused_add_rms_norm, fused_add_rms_norm_ref, rms_norm, "
+        "rms_norm_ref\n"
+        "from outpace.kernels.rope import apply_rope, apply_rope_ref\n"
+        "from outpace.attention.triton_paged import TritonPagedBackend\n"
+        "assert not triton_available()\n"
+        "x, r, w = torch.randn(3, 8), torch.randn(3, 8), torch.randn(8)\n"
+        "assert torch.equal(rms_norm(x, w, 1e-6), rms_norm_ref(x, w, 1e-6))\n"
+        "a, b = fused_add_rms_norm(x, r, w, 1e-6); c, d = fused_add_rms_norm_ref(x, r, w, 1e-6)\n"
+        "assert torch.equal(a, c) and torch.equal(b, d)\n"
+        "q, k = torch.randn(2, 2, 8), torch.randn(2, 1, 8); q2, k2 = q.clone(), k.clone()\n"
+        "cs = torch.randn(5, 4); pos = torch.tensor([1, 4])\n"
+        "apply_rope(q, k, cs, cs, pos); apply_rope_ref(q2, k2, cs, cs, pos)\n"
+        "assert torch.equal(q, q2) and torch.equal(k, k2)\n"
+        "try:\n"
+        "    TritonPagedBackend(torch.zeros(1, 2, 2, 16, 1, 8), 2, 1, 8, 1.0)\n"
+        "except ConfigError as e:\n"
+        "    assert 'triton' in str(e)\n"
+        "else:\n"
+        "    raise AssertionError('no ConfigError')\n"
+        "print('ok')\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stdout + proc.stderr
+
+
+def test_references_match_hf_transformers():
+    """rms_norm_ref and apply_rope_ref are HF's LlamaRMSNorm and apply_rotary_pos_emb."""
+    hf = pytest.importorskip("transformers.models.llama.modeling_llama")
+    from outpace.kernels.norm import rms_norm_ref
+    from outpace.kernels.rope import apply_rope_ref
+    g = torch.Generator().manual_seed(9)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = (torch.randn(4, 3, 64, generator=g) * 2).to(dtype)
+        norm = hf.LlamaRMSNorm(64, eps=1e-6)
+        norm.weight.data = torch.randn(64, generator=g)
+        norm = norm.to(dtype)
+        assert torch.equal(rms_norm_ref(x, norm.weight, 1e-6), norm(x))
+    t, hq, hkv, d = 6, 4, 2, 32
+    inv = 1.0 / 10000.0 ** (torch.arange(0, d, 2).float() / d)
+    freqs = torch.outer(torch.arange(50).float(), inv)  # [max_pos, D/2]
+    pos = torch.randint(0, 50, (t,), generator=g)
+    q, k = torch.randn(t, hq, d, generator=g), torch.randn(t, hkv, d, generator=g)
+    emb = torch.cat([freqs, freqs], -1)[pos][None]  # [1, T, D], HF layout
+    hq_out, hk_out = hf.apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                             emb.cos(), emb.sin())
+    apply_rope_ref(q, k, freqs.cos(), freqs.sin(), pos)
+    torch.testing.assert_close(q, hq_out[0].transpose(0, 1), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(k, hk_out[0].transpose(0, 1), atol=1e-6, rtol=1e-6)
+
+
 # ----------------------------------------------------------------------------- child only
 
 def _patch_interpreter_index():
@@ -71,9 +129,15 @@ def _patch_interpreter_index():
         return
     original = interp._patch_lang_tensor
 
-    def patched(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+    def index(self):
+        return int(self.handle.data.reshape(-1)[0])
+
+    def patched(tensor, *scope):  # triton >= 3.5 passes a patch scope, older ones don't
+        original(tensor, *scope)
+        if scope:
+            scope[0].set_attr(tensor, "__index__", index)
+        else:
+            tensor.__index__ = index
 
     interp._patch_lang_tensor = patched
     interp._outpace_patched = True
