@@ -277,8 +277,8 @@ class TritonPagedBackend(AttentionBackend):
     def __init__(self, kv_cache: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
                  scale: float, *, max_kv_splits: int = 16, min_split_tokens: int = 256):
         super().__init__(kv_cache, num_heads, num_kv_heads, head_dim, scale)
-        if triton is None:
-            raise ConfigError("the Triton attention backend needs triton; install it "
+        if triton is None:  # ImportError: callers fall back to the reference backend on it
+            raise ImportError("the Triton attention backend needs triton; install it "
                               "(pip install triton) or use the reference backend")
         if kv_cache.dim() != 6 or tuple(kv_cache.shape[4:]) != (num_kv_heads, head_dim):
             raise ConfigError(f"kv_cache shape {tuple(kv_cache.shape)} does not match "

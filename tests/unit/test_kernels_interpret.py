@@ -36,7 +36,8 @@ def test_kernels_under_triton_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1")
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
            "-o", "python_functions=check_*", str(pathlib.Path(__file__).resolve())]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
+                          check=False)
     tail = proc.stdout[-12000:] + proc.stderr[-3000:]
     assert proc.returncode == 0, tail
     assert " passed" in proc.stdout and "failed" not in proc.stdout, tail
@@ -58,11 +59,10 @@ def test_split_and_tile_choice_is_shape_only():
 
 def test_import_and_fallback_without_triton():
     """With triton unimportable: modules import, dispatchers use the references, and the Triton
-    backend refuses with a ConfigError that says what to do."""
+    backend raises ImportError (the runner's cue to fall back) saying what to install."""
     code = (
         "import sys; sys.modules['triton'] = None\n"
         "import torch\n"
-        "from outpace.errors import ConfigError\n"
         "from outpace.kernels import triton_available\n"
         "from outpace.kernels.norm import fused_add_rms_norm, fused_add_rms_norm_ref, rms_norm, "
         "rms_norm_ref\n"
@@ -79,13 +79,13 @@ def test_import_and_fallback_without_triton():
         "assert torch.equal(q, q2) and torch.equal(k, k2)\n"
         "try:\n"
         "    TritonPagedBackend(torch.zeros(1, 2, 2, 16, 1, 8), 2, 1, 8, 1.0)\n"
-        "except ConfigError as e:\n"
-        "    assert 'triton' in str(e)\n"
+        "except ImportError as e:\n"
+        "    assert 'pip install triton' in str(e)\n"
         "else:\n"
-        "    raise AssertionError('no ConfigError')\n"
+        "    raise AssertionError('no ImportError')\n"
         "print('ok')\n")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
+                          timeout=300, check=False)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stdout + proc.stderr
 
 
