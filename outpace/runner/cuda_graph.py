@@ -33,7 +33,8 @@ class GraphRunner:
         self.backend = backend
         self.inputs = inputs
         self.capture_layers = capture_layers
-        self.buckets = [b for b in DEFAULT_BUCKETS if b <= max_num_seqs and b * max(q_lens) <= max_tokens]
+        self.buckets = [b for b in DEFAULT_BUCKETS
+                        if b <= max_num_seqs and b * max(q_lens) <= max_tokens]
         self.q_lens = tuple(sorted(set(q_lens)))
         self.graphs: dict = {}  # (bucket, q) -> (graph, hidden, aux, logits)
         self.pool = None
@@ -53,7 +54,8 @@ class GraphRunner:
     def _meta(self, bucket: int, q: int, max_seq_len: int) -> AttentionMetadata:
         buf = self.inputs
         return AttentionMetadata(
-            slot_mapping=buf.slot_mapping[:bucket * q], query_start_loc=buf.query_start_loc[:bucket + 1],
+            slot_mapping=buf.slot_mapping[:bucket * q],
+            query_start_loc=buf.query_start_loc[:bucket + 1],
             seq_lens=buf.seq_lens[:bucket], block_tables=buf.block_tables[:bucket],
             max_query_len=q, max_seq_len=max_seq_len)
 
@@ -120,6 +122,7 @@ class GraphRunner:
         meta = AttentionMetadata(
             slot_mapping=meta.slot_mapping[:n], query_start_loc=meta.query_start_loc[:b + 1],
             seq_lens=meta.seq_lens[:b], block_tables=meta.block_tables[:b],
-            query_start_loc_host=hb.query_start_loc.tolist(), seq_lens_host=hb.seq_lens.tolist(),
+            query_start_loc_host=hb.query_start_loc.tolist(),  # sync-ok: numpy
+            seq_lens_host=hb.seq_lens.tolist(),  # sync-ok: numpy
             max_query_len=q, max_seq_len=int(hb.seq_lens.max()))
         return hidden[:n], [a[:n] for a in aux], logits.index_select(0, li), meta

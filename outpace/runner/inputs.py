@@ -75,7 +75,9 @@ class InputBuffers:
         q_lens = np.diff(hb.query_start_loc)
         meta = AttentionMetadata(
             slot_mapping=slots, query_start_loc=qsl, seq_lens=sl, block_tables=bt,
-            query_start_loc_host=hb.query_start_loc.tolist(), seq_lens_host=hb.seq_lens.tolist(),
+            # numpy arrays: host data, no device sync
+            query_start_loc_host=hb.query_start_loc.tolist(),  # sync-ok: numpy
+            seq_lens_host=hb.seq_lens.tolist(),  # sync-ok: numpy
             max_query_len=int(q_lens.max()) if len(q_lens) else 1,
             max_seq_len=int(hb.seq_lens.max()) if len(hb.seq_lens) else 1)
         return ids, pos, li, meta

@@ -210,7 +210,7 @@ class MTPWindowProposer(HeadProposer):
                 logits = self.head.compute_logits(h.index_select(0, draft_rows), self.target)
                 table[:num_sampled, d] = logits.argmax(dim=-1)
         # sync-ok: the drafts are the step's output (one copy)
-        out = table[:num_sampled, :num_out].tolist() if num_out else []
+        out = table[:num_sampled, :num_out].tolist() if num_out else []  # sync-ok: the drafts
         self._keep_stash(batch, win, h0, out)
         for j, i in enumerate(win.sampled):
             if k[i] > 0:

@@ -77,7 +77,7 @@ def greedy_verify(target_argmax: torch.Tensor,
     out, acc = greedy_verify_batched(target_argmax.view(1, k + 1), drafts.view(1, k),
                                      torch.tensor([k], device=drafts.device))
     n = int(acc[0])
-    return out[0, :n + 1].tolist(), n
+    return out[0, :n + 1].tolist(), n  # sync-ok: host-side helper
 
 
 def draw_verify_randomness(generators: Sequence[Optional[torch.Generator]], k: int, vocab: int,
@@ -177,7 +177,7 @@ def rejection_verify(target_probs: torch.Tensor,
         None if draft_probs is None else draft_probs.unsqueeze(0),
         torch.tensor([k1 - 1], device=dev), uniforms, noise)
     n = int(acc[0])
-    return out[0, :n + 1].tolist(), n
+    return out[0, :n + 1].tolist(), n  # sync-ok: host-side helper
 
 
 def _check_relaxed(top_k: int, delta: float) -> None:
