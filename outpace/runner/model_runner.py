@@ -53,10 +53,13 @@ class ModelRunner:
                                     model_cfg.num_key_value_heads, model_cfg.head_dim,
                                     dtype=dtype, device=device)
         self.backend = make_backend(self.kv_cache, model_cfg, device)
+        # Block-table width: the context plus the largest verify block and draft lookahead
+        # (k <= 16, SpecConfig), so a step near the end of the context still fits.
         max_blocks = (max_model_len + 2 * 16 + block_size - 1) // block_size + 1
         self.inputs = InputBuffers(max_num_tokens, max_num_seqs, max_blocks, device)
         self.sampling = SamplingStep(device, seed)
         self.graphs = None  # GraphRunner once enable_cuda_graphs() ran
+        self._proposer_failed = False  # log a drafter error once, not every step
         if proposer is not None:
             self.sampling.force_accept_mean = proposer.options.get("force_accept_mean")
             self.sampling.relaxed = RelaxedAcceptance.from_options(proposer.options,
@@ -166,7 +169,7 @@ class ModelRunner:
         try:
             drafts = self.proposer.propose(batch, ks)
         except Exception:  # a drafter bug must not take the engine down: go on without drafts
-            if not getattr(self, "_proposer_failed", False):
+            if not self._proposer_failed:
                 log.exception("the drafter raised; continuing without drafts for this step")
                 self._proposer_failed = True
             return

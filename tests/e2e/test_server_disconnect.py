@@ -71,7 +71,9 @@ def test_full_queue_is_503_and_admitted_requests_complete(start_server):
     ok = [r for r in responses if r.status_code == 200]
     full = [r for r in responses if r.status_code == 503]
     assert len(ok) + len(full) == 8, [r.status_code for r in responses]
-    assert len(ok) >= 3 and full
+    # At least the waiting bound's worth is admitted (a third one only if the engine moved the
+    # first to running before the burst filled the queue: a race, so not asserted).
+    assert len(ok) >= 2 and full
     for r in ok:
         assert r.json()["usage"]["completion_tokens"] == 24
         assert r.json()["choices"][0]["finish_reason"] == "length"
