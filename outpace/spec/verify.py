@@ -14,7 +14,7 @@ Sampling: accept d_i with probability min(1, p(d_i) / q(d_i)); on rejection draw
 norm(max(p - q, 0)). Then every emitted token is distributed exactly as the target alone would
 draw it. Relaxed acceptance (opt-in, lossy) may also accept a draft inside a thinking span.
 
-The *_batched functions use tensor ops only (no .item(), .tolist() or boolean-mask indexing), so
+The *_batched functions use tensor ops only (no host reads of tensor values, no boolean-mask indexing), so
 they run inside a CUDA graph; the random numbers come in as tensors (`draw_verify_randomness`
 draws them per request, from each request's own generator, before the step).
 """
