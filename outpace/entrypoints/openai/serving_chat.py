@@ -11,9 +11,8 @@ from fastapi.responses import JSONResponse
 from outpace.entrypoints.openai.errors import APIError
 from outpace.entrypoints.openai.protocol import (ChatCompletionRequest, chat_logprobs, new_id,
                                                  now_s, usage, validate)
-from outpace.entrypoints.openai.serving_common import (DONE, DeltaTracker, ServingContext,
-                                                       SSEResponse, collect, finish_reason, sse,
-                                                       sse_error)
+from outpace.entrypoints.openai.serving_common import (DeltaTracker, ServingContext, SSEResponse,
+                                                       collect, finish_reason, sse_events)
 from outpace.errors import InvalidRequestError
 
 
@@ -59,32 +58,23 @@ async def _stream(ctx: ServingContext, req: ChatCompletionRequest, rid: str, cre
     tracker = DeltaTracker(stop)
     head = {"id": rid, "object": "chat.completion.chunk", "created": created,
             "model": ctx.served_name}
-    last = None
-    try:
-        # The role comes first, on its own, as OpenAI sends it.
-        yield sse({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                        "logprobs": None, "finish_reason": None}],
-                   "usage": None})
-        async for item in stream:
-            last = item
-            delta = tracker.delta(item.text, item.finished)
-            lp = None
-            if n_top is not None and item.new_token_ids:
-                lp = chat_logprobs(item.new_token_ids, item.new_logprobs or [], item.token_pieces,
-                                   n_top)
-            if not delta and lp is None and not item.finished:
-                continue
-            choice = {"index": 0, "delta": {"content": delta} if delta or lp else {},
-                      "logprobs": lp, "finish_reason": finish_reason(item)}
-            if item.finished:
-                choice["stop_reason"] = item.stop_reason
-            yield sse({**head, "choices": [choice], "usage": None})
-        if req.include_usage and last is not None:
-            yield sse({**head, "choices": [],
-                       "usage": usage(last.num_prompt_tokens, last.num_tokens,
-                                      last.num_cached_tokens)})
-    except Exception as e:  # noqa: BLE001 -- the status line is gone; report in-band
-        yield sse_error(e)
-    finally:
-        stream.abort()  # no-op when it finished
-    yield DONE
+    # The role comes first, on its own, as OpenAI sends it.
+    role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+            "finish_reason": None}
+
+    def make_choice(item):
+        delta = tracker.delta(item.text, item.finished)
+        lp = None
+        if n_top is not None and item.new_token_ids:
+            lp = chat_logprobs(item.new_token_ids, item.new_logprobs or [], item.token_pieces,
+                               n_top)
+        if not delta and lp is None and not item.finished:
+            return None
+        choice = {"index": 0, "delta": {"content": delta} if delta or lp else {},
+                  "logprobs": lp, "finish_reason": finish_reason(item)}
+        if item.finished:
+            choice["stop_reason"] = item.stop_reason
+        return choice
+
+    async for event in sse_events(stream, head, req.include_usage, make_choice, first=role):
+        yield event

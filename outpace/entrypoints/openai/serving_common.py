@@ -57,6 +57,32 @@ def sse_error(exc: BaseException) -> str:
     return sse(error_body(err.status, err.message, err.param, err.code))
 
 
+async def sse_events(stream, head: dict, include_usage: bool, make_choice, first=None):
+    """The SSE framing both endpoints share: one chunk per stream item that `make_choice(item)`
+    turns into a choice (None: skip), the usage chunk if asked, errors in-band (the status line
+    is gone by then), the request aborted on the way out (a no-op when it finished), [DONE].
+    `first`: a choice sent before any item (chat's role chunk)."""
+    from outpace.entrypoints.openai.protocol import usage
+    last = None
+    try:
+        if first is not None:
+            yield sse({**head, "choices": [first], "usage": None})
+        async for item in stream:
+            last = item
+            choice = make_choice(item)
+            if choice is not None:
+                yield sse({**head, "choices": [choice], "usage": None})
+        if include_usage and last is not None:
+            yield sse({**head, "choices": [],
+                       "usage": usage(last.num_prompt_tokens, last.num_tokens,
+                                      last.num_cached_tokens)})
+    except Exception as e:  # noqa: BLE001
+        yield sse_error(e)
+    finally:
+        stream.abort()
+    yield DONE
+
+
 class DeltaTracker:
     """Cuts the streamed text so that the chunks, joined, equal the final (non-streamed) text.
 

@@ -7,9 +7,8 @@ from fastapi.responses import JSONResponse
 
 from outpace.entrypoints.openai.protocol import (CompletionRequest, completion_logprobs, new_id,
                                                  now_s, usage, validate)
-from outpace.entrypoints.openai.serving_common import (DONE, DeltaTracker, ServingContext,
-                                                       SSEResponse, collect, finish_reason, sse,
-                                                       sse_error)
+from outpace.entrypoints.openai.serving_common import (DeltaTracker, ServingContext, SSEResponse,
+                                                       collect, finish_reason, sse_events)
 
 
 async def create_completion(ctx: ServingContext, body: dict, http_request: Request):
@@ -41,28 +40,19 @@ async def _stream(ctx: ServingContext, req: CompletionRequest, rid: str, created
     tracker = DeltaTracker(stop)
     head = {"id": rid, "object": "text_completion", "created": created, "model": ctx.served_name}
     text_offset = 0
-    last = None
-    try:
-        async for item in stream:
-            last = item
-            delta = tracker.delta(item.text, item.finished)
-            lp = None
-            if req.logprobs is not None and item.new_token_ids:
-                lp = completion_logprobs(item.new_token_ids, item.new_logprobs or [],
-                                         item.token_pieces, req.logprobs, text_offset)
-                text_offset += sum(len(t) for t in lp["tokens"])
-            if not delta and lp is None and not item.finished:
-                continue
-            choice = {"index": 0, "text": delta, "logprobs": lp,
-                      "finish_reason": finish_reason(item),
-                      "stop_reason": item.stop_reason if item.finished else None}
-            yield sse({**head, "choices": [choice], "usage": None})
-        if req.include_usage and last is not None:
-            yield sse({**head, "choices": [],
-                       "usage": usage(last.num_prompt_tokens, last.num_tokens,
-                                      last.num_cached_tokens)})
-    except Exception as e:  # noqa: BLE001 -- the status line is gone; report in-band
-        yield sse_error(e)
-    finally:
-        stream.abort()  # no-op when it finished
-    yield DONE
+
+    def make_choice(item):
+        nonlocal text_offset
+        delta = tracker.delta(item.text, item.finished)
+        lp = None
+        if req.logprobs is not None and item.new_token_ids:
+            lp = completion_logprobs(item.new_token_ids, item.new_logprobs or [],
+                                     item.token_pieces, req.logprobs, text_offset)
+            text_offset += sum(len(t) for t in lp["tokens"])
+        if not delta and lp is None and not item.finished:
+            return None
+        return {"index": 0, "text": delta, "logprobs": lp, "finish_reason": finish_reason(item),
+                "stop_reason": item.stop_reason if item.finished else None}
+
+    async for event in sse_events(stream, head, req.include_usage, make_choice):
+        yield event
