@@ -77,7 +77,7 @@ def build_engine(cls, model: str, *, device: str = "auto", dtype: str = "auto",
                          dtype=runner_cfg.torch_dtype, proposer=proposer, seed=seed)
     if torch_device.type == "cuda" and not enforce_eager:
         # Graphs for plain decode (q = 1) and every verify length (q = 2 .. k + 1).
-        runner.enable_cuda_graphs(tuple(range(1, max_k + 2)))
+        runner.enable_cuda_graphs(tuple(range(1, max_k + 2)), capture_fused=True)
     if not quiet:
         log.info("outpace: %s on %s (%s), %d KV blocks of %d tokens", model, device,
                  runner_cfg.torch_dtype, num_blocks, block_size)

@@ -99,29 +99,43 @@ class GraphRunner:
         hidden, aux = self.model(ids, pos, ctx, capture_layers=self.capture_layers)
         return hidden, aux, self.model.compute_logits(hidden)
 
-    def run(self, hb: HostBatch):
-        """Pad hb to its bucket, copy into the fixed buffers, replay.
+    def load_padded(self, hb: HostBatch, full_width: bool = False):
+        """Pad hb to its bucket and copy it into the fixed buffers.
 
-        -> (hidden [T, H], aux, logits [N, V] at hb.logits_indices, AttentionMetadata)."""
+        full_width: write the whole width of the block tables (zeros past each request's
+        blocks), for graphs that compute positions past the step's own tokens on the device.
+        -> (bucket, q, logits indices on the device)."""
         q = int(hb.query_start_loc[1] - hb.query_start_loc[0])
         b = len(hb.seq_lens)
         bucket = self.bucket_for(b)
-        n, pad = b * q, (bucket - b) * q
+        pad = (bucket - b) * q
         ids = np.concatenate([hb.input_ids, np.zeros(pad, np.int64)])
         pos = np.concatenate([hb.positions, np.tile(np.arange(q), bucket - b)])
         slots = np.concatenate([hb.slot_mapping, np.full(pad, -1, np.int64)])
         qsl = np.arange(0, (bucket + 1) * q, q, dtype=np.int32)
         seq_lens = np.concatenate([hb.seq_lens, np.full(bucket - b, q, np.int32)])
-        bt = np.zeros((bucket, hb.block_tables.shape[1]), np.int32)
-        bt[:b] = hb.block_tables
+        width = self.inputs.max_blocks if full_width else hb.block_tables.shape[1]
+        bt = np.zeros((bucket, width), np.int32)
+        bt[:b, :hb.block_tables.shape[1]] = hb.block_tables
         padded = HostBatch(ids, pos, slots, qsl, seq_lens, bt, hb.logits_indices)
-        _, _, li, meta = self.inputs.load(padded)
+        _, _, li, _ = self.inputs.load(padded)
+        return bucket, q, li
+
+    def run(self, hb: HostBatch):
+        """Pad hb to its bucket, copy into the fixed buffers, replay.
+
+        -> (hidden [T, H], aux, logits [N, V] at hb.logits_indices, AttentionMetadata)."""
+        bucket, q, li = self.load_padded(hb)
+        b = len(hb.seq_lens)
+        n = b * q
         graph, hidden, aux, logits = self.graphs[(bucket, q)]
         graph.replay()
         # The caller's metadata describes the real (unpadded) batch, for the proposer.
+        buf = self.inputs
         meta = AttentionMetadata(
-            slot_mapping=meta.slot_mapping[:n], query_start_loc=meta.query_start_loc[:b + 1],
-            seq_lens=meta.seq_lens[:b], block_tables=meta.block_tables[:b],
+            slot_mapping=buf.slot_mapping[:n], query_start_loc=buf.query_start_loc[:b + 1],
+            seq_lens=buf.seq_lens[:b],
+            block_tables=buf.block_tables[:b, :hb.block_tables.shape[1]],
             query_start_loc_host=hb.query_start_loc.tolist(),  # sync-ok: numpy
             seq_lens_host=hb.seq_lens.tolist(),  # sync-ok: numpy
             max_query_len=q, max_seq_len=int(hb.seq_lens.max()))

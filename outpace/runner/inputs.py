@@ -54,7 +54,7 @@ class InputBuffers:
         self.block_tables = buf(max_seqs, max_blocks, dtype=torch.int32)
         self._pin = pin
 
-    def _put(self, dst: torch.Tensor, src: np.ndarray) -> torch.Tensor:
+    def put(self, dst: torch.Tensor, src: np.ndarray) -> torch.Tensor:
         """Copy src into the leading part of dst and return that view."""
         view = dst[tuple(slice(0, n) for n in src.shape)]
         t = torch.from_numpy(src)
@@ -65,13 +65,13 @@ class InputBuffers:
 
     def load(self, hb: HostBatch):
         """-> (input_ids [T], positions [T], logits_indices [N], AttentionMetadata)."""
-        ids = self._put(self.input_ids, hb.input_ids)
-        pos = self._put(self.positions, hb.positions)
-        slots = self._put(self.slot_mapping, hb.slot_mapping)
-        li = self._put(self.logits_indices, hb.logits_indices)
-        qsl = self._put(self.query_start_loc, hb.query_start_loc)
-        sl = self._put(self.seq_lens, hb.seq_lens)
-        bt = self._put(self.block_tables, hb.block_tables)
+        ids = self.put(self.input_ids, hb.input_ids)
+        pos = self.put(self.positions, hb.positions)
+        slots = self.put(self.slot_mapping, hb.slot_mapping)
+        li = self.put(self.logits_indices, hb.logits_indices)
+        qsl = self.put(self.query_start_loc, hb.query_start_loc)
+        sl = self.put(self.seq_lens, hb.seq_lens)
+        bt = self.put(self.block_tables, hb.block_tables)
         q_lens = np.diff(hb.query_start_loc)
         meta = AttentionMetadata(
             slot_mapping=slots, query_start_loc=qsl, seq_lens=sl, block_tables=bt,

@@ -5,6 +5,8 @@ input buffers, the per-request sampling generators and the proposer. A step:
 
     build host inputs -> copy into fixed buffers -> target forward (hidden + captured layers)
     -> logits at sampled rows -> sample / verify drafts -> propose next drafts -> StepResult
+
+With CUDA graphs, a greedy decode step runs as one graph instead (runner/fused_step.py).
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ class ModelRunner:
         self.inputs = InputBuffers(max_num_tokens, max_num_seqs, max_blocks, device)
         self.sampling = SamplingStep(device, seed)
         self.graphs = None  # GraphRunner once enable_cuda_graphs() ran
+        self.fused = None  # FusedStep: greedy decode steps as one graph each (with graphs)
         self._proposer_failed = False  # log a drafter error once, not every step
         if proposer is not None:
             self.sampling.force_accept_mean = proposer.options.get("force_accept_mean")
@@ -73,13 +76,18 @@ class ModelRunner:
         if self.proposer is not None:
             self.proposer.finish(request_id)
 
-    def enable_cuda_graphs(self, q_lens: tuple) -> None:
-        """Capture the target forward for decode/verify batches (CUDA only)."""
+    def enable_cuda_graphs(self, q_lens: tuple, capture_fused: bool = False) -> None:
+        """Capture the target forward for decode/verify batches (CUDA only); capture_fused:
+        also capture the fused greedy steps steady decoding uses now, not when first seen."""
         from outpace.runner.cuda_graph import GraphRunner
         capture = self.proposer.capture_layers if self.proposer is not None else ()
         self.graphs = GraphRunner(self.model, self.backend, self.inputs, capture,
                                   self.inputs.max_seqs, q_lens, self.inputs.max_tokens)
         self.graphs.capture_all()
+        from outpace.runner.fused_step import FusedStep
+        self.fused = FusedStep(self)
+        if capture_fused:
+            self.fused.capture_common()
 
     def _graph_q(self, plan: StepPlan):
         """The captured query length a pure decode/verify step pads to, or None."""
@@ -112,6 +120,8 @@ class ModelRunner:
             else:
                 rows.append((toks, start, sr.block_ids, offsets))
         hb = build_host_batch(rows, self.block_size)
+        if q_graph is not None and self.fused is not None and self.fused.accepts(plan):
+            return self.fused.execute(plan, hb, q_graph)
         if q_graph is not None:
             hidden, aux, logits, meta = self.graphs.run(hb)
             t = len(hb.input_ids)

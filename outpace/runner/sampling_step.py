@@ -199,16 +199,8 @@ class SamplingStep:
             emitted[g[0]] = (o[:a + 1], a)
 
     def _force_accept(self, processed, index, drafts, num_drafts):
-        """Accept a random count with mean force_accept_mean - 1 (stochastic rounding, drawn on
-        the device), then the target's greedy token at the first unaccepted position."""
-        b = drafts.shape[0]
-        u = torch.rand(b, device=drafts.device)
-        acc = torch.minimum((self.force_accept_mean - 1.0 + u).floor().long().clamp(min=0),
-                            num_drafts)
-        target = processed.argmax(dim=-1)[index]  # [B, k+1]
-        out = torch.cat([drafts, torch.full_like(drafts[:, :1], -1)], dim=1)
-        out.scatter_(1, acc.unsqueeze(1), target.gather(1, acc.unsqueeze(1)))
-        return out, acc
+        return force_accept(processed.argmax(dim=-1)[index], drafts, num_drafts,
+                            self.force_accept_mean)
 
     @staticmethod
     def _logprobs(logits, first_row: int, tokens: list, n: int) -> list:
@@ -224,3 +216,20 @@ class SamplingStep:
                 top = dict(zip(top_i[j].tolist(), top_v[j].tolist()))  # sync-ok
             result.append((chosen_l[j], top))
         return result
+
+
+def force_accept(target_argmax: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor,
+                 mean: float):
+    """Benchmarks only (lossy): accept a random count with mean `mean - 1` (stochastic rounding,
+    drawn on the device), then the target's greedy token at the first unaccepted position.
+
+    target_argmax [B, k+1], drafts [B, k], num_drafts [B] -> (emitted [B, k+1] padded with -1,
+    accepted [B])."""
+    b = drafts.shape[0]
+    u = torch.rand(b, device=drafts.device)
+    acc = torch.minimum((mean - 1.0 + u).floor().long().clamp(min=0), num_drafts)
+    out = torch.cat([drafts, drafts.new_full((b, 1), -1)], dim=1)
+    j = torch.arange(out.shape[1], device=out.device).unsqueeze(0)
+    out = torch.where(j > acc.unsqueeze(1), torch.full_like(out, -1), out)
+    out.scatter_(1, acc.unsqueeze(1), target_argmax.gather(1, acc.unsqueeze(1)))
+    return out, acc

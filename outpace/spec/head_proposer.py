@@ -34,7 +34,10 @@ from outpace.spec.draft_length import DraftLengthPolicy
 
 
 class HeadProposer(Proposer):
-    """Subclasses define first_hidden(batch), step(hidden, ids, pos, ctx) and logits_to_ids."""
+    """Subclasses define first_hidden(batch), step(hidden, ids, pos, ctx) and draft_ids."""
+
+    # The fused graph step (runner/fused_step.py) may run this head's draft loop on the device.
+    supports_device_drafting = True
 
     def __init__(self, policy: DraftLengthPolicy, target, options: dict):
         self.policy = policy

@@ -89,6 +89,8 @@ class _Window:
 class MTPWindowProposer(HeadProposer):
     """D-module MTP head, depth d = module d, drafts k <= K = num_speculative_tokens <= D."""
 
+    supports_device_drafting = False  # the window and stash live on the host
+
     def __init__(self, spec, policy, target, head):
         super().__init__(policy, target, spec.options)
         self.head = head

@@ -1,38 +1,16 @@
 """GraphRunner's bucketing and padding, on CPU: a stand-in "graph" re-runs the captured function
 on replay and copies into the captured outputs, exactly as a CUDA graph re-reads the fixed
-input buffers. Greedy output with graphs must equal eager output token for token."""
+input buffers (the fake_graph_capture fixture). Greedy output with graphs must equal eager
+output token for token."""
 
 import pytest
-import torch
 
 from outpace import SamplingParams
-from outpace.runner.cuda_graph import GraphRunner
 from tests.engine_helpers import make_engine, run_batch
 
 
-class ReplayByRerun:
-    def __init__(self, fn):
-        self.fn = fn
-
-    def replay(self):
-        new_hidden, new_aux, new_logits = self.fn()
-        self.outs[0].copy_(new_hidden)
-        for a, b in zip(self.outs[1], new_aux):
-            a.copy_(b)
-        self.outs[2].copy_(new_logits)
-
-
-@pytest.fixture
-def fake_capture(monkeypatch):
-    def capture(self, fn):
-        g = ReplayByRerun(fn)
-        g.outs = fn()
-        return g, g.outs
-    monkeypatch.setattr(GraphRunner, "capture", capture)
-
-
 @pytest.mark.parametrize("spec", [None, {"method": "ngram", "num_speculative_tokens": 3}])
-def test_graph_padding_matches_eager(tiny_loaded, fake_capture, spec):
+def test_graph_padding_matches_eager(tiny_loaded, fake_graph_capture, spec):
     prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [9, 10, 11], [12, 13, 14, 15, 16, 12, 13, 14]]
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     eager = make_engine(tiny_loaded, speculative_config=spec, max_num_seqs=8)
@@ -40,6 +18,7 @@ def test_graph_padding_matches_eager(tiny_loaded, fake_capture, spec):
     graphed = make_engine(tiny_loaded, speculative_config=spec, max_num_seqs=8)
     k = spec["num_speculative_tokens"] if spec else 0
     graphed.runner.enable_cuda_graphs(tuple(range(1, k + 2)))
+    graphed.runner.fused = None  # the target-only graphs (sampling steps); fused: its own test
     replays = []
     inner = graphed.runner.graphs.run
     graphed.runner.graphs.run = lambda hb: (replays.append(len(hb.seq_lens)), inner(hb))[1]

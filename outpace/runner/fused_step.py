@@ -1,0 +1,245 @@
+"""The fused decode step: target forward, greedy verify/accept and the head's draft loop in one
+CUDA graph per (batch bucket, query length q, draft steps kd), and one output copy per step.
+
+A step qualifies when every scheduled request is decoding (its rows are its last committed token
+and its drafts) and samples greedily without penalties or logprobs (the common serving case, and
+every benchmark). Then nothing between the step's input copy and its output copy needs the host:
+
+    input buffers (ids, positions, slots, block tables, seq_lens, num_drafts)
+      -> target forward -> logits -> argmax [B, q]
+      -> accept: longest matching draft prefix (or force-accept, benchmarks), emitted tokens
+      -> head first pass over every row, next token = emitted token (filler past the accepted);
+         it runs even when kd = 0 (the k schedule turned drafting off) to keep the plane exact
+      -> draft 1 from row `accepted` of each request; draft loop j = 1 .. kd-1 at position
+         first + accepted + j, slots and seq_lens computed on the device from the block tables
+      -> packed [B, q + 1 + kd] = emitted tokens | accepted count | drafts   --one copy-->  host
+
+The host then trims each request's drafts to its own draft length (max_tokens, context, the
+adaptive policy), exactly as the eager path would have asked the head for fewer. Running kd steps
+for everyone writes draft KV a little further ahead for some requests; those positions lie past
+the request's frontier, so a later step rewrites them before anyone reads them (the roll-by-one
+invariant of head_proposer.py). Positions past a request's block table read a zero entry: the
+null block, which nothing reads. Model-free drafters (n-gram, suffix) propose on the host after
+the copy, from the committed tokens alone.
+
+Graphs are captured lazily, the first time a (bucket, q, kd) is seen, over a dummy batch; they
+share the GraphRunner's memory pool.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from outpace.attention.base import AttentionMetadata, ForwardContext
+from outpace.runner.sampling_step import force_accept
+from outpace.spec.base import DraftBatch
+from outpace.spec.head_proposer import HeadProposer
+from outpace.spec.verify import greedy_verify_batched
+from outpace.types import RequestStepOutput, StepResult
+
+SAMPLING_EPS = 1e-5
+
+
+def is_plain_greedy(params) -> bool:
+    """Greedy with nothing that changes the argmax or needs more than the token ids."""
+    return (params.temperature < SAMPLING_EPS and params.repetition_penalty == 1.0
+            and params.frequency_penalty == 0.0 and params.presence_penalty == 0.0
+            and params.logprobs is None)
+
+
+def slots_for(positions: torch.Tensor, block_tables: torch.Tensor, block_size: int):
+    """[B] positions -> [B] KV slots through [B, W] block tables (clamped to the width)."""
+    idx = (positions // block_size).clamp(max=block_tables.shape[1] - 1)
+    blocks = block_tables.gather(1, idx.unsqueeze(1)).squeeze(1).to(torch.long)
+    return blocks * block_size + positions % block_size
+
+
+class FusedStep:
+    def __init__(self, runner):
+        self.runner = runner
+        self.graphs = runner.graphs  # GraphRunner: buckets, input buffers, capture, memory pool
+        self.inputs = runner.inputs
+        self.model = runner.model
+        self.backend = runner.backend
+        self.block_size = runner.block_size
+        proposer = runner.proposer
+        # A head drafts inside the graph; a model-free drafter on the host after the copy.
+        self.head = (proposer if isinstance(proposer, HeadProposer) and proposer.enhancer is None
+                     and proposer.supports_device_drafting else None)
+        self.host_drafter = proposer if proposer is not None and not proposer.num_kv_layers \
+            else None
+        dev = runner.device
+        m = self.inputs.max_seqs
+        self.num_drafts = torch.zeros(m, dtype=torch.long, device=dev)
+        self.loop_query_start = torch.arange(m + 1, dtype=torch.int32, device=dev)
+        self._captured: dict = {}  # (bucket, q, kd) -> (graph, packed output)
+        self._host_out: dict = {}  # shape -> pinned host tensor
+        self._done = torch.cuda.Event() if dev.type == "cuda" else None
+        self.replays = 0  # steps served (tests read it)
+
+    def capture_common(self) -> None:
+        """Capture ahead what steady decoding uses: every bucket x every verify length, with
+        the draft-loop length the policy gives that bucket. Others are captured when first seen."""
+        for bucket in reversed(self.graphs.buckets):
+            kd = self.draft_steps(bucket)
+            for q in self.graphs.q_lens:
+                if (bucket, q, kd) not in self._captured:
+                    self._captured[(bucket, q, kd)] = self._capture(bucket, q, kd)
+
+    # ---- eligibility ----------------------------------------------------------------------
+    def accepts(self, plan) -> bool:
+        proposer = self.runner.proposer
+        if proposer is not None and self.head is None and self.host_drafter is None:
+            return False  # a head that can't draft on the device (enhancer, MTP depths mode)
+        if self.runner.sampling.relaxed is not None:
+            return False
+        return all(is_plain_greedy(sr.request.sampling_params) for sr in plan.scheduled)
+
+    def draft_steps(self, batch_size: int) -> int:
+        """Draft-loop length in the graph: the policy's k for this batch size (an upper bound of
+        every request's own k, which the host trims to)."""
+        if self.head is None:
+            return 0
+        return self.head.policy.base_k(batch_size)
+
+    # ---- the step -------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, plan, hb, q: int) -> StepResult:
+        b = len(plan.scheduled)
+        bucket = self.graphs.bucket_for(b)
+        kd = self.draft_steps(b)
+        key = (bucket, q, kd)
+        if key not in self._captured:
+            self._captured[key] = self._capture(bucket, q, kd)
+        graph, packed = self._captured[key]
+        self.graphs.load_padded(hb, full_width=True)
+        nd = np.zeros(bucket, np.int64)
+        nd[:b] = [len(sr.draft_token_ids) for sr in plan.scheduled]
+        self.inputs.put(self.num_drafts, nd)
+        graph.replay()
+        out = self._copy_out(packed)  # the step's one device -> host copy
+        self.replays += 1
+        return self._result(plan, out[:b], q, kd)
+
+    def _copy_out(self, packed: torch.Tensor) -> np.ndarray:
+        if self._done is None:
+            return packed.numpy().copy()
+        host = self._host_out.get(packed.shape)
+        if host is None:
+            host = self._host_out[packed.shape] = torch.empty(packed.shape, dtype=packed.dtype,
+                                                              pin_memory=True)
+        host.copy_(packed, non_blocking=True)
+        self._done.record()
+        while not self._done.query():  # poll: waits for this step only, never the device
+            pass
+        return host.numpy()
+
+    def _result(self, plan, out: np.ndarray, q: int, kd: int) -> StepResult:
+        runner = self.runner
+        proposer = runner.proposer
+        result = StepResult()
+        committed, ks = [], []
+        for i, sr in enumerate(plan.scheduled):
+            req = sr.request
+            nd = len(sr.draft_token_ids)
+            acc = int(out[i, q])
+            toks = out[i, :acc + 1].tolist()  # sync-ok: numpy, already on the host
+            result.outputs[req.request_id] = RequestStepOutput(
+                token_ids=toks, num_draft_tokens=nd, num_accepted_tokens=acc)
+            if proposer is not None:
+                proposer.policy.observe(req.request_id, nd, acc)
+                full = req.all_token_ids + toks
+                committed.append(full)
+                ks.append(runner.draft_length(req, len(plan.scheduled), len(full)))
+        if proposer is None:
+            return result
+        if self.head is not None:
+            drafts = [out[i, q + 1:q + 1 + min(k, kd)].tolist()  # sync-ok: numpy
+                      for i, k in enumerate(ks)]
+        else:
+            batch = DraftBatch(requests=[sr.request for sr in plan.scheduled],
+                               committed=committed, row_start=[], row_end=[],
+                               last_row=[len(c) - 2 for c in committed])
+            drafts = self.host_drafter.propose(batch, ks)
+        for sr, d, k in zip(plan.scheduled, drafts, ks):
+            if k > 0 and d:
+                result.outputs[sr.request.request_id].next_draft_token_ids = list(d[:k])
+        return result
+
+    # ---- what the graph computes ----------------------------------------------------------
+    def _compute(self, bucket: int, q: int, kd: int) -> torch.Tensor:
+        buf = self.inputs
+        n = bucket * q
+        ids, pos = buf.input_ids[:n], buf.positions[:n]
+        meta = AttentionMetadata(
+            slot_mapping=buf.slot_mapping[:n], query_start_loc=buf.query_start_loc[:bucket + 1],
+            seq_lens=buf.seq_lens[:bucket], block_tables=buf.block_tables[:bucket],
+            max_query_len=q, max_seq_len=buf.max_blocks * self.block_size)
+        ctx = ForwardContext(self.backend, meta)
+        capture = self.head.capture_layers if self.head is not None else ()
+        hidden, aux = self.model(ids, pos, ctx, capture_layers=capture)
+        target = self.model.compute_logits(hidden).argmax(dim=-1).view(bucket, q)
+        drafts = ids.view(bucket, q)[:, 1:]
+        num_drafts = self.num_drafts[:bucket]
+        if self.runner.sampling.force_accept_mean is not None:
+            emitted, accepted = force_accept(target, drafts, num_drafts,
+                                             self.runner.sampling.force_accept_mean)
+        else:
+            emitted, accepted = greedy_verify_batched(target, drafts, num_drafts)
+        parts = [emitted, accepted.unsqueeze(1)]
+        if self.head is not None:
+            # Token at position + 1 of every row: the emitted one up to the accepted count,
+            # filler (the target's argmax) past it.
+            next_ids = torch.where(emitted >= 0, emitted, target).view(n)
+            # Row `accepted` of each request sits at position f - 2 (f: committed length).
+            last_rows = torch.arange(bucket, device=ids.device) * q + accepted
+            first = pos.view(bucket, q)[:, 0] + accepted
+            drafts = self._draft(hidden, aux, next_ids, pos, ctx, last_rows, first,
+                                 buf.block_tables[:bucket], kd)
+            if drafts is not None:
+                parts.append(drafts)
+        return torch.cat(parts, dim=1)
+
+    def _draft(self, hidden, aux, next_ids, pos, ctx, last_rows, first, block_tables, kd):
+        """The head's first pass (always: it keeps the draft plane exact even while the k
+        schedule turns drafting off), then kd draft steps. -> [B, kd] drafts, None if kd = 0."""
+        head = self.head
+        batch = DraftBatch(requests=[], committed=[], row_start=[], row_end=[], last_row=[],
+                           hidden=hidden, aux_hidden=aux)
+        h = head.step(head.first_hidden(batch), next_ids, pos, ctx)
+        if kd == 0:
+            return None
+        h = h.index_select(0, last_rows)  # [B, H] head output at each request's f - 2
+        tok = head.draft_ids(h)
+        out = [tok]
+        bucket = first.shape[0]
+        for j in range(1, kd):
+            p = first + j
+            meta = AttentionMetadata(
+                slot_mapping=slots_for(p, block_tables, self.block_size),
+                query_start_loc=self.loop_query_start[:bucket + 1],
+                seq_lens=(p + 1).to(torch.int32), block_tables=block_tables,
+                max_query_len=1, max_seq_len=block_tables.shape[1] * self.block_size)
+            h = head.step(h, tok, p, ForwardContext(self.backend, meta))
+            tok = head.draft_ids(h)
+            out.append(tok)
+        return torch.stack(out, dim=1)
+
+    def _capture(self, bucket: int, q: int, kd: int):
+        """Fill the buffers with a dummy batch that writes nowhere, warm up, capture."""
+        buf = self.inputs
+        n = bucket * q
+        buf.input_ids[:n].zero_()
+        buf.positions[:n].copy_(torch.arange(q, device=buf.device).repeat(bucket))
+        buf.slot_mapping[:n].fill_(-1)
+        buf.query_start_loc[:bucket + 1].copy_(
+            torch.arange(0, (bucket + 1) * q, q, device=buf.device, dtype=torch.int32))
+        buf.seq_lens[:bucket].fill_(q)
+        buf.block_tables[:bucket].zero_()
+        self.num_drafts[:bucket].zero_()
+        fn = lambda: self._compute(bucket, q, kd)  # noqa: E731
+        for _ in range(2):  # warm-up: Triton compiles, cuBLAS picks its kernels
+            fn()
+        graph, packed = self.graphs.capture(fn)
+        return graph, packed

@@ -1,0 +1,114 @@
+"""The fused graph step on CUDA (outpace/runner/fused_step.py): real CUDA graphs of target
+forward + verify/accept + the head's draft loop.
+
+* graph replay gives the same tokens (and drafts) as the eager engine, for plain decode, n-gram,
+  EAGLE-3 and MTP drafting (tiny random target, fp32, so rounding can't differ by path);
+* after warm-up, decode steps run under torch.cuda.set_sync_debug_mode("error"): nothing between
+  a step's start and its one output copy waits for the GPU (DESIGN idea 9).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytest.importorskip("triton")
+
+from outpace import SamplingParams  # noqa: E402
+from tests.engine_helpers import make_engine, run_batch  # noqa: E402
+from tests.spec.spec_helpers import repetitive_prompts, tiny_target  # noqa: E402
+
+GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def cuda_loaded():
+    model, cfg, tok = tiny_target(seed=0)
+    return model.to("cuda"), cfg, tok
+
+
+@pytest.fixture(scope="module")
+def cuda_heads(cuda_loaded, tmp_path_factory):
+    from outpace.training.init_draft import init_draft
+    from tests.spec.spec_helpers import write_target_folder
+    root = tmp_path_factory.mktemp("gpu_heads")
+    target = write_target_folder(cuda_loaded[1], root / "target")
+    return {m: init_draft(m, str(target), root / m, seed=1, quiet=True) for m in ("eagle3", "mtp")}
+
+
+def spec_for(heads, method, k, **opts):
+    if method is None:
+        return None
+    if method == "ngram":
+        return {"method": "ngram", "num_speculative_tokens": k, **opts}
+    spec = {"method": method, "model": str(heads[method]), "num_speculative_tokens": k, **opts}
+    if method == "mtp":
+        spec["mtp_mode"] = "eagle"
+    return spec
+
+
+def gpu_engine(loaded, spec, eager: bool):
+    return make_engine(loaded, device="cuda", dtype="float32", speculative_config=spec,
+                       max_num_seqs=8, enforce_eager=eager)
+
+
+def record_drafts(engine) -> list:
+    seen = []
+    inner = engine.runner.execute
+
+    def execute(plan):
+        result = inner(plan)
+        seen.append({rid: o.next_draft_token_ids for rid, o in result.outputs.items()})
+        return result
+    engine.runner.execute = execute
+    return seen
+
+
+CASES = [(None, 0), ("ngram", 3), ("eagle3", 3), ("mtp", 2)]
+
+
+@pytest.mark.parametrize("method,k", CASES, ids=[f"{m}-k{k}" for m, k in CASES])
+def test_graph_replay_equals_eager(cuda_loaded, cuda_heads, method, k):
+    spec = spec_for(cuda_heads, method, k)
+    prompts = repetitive_prompts(5, 11)  # 5 requests: bucket 8, 3 padded rows
+    eager = gpu_engine(cuda_loaded, spec, eager=True)
+    want_drafts = record_drafts(eager)
+    want = run_batch(eager, prompts, GREEDY)
+    graphed = gpu_engine(cuda_loaded, spec, eager=False)
+    got_drafts = record_drafts(graphed)
+    got = run_batch(graphed, prompts, GREEDY)
+    assert got == want
+    assert got_drafts == want_drafts
+    assert graphed.runner.fused.replays > 20
+    assert graphed.stats()["spec"] == eager.stats()["spec"]
+
+
+@pytest.mark.parametrize("method,k,opts", [(None, 0, {}), ("ngram", 3, {}),
+                                           ("eagle3", 3, {"force_accept_mean": 3.0}),
+                                           ("eagle3", 3, {})],
+                         ids=["plain", "ngram", "eagle3-fa3", "eagle3"])
+def test_decode_steps_do_not_sync_with_host(cuda_loaded, cuda_heads, method, k, opts):
+    eng = gpu_engine(cuda_loaded, spec_for(cuda_heads, method, k, **opts), eager=False)
+    params = SamplingParams(max_tokens=80, temperature=0.0, ignore_eos=True)
+    prompts = repetitive_prompts(4, 3)
+    run_batch(eng, prompts, params)  # warm-up: captures this batch's graphs
+    for i, p in enumerate(repetitive_prompts(4, 3)):
+        eng.add_request(f"s{i}", p, params)
+    while any(r.num_computed_tokens < r.num_tokens - 1 for r in eng.scheduler.running) \
+            or eng.scheduler.num_waiting:
+        eng.step()  # prefill (eager, may sync)
+    for _ in range(3):
+        eng.step()  # every verify length of the batch has been seen
+    before = eng.runner.fused.replays
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(10):
+            eng.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert eng.runner.fused.replays == before + 10
+    while eng.has_unfinished_requests():
+        eng.step()

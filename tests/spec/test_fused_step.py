@@ -1,0 +1,135 @@
+"""The fused graph step (outpace/runner/fused_step.py) on CPU, with the fake_graph_capture
+stand-in: greedy decode/verify steps run target forward, verify/accept and the head's draft loop
+as one captured function over fixed buffers.
+
+* outputs and acceptance statistics equal the eager path token for token, without speculation
+  and with n-gram, suffix, EAGLE-3 and MTP drafting, across batch sizes that pad to buckets,
+  chunked prefill, prefix hits and preemption;
+* the draft KV plane the device-side draft loop writes is exact (dense oracle after every step);
+* force-accept (benchmarks) reaches the requested mean acceptance length;
+* steps it can't serve (sampling, penalties, logprobs) fall back to the general path.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from outpace import SamplingParams
+from tests.engine_helpers import make_engine, run_batch
+from tests.spec.spec_helpers import TINY_BLOCK, repetitive_prompts, run_waves
+from tests.spec.test_draft_plane import PlaneChecker, head_spec, waves
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+SMALL = dict(block_size=TINY_BLOCK, max_num_batched_tokens=16, num_kv_blocks=30)
+
+
+def enable_graphs(engine, k: int):
+    engine.runner.enable_cuda_graphs(tuple(range(1, k + 2)))
+    assert engine.runner.fused is not None
+
+
+def spec_for(tiny_heads, method, k, **opts):
+    if method is None:
+        return None
+    if method in ("ngram", "suffix"):
+        return {"method": method, "num_speculative_tokens": k, **opts}
+    return head_spec(tiny_heads, method, k, **opts)
+
+
+# k_schedule [[2, 3]]: no drafting above 2 requests, so the graph runs only the head's first
+# pass for a while; the plane must stay exact for when drafting resumes.
+CASES = [(None, 0, {}), ("ngram", 3, {}), ("suffix", 2, {}), ("eagle3", 1, {}),
+         ("eagle3", 3, {}), ("mtp", 3, {}), ("eagle3", 3, {"k_schedule": [[2, 3]]})]
+
+
+def record_drafts(engine, into: list, graphs_k=None):
+    """Wrap the runner so every step's proposed drafts land in `into`."""
+    if graphs_k is not None:
+        enable_graphs(engine, graphs_k)
+    inner = engine.runner.execute
+
+    def execute(plan):
+        result = inner(plan)
+        into.append({rid: o.next_draft_token_ids for rid, o in result.outputs.items()})
+        return result
+    engine.runner.execute = execute
+
+
+@pytest.mark.parametrize("method,k,opts", CASES,
+                         ids=[f"{m}-k{k}{'-sched' if o else ''}" for m, k, o in CASES])
+def test_fused_step_equals_eager(tiny_loaded, tiny_heads, fake_graph_capture, method, k, opts):
+    spec = spec_for(tiny_heads, method, k, **opts)
+    want_drafts, got_drafts = [], []
+    eager = run_waves(tiny_loaded, waves(), GREEDY, speculative_config=spec,
+                      on_engine=lambda e: record_drafts(e, want_drafts), **SMALL)
+    fused = run_waves(tiny_loaded, waves(), GREEDY,
+                      on_engine=lambda e: record_drafts(e, got_drafts, graphs_k=k),
+                      speculative_config=spec, **SMALL)
+    assert fused.outputs == eager.outputs
+    assert fused.stats["spec"] == eager.stats["spec"]
+    assert got_drafts == want_drafts, "the proposed drafts differ from the eager path's"
+    runner = fused.engine.runner
+    assert runner.fused.replays > 20, "the fused step served too few steps"
+    assert {key[0] for key in runner.fused._captured} >= {4}, "no batch padded to a bucket"
+    if k:
+        assert sum(len(d) for step in got_drafts for d in step.values()) > 50
+    if "k_schedule" in opts:  # drafting went off and came back
+        assert {key[2] for key in runner.fused._captured} == {0, k}
+    if method in ("ngram", "suffix"):  # (a random head's drafts are rarely accepted)
+        assert fused.stats["spec"]["num_accepted_tokens"] > 0
+    # the scenario happened: preemption and prefix hits, as in the eager run
+    assert fused.stats["num_preemptions_total"] > 0
+    assert fused.engine.kv.prefix_cache_hit_tokens > 0
+
+
+@pytest.mark.parametrize("method,k,mean", [("eagle3", 4, 3.5), ("mtp", 3, 2.5)])
+def test_device_draft_loop_writes_an_exact_draft_plane(tiny_loaded, tiny_heads,
+                                                       fake_graph_capture, method, k, mean):
+    checker = PlaneChecker(tiny_loaded)
+    run = run_waves(tiny_loaded, waves(), GREEDY, after_step=checker,
+                    on_engine=lambda e: enable_graphs(e, k),
+                    speculative_config=head_spec(tiny_heads, method, k,
+                                                 force_accept_mean=mean), **SMALL)
+    assert run.engine.runner.fused.replays > 10
+    assert checker.entries_checked > 500
+    per_pos = [run.stats["spec"]["num_drafts"]] + run.stats["spec"]["accepted_per_position"]
+    by_count = [a - b for a, b in zip(per_pos, per_pos[1:] + [0])]
+    assert sum(n > 0 for n in by_count) >= 2, f"acceptance never varied: {per_pos}"
+
+
+def test_force_accept_mean_on_the_fused_path(tiny_loaded, tiny_heads, fake_graph_capture):
+    k, mean = 4, 3.0
+    eng = make_engine(tiny_loaded, max_num_seqs=8, speculative_config=head_spec(
+        tiny_heads, "eagle3", k, force_accept_mean=mean))
+    eng.runner.enable_cuda_graphs(tuple(range(1, k + 2)), capture_fused=True)
+    captured = set(eng.runner.fused._captured)
+    assert len(captured) == 4 * (k + 1)  # buckets 1 2 4 8 (max_num_seqs 8) x q 1..k+1
+    prompts = repetitive_prompts(6, 7)
+    run_batch(eng, prompts, SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True))
+    assert set(eng.runner.fused._captured) == captured, "steady decoding captured more graphs"
+    spec = eng.stats()["spec"]
+    assert eng.runner.fused.replays > 15
+    # steps verifying drafts: accepted/steps + 1 ~ mean (steps near max_tokens draft fewer)
+    steps = spec["num_drafts"]
+    measured = 1 + spec["num_accepted_tokens"] / steps
+    assert abs(measured - mean) < 0.15, (measured, spec)
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(max_tokens=12, temperature=0.8, seed=3, ignore_eos=True),
+    SamplingParams(max_tokens=12, temperature=0.0, repetition_penalty=1.3, ignore_eos=True),
+    SamplingParams(max_tokens=12, temperature=0.0, logprobs=2, ignore_eos=True),
+], ids=["sampling", "penalty", "logprobs"])
+def test_steps_the_fused_graph_cannot_serve_fall_back(tiny_loaded, tiny_heads,
+                                                      fake_graph_capture, params):
+    spec = head_spec(tiny_heads, "eagle3", 3)
+    prompts = repetitive_prompts(3, 5)
+    plist = [GREEDY, params, GREEDY]
+    eager = make_engine(tiny_loaded, speculative_config=spec)
+    want = run_batch(eager, prompts, plist)
+    graphed = make_engine(tiny_loaded, speculative_config=spec)
+    enable_graphs(graphed, 3)
+    got = run_batch(graphed, prompts, plist)
+    assert got == want
+    # while the odd request runs, no step is fused; after it finishes the greedy ones are
+    assert graphed.runner.fused.replays < sum(len(t) for t in want)
