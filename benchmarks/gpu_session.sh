@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# One GPU call's work on the device machine (see ../shared/device/README.md): rebuild the staged
+# model, install the carried gguf wheel, then run what is asked:
+#   bash benchmarks/gpu_session.sh tests            pytest tests/gpu
+#   bash benchmarks/gpu_session.sh bench SECTIONS   bench_gpu.py --sections SECTIONS
+# Results go to $OUT (the device tool brings them back).
+set -euo pipefail
+if [ ! -f /root/keep/smollm2.gguf ]; then
+  cat /root/keep/part_* > /root/keep/smollm2.gguf
+fi
+echo "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  /root/keep/smollm2.gguf" \
+  | sha256sum -c
+[ -d /tmp/site/gguf ] || python3 -m pip install -q --no-index --no-deps --no-compile \
+  --target /tmp/site .whl/*.whl
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+export OUTPACE_COMMIT=${OUTPACE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+mkdir -p "${OUT:-/tmp/out}"
+case "$1" in
+  tests) python3 -m pytest -q tests/gpu -p no:cacheprovider 2>&1 | tee "${OUT:-/tmp/out}/gpu_tests.log" | tail -25 ;;
+  bench) shift; python3 benchmarks/bench_gpu.py --gguf /root/keep/smollm2.gguf \
+           --out "${OUT:-/tmp/out}" --sections "$@" ;;
+esac
