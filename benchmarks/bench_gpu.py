@@ -44,13 +44,20 @@ def run_engine(engine, prompts, batch, max_tokens):
     from outpace import SamplingParams
     sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     spec0 = dict(engine.stats()["spec"])
+    fused = engine.runner.fused
+    fused0 = (fused.replays, dict(fused.timing)) if fused is not None else None
     n_tok, tpots, t0 = 0, [], time.perf_counter()
+    step_s, steps = 0.0, 0
     for i in range(0, len(prompts), batch):
         chunk = prompts[i:i + batch]
         for j, p in enumerate(chunk):
             engine.add_request(f"r{i}-{j}-{time.monotonic_ns()}", p, sp)
         while engine.has_unfinished_requests():
-            for o in engine.step():
+            ts = time.perf_counter()
+            outs = engine.step()
+            step_s += time.perf_counter() - ts
+            steps += 1
+            for o in outs:
                 if o.finished:
                     n = len(o.token_ids)
                     n_tok += n
@@ -63,7 +70,14 @@ def run_engine(engine, prompts, batch, max_tokens):
     acc = spec1["num_accepted_tokens"] - spec0["num_accepted_tokens"]
     per_pos = [b - (spec0["accepted_per_position"][i] if i < len(spec0["accepted_per_position"]) else 0)
                for i, b in enumerate(spec1["accepted_per_position"])]
-    return {"tokens": n_tok, "wall_s": round(wall, 3), "tok_s": round(n_tok / wall, 1),
+    timing = {}
+    if fused0 is not None and fused.replays > fused0[0]:
+        n = fused.replays - fused0[0]
+        timing = {"fused_steps": n, "all_steps": steps,
+                  "step_ms": round(1000 * step_s / steps, 4),
+                  **{k.replace("_s", "_ms"): round(1000 * (v - fused0[1][k]) / n, 4)
+                     for k, v in fused.timing.items()}}
+    return {**timing, "tokens": n_tok, "wall_s": round(wall, 3), "tok_s": round(n_tok / wall, 1),
             "tpot_ms": round(1000 * sum(tpots) / max(1, len(tpots)), 3),
             "mean_acceptance_length": round(1 + acc / drafts, 3) if drafts else None,
             "acceptance_per_position": [round(v / drafts, 3) for v in per_pos] if drafts else []}
@@ -165,6 +179,8 @@ def section_smol(args, results):
             print(r, flush=True)
         # Last (it replays over finished requests' freed blocks): the fused step's graph alone.
         graph_ms = time_fused_graphs(eng, args.batches, k if spec else 0)
+        if name in ("no-spec", "eagle3-fa3.0"):
+            profile_graph(eng, k if spec else 0, Path(args.out) / f"profile_{name}_b1.txt")
         for r in rows:
             if r["config"] == name:
                 r["graph_ms"] = graph_ms.get(r["batch"])
@@ -193,6 +209,23 @@ def time_fused_graphs(eng, batches, k, reps=50) -> dict:
         torch.cuda.synchronize()
         out[b] = round(1000 * (time.perf_counter() - t0) / reps, 4)
     return out
+
+
+def profile_graph(eng, k, path, reps=20):
+    """Kernel time table of the batch-1 fused graph (q = k + 1) under torch.profiler."""
+    fused = eng.runner.fused
+    keys = [key for key in fused._captured if key[0] == 1 and key[1] == k + 1]
+    if not keys:
+        return
+    graph, _ = fused._captured[max(keys, key=lambda key: key[2])]
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            graph.replay()
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30)
+    Path(path).write_text(f"{reps} replays of graph {max(keys)}\n{table}\n")
+    print(table[:3000], flush=True)
 
 
 def section_hf(args, results):
@@ -319,8 +352,8 @@ def main():
             "torch": torch.__version__, "model": "smollm2-135m (Q4_1 GGUF -> bf16)",
             "max_tokens": args.max_tokens, "k": args.k, **results})
     rows = [r for r in results.get("smol", [])] + results.get("hf", [])
-    print_table(rows, ["system", "config", "batch", "tok_s", "tpot_ms", "graph_ms",
-                       "mean_acceptance_length"])
+    print_table(rows, ["system", "config", "batch", "tok_s", "tpot_ms", "graph_ms", "step_ms",
+                       "launch_ms", "wait_ms", "unpack_ms", "mean_acceptance_length"])
     if "big" in results:
         print("8B-shaped batch 1:", results["big"])
     if "check" in results:

@@ -81,4 +81,7 @@ def build_engine(cls, model: str, *, device: str = "auto", dtype: str = "auto",
     if not quiet:
         log.info("outpace: %s on %s (%s), %d KV blocks of %d tokens", model, device,
                  runner_cfg.torch_dtype, num_blocks, block_size)
-    return cls(config, tokenizer, scheduler, kv, runner, model_name=model)
+    engine = cls(config, tokenizer, scheduler, kv, runner, model_name=model)
+    if torch_device.type == "cuda":
+        engine.warm_up()  # compile the prefill kernels now (see LLMEngine.warm_up)
+    return engine

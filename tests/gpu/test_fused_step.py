@@ -55,12 +55,14 @@ def gpu_engine(loaded, spec, eager: bool):
 
 
 def record_drafts(engine) -> list:
+    """Every step's proposed drafts, in plan order (request ids differ between engines)."""
     seen = []
     inner = engine.runner.execute
 
     def execute(plan):
         result = inner(plan)
-        seen.append({rid: o.next_draft_token_ids for rid, o in result.outputs.items()})
+        seen.append([result.outputs[sr.request.request_id].next_draft_token_ids
+                     for sr in plan.scheduled])
         return result
     engine.runner.execute = execute
     return seen

@@ -43,7 +43,8 @@ CASES = [(None, 0, {}), ("ngram", 3, {}), ("suffix", 2, {}), ("eagle3", 1, {}),
 
 
 def record_drafts(engine, into: list, graphs_k=None):
-    """Wrap the runner so every step's proposed drafts land in `into`."""
+    """Wrap the runner so every step's proposed drafts land in `into` (by request id: run_waves
+    names requests by wave and index, so both engines use the same ids)."""
     if graphs_k is not None:
         enable_graphs(engine, graphs_k)
     inner = engine.runner.execute
@@ -133,3 +134,19 @@ def test_steps_the_fused_graph_cannot_serve_fall_back(tiny_loaded, tiny_heads,
     assert got == want
     # while the odd request runs, no step is fused; after it finishes the greedy ones are
     assert graphed.runner.fused.replays < sum(len(t) for t in want)
+
+
+def test_warm_up_leaves_nothing_behind(tiny_loaded, tiny_heads):
+    """LLMEngine.warm_up (run at start-up on CUDA) leaves no request, block or count behind,
+    and the engine's outputs afterwards are those of a fresh engine."""
+    spec = head_spec(tiny_heads, "eagle3", 3)
+    prompts = repetitive_prompts(3, 9)
+    want = run_batch(make_engine(tiny_loaded, speculative_config=spec), prompts, GREEDY)
+    eng = make_engine(tiny_loaded, speculative_config=spec)
+    eng.warm_up()
+    stats = eng.stats()
+    assert not eng.has_unfinished_requests() and stats["num_running"] == 0
+    assert stats["kv_blocks_used"] == 0
+    assert stats["prompt_tokens_total"] == 0 and stats["generation_tokens_total"] == 0
+    assert stats["spec"]["num_drafts"] == 0 and eng.kv.prefix_cache_query_tokens == 0
+    assert run_batch(eng, prompts, GREEDY) == want
