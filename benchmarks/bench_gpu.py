@@ -181,6 +181,8 @@ def section_smol(args, results):
         graph_ms = time_fused_graphs(eng, args.batches, k if spec else 0)
         if name in ("no-spec", "eagle3-fa3.0"):
             profile_graph(eng, k if spec else 0, Path(args.out) / f"profile_{name}_b1.txt")
+            profile_host(eng, prompts[:args.batch1_requests], args.max_tokens,
+                         Path(args.out) / f"host_profile_{name}_b1.txt")
         for r in rows:
             if r["config"] == name:
                 r["graph_ms"] = graph_ms.get(r["batch"])
@@ -226,6 +228,20 @@ def profile_graph(eng, k, path, reps=20):
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30)
     Path(path).write_text(f"{reps} replays of graph {max(keys)}\n{table}\n")
     print(table[:3000], flush=True)
+
+
+def profile_host(eng, prompts, max_tokens, path):
+    """cProfile of a batch-1 run (an extra run: the profiler slows the host down)."""
+    import cProfile
+    import io
+    import pstats
+    prof = cProfile.Profile()
+    prof.enable()
+    run_engine(eng, prompts, 1, max_tokens)
+    prof.disable()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(35)
+    Path(path).write_text(out.getvalue())
 
 
 def section_hf(args, results):

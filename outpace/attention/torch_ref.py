@@ -2,9 +2,15 @@
 
 It is the oracle the Triton kernels are compared with, and the CPU engine's backend. It reads
 the host mirrors of the metadata, so it is not graph-capturable.
+
+On CPU a step where every sequence has one query token (plain decode) takes a batched path
+(see DecodePlan): a decode step is hundreds of tiny ops, so their count is what costs.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -37,8 +43,74 @@ def causal_mask(q_len: int, kv_len: int, device) -> torch.Tensor:
     return torch.arange(kv_len, device=device)[None, :] <= qpos
 
 
+@dataclass
+class DecodePlan:
+    """What every layer of one plain-decode step (B sequences, one query token each) shares,
+    made once per step: layers differ only in their KV slot.
+
+      slots      [B] long: the write slots, padding (-1) already sent to the null block
+      kv_start   the single sequence's blocks are consecutive, so its K/V is the run of pool
+                 slots kv_start .. kv_start + kv_len - 1 and attention reads a view, no copy;
+                 None: gather block_ids instead
+      block_ids  [B * nb] long: nb table entries per sequence (padded entries included)
+      kv_len     KV positions attended to per sequence: the longest sequence's length
+      mask       [B, 1, 1, kv_len] float, -inf past a shorter sequence's end (None: all equal)
+      pad        [1, B, kv_len, 1, 1] bool, the same positions: their gathered K/V are zeroed
+                 so that stale values there (even inf/nan) can't leak through 0 * x
+    """
+
+    slots: torch.Tensor
+    kv_start: Optional[int]
+    block_ids: Optional[torch.Tensor]
+    kv_len: int
+    mask: Optional[torch.Tensor] = None
+    pad: Optional[torch.Tensor] = None
+
+
+def make_decode_plan(meta: AttentionMetadata, block_size: int) -> Optional[DecodePlan]:
+    """A DecodePlan when every sequence has exactly one query token and the host mirrors are
+    there (the CPU engine's decode steps); None otherwise (prefill, verify, graph metadata)."""
+    qsl, seq_lens = meta.query_start_loc_host, meta.seq_lens_host
+    b = len(seq_lens)
+    if b == 0 or len(qsl) != b + 1 or qsl != list(range(b + 1)) or min(seq_lens) < 1:
+        return None
+    slots = meta.slot_mapping[:b]
+    slots = torch.where(slots < 0, NULL_BLOCK * block_size, slots)
+    kv_len = max(seq_lens)
+    nb = (kv_len + block_size - 1) // block_size
+    table = meta.block_tables[:b, :nb]
+    if b == 1:
+        ids = table[0].tolist()  # sync-ok: a CPU tensor
+        if ids[0] != NULL_BLOCK and ids == list(range(ids[0], ids[0] + nb)):
+            return DecodePlan(slots, ids[0] * block_size, None, kv_len)
+    plan = DecodePlan(slots, None, table.reshape(-1).long(), kv_len)
+    if min(seq_lens) != kv_len:
+        dev = slots.device
+        pad = (torch.arange(kv_len, device=dev)[None, :]
+               >= torch.tensor(seq_lens, device=dev)[:, None])  # [B, kv_len]
+        plan.mask = torch.zeros(b, 1, 1, kv_len, device=dev).masked_fill_(
+            pad.view(b, 1, 1, kv_len), float("-inf"))
+        plan.pad = pad.view(1, b, kv_len, 1, 1)
+    return plan
+
+
 class TorchRefBackend(AttentionBackend):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._plan_meta = None  # the metadata self._plan was made from (one step's)
+        self._plan: Optional[DecodePlan] = None
+
     def forward(self, layer, q, k, v, meta: AttentionMetadata):
+        if not q.is_cuda:  # (on CUDA this backend is the oracle: keep it to the general path)
+            if meta is not self._plan_meta:  # the step's first layer
+                self._plan_meta = meta
+                self._plan = make_decode_plan(meta, self.block_size)
+            if self._plan is not None:
+                return self.decode(layer, q, k, v, self._plan)
+        return self.attend_each(layer, q, k, v, meta)
+
+    def attend_each(self, layer, q, k, v, meta: AttentionMetadata):
+        """The general path: store, then one SDPA per sequence over its gathered pages."""
         store_kv(self.kv_cache, layer, k, v, meta.slot_mapping)
         out = torch.empty_like(q)
         # Metadata built for a graph carries no host mirrors; read the device tensors instead
@@ -62,3 +134,28 @@ class TorchRefBackend(AttentionBackend):
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=self.scale)
             out[a:b] = o.view(hkv, group, n, d).permute(2, 0, 1, 3).reshape(n, hkv * group, d)
         return out
+
+    def decode(self, layer, q, k, v, plan: DecodePlan):
+        """One query token per sequence: q [B, Hq, D], k/v [B, Hkv, D] -> [B, Hq, D].
+
+        Every sequence in one 4-D SDPA call (the CPU flash kernel reads the strided K/V views
+        as they are), padded to the longest one; GQA folds each KV head's query group into
+        the query axis, as in the general path."""
+        _, _, num_blocks, bs, hkv, d = self.kv_cache.shape
+        pool = self.kv_cache[layer].view(2, num_blocks * bs, hkv, d)  # [K|V, slot, Hkv, D]
+        pool[0].index_copy_(0, plan.slots, k.to(pool.dtype))
+        pool[1].index_copy_(0, plan.slots, v.to(pool.dtype))
+        b, n = q.shape[0], plan.kv_len
+        if plan.kv_start is not None:
+            kv = pool[:, plan.kv_start:plan.kv_start + n].unsqueeze(1)  # [2, 1, L, Hkv, D]
+        else:
+            kv = (self.kv_cache[layer].view(2, num_blocks, bs * hkv * d)
+                  .index_select(1, plan.block_ids).view(2, b, -1, hkv, d)[:, :, :n])
+            if plan.pad is not None:
+                kv.masked_fill_(plan.pad, 0.0)  # a copy: the pool is untouched
+        if kv.dtype != q.dtype:
+            kv = kv.to(q.dtype)
+        ks, vs = kv[0].transpose(1, 2), kv[1].transpose(1, 2)  # [B, Hkv, L, D]
+        qs = q.reshape(b, hkv, self.num_heads // hkv, d)  # [B, Hkv, group, D], a view here
+        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=plan.mask, scale=self.scale)
+        return o.reshape(b, self.num_heads, d)

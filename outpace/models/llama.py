@@ -14,6 +14,7 @@ CPU the number of kernels dominates small-batch decode. Parameters are created w
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Iterable, Optional
 
@@ -33,17 +34,57 @@ def _param(*shape, dtype, device) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device))
 
 
-# Decode-shaped inputs (at most this many rows) use the column-major copy of a weight on CPU.
-_FEW_ROWS = 2
+# CPU weight copies (see LlamaForCausalLM.add_cpu_weight_copies_): one row uses the transposed
+# copy where there is one; more rows use the oneDNN-packed copy.
+_FEW_ROWS = 1
+# Multi-token-query forwards of at most this many tokens run single-threaded on CPU (see
+# cpu_threads_for).
+_ONE_THREAD_MAX_TOKENS = 16
+# oneDNN's packed-weight linear (an internal op, the one torch.compile uses on CPU).
+_HAS_PACKED_LINEAR = (torch.backends.mkldnn.is_available()
+                      and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+                      and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
 def linear(x: torch.Tensor, module: nn.Module, name: str, bias=None) -> torch.Tensor:
-    """F.linear with `module.<name>`, or its column-major copy for few rows on CPU (see
-    LlamaForCausalLM.add_column_major_copies_)."""
+    """F.linear with `module.<name>`, or a faster CPU copy of it (see
+    LlamaForCausalLM.add_cpu_weight_copies_); the copies hold the same values."""
     w = getattr(module, name)
+    copies = module.__dict__
     if x.shape[0] <= _FEW_ROWS:
-        w = module.__dict__.get(name + "_cm", w)
+        wt = copies.get(name + "_t")  # [in, out] contiguous: x @ wt is x @ w.T
+        if wt is not None:
+            return torch.mm(x, wt) if bias is None else torch.addmm(bias, x, wt)
+    else:
+        packed = copies.get(name + "_packed")
+        if packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return F.linear(x, w, bias)
+
+
+@contextlib.contextmanager
+def cpu_threads_for(x: torch.Tensor, max_query_len: int = 1):
+    """Run a CPU forward on one thread when its ops are many and tiny.
+
+    With OMP_WAIT_POLICY=PASSIVE every parallel op first wakes the sleeping OpenMP workers
+    (tens of microseconds). A single-token forward (batch-1 decode) is ~400 tiny ops around
+    memory-bound GEMVs that a second thread barely speeds up, and a small step with
+    multi-token queries (verify, a short prefill chunk) attends one sequence at a time; both
+    run faster on one thread (on the 2-core CI machine: batch-1 decode 37 vs 39 ms, verifying
+    4 x 3 tokens 69 vs 104 ms). Batched decode (its attention is a few batched ops, its
+    linears gain from both cores) and long prefills keep all threads.
+    """
+    n = torch.get_num_threads()
+    t = x.shape[0]
+    small = t == 1 or (max_query_len > 1 and t <= _ONE_THREAD_MAX_TOKENS)
+    if x.is_cuda or n == 1 or not small:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -51,7 +92,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if x.is_cuda and use_triton(x):
         return rms_norm_triton(x, weight, eps)  # one kernel instead of five
     if x.dtype == torch.float32:
-        return F.rms_norm(x, weight.shape, weight, eps)  # one fused kernel
+        # HF's arithmetic in five small ops; on CPU this is ~1.5x faster than F.rms_norm (a
+        # composite of more ops there) for decode-sized inputs, with identical values.
+        r = torch.mean(x * x, -1, keepdim=True).add_(eps).rsqrt_()
+        return (x * r).mul_(weight)
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(x.dtype)
@@ -216,15 +260,17 @@ class LlamaDecoderLayer(nn.Module):
         # attn_input [T, qkv_input_size]: the already-normalized qkv input, for heads whose
         # attention reads more than the residual (EAGLE-3); default input_layernorm(hidden).
         if attn_input is None:
-            attn_input = self.input_layernorm(hidden)
-        h = self.self_attn(attn_input, cos_sin, rope, ctx)
+            attn_input = self.input_layernorm.forward(hidden)
+        # .forward: nn.Module.__call__ (hook handling) costs a few us a call, which adds up
+        # over the ~200 calls of a CPU decode step.
+        h = self.self_attn.forward(attn_input, cos_sin, rope, ctx)
         norm = self.post_attention_layernorm
         if h.is_cuda and use_triton(h):
             normed, h = fused_add_rms_norm_triton(h, hidden, norm.weight, norm.eps)
         else:
             h += hidden  # h is fresh from o_proj: add in place, no extra buffer
-            normed = norm(h)
-        out = self.mlp(normed)
+            normed = norm.forward(h)
+        out = self.mlp.forward(normed)
         out += h
         return out
 
@@ -255,30 +301,47 @@ class LlamaForCausalLM(nn.Module):
         # order asked; HF's hidden_states[i + 1], except that for the last layer HF's entry is
         # after the final norm and ours is before it)
         h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        cos_sin = self.rotary(positions)
-        captured = {}
-        for i, layer in enumerate(self.layers):
-            h = layer(h, cos_sin, self.rotary, ctx)  # a fresh tensor each layer: safe to keep
-            if i in capture_layers:
-                captured[i] = h
-        return self.norm(h), [captured[i] for i in capture_layers]
+        with cpu_threads_for(h, ctx.meta.max_query_len):
+            cos_sin = self.rotary(positions)
+            captured = {}
+            for i, layer in enumerate(self.layers):
+                # a fresh tensor each layer: safe to keep (.forward: see LlamaDecoderLayer)
+                h = layer.forward(h, cos_sin, self.rotary, ctx)
+                if i in capture_layers:
+                    captured[i] = h
+            return self.norm(h), [captured[i] for i in capture_layers]
 
-    def add_column_major_copies_(self) -> None:
-        """CPU only: keep a column-major copy (a transposed view of a contiguous [in, out]
-        buffer) of every projection weight, used when a forward has at most _FEW_ROWS rows.
-        MKL streams a column-major weight 1.3x faster for one or two rows (1.8x for the LM
-        head) but slower for four or more (measured on the 2-core CI machine), so decode uses
-        the copy and prefill the original. Costs a second copy of the weights in RAM; values
-        are identical."""
+    def add_cpu_weight_copies_(self) -> None:
+        """CPU only: keep faster-to-read copies of the projection weights next to them (same
+        values; `linear` picks one by the number of rows). Measured on the 2-core CI machine:
+
+          one row (decode at batch 1): MKL streams a transposed weight (x @ w_t with w_t a
+            contiguous [in, out] copy) 1.3-1.8x faster than x @ w.T from the row-major one,
+            except for down_proj (in = 4 * out), where it is slower; so every weight but
+            down_weight gets a transposed copy.
+          2+ rows (batch decode, verify, prefill): oneDNN with its packed weight layout is
+            1.7x faster than MKL at 8 rows (SmolLM2's MLP: 0.81 vs 1.40 ms a layer; LM head
+            2.4x) and no slower for many.
+
+        Costs up to two more copies of the weights in RAM (packed: float32 only)."""
         for m in self.modules():
             for name in ("qkv_weight", "o_weight", "gate_up_weight", "down_weight",
                          "lm_head_weight"):
                 p = getattr(m, name, None)
-                if isinstance(p, torch.Tensor) and p.dim() == 2:
-                    m.__dict__[name + "_cm"] = p.detach().t().contiguous().t()
+                if not isinstance(p, torch.Tensor) or p.dim() != 2 or p.is_cuda:
+                    continue
+                w = p.detach()
+                if name != "down_weight":
+                    m.__dict__[name + "_t"] = w.t().contiguous()
+                if _HAS_PACKED_LINEAR and w.dtype == torch.float32:
+                    # The batch-size hint picks the packed layout; 8 rows measured best for 2..256.
+                    m.__dict__[name + "_packed"] = torch.ops.mkldnn._reorder_linear_weight(w, 8)
+
+    add_column_major_copies_ = add_cpu_weight_copies_  # the loader's name for it
 
     def compute_logits(self, hidden):  # [N, H] -> [N, V] float32
-        return linear(hidden, self, "lm_head_weight").float()
+        with cpu_threads_for(hidden):
+            return linear(hidden, self, "lm_head_weight").float()
 
     # ---- loading -------------------------------------------------------------------------
 

@@ -53,25 +53,49 @@ class InputBuffers:
         self.seq_lens = buf(max_seqs, dtype=torch.int32)
         self.block_tables = buf(max_seqs, max_blocks, dtype=torch.int32)
         self._pin = pin
+        # CUDA: one pinned host mirror per device buffer, made once. Pinning a fresh tensor
+        # every step costs an allocation each, and freeing one records a CUDA event, which
+        # is illegal while another engine is capturing a graph in the same process.
+        self._staging: dict = {}  # device buffer's data_ptr -> pinned host tensor
+        self._copied = torch.cuda.Event() if pin else None  # after the last staged copies
 
     def put(self, dst: torch.Tensor, src: np.ndarray) -> torch.Tensor:
         """Copy src into the leading part of dst and return that view."""
-        view = dst[tuple(slice(0, n) for n in src.shape)]
-        t = torch.from_numpy(src)
+        view = self._stage(dst, src)
         if self._pin:
-            t = t.pin_memory()
-        view.copy_(t, non_blocking=self._pin)
+            self._copied.record()
+        return view
+
+    def _stage(self, dst: torch.Tensor, src: np.ndarray) -> torch.Tensor:
+        view = dst[tuple(slice(0, n) for n in src.shape)]
+        if not self._pin:
+            view.copy_(torch.from_numpy(src))
+            return view
+        host = self._staging.get(dst.data_ptr())
+        if host is None:
+            host = self._staging[dst.data_ptr()] = torch.empty(dst.shape, dtype=dst.dtype,
+                                                               pin_memory=True)
+        # The last copies out of the mirrors must have run before they are overwritten; they
+        # were queued before the previous step's output copy, so this rarely waits (and it
+        # polls an event: no device-wide sync).
+        while not self._copied.query():
+            pass
+        staged = host.view(-1)[:src.size].view(src.shape)  # contiguous, like src
+        staged.numpy()[...] = src
+        view.copy_(staged, non_blocking=True)
         return view
 
     def load(self, hb: HostBatch):
         """-> (input_ids [T], positions [T], logits_indices [N], AttentionMetadata)."""
-        ids = self.put(self.input_ids, hb.input_ids)
-        pos = self.put(self.positions, hb.positions)
-        slots = self.put(self.slot_mapping, hb.slot_mapping)
-        li = self.put(self.logits_indices, hb.logits_indices)
-        qsl = self.put(self.query_start_loc, hb.query_start_loc)
-        sl = self.put(self.seq_lens, hb.seq_lens)
-        bt = self.put(self.block_tables, hb.block_tables)
+        ids = self._stage(self.input_ids, hb.input_ids)
+        pos = self._stage(self.positions, hb.positions)
+        slots = self._stage(self.slot_mapping, hb.slot_mapping)
+        li = self._stage(self.logits_indices, hb.logits_indices)
+        qsl = self._stage(self.query_start_loc, hb.query_start_loc)
+        sl = self._stage(self.seq_lens, hb.seq_lens)
+        bt = self._stage(self.block_tables, hb.block_tables)
+        if self._pin:
+            self._copied.record()
         q_lens = np.diff(hb.query_start_loc)
         meta = AttentionMetadata(
             slot_mapping=slots, query_start_loc=qsl, seq_lens=sl, block_tables=bt,
