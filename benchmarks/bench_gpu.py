@@ -8,7 +8,10 @@ Sections
   smol    SmolLM2-135M: outpace no-spec, ngram, suffix, EAGLE-3 and MTP random heads with
           force-accept at mean acceptance length 2/3/4; batch 1, 8, 32, 128
   hf      HF transformers eager and static cache + torch.compile (batch 1; eager also at 8)
-  big     Llama-3.1-8B-shaped random bf16 model, batch 1: step time vs weight bytes / bandwidth
+  big     Llama-3.1-8B-shaped random bf16 model, batch 1: step time vs weight bytes / bandwidth,
+          with and without overlap
+  overlap SmolLM2-shaped random bf16 model, batch 1, no-spec and EAGLE-3 force-accept 3, with
+          and without overlap (no model file needed)
 """
 
 from __future__ import annotations
@@ -81,6 +84,50 @@ def run_engine(engine, prompts, batch, max_tokens):
             "tpot_ms": round(1000 * sum(tpots) / max(1, len(tpots)), 3),
             "mean_acceptance_length": round(1 + acc / drafts, 3) if drafts else None,
             "acceptance_per_position": [round(v / drafts, 3) for v in per_pos] if drafts else []}
+
+
+def section_overlap(args, results):
+    """Overlap on and off, batch 1, on a SmolLM2-shaped model with random bf16 weights (no
+    model file needed): no speculation and an EAGLE-3 random head at force-accept 3."""
+    import json
+    from outpace.config import ModelConfig
+    from outpace.engine.engine import LLMEngine
+    from outpace.models.draft_loader import model_config_dict
+    from outpace.models.llama import LlamaForCausalLM
+    from outpace.training.init_draft import init_draft
+    cfg = ModelConfig(architecture="llama", vocab_size=49152, hidden_size=576,
+                      intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                      num_key_value_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0,
+                      tie_word_embeddings=True, max_position_embeddings=8192, eos_token_ids=())
+    model = LlamaForCausalLM(cfg, dtype=torch.bfloat16, device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    with torch.no_grad():
+        for prm in model.parameters():
+            prm.normal_(0.0, 0.02, generator=g) if prm.dim() > 1 else prm.fill_(1.0)
+    tmp = Path(tempfile.mkdtemp())
+    (tmp / "target").mkdir()
+    (tmp / "target" / "config.json").write_text(json.dumps(model_config_dict(cfg)))
+    eagle = init_draft("eagle3", str(tmp / "target"), tmp / "eagle3", seed=0, quiet=True)
+    prompt = list(range(100, 228))
+    rows = []
+    for name, spec in [("no-spec", None),
+                       ("eagle3-fa3.0", {"method": "eagle3", "model": str(eagle),
+                                         "num_speculative_tokens": args.k,
+                                         "force_accept_mean": 3.0})]:
+        for overlap in (False, True):
+            eng = LLMEngine.from_args("smollm2-shaped", loaded=(model, cfg, _NullTokenizer()),
+                                      device="cuda", dtype="bfloat16", max_num_seqs=8,
+                                      num_kv_blocks=1024, max_model_len=2048, quiet=True,
+                                      speculative_config=spec, overlap=overlap)
+            run_engine(eng, [prompt], 1, 16)
+            r = run_engine(eng, [prompt] * 2, 1, args.max_tokens)
+            fused = eng.runner.fused
+            r.update(config=name, overlap=overlap, chained=fused.chained if fused else 0)
+            rows.append(r)
+            print("overlap:", r, flush=True)
+            del eng
+            torch.cuda.empty_cache()
+    results["overlap"] = rows
 
 
 def section_check(args, results):
@@ -199,7 +246,8 @@ def time_fused_graphs(eng, batches, k, reps=50) -> dict:
     if fused is None:
         return out
     for b in batches:
-        keys = [key for key in fused._captured if key[0] == b and key[1] == k + 1]
+        keys = [key for key in fused._captured
+                if key[0] == b and key[1] == k + 1 and not key[3]]
         if not keys:
             continue
         graph, _ = fused._captured[max(keys, key=lambda key: key[2])]
@@ -216,7 +264,7 @@ def time_fused_graphs(eng, batches, k, reps=50) -> dict:
 def profile_graph(eng, k, path, reps=20):
     """Kernel time table of the batch-1 fused graph (q = k + 1) under torch.profiler."""
     fused = eng.runner.fused
-    keys = [key for key in fused._captured if key[0] == 1 and key[1] == k + 1]
+    keys = [key for key in fused._captured if key[0] == 1 and key[1] == k + 1 and not key[3]]
     if not keys:
         return
     graph, _ = fused._captured[max(keys, key=lambda key: key[2])]
@@ -327,16 +375,21 @@ def section_big(args, results):
     torch.cuda.synchronize()
     bw = 2 * x.numel() * 10 / (time.perf_counter() - t0)
     del x, y
-    eng = LLMEngine.from_args("llama3-8b-shaped", loaded=(model, cfg, _NullTokenizer()),
-                              device="cuda", dtype="bfloat16", max_num_seqs=8,
-                              num_kv_blocks=2048, max_model_len=4096, quiet=True)
-    prompt = list(range(100, 228))
-    run_engine(eng, [prompt], 1, 16)
-    r = run_engine(eng, [prompt] * 2, 1, args.max_tokens)
     floor_ms = 1000 * weight_bytes / bw
     results["big"] = {"weight_bytes": weight_bytes, "bandwidth_GBs": round(bw / 1e9, 1),
-                      "floor_ms": round(floor_ms, 3), "tpot_ms": r["tpot_ms"],
-                      "ratio_to_floor": round(r["tpot_ms"] / floor_ms, 3), "tok_s": r["tok_s"]}
+                      "floor_ms": round(floor_ms, 3)}
+    prompt = list(range(100, 228))
+    for overlap in (False, True):
+        eng = LLMEngine.from_args("llama3-8b-shaped", loaded=(model, cfg, _NullTokenizer()),
+                                  device="cuda", dtype="bfloat16", max_num_seqs=8,
+                                  num_kv_blocks=2048, max_model_len=4096, quiet=True,
+                                  overlap=overlap)
+        run_engine(eng, [prompt], 1, 16)
+        r = run_engine(eng, [prompt] * 2, 1, args.max_tokens)
+        tag = "overlap" if overlap else "sync"
+        results["big"].update({f"tpot_ms_{tag}": r["tpot_ms"], f"tok_s_{tag}": r["tok_s"],
+                               f"ratio_to_floor_{tag}": round(r["tpot_ms"] / floor_ms, 3)})
+        del eng
     print("big:", results["big"], flush=True)
 
 

@@ -19,6 +19,10 @@ def load_prompts(name: str, n: int) -> list:
 
 
 def git_commit() -> str:
+    """OUTPACE_COMMIT when set (the device machine's copy of the tree may carry a stale .git),
+    else the checkout's HEAD."""
+    if os.environ.get("OUTPACE_COMMIT"):
+        return os.environ["OUTPACE_COMMIT"]
     try:
         return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=HERE,
                                        text=True, stderr=subprocess.DEVNULL).strip()

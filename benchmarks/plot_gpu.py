@@ -1,7 +1,9 @@
 """Plot a GPU benchmark's JSON (benchmarks/bench_gpu.py) as a PNG: tokens/s against batch size
 for every outpace configuration, with HF transformers' points, and TPOT at batch 1.
 
-    python benchmarks/plot_gpu.py benchmarks/results/gpu_h200_run4.json [--out FILE.png]
+    python benchmarks/plot_gpu.py RUN.json [MORE.json ...] [--out FILE.png]
+
+Several files are merged (e.g. the smol section of one run and the HF section of another).
 
 Needs matplotlib (not a dependency of outpace: pip install matplotlib).
 """
@@ -15,14 +17,18 @@ from pathlib import Path
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("json")
+    ap.add_argument("json", nargs="+")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    data = json.loads(Path(a.json).read_text())
+    data, commits = {}, []
+    for f in a.json:
+        d = json.loads(Path(f).read_text())
+        commits.append(d.get("commit", "?"))
+        data.update({k: v for k, v in d.items() if k not in data})
     rows = data.get("smol", [])
     configs = list(dict.fromkeys(r["config"] for r in rows))
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 5))
@@ -50,9 +56,9 @@ def main():
     bx.set_xlabel("ms per output token, batch 1")
     bx.legend(fontsize=8)
     bx.grid(True, axis="x", alpha=0.3)
-    fig.suptitle(f"outpace GPU benchmark, commit {data.get('commit', '?')}")
+    fig.suptitle(f"outpace GPU benchmark, commits {', '.join(dict.fromkeys(commits))}")
     fig.tight_layout()
-    out = a.out or str(Path(a.json).with_suffix(".png"))
+    out = a.out or str(Path(a.json[0]).with_suffix(".png"))
     fig.savefig(out, dpi=110)
     print(out)
 

@@ -162,6 +162,9 @@ class RunnerConfig:
     dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
     enforce_eager: bool = False  # True: no CUDA graphs
     seed: int = 0
+    # Launch the next greedy decode step before reading this one's outputs (with CUDA graphs;
+    # see LLMEngine.step). False: every step is read before the next is launched.
+    overlap: bool = True
 
     def __post_init__(self):
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):

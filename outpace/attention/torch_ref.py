@@ -67,9 +67,11 @@ class DecodePlan:
     pad: Optional[torch.Tensor] = None
 
 
-def make_decode_plan(meta: AttentionMetadata, block_size: int) -> Optional[DecodePlan]:
+def make_decode_plan(meta: AttentionMetadata, block_size: int,
+                     dtype=torch.float32) -> Optional[DecodePlan]:
     """A DecodePlan when every sequence has exactly one query token and the host mirrors are
-    there (the CPU engine's decode steps); None otherwise (prefill, verify, graph metadata)."""
+    there (the CPU engine's decode steps); None otherwise (prefill, verify, graph metadata).
+    dtype: the queries' (the mask's)."""
     qsl, seq_lens = meta.query_start_loc_host, meta.seq_lens_host
     b = len(seq_lens)
     if b == 0 or len(qsl) != b + 1 or qsl != list(range(b + 1)) or min(seq_lens) < 1:
@@ -88,7 +90,7 @@ def make_decode_plan(meta: AttentionMetadata, block_size: int) -> Optional[Decod
         dev = slots.device
         pad = (torch.arange(kv_len, device=dev)[None, :]
                >= torch.tensor(seq_lens, device=dev)[:, None])  # [B, kv_len]
-        plan.mask = torch.zeros(b, 1, 1, kv_len, device=dev).masked_fill_(
+        plan.mask = torch.zeros(b, 1, 1, kv_len, dtype=dtype, device=dev).masked_fill_(
             pad.view(b, 1, 1, kv_len), float("-inf"))
         plan.pad = pad.view(1, b, kv_len, 1, 1)
     return plan
@@ -102,9 +104,11 @@ class TorchRefBackend(AttentionBackend):
 
     def forward(self, layer, q, k, v, meta: AttentionMetadata):
         if not q.is_cuda:  # (on CUDA this backend is the oracle: keep it to the general path)
-            if meta is not self._plan_meta:  # the step's first layer
+            # A step's metadata is made fresh and not changed while its layers run, so the
+            # plan made at its first layer serves them all.
+            if meta is not self._plan_meta:
                 self._plan_meta = meta
-                self._plan = make_decode_plan(meta, self.block_size)
+                self._plan = make_decode_plan(meta, self.block_size, q.dtype)
             if self._plan is not None:
                 return self.decode(layer, q, k, v, self._plan)
         return self.attend_each(layer, q, k, v, meta)

@@ -21,7 +21,8 @@ def build_engine(cls, model: str, *, device: str = "auto", dtype: str = "auto",
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  max_waiting_requests: Optional[int] = None, enable_prefix_caching: bool = True,
                  enable_chunked_prefill: bool = True, memory_fraction: float = 0.85,
-                 enforce_eager: bool = False, seed: int = 0, quiet: bool = False,
+                 enforce_eager: bool = False, overlap: bool = True, seed: int = 0,
+                 quiet: bool = False,
                  loaded=None):
     """loaded: an already loaded (model, ModelConfig, Tokenizer) to reuse, e.g. when several
     engines with different cache or scheduler settings share one set of weights."""
@@ -36,7 +37,8 @@ def build_engine(cls, model: str, *, device: str = "auto", dtype: str = "auto",
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ConfigError("device 'cuda' was asked for but CUDA is not available; use --device cpu")
-    runner_cfg = RunnerConfig(device=device, dtype=dtype, enforce_eager=enforce_eager, seed=seed)
+    runner_cfg = RunnerConfig(device=device, dtype=dtype, enforce_eager=enforce_eager, seed=seed,
+                              overlap=overlap)
     spec_cfg = SpecConfig.from_dict(speculative_config)
     torch_device = torch.device(device)
     torch.manual_seed(seed)

@@ -36,6 +36,8 @@ class LLMEngine:
         self.generation_tokens_total = 0
         self.spec_stats = SpecStats()
         self.num_preemptions_total = 0
+        self.overlap = config.runner.overlap
+        self._inflight = None  # (plan, launched step) read by the next step() call
 
     @classmethod
     def from_args(cls, model: str, **kwargs) -> "LLMEngine":
@@ -93,13 +95,63 @@ class LLMEngine:
 
     # ---- the step -------------------------------------------------------------------------
     def step(self) -> list:
-        plan = self.scheduler.schedule()
-        self.num_preemptions_total += len(plan.preempted_ids)
-        if plan.is_empty:
-            return []
+        """One step's outputs. With overlap, a greedy decode step N is launched on the device,
+        step N+1 is launched from N's outputs there (when its shape is known without them:
+        `_chain`), and only then are N's outputs read and committed, while N+1 runs; the next
+        call continues from N+1. Outputs are the same as without overlap (tested)."""
+        if self._inflight is not None:
+            plan, launched = self._inflight
+            self._inflight = None
+        else:
+            plan = self.scheduler.schedule()
+            self.num_preemptions_total += len(plan.preempted_ids)
+            if plan.is_empty:
+                return []
+            for sr in plan.scheduled:
+                sr.block_ids = self.kv.block_ids(sr.request.request_id)
+            if not (self.overlap and self.runner.can_launch(plan)):
+                return self._commit(plan, self.runner.execute(plan))
+            launched = self.runner.launch(plan)
+        following = self._chain(plan, launched)
+        outputs = self._commit(plan, self.runner.collect(launched, plan))
+        if following is not None:
+            nxt = self.scheduler.schedule_chained(plan)
+            for sr in nxt.scheduled:
+                sr.block_ids = self.kv.block_ids(sr.request.request_id)
+                if len(sr.draft_token_ids) != following.kd:  # the preconditions make it equal
+                    raise RuntimeError(f"chained step of {sr.request.request_id}: "
+                                       f"{len(sr.draft_token_ids)} drafts on the host, "
+                                       f"{following.kd} on the device")
+            if nxt.scheduled:
+                self._inflight = (nxt, following)
+            else:  # everyone finished: drain it (its outputs belong to nobody)
+                self.runner.collect(following, nxt)
+        return outputs
+
+    def _chain(self, plan, launched):
+        """Launch the step after `launched` from its device outputs, or None when its shape
+        isn't known without them: a request waits to be admitted, a request may reach
+        max_tokens or its context (its drafts would be trimmed), the draft length may change
+        (adaptive k, another batch size), or its blocks can't be reserved ahead."""
+        sched, proposer = self.scheduler, self.runner.proposer
+        if sched.num_waiting:
+            return None
+        kd = launched.kd
+        if proposer is not None and (proposer.policy.adaptive or
+                                     proposer.policy.base_k(len(plan.scheduled)) != kd):
+            return None
+        if len(launched.rows) * (kd + 1) > self.config.scheduler.max_num_batched_tokens:
+            return None
         for sr in plan.scheduled:
-            sr.block_ids = self.kv.block_ids(sr.request.request_id)
-        result = self.runner.execute(plan)
+            req = sr.request
+            if req.request_id not in self._requests or not sched.can_run_ahead(
+                    req, len(sr.draft_token_ids) + kd + 3):
+                return None
+        if not all(sched.reserve_chained(sr.request, kd) for sr in plan.scheduled):
+            return None
+        return self.runner.chain(launched, [self.kv.block_ids(rid) for rid in launched.rows])
+
+    def _commit(self, plan, result) -> list:
         for out in result.outputs.values():
             self.spec_stats.record(out.num_draft_tokens, out.num_accepted_tokens)
         progressed = self.scheduler.update(plan, result)

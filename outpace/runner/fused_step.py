@@ -22,13 +22,24 @@ invariant of head_proposer.py). Positions past a request's block table read a ze
 null block, which nothing reads. Model-free drafters (n-gram, suffix) propose on the host after
 the copy, from the committed tokens alone.
 
-Graphs are captured lazily, the first time a (bucket, q, kd) is seen, over a dummy batch; they
-share the GraphRunner's memory pool.
+Overlap (chaining): every graph also leaves, in fixed carry buffers, what the next step's
+inputs are made of (each request's bonus-token position, its bonus token and new drafts). A
+*chained* graph starts by building its own inputs from them (positions, slots through the block
+tables, sequence lengths), so the engine can launch step N+1 before it has read step N's output
+copy, and reads N while N+1 runs (engine.py). Chaining is possible only when the host knows
+N+1's shape without N's results: no host drafter, and the engine's conditions (no admission,
+blocks reserved for the worst case, no request near its limits).
+
+Graphs are captured over a dummy batch: the common ones at start-up, others the first time
+their (bucket, q, kd) is seen (never while a step is in flight: chained graphs exist only if
+captured ahead). They share the GraphRunner's memory pool.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 import torch
@@ -57,6 +68,21 @@ def slots_for(positions: torch.Tensor, block_tables: torch.Tensor, block_size: i
     return blocks * block_size + positions % block_size
 
 
+@dataclass
+class Launched:
+    """A fused step on the device whose output copy has not been read yet."""
+
+    key: tuple  # (bucket, q, kd, chained)
+    rows: list  # request ids in device row order (chained steps keep their first step's)
+    host: object  # where the output copy lands: pinned tensor (CUDA) or the output itself
+    event: Optional[object]  # recorded after the output copy (CUDA)
+    t_launch: float = 0.0  # host seconds spent launching (benchmarks)
+
+    @property
+    def kd(self) -> int:
+        return self.key[2]
+
+
 class FusedStep:
     def __init__(self, runner):
         self.runner = runner
@@ -74,23 +100,39 @@ class FusedStep:
         dev = runner.device
         m = self.inputs.max_seqs
         self.num_drafts = torch.zeros(m, dtype=torch.long, device=dev)
+        self.real = torch.zeros(m, dtype=torch.bool, device=dev)  # row is a request, not padding
         self.loop_query_start = torch.arange(m + 1, dtype=torch.int32, device=dev)
-        self._captured: dict = {}  # (bucket, q, kd) -> (graph, packed output)
-        self._host_out: dict = {}  # shape -> pinned host tensor
-        self._done = torch.cuda.Event() if dev.type == "cuda" else None
+        # What chaining carries from a step to the next (see the module docstring).
+        self.chainable = self.host_drafter is None
+        kmax = max(runner.graphs.q_lens)
+        self.carry_pos = torch.zeros(m, dtype=torch.long, device=dev)  # bonus token's position
+        self.carry_tokens = torch.zeros(m, kmax, dtype=torch.long, device=dev)  # bonus, drafts
+        self._captured: dict = {}  # (bucket, q, kd, chained) -> (graph, packed output)
+        self._host_out: dict = {}  # (shape, parity) -> pinned host tensor
+        self._parity = 0  # two output buffers: step N's is read while N+1's copy is queued
+        self.is_cuda = dev.type == "cuda"
         self.replays = 0  # steps served (tests read it)
+        self.chained = 0  # of which launched from the previous step's outputs
         # Host seconds summed over steps (benchmarks read it): copying inputs and launching,
         # waiting for the output copy, turning it into the StepResult.
         self.timing = {"launch_s": 0.0, "wait_s": 0.0, "unpack_s": 0.0}
 
     def capture_common(self) -> None:
         """Capture ahead what steady decoding uses: every bucket x every verify length, with
-        the draft-loop length the policy gives that bucket. Others are captured when first seen."""
+        the draft-loop length the policy gives that bucket, and the chained step that follows
+        (q = kd + 1 drafts-and-bonus). Others are captured when first seen."""
         for bucket in reversed(self.graphs.buckets):
             kd = self.draft_steps(bucket)
-            for q in self.graphs.q_lens:
-                if (bucket, q, kd) not in self._captured:
-                    self._captured[(bucket, q, kd)] = self._capture(bucket, q, kd)
+            keys = [(bucket, q, kd, False) for q in self.graphs.q_lens]
+            if self.chainable and self.next_q(kd) in self.graphs.q_lens:
+                keys.append((bucket, self.next_q(kd), kd, True))
+            for key in keys:
+                if key not in self._captured:
+                    self._captured[key] = self._capture(*key)
+
+    def next_q(self, kd: int) -> int:
+        """Query length of the step after one that drafted kd tokens on the device."""
+        return kd + 1 if self.head is not None else 1
 
     # ---- eligibility ----------------------------------------------------------------------
     def accepts(self, plan) -> bool:
@@ -108,45 +150,80 @@ class FusedStep:
             return 0
         return self.head.policy.base_k(batch_size)
 
-    # ---- the step -------------------------------------------------------------------------
-    @torch.inference_mode()
+    # ---- the step: launch, chain, collect ----------------------------------------------------
     def execute(self, plan, hb, q: int) -> StepResult:
+        return self.collect(self.launch(plan, hb, q), plan)
+
+    @torch.inference_mode()
+    def launch(self, plan, hb, q: int) -> Launched:
+        """Copy the step's inputs in and launch its graph; nothing is waited for."""
         b = len(plan.scheduled)
         bucket = self.graphs.bucket_for(b)
-        kd = self.draft_steps(b)
-        key = (bucket, q, kd)
+        key = (bucket, q, self.draft_steps(b), False)
         if key not in self._captured:
-            self._captured[key] = self._capture(bucket, q, kd)
-        graph, packed = self._captured[key]
+            self._captured[key] = self._capture(*key)
         t0 = time.perf_counter()
         self.graphs.load_padded(hb, full_width=True)
         nd = np.zeros(bucket, np.int64)
         nd[:b] = [len(sr.draft_token_ids) for sr in plan.scheduled]
         self.inputs.put(self.num_drafts, nd)
+        self.inputs.put(self.real, np.arange(bucket) < b)
+        rows = [sr.request.request_id for sr in plan.scheduled]
+        return self._replay(key, rows, t0)
+
+    @torch.inference_mode()
+    def chain(self, prev: Launched, block_tables: list) -> Optional[Launched]:
+        """Launch the step after `prev` from its outputs on the device, before they are read.
+
+        block_tables: per row of prev (prev.rows order), the request's block ids now (empty
+        for a request that finished: its row then writes only the null block). None when the
+        graph was not captured ahead (capturing now would clobber the step in flight)."""
+        bucket, _, kd, _ = prev.key
+        key = (bucket, self.next_q(kd), kd, True)
+        if not self.chainable or key not in self._captured:
+            return None
+        t0 = time.perf_counter()
+        bt = np.zeros((bucket, self.inputs.max_blocks), np.int32)
+        for i, ids in enumerate(block_tables):
+            bt[i, :len(ids)] = ids
+        self.inputs.put(self.inputs.block_tables, bt)
+        self.chained += 1
+        return self._replay(key, prev.rows, t0)
+
+    def _replay(self, key, rows, t0) -> Launched:
+        graph, packed = self._captured[key]
         graph.replay()
+        if not self.is_cuda:  # CPU stand-in: the "graph" already ran
+            return Launched(key, rows, packed.clone(), None, time.perf_counter() - t0)
+        host = self._host_out.get((packed.shape, self._parity))
+        if host is None:
+            host = self._host_out[(packed.shape, self._parity)] = torch.empty(
+                packed.shape, dtype=packed.dtype, pin_memory=True)
+        self._parity ^= 1
+        host.copy_(packed, non_blocking=True)  # the step's one device -> host copy
+        event = torch.cuda.Event()
+        event.record()
+        return Launched(key, rows, host, event, time.perf_counter() - t0)
+
+    def collect(self, launched: Launched, plan) -> StepResult:
+        """Wait for the step's output copy and turn it into the StepResult of `plan` (the
+        requests of launched.rows that are still running, in that order)."""
         t1 = time.perf_counter()
-        out = self._copy_out(packed)  # the step's one device -> host copy
+        if launched.event is not None:
+            while not launched.event.query():  # poll: waits for this step only
+                pass
         t2 = time.perf_counter()
-        result = self._result(plan, out[:b], q, kd)
+        out = launched.host.numpy()
+        row_of = {rid: i for i, rid in enumerate(launched.rows)}
+        out = out[[row_of[sr.request.request_id] for sr in plan.scheduled]]
+        _, q, kd, _ = launched.key
+        result = self._result(plan, out, q, kd)
         self.replays += 1
         tm = self.timing
-        tm["launch_s"] += t1 - t0
+        tm["launch_s"] += launched.t_launch
         tm["wait_s"] += t2 - t1
         tm["unpack_s"] += time.perf_counter() - t2
         return result
-
-    def _copy_out(self, packed: torch.Tensor) -> np.ndarray:
-        if self._done is None:
-            return packed.numpy().copy()
-        host = self._host_out.get(packed.shape)
-        if host is None:
-            host = self._host_out[packed.shape] = torch.empty(packed.shape, dtype=packed.dtype,
-                                                              pin_memory=True)
-        host.copy_(packed, non_blocking=True)
-        self._done.record()
-        while not self._done.query():  # poll: waits for this step only, never the device
-            pass
-        return host.numpy()
 
     def _result(self, plan, out: np.ndarray, q: int, kd: int) -> StepResult:
         runner = self.runner
@@ -181,9 +258,29 @@ class FusedStep:
         return result
 
     # ---- what the graph computes ----------------------------------------------------------
-    def _compute(self, bucket: int, q: int, kd: int) -> torch.Tensor:
+    def _chained_inputs(self, bucket: int, q: int) -> None:
+        """A chained step's inputs from the carry buffers: row j of request b is the token at
+        carry_pos[b] + j (the bonus token, then the drafts)."""
         buf = self.inputs
         n = bucket * q
+        real = self.real[:bucket]
+        pos = self.carry_pos[:bucket].unsqueeze(1) + torch.arange(q, device=real.device)
+        tables = buf.block_tables[:bucket]
+        idx = (pos // self.block_size).clamp(max=tables.shape[1] - 1)
+        slots = tables.gather(1, idx).to(torch.long) * self.block_size + pos % self.block_size
+        slots = torch.where(real.unsqueeze(1), slots, torch.full_like(slots, -1))
+        buf.input_ids[:n].copy_(self.carry_tokens[:bucket, :q].reshape(n))
+        buf.positions[:n].copy_(pos.reshape(n))
+        buf.slot_mapping[:n].copy_(slots.reshape(n))
+        buf.seq_lens[:bucket].copy_(pos[:, -1] + 1)
+        buf.query_start_loc[:bucket + 1].copy_(self.loop_query_start[:bucket + 1] * q)
+        self.num_drafts[:bucket].copy_(torch.where(real, q - 1, 0))
+
+    def _compute(self, bucket: int, q: int, kd: int, chained: bool = False) -> torch.Tensor:
+        buf = self.inputs
+        n = bucket * q
+        if chained:
+            self._chained_inputs(bucket, q)
         ids, pos = buf.input_ids[:n], buf.positions[:n]
         meta = AttentionMetadata(
             slot_mapping=buf.slot_mapping[:n], query_start_loc=buf.query_start_loc[:bucket + 1],
@@ -212,6 +309,11 @@ class FusedStep:
                                  buf.block_tables[:bucket], kd)
             if drafts is not None:
                 parts.append(drafts)
+        if self.chainable:  # what the next step is made of, for a chained launch
+            self.carry_pos[:bucket].copy_(pos.view(bucket, q)[:, 0] + accepted + 1)
+            self.carry_tokens[:bucket, :1].copy_(emitted.gather(1, accepted.unsqueeze(1)))
+            if len(parts) > 2:
+                self.carry_tokens[:bucket, 1:1 + kd].copy_(parts[2])
         return torch.cat(parts, dim=1)
 
     def _draft(self, hidden, aux, next_ids, pos, ctx, last_rows, first, block_tables, kd):
@@ -239,7 +341,7 @@ class FusedStep:
             out.append(tok)
         return torch.stack(out, dim=1)
 
-    def _capture(self, bucket: int, q: int, kd: int):
+    def _capture(self, bucket: int, q: int, kd: int, chained: bool):
         """Fill the buffers with a dummy batch that writes nowhere, warm up, capture."""
         buf = self.inputs
         n = bucket * q
@@ -251,7 +353,10 @@ class FusedStep:
         buf.seq_lens[:bucket].fill_(q)
         buf.block_tables[:bucket].zero_()
         self.num_drafts[:bucket].zero_()
-        fn = lambda: self._compute(bucket, q, kd)  # noqa: E731
+        self.real[:bucket].zero_()  # chained: every row is padding (slot -1)
+        self.carry_pos[:bucket].zero_()
+        self.carry_tokens[:bucket].zero_()
+        fn = lambda: self._compute(bucket, q, kd, chained)  # noqa: E731
         for _ in range(2):  # warm-up: Triton compiles, cuBLAS picks its kernels
             fn()
         graph, packed = self.graphs.capture(fn)

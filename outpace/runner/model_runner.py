@@ -103,9 +103,25 @@ class ModelRunner:
             return None
         return q
 
-    @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> StepResult:
-        q_graph = self._graph_q(plan)
+    # ---- overlap (see runner/fused_step.py and LLMEngine.step) -----------------------------
+    def can_launch(self, plan: StepPlan) -> bool:
+        """Whether plan can run as a fused step launched now and collected later."""
+        return (self.fused is not None and self.fused.chainable
+                and self._graph_q(plan) is not None and self.fused.accepts(plan))
+
+    def launch(self, plan: StepPlan):
+        q = self._graph_q(plan)
+        return self.fused.launch(plan, self._host_batch(plan, q), q)
+
+    def chain(self, launched, block_tables: list):
+        return self.fused.chain(launched, block_tables)
+
+    def collect(self, launched, plan: StepPlan) -> StepResult:
+        return self.fused.collect(launched, plan)
+
+    # ---- the synchronous step -------------------------------------------------------------
+    def _host_batch(self, plan: StepPlan, q_graph):
+        """The step's rows on the host; padded to q_graph tokens each when it runs in a graph."""
         rows = []
         for sr in plan.scheduled:
             req = sr.request
@@ -119,7 +135,12 @@ class ModelRunner:
                 rows.append((toks + [0] * (q_graph - n), start, sr.block_ids, offsets, n))
             else:
                 rows.append((toks, start, sr.block_ids, offsets))
-        hb = build_host_batch(rows, self.block_size)
+        return build_host_batch(rows, self.block_size)
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> StepResult:
+        q_graph = self._graph_q(plan)
+        hb = self._host_batch(plan, q_graph)
         if q_graph is not None and self.fused is not None and self.fused.accepts(plan):
             return self.fused.execute(plan, hb, q_graph)
         if q_graph is not None:

@@ -244,6 +244,40 @@ class Scheduler:
         self.finish_request(req.request_id, RequestStatus.FINISHED_LENGTH)
         self._finished_pending.append(req)
 
+    # ---- overlap: a step the device launched before its plan was made ----------------------
+    def can_run_ahead(self, req: Request, num_tokens: int) -> bool:
+        """Whether req can emit num_tokens more tokens and stay short of max_tokens and its
+        context, so that nothing about its next steps gets trimmed meanwhile."""
+        left = self._max_len(req) - req.num_tokens
+        max_tokens = req.sampling_params.max_tokens
+        if max_tokens is not None:
+            left = min(left, max_tokens - len(req.output_token_ids))
+        return left > num_tokens
+
+    def reserve_chained(self, req: Request, kd: int) -> bool:
+        """Blocks, now, for the step a device will launch after the one just scheduled, whose
+        outcome isn't known yet (all or nothing). Worst case every draft of this step is
+        accepted: the next one then holds 1 + kd tokens past these, its draft loop writes up
+        to kd - 1 further, and schedule_chained asks for our usual lookahead past its tokens."""
+        return self.kv.allocate_slots(req, 0, 1 + kd + max(kd, self.num_lookahead_tokens))
+
+    def schedule_chained(self, prev: StepPlan) -> StepPlan:
+        """The plan of the step the device launched from prev's outputs (LLMEngine.step), made
+        after prev's update: every request of prev still running decodes its last token and
+        its drafts, in prev's order; nobody is admitted. Its blocks were reserved at launch."""
+        step = _Step(budget=self.cfg.max_num_batched_tokens)
+        for s in prev.scheduled:
+            req = s.request
+            if self._requests.get(req.request_id) is not req or \
+                    req.status is not RequestStatus.RUNNING:
+                continue  # finished or aborted meanwhile: its device row is dropped
+            drafts = list(req.spec_token_ids)
+            if not self.kv.allocate_slots(req, 1 + len(drafts), self.num_lookahead_tokens):
+                raise RuntimeError(f"the blocks reserved for {req.request_id}'s chained step "
+                                   f"are missing")
+            self._add(req, 1 + len(drafts), drafts, True, step)
+        return StepPlan(scheduled=list(step.scheduled.values()), preempted_ids=[])
+
     # ---- update ---------------------------------------------------------------------------
     def update(self, plan: StepPlan, result: StepResult) -> list:
         """Commit one step's results; returns the requests that got tokens or finished."""

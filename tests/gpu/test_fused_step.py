@@ -4,7 +4,8 @@ forward + verify/accept + the head's draft loop.
 * graph replay gives the same tokens (and drafts) as the eager engine, for plain decode, n-gram,
   EAGLE-3 and MTP drafting (tiny random target, fp32, so rounding can't differ by path);
 * after warm-up, decode steps run under torch.cuda.set_sync_debug_mode("error"): nothing between
-  a step's start and its one output copy waits for the GPU (DESIGN idea 9).
+  a step's start and its one output copy waits for the GPU (DESIGN idea 9), with and without
+  overlap (steps launched from their predecessor's outputs before those are read).
 """
 
 from __future__ import annotations
@@ -49,50 +50,56 @@ def spec_for(heads, method, k, **opts):
     return spec
 
 
-def gpu_engine(loaded, spec, eager: bool):
+def gpu_engine(loaded, spec, eager: bool, overlap: bool = True):
     return make_engine(loaded, device="cuda", dtype="float32", speculative_config=spec,
-                       max_num_seqs=8, enforce_eager=eager)
+                       max_num_seqs=8, enforce_eager=eager, overlap=overlap)
 
 
 def record_drafts(engine) -> list:
     """Every step's proposed drafts, in plan order (request ids differ between engines)."""
     seen = []
-    inner = engine.runner.execute
+    runner = engine.runner
+    inner_execute, inner_collect = runner.execute, runner.collect
 
-    def execute(plan):
-        result = inner(plan)
+    def record(plan, result):
         seen.append([result.outputs[sr.request.request_id].next_draft_token_ids
                      for sr in plan.scheduled])
         return result
-    engine.runner.execute = execute
+    runner.execute = lambda plan: record(plan, inner_execute(plan))
+    runner.collect = lambda launched, plan: record(plan, inner_collect(launched, plan))
     return seen
 
 
 CASES = [(None, 0), ("ngram", 3), ("eagle3", 3), ("mtp", 2)]
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
 @pytest.mark.parametrize("method,k", CASES, ids=[f"{m}-k{k}" for m, k in CASES])
-def test_graph_replay_equals_eager(cuda_loaded, cuda_heads, method, k):
+def test_graph_replay_equals_eager(cuda_loaded, cuda_heads, method, k, overlap):
     spec = spec_for(cuda_heads, method, k)
     prompts = repetitive_prompts(5, 11)  # 5 requests: bucket 8, 3 padded rows
     eager = gpu_engine(cuda_loaded, spec, eager=True)
     want_drafts = record_drafts(eager)
     want = run_batch(eager, prompts, GREEDY)
-    graphed = gpu_engine(cuda_loaded, spec, eager=False)
+    graphed = gpu_engine(cuda_loaded, spec, eager=False, overlap=overlap)
     got_drafts = record_drafts(graphed)
     got = run_batch(graphed, prompts, GREEDY)
     assert got == want
     assert got_drafts == want_drafts
     assert graphed.runner.fused.replays > 20
     assert graphed.stats()["spec"] == eager.stats()["spec"]
+    chained = graphed.runner.fused.chained
+    assert chained > 10 if overlap and method != "ngram" else chained == 0
 
 
 @pytest.mark.parametrize("method,k,opts", [(None, 0, {}), ("ngram", 3, {}),
                                            ("eagle3", 3, {"force_accept_mean": 3.0}),
                                            ("eagle3", 3, {})],
                          ids=["plain", "ngram", "eagle3-fa3", "eagle3"])
-def test_decode_steps_do_not_sync_with_host(cuda_loaded, cuda_heads, method, k, opts):
-    eng = gpu_engine(cuda_loaded, spec_for(cuda_heads, method, k, **opts), eager=False)
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_decode_steps_do_not_sync_with_host(cuda_loaded, cuda_heads, method, k, opts, overlap):
+    eng = gpu_engine(cuda_loaded, spec_for(cuda_heads, method, k, **opts), eager=False,
+                     overlap=overlap)
     params = SamplingParams(max_tokens=80, temperature=0.0, ignore_eos=True)
     prompts = repetitive_prompts(4, 3)
     run_batch(eng, prompts, params)  # warm-up: captures this batch's graphs
@@ -112,5 +119,7 @@ def test_decode_steps_do_not_sync_with_host(cuda_loaded, cuda_heads, method, k, 
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert eng.runner.fused.replays == before + 10
+    if overlap and method != "ngram":
+        assert eng.runner.fused.chained >= 10
     while eng.has_unfinished_requests():
         eng.step()

@@ -24,7 +24,7 @@ SMALL = dict(block_size=TINY_BLOCK, max_num_batched_tokens=16, num_kv_blocks=30)
 
 
 def enable_graphs(engine, k: int):
-    engine.runner.enable_cuda_graphs(tuple(range(1, k + 2)))
+    engine.runner.enable_cuda_graphs(tuple(range(1, k + 2)), capture_fused=True)
     assert engine.runner.fused is not None
 
 
@@ -47,23 +47,31 @@ def record_drafts(engine, into: list, graphs_k=None):
     names requests by wave and index, so both engines use the same ids)."""
     if graphs_k is not None:
         enable_graphs(engine, graphs_k)
-    inner = engine.runner.execute
+    runner = engine.runner
+    inner_execute, inner_collect = runner.execute, runner.collect
 
     def execute(plan):
-        result = inner(plan)
+        result = inner_execute(plan)
         into.append({rid: o.next_draft_token_ids for rid, o in result.outputs.items()})
         return result
-    engine.runner.execute = execute
+
+    def collect(launched, plan):  # the overlapped path's steps
+        result = inner_collect(launched, plan)
+        into.append({rid: o.next_draft_token_ids for rid, o in result.outputs.items()})
+        return result
+    runner.execute, runner.collect = execute, collect
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
 @pytest.mark.parametrize("method,k,opts", CASES,
                          ids=[f"{m}-k{k}{'-sched' if o else ''}" for m, k, o in CASES])
-def test_fused_step_equals_eager(tiny_loaded, tiny_heads, fake_graph_capture, method, k, opts):
+def test_fused_step_equals_eager(tiny_loaded, tiny_heads, fake_graph_capture, method, k, opts,
+                                 overlap):
     spec = spec_for(tiny_heads, method, k, **opts)
     want_drafts, got_drafts = [], []
     eager = run_waves(tiny_loaded, waves(), GREEDY, speculative_config=spec,
                       on_engine=lambda e: record_drafts(e, want_drafts), **SMALL)
-    fused = run_waves(tiny_loaded, waves(), GREEDY,
+    fused = run_waves(tiny_loaded, waves(), GREEDY, overlap=overlap,
                       on_engine=lambda e: record_drafts(e, got_drafts, graphs_k=k),
                       speculative_config=spec, **SMALL)
     assert fused.outputs == eager.outputs
@@ -71,6 +79,10 @@ def test_fused_step_equals_eager(tiny_loaded, tiny_heads, fake_graph_capture, me
     assert got_drafts == want_drafts, "the proposed drafts differ from the eager path's"
     runner = fused.engine.runner
     assert runner.fused.replays > 20, "the fused step served too few steps"
+    if overlap and method not in ("ngram", "suffix"):  # host drafters never chain
+        assert runner.fused.chained > 10, "no step was launched from its predecessor's outputs"
+    else:
+        assert runner.fused.chained == 0
     assert {key[0] for key in runner.fused._captured} >= {4}, "no batch padded to a bucket"
     if k:
         assert sum(len(d) for step in got_drafts for d in step.values()) > 50
@@ -87,7 +99,10 @@ def test_fused_step_equals_eager(tiny_loaded, tiny_heads, fake_graph_capture, me
 def test_device_draft_loop_writes_an_exact_draft_plane(tiny_loaded, tiny_heads,
                                                        fake_graph_capture, method, k, mean):
     checker = PlaneChecker(tiny_loaded)
-    run = run_waves(tiny_loaded, waves(), GREEDY, after_step=checker,
+    # overlap off: the checker reads the plane between steps, which with a step in flight
+    # holds that step's writes past the committed tokens (drafts equal the eager path's with
+    # overlap on too: test_fused_step_equals_eager)
+    run = run_waves(tiny_loaded, waves(), GREEDY, after_step=checker, overlap=False,
                     on_engine=lambda e: enable_graphs(e, k),
                     speculative_config=head_spec(tiny_heads, method, k,
                                                  force_accept_mean=mean), **SMALL)
@@ -104,7 +119,9 @@ def test_force_accept_mean_on_the_fused_path(tiny_loaded, tiny_heads, fake_graph
         tiny_heads, "eagle3", k, force_accept_mean=mean))
     eng.runner.enable_cuda_graphs(tuple(range(1, k + 2)), capture_fused=True)
     captured = set(eng.runner.fused._captured)
-    assert len(captured) == 4 * (k + 1)  # buckets 1 2 4 8 (max_num_seqs 8) x q 1..k+1
+    # buckets 1 2 4 8 (max_num_seqs 8) x q 1..k+1, and each bucket's chained step (q = k+1)
+    assert sum(not key[3] for key in captured) == 4 * (k + 1)
+    assert {key for key in captured if key[3]} == {(b, k + 1, k, True) for b in (1, 2, 4, 8)}
     prompts = repetitive_prompts(6, 7)
     run_batch(eng, prompts, SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True))
     assert set(eng.runner.fused._captured) == captured, "steady decoding captured more graphs"
@@ -150,3 +167,53 @@ def test_warm_up_leaves_nothing_behind(tiny_loaded, tiny_heads):
     assert stats["prompt_tokens_total"] == 0 and stats["generation_tokens_total"] == 0
     assert stats["spec"]["num_drafts"] == 0 and eng.kv.prefix_cache_query_tokens == 0
     assert run_batch(eng, prompts, GREEDY) == want
+
+
+@pytest.mark.parametrize("method,k", [(None, 0), ("eagle3", 3), ("mtp", 2)])
+def test_overlap_with_arrivals_aborts_and_stops(tiny_loaded, tiny_heads, fake_graph_capture,
+                                                method, k):
+    """Overlapped steps while requests arrive, get aborted and stop (stop token, stop string,
+    max_tokens) mid-chain: every output equals the eager engine's for that request."""
+    spec = spec_for(tiny_heads, method, k)
+    tok = tiny_loaded[2]
+    prompts = repetitive_prompts(6, 21)
+
+    def params(**kw):
+        return SamplingParams(**{"max_tokens": 30, "temperature": 0.0, "ignore_eos": True, **kw})
+    probe = make_engine(tiny_loaded, speculative_config=spec)
+    free = [run_batch(probe, [p], params())[0] for p in prompts]
+    plist = [params() for _ in prompts]
+    plist[1] = params(stop_token_ids=[free[1][12]])
+    plist[2] = params(stop=[tok.decode(free[2])[15:17]])
+    plist[3] = params(max_tokens=7)
+    eager = make_engine(tiny_loaded, speculative_config=spec)
+    want = [run_batch(eager, [p], sp)[0] for p, sp in zip(prompts, plist)]
+
+    eng = make_engine(tiny_loaded, speculative_config=spec, overlap=True)
+    enable_graphs(eng, k)
+    got, steps = {}, 0
+
+    def step():
+        nonlocal steps
+        steps += 1
+        for o in eng.step():
+            if o.finished:
+                got[o.request_id] = o.token_ids
+    for i in (0, 1, 2):
+        eng.add_request(f"o{i}", prompts[i], plist[i])
+    for _ in range(4):
+        step()
+    chained_before_arrivals = eng.runner.fused.chained
+    for i in (3, 4):  # arrive while a step is in flight
+        eng.add_request(f"o{i}", prompts[i], plist[i])
+    for _ in range(5):
+        step()
+    eng.abort_request("o4")  # aborted while a step is in flight
+    eng.add_request("o5", prompts[5], plist[5])
+    while eng.has_unfinished_requests():
+        step()
+    assert chained_before_arrivals > 0 and eng.runner.fused.chained > chained_before_arrivals
+    for i in (0, 1, 2, 3, 5):
+        assert got[f"o{i}"] == want[i], f"request {i} ({plist[i]})"
+    assert "o4" not in got
+    assert len(want[1]) < 30 and len(want[2]) < 30 and len(want[3]) == 7  # the stops happened

@@ -1,0 +1,99 @@
+"""The CPU decode path of the reference backend (TorchRefBackend.decode, one SDPA for all
+sequences) against its general per-sequence path (attend_each), on fresh random inputs.
+
+Both run on copies of the same pool; outputs must agree to fp32 rounding and the pools must end
+up identical. Pools from kernel_cases.make_batch start as NaN everywhere nothing was written
+(block tails, table entries past a sequence, the null block), so a read of an unowned slot that
+leaks into the output fails the comparison.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from outpace.attention.base import AttentionMetadata
+from outpace.attention.torch_ref import TorchRefBackend, make_decode_plan
+from tests.unit.kernel_cases import make_batch
+
+SCALE = 0.125
+
+
+def run_both(q, k, v, kv_cache, meta, layer, hkv):
+    """(decode out, decode pool, general out, general pool); asserts the decode path ran."""
+    hq, d = q.shape[1], q.shape[2]
+    fast = TorchRefBackend(kv_cache.clone(), hq, hkv, d, SCALE)
+    general = TorchRefBackend(kv_cache.clone(), hq, hkv, d, SCALE)
+    assert make_decode_plan(meta, fast.block_size) is not None
+    out_fast = fast.forward(layer, q, k, v, meta)
+    out_general = general.attend_each(layer, q, k, v, meta)
+    return out_fast, fast.kv_cache, out_general, general.kv_cache
+
+
+def check(out_fast, pool_fast, out_general, pool_general):
+    assert torch.isfinite(out_fast).all()
+    torch.testing.assert_close(out_fast, out_general, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(pool_fast, pool_general, atol=0, rtol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("kv_lens", [[1], [37], [16, 16, 16], [1, 17, 16, 40, 5], [33, 64]])
+@pytest.mark.parametrize("hkv,group,head_dim", [(3, 3, 64), (2, 1, 32), (1, 4, 16)])
+def test_decode_matches_general_path_gathered(kv_lens, hkv, group, head_dim):
+    """Random (never contiguous) block tables, GQA and MHA, equal and unequal lengths."""
+    b = make_batch([(1, n) for n in kv_lens], hkv, group, head_dim, torch.float32, "cpu",
+                   seed=sum(kv_lens) + group)
+    check(*run_both(b.q, b.k, b.v, b.kv_cache, b.meta, b.layer, hkv))
+
+
+def test_decode_padded_slot_writes_null_block():
+    """A row with slot -1 (padding) writes the null block only, like the general path."""
+    b = make_batch([(1, 20), (1, 9), (1, 31)], 3, 3, 64, torch.float32, "cpu", seed=7)
+    b.meta.slot_mapping[1] = -1
+    out_fast, pool_fast, out_general, pool_general = run_both(
+        b.q, b.k, b.v, b.kv_cache, b.meta, b.layer, 3)
+    torch.testing.assert_close(pool_fast, pool_general, atol=0, rtol=0, equal_nan=True)
+    rows = [0, 2]  # row 1 attends over a KV entry it didn't write; compare the others
+    torch.testing.assert_close(out_fast[rows], out_general[rows], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kv_len", [1, 16, 17, 100])
+@pytest.mark.parametrize("contiguous", [True, False])
+def test_decode_single_sequence_view_or_gather(kv_len, contiguous):
+    """One sequence: consecutive blocks are read as a view of the pool, others gathered."""
+    g = torch.Generator().manual_seed(kv_len)
+    hkv, group, d, bs, num_blocks = 3, 3, 64, 16, 24
+    nb = (kv_len + bs - 1) // bs
+    blocks = list(range(5, 5 + nb)) if contiguous else [5 + 2 * i for i in range(nb)]
+    kv_cache = torch.randn(2, 2, num_blocks, bs, hkv, d, generator=g)
+    table = torch.zeros(1, 10, dtype=torch.int32)
+    table[0, :nb] = torch.tensor(blocks, dtype=torch.int32)
+    p = kv_len - 1
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor([blocks[p // bs] * bs + p % bs]),
+        query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
+        seq_lens=torch.tensor([kv_len], dtype=torch.int32), block_tables=table,
+        query_start_loc_host=[0, 1], seq_lens_host=[kv_len], max_query_len=1,
+        max_seq_len=kv_len)
+    plan = make_decode_plan(meta, bs)
+    assert (plan.kv_start is not None) == (contiguous or nb == 1)
+    # q, k rows as the model passes them: strided views of one fused tensor.
+    qkv = torch.randn(1, hkv * (group + 2), d, generator=g)
+    q, k, v = qkv[:, :hkv * group], qkv[:, hkv * group:-hkv], qkv[:, -hkv:]
+    check(*run_both(q, k, v, kv_cache, meta, 1, hkv))
+
+
+def test_no_plan_for_prefill_or_verify_rows():
+    b = make_batch([(1, 10), (3, 12)], 3, 3, 64, torch.float32, "cpu")
+    assert make_decode_plan(b.meta, 16) is None
+    b = make_batch([(1, 10)], 3, 3, 64, torch.float32, "cpu", pad_seqs=1)
+    assert make_decode_plan(b.meta, 16) is None
+
+
+def test_decode_bfloat16_unequal_lengths():
+    """The padding mask takes the queries' dtype (SDPA needs them to match)."""
+    b = make_batch([(1, 5), (1, 21)], 2, 2, 32, torch.bfloat16, "cpu", seed=3)
+    out_fast, pool_fast, out_general, pool_general = run_both(
+        b.q, b.k, b.v, b.kv_cache, b.meta, b.layer, 2)
+    assert torch.isfinite(out_fast.float()).all()
+    torch.testing.assert_close(out_fast.float(), out_general.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(pool_fast, pool_general, atol=0, rtol=0, equal_nan=True)
