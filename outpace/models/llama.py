@@ -337,7 +337,6 @@ class LlamaForCausalLM(nn.Module):
                     # The batch-size hint picks the packed layout; 8 rows measured best for 2..256.
                     m.__dict__[name + "_packed"] = torch.ops.mkldnn._reorder_linear_weight(w, 8)
 
-    add_column_major_copies_ = add_cpu_weight_copies_  # the loader's name for it
 
     def compute_logits(self, hidden):  # [N, H] -> [N, V] float32
         with cpu_threads_for(hidden):

@@ -73,7 +73,7 @@ def load_model(path_or_name, runner_cfg=None, quiet: bool = False, *, dtype=None
         model, cfg, g = load_gguf(path, dtype, device, quiet)
         tok = Tokenizer.from_gguf(path, cfg.eos_token_ids, cache_key=g.metadata_sha256())
     if torch.device(device).type == "cpu":
-        model.add_column_major_copies_()
+        model.add_cpu_weight_copies_()
     if not quiet:
         print(f"outpace: loaded {path.name} ({cfg.architecture}, "
               f"{sum(p.numel() for p in model.parameters()) / 1e6:.0f}M params, {dtype}) in "
