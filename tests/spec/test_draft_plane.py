@@ -63,7 +63,7 @@ class PlaneChecker:
                 continue
             want = dense_draft_plane(proposer, self.model, self.cfg, req.all_token_ids[:c + 1])
             got = engine_draft_plane(engine, req.request_id, c)
-            err = (got - want).abs().amax(dim=(0, 2, 3))  # [c] per position
+            err = (got - want).abs().amax(dim=(0, 2, 3)).detach()  # [c] per position
             bad = (err > 1e-4).nonzero().flatten().tolist()
             msg = (f"{req.request_id}: draft-plane entries at positions {bad[:8]} (of {c} "
                    f"committed) differ from the dense recomputation (max err "
