@@ -66,14 +66,7 @@ class GraphRunner:
         for q in self.q_lens:
             for bucket in reversed(self.buckets):
                 n = bucket * q
-                # A valid dummy batch: each sequence attends to its own q positions.
-                buf.input_ids[:n].zero_()
-                buf.positions[:n].copy_(torch.arange(q, device=buf.device).repeat(bucket))
-                buf.slot_mapping[:n].fill_(-1)
-                buf.query_start_loc[:bucket + 1].copy_(
-                    torch.arange(0, (bucket + 1) * q, q, device=buf.device, dtype=torch.int32))
-                buf.seq_lens[:bucket].fill_(q)
-                buf.block_tables[:bucket].zero_()
+                self.fill_dummy(bucket, q)
                 meta = self._meta(bucket, q, buf.max_blocks * self.backend.block_size)
                 ctx = ForwardContext(self.backend, meta)
                 ids, pos = buf.input_ids[:n], buf.positions[:n]
@@ -83,6 +76,19 @@ class GraphRunner:
                 self.graphs[(bucket, q)] = (graph, *outs)
         log.info("captured %d CUDA graphs (buckets %s, q %s)", len(self.graphs), self.buckets,
                  self.q_lens)
+
+    def fill_dummy(self, bucket: int, q: int) -> None:
+        """A valid batch that writes nowhere (slot -1): each sequence attends to its own q
+        positions of the null block. Graphs are warmed up and captured over it."""
+        buf = self.inputs
+        n = bucket * q
+        buf.input_ids[:n].zero_()
+        buf.positions[:n].copy_(torch.arange(q, device=buf.device).repeat(bucket))
+        buf.slot_mapping[:n].fill_(-1)
+        buf.query_start_loc[:bucket + 1].copy_(
+            torch.arange(0, (bucket + 1) * q, q, device=buf.device, dtype=torch.int32))
+        buf.seq_lens[:bucket].fill_(q)
+        buf.block_tables[:bucket].zero_()
 
     def capture(self, fn):
         """-> (replayable graph, static outputs of fn)."""
@@ -99,11 +105,12 @@ class GraphRunner:
         hidden, aux = self.model(ids, pos, ctx, capture_layers=self.capture_layers)
         return hidden, aux, self.model.compute_logits(hidden)
 
-    def load_padded(self, hb: HostBatch, full_width: bool = False):
+    def load_padded(self, hb: HostBatch, full_width: bool = False, extra: tuple = ()):
         """Pad hb to its bucket and copy it into the fixed buffers.
 
         full_width: write the whole width of the block tables (zeros past each request's
         blocks), for graphs that compute positions past the step's own tokens on the device.
+        extra: more (device buffer, numpy array) pairs to copy in (InputBuffers.load).
         -> (bucket, q, logits indices on the device)."""
         q = int(hb.query_start_loc[1] - hb.query_start_loc[0])
         b = len(hb.seq_lens)
@@ -118,7 +125,7 @@ class GraphRunner:
         bt = np.zeros((bucket, width), np.int32)
         bt[:b, :hb.block_tables.shape[1]] = hb.block_tables
         padded = HostBatch(ids, pos, slots, qsl, seq_lens, bt, hb.logits_indices)
-        _, _, li, _ = self.inputs.load(padded)
+        _, _, li, _ = self.inputs.load(padded, extra)
         return bucket, q, li
 
     def run(self, hb: HostBatch):

@@ -163,11 +163,10 @@ class FusedStep:
         if key not in self._captured:
             self._captured[key] = self._capture(*key)
         t0 = time.perf_counter()
-        self.graphs.load_padded(hb, full_width=True)
         nd = np.zeros(bucket, np.int64)
         nd[:b] = [len(sr.draft_token_ids) for sr in plan.scheduled]
-        self.inputs.put(self.num_drafts, nd)
-        self.inputs.put(self.real, np.arange(bucket) < b)
+        self.graphs.load_padded(hb, full_width=True, extra=(
+            (self.num_drafts, nd), (self.real, np.arange(bucket) < b)))
         rows = [sr.request.request_id for sr in plan.scheduled]
         return self._replay(key, rows, t0)
 
@@ -343,15 +342,7 @@ class FusedStep:
 
     def _capture(self, bucket: int, q: int, kd: int, chained: bool):
         """Fill the buffers with a dummy batch that writes nowhere, warm up, capture."""
-        buf = self.inputs
-        n = bucket * q
-        buf.input_ids[:n].zero_()
-        buf.positions[:n].copy_(torch.arange(q, device=buf.device).repeat(bucket))
-        buf.slot_mapping[:n].fill_(-1)
-        buf.query_start_loc[:bucket + 1].copy_(
-            torch.arange(0, (bucket + 1) * q, q, device=buf.device, dtype=torch.int32))
-        buf.seq_lens[:bucket].fill_(q)
-        buf.block_tables[:bucket].zero_()
+        self.graphs.fill_dummy(bucket, q)
         self.num_drafts[:bucket].zero_()
         self.real[:bucket].zero_()  # chained: every row is padding (slot -1)
         self.carry_pos[:bucket].zero_()

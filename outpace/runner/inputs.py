@@ -85,8 +85,13 @@ class InputBuffers:
         view.copy_(staged, non_blocking=True)
         return view
 
-    def load(self, hb: HostBatch):
-        """-> (input_ids [T], positions [T], logits_indices [N], AttentionMetadata)."""
+    def load(self, hb: HostBatch, extra: tuple = ()):
+        """-> (input_ids [T], positions [T], logits_indices [N], AttentionMetadata).
+
+        extra: more (device buffer, numpy array) pairs to copy in with the batch (one wait for
+        the mirrors for all of them, see _stage)."""
+        for dst, src in extra:
+            self._stage(dst, src)
         ids = self._stage(self.input_ids, hb.input_ids)
         pos = self._stage(self.positions, hb.positions)
         slots = self._stage(self.slot_mapping, hb.slot_mapping)
