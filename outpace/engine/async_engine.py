@@ -25,9 +25,10 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Optional, Union
 
+from outpace.engine.request_stream import RequestStream, RequestTiming, StreamItem
 from outpace.errors import OutpaceError
 from outpace.types import SamplingParams
 
@@ -39,66 +40,6 @@ class EngineDeadError(OutpaceError):
 
 
 @dataclass
-class StreamItem:
-    """What one request gained in one (or, merged, several) engine steps. Owned by the consumer."""
-
-    text: str = ""  # cumulative visible text
-    num_tokens: int = 0  # cumulative output tokens
-    new_token_ids: list = field(default_factory=list)  # tokens since the previous item
-    new_logprobs: Optional[list] = None  # per new token: {token_id: logprob}, chosen included
-    token_pieces: dict = field(default_factory=dict)  # token_id -> text, for ids in new_logprobs
-    finished: bool = False
-    finish_reason: Optional[str] = None
-    stop_reason: object = None
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
-    error: Optional[BaseException] = None
-
-    def merge(self, later: "StreamItem") -> "StreamItem":
-        """Fold a later item into this one (a slow consumer reads several steps at once)."""
-        lps = None
-        if self.new_logprobs is not None or later.new_logprobs is not None:
-            lps = (self.new_logprobs or []) + (later.new_logprobs or [])
-        return StreamItem(
-            text=later.text, num_tokens=later.num_tokens,
-            new_token_ids=self.new_token_ids + later.new_token_ids, new_logprobs=lps,
-            token_pieces={**self.token_pieces, **later.token_pieces}, finished=later.finished,
-            finish_reason=later.finish_reason, stop_reason=later.stop_reason,
-            num_prompt_tokens=later.num_prompt_tokens or self.num_prompt_tokens,
-            num_cached_tokens=later.num_cached_tokens or self.num_cached_tokens,
-            error=later.error or self.error)
-
-
-@dataclass
-class RequestTiming:
-    """Per-request timestamps (time.monotonic), handed to the `on_finished` observer."""
-
-    request_id: str
-    arrival: float
-    first_token: Optional[float] = None
-    last_token: Optional[float] = None
-    finished: Optional[float] = None
-    num_prompt_tokens: int = 0
-    num_output_tokens: int = 0
-    finish_reason: Optional[str] = None
-
-    @property
-    def ttft(self) -> Optional[float]:
-        return None if self.first_token is None else self.first_token - self.arrival
-
-    @property
-    def tpot(self) -> Optional[float]:
-        """Mean time per output token after the first (vLLM's TPOT)."""
-        if self.first_token is None or self.num_output_tokens < 2:
-            return None
-        return (self.last_token - self.first_token) / (self.num_output_tokens - 1)
-
-    @property
-    def e2e(self) -> Optional[float]:
-        return None if self.finished is None else self.finished - self.arrival
-
-
-@dataclass
 class _Tracked:
     """Engine-thread bookkeeping of one live request."""
 
@@ -106,41 +47,6 @@ class _Tracked:
     timing: RequestTiming
     want_logprobs: bool
     num_sent: int = 0
-
-
-class RequestStream:
-    """Async iterator over one request's StreamItems; ends after the finished item."""
-
-    def __init__(self, request_id: str, owner: "AsyncEngine"):
-        self.request_id = request_id
-        self._owner = owner
-        self._queue: asyncio.Queue = asyncio.Queue()
-        self.finished = False
-
-    def _put(self, item: StreamItem) -> None:  # event loop thread only
-        self._queue.put_nowait(item)
-
-    def __aiter__(self):
-        return self
-
-    async def __anext__(self) -> StreamItem:
-        if self.finished:
-            raise StopAsyncIteration
-        item = await self._queue.get()
-        while not item.finished and not self._queue.empty():
-            item = item.merge(self._queue.get_nowait())
-        if item.finished:
-            self.finished = True
-        if item.error is not None:
-            self.finished = True
-            raise item.error
-        return item
-
-    def abort(self) -> None:
-        """Stop generating (client gone). Safe to call more than once, from any thread."""
-        if not self.finished:
-            self.finished = True
-            self._owner.abort(self.request_id)
 
 
 class AsyncEngine:

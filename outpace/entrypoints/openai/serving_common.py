@@ -12,7 +12,8 @@ from typing import Optional
 from fastapi import Request
 from starlette.responses import StreamingResponse
 
-from outpace.engine.async_engine import AsyncEngine, RequestStream, StreamItem
+from outpace.engine.async_engine import AsyncEngine
+from outpace.engine.request_stream import RequestStream, StreamItem
 from outpace.entrypoints.openai.errors import APIError, error_body, to_api_error
 
 log = logging.getLogger(__name__)
