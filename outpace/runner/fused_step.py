@@ -212,7 +212,7 @@ class FusedStep:
             while not launched.event.query():  # poll: waits for this step only
                 pass
         t2 = time.perf_counter()
-        out = launched.host.numpy()
+        out = launched.host.numpy()  # sync-ok: host memory, its copy was waited for above
         row_of = {rid: i for i, rid in enumerate(launched.rows)}
         out = out[[row_of[sr.request.request_id] for sr in plan.scheduled]]
         _, q, kd, _ = launched.key

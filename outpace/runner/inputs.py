@@ -81,7 +81,7 @@ class InputBuffers:
         while not self._copied.query():
             pass
         staged = host.view(-1)[:src.size].view(src.shape)  # contiguous, like src
-        staged.numpy()[...] = src
+        staged.numpy()[...] = src  # sync-ok: a numpy view of pinned host memory
         view.copy_(staged, non_blocking=True)
         return view
 
