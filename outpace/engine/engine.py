@@ -144,6 +144,7 @@ class LLMEngine:
             return None
         for sr in plan.scheduled:
             req = sr.request
+            # N emits up to d + 1 tokens, N+1 up to kd + 1; one more keeps N+1's drafts whole
             if req.request_id not in self._requests or not sched.can_run_ahead(
                     req, len(sr.draft_token_ids) + kd + 3):
                 return None
