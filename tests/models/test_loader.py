@@ -105,10 +105,15 @@ def test_corrupt_safetensors(hf_folder, tmp_path, how):
         load_hf_folder(folder, quiet=True)
 
 
-def test_bad_config(hf_folder, tmp_path):
+def _copy_with_config(hf_folder, tmp_path):
+    """A copy of the test folder -> (folder, its config.json path, the config as a dict)."""
     folder = _copy(hf_folder[1], tmp_path)
     cfg = folder / "config.json"
-    d = json.loads(cfg.read_text())
+    return folder, cfg, json.loads(cfg.read_text())
+
+
+def test_bad_config(hf_folder, tmp_path):
+    folder, cfg, d = _copy_with_config(hf_folder, tmp_path)
     cfg.write_text(json.dumps({**d, "model_type": "gemma", "architectures": ["GemmaForCausalLM"]}))
     with pytest.raises(UnsupportedModelError, match="gemma"):
         load_hf_folder(folder, quiet=True)
@@ -121,9 +126,7 @@ def test_bad_config(hf_folder, tmp_path):
 
 
 def test_weights_do_not_match_config(hf_folder, tmp_path):
-    folder = _copy(hf_folder[1], tmp_path)
-    cfg = folder / "config.json"
-    d = json.loads(cfg.read_text())
+    folder, cfg, d = _copy_with_config(hf_folder, tmp_path)
     cfg.write_text(json.dumps({**d, "intermediate_size": d["intermediate_size"] * 2}))
     with pytest.raises(ModelLoadError, match="mlp.*shape"):
         load_hf_folder(folder, quiet=True)

@@ -72,6 +72,10 @@ def write_target_folder(cfg: ModelConfig, folder: Path) -> Path:
     return folder
 
 
+def random_tokens(rng: random.Random, length: int, vocab: int) -> list:
+    return [rng.randrange(vocab) for _ in range(length)]
+
+
 def repetitive_prompts(n: int, seed: int, prefix=(), period: int = 6, repeats: int = 3) -> list:
     """Prompts of a short random motif repeated (copy-friendly), then a few random tokens."""
     rng = random.Random(seed)

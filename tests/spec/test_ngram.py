@@ -7,6 +7,7 @@ import pytest
 
 from outpace.errors import ConfigError
 from outpace.spec.ngram import NgramDrafter, NgramState, ngram_options
+from tests.spec.spec_helpers import random_tokens
 
 
 def ref_propose(tokens, k, min_n, max_n, periodic=False):
@@ -31,10 +32,6 @@ def ref_propose(tokens, k, min_n, max_n, periodic=False):
                         break
                 return out
     return []
-
-
-def random_tokens(rng, length, vocab):
-    return [rng.randrange(vocab) for _ in range(length)]
 
 
 @pytest.mark.parametrize("seed", range(4))

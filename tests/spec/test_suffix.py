@@ -7,6 +7,7 @@ import pytest
 
 from outpace.errors import ConfigError
 from outpace.spec.suffix import SuffixAutomaton, SuffixCache, SuffixDrafter
+from tests.spec.spec_helpers import random_tokens
 
 
 def first_occurrence_end(text, pattern, last_end):
@@ -55,10 +56,6 @@ def ref_propose(tokens, k, cap, min_len, entries=(), cache_below=None, periodic=
     if best_len < min_len or not best:
         return [], 0
     return best, best_len
-
-
-def random_tokens(rng, length, vocab):
-    return [rng.randrange(vocab) for _ in range(length)]
 
 
 @pytest.mark.parametrize("seed", range(3))

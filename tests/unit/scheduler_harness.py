@@ -124,6 +124,11 @@ def track():
         assert s.kv.num_free_blocks == s.kv.num_blocks and s.kv.num_used_blocks == 0
 
 
+def planned(plan) -> list:
+    """[(request id, tokens scheduled)] of a plan, in its order."""
+    return [(s.request.request_id, s.num_new_tokens) for s in plan.scheduled]
+
+
 def new_req(rid, prompt, **sp):
     sp.setdefault("max_tokens", 8)
     return Request(request_id=rid, prompt_token_ids=list(prompt),

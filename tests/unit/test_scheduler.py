@@ -7,8 +7,8 @@ import pytest
 
 from outpace.errors import InvalidRequestError, QueueFullError
 from outpace.types import RequestStatus
-from tests.unit.scheduler_harness import (EOS, FakeRunner, StubResult, drive, new_req, reference,
-                                          track)  # noqa: F401 (track: pytest fixture)
+from tests.unit.scheduler_harness import (EOS, FakeRunner, StubResult, drive, new_req, planned,
+                                          reference, track)  # noqa: F401 (track: fixture)
 
 
 # ---- basic flow ---------------------------------------------------------------------------
@@ -47,8 +47,7 @@ def test_decodes_first_then_prefill_chunk(track):
     sched.add_request(a)
     sched.add_request(b)
     plan = sched.schedule()
-    assert [(s.request.request_id, s.num_new_tokens) for s in plan.scheduled] == [("a", 3),
-                                                                                  ("b", 2)]
+    assert planned(plan) == [("a", 3), ("b", 2)]
     sched.update(plan, runner.execute(plan))
     c = new_req("c", range(8, 38), max_tokens=3)
     sched.add_request(c)
@@ -84,7 +83,7 @@ def test_chunking_disabled_waits_for_room(track):
     for r in (a, b, long):
         sched.add_request(r)
     plan = sched.schedule()
-    assert [(s.request.request_id, s.num_new_tokens) for s in plan.scheduled] == [("a", 8)]
+    assert planned(plan) == [("a", 8)]
     sched.update(plan, runner.execute(plan))
     plan = sched.schedule()  # a decodes (1), b's 10 fit in the 11 left, long takes the rest
     got = [(s.request.request_id, s.num_new_tokens, s.sample) for s in plan.scheduled]

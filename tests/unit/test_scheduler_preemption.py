@@ -9,8 +9,9 @@ import pytest
 
 from outpace.errors import InvalidRequestError
 from outpace.types import RequestStatus
-from tests.unit.scheduler_harness import (BS, FakeRunner, StubResult, drive, new_req, prompt_of,
-                                          reference, track)  # noqa: F401 (track: fixture)
+from tests.unit.scheduler_harness import (BS, FakeRunner, StubResult, drive, new_req, planned,
+                                          prompt_of, reference,
+                                          track)  # noqa: F401 (track: fixture)
 
 
 # ---- preemption ---------------------------------------------------------------------------
@@ -78,13 +79,12 @@ def test_preempting_a_request_already_scheduled_this_step_unschedules_it(track):
     sched.add_request(b)
     sched.add_request(a)
     plan = sched.schedule()
-    assert [(s.request.request_id, s.num_new_tokens) for s in plan.scheduled] == [("b", 4),
-                                                                                  ("a", 12)]
+    assert planned(plan) == [("b", 4), ("a", 12)]
     sched.update(plan, runner.execute(plan))
     sched._order["a"] = -1  # white box: make a the older one (FCFS can't build this alone)
     sched.running.sort(key=lambda r: sched._order[r.request_id])
     plan = sched.schedule()
-    assert [(s.request.request_id, s.num_new_tokens) for s in plan.scheduled] == [("a", 8)]
+    assert planned(plan) == [("a", 8)]
     assert plan.preempted_ids == ["b"] and sched.waiting[0] is b
     sched.update(plan, runner.execute(plan))
     drive(sched, runner)
