@@ -163,9 +163,9 @@ class RunnerConfig:
     enforce_eager: bool = False  # True: no CUDA graphs
     seed: int = 0
     # Launch the next greedy decode step before reading this one's outputs (with CUDA graphs;
-    # see LLMEngine.step). Off by default until it has been run on a GPU (tested on CPU with
-    # a stand-in for graphs; the GPU tests in tests/gpu/test_fused_step.py cover it).
-    overlap: bool = False
+    # see LLMEngine.step). Measured on the H200 at batch 1: TPOT 1.68 -> 1.30 ms (no-spec),
+    # 0.90 -> 0.63 ms (EAGLE-3 force-accept 3); outputs equal (tests/gpu/test_fused_step.py).
+    overlap: bool = True
 
     def __post_init__(self):
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):

@@ -21,7 +21,7 @@ def build_engine(cls, model: str, *, device: str = "auto", dtype: str = "auto",
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  max_waiting_requests: Optional[int] = None, enable_prefix_caching: bool = True,
                  enable_chunked_prefill: bool = True, memory_fraction: float = 0.85,
-                 enforce_eager: bool = False, overlap: bool = False, seed: int = 0,
+                 enforce_eager: bool = False, overlap: bool = True, seed: int = 0,
                  quiet: bool = False,
                  loaded=None):
     """loaded: an already loaded (model, ModelConfig, Tokenizer) to reuse, e.g. when several

@@ -21,6 +21,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--no-overlap", action="store_true",
+                   help="read each decode step's outputs before launching the next")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--spec", default=None, choices=["ngram", "suffix", "mtp", "eagle3"],
                    help="speculative decoding method")
@@ -55,7 +57,7 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
                 num_kv_blocks=a.num_kv_blocks, max_num_seqs=a.max_num_seqs,
                 max_num_batched_tokens=a.max_num_batched_tokens,
                 enable_prefix_caching=not a.no_prefix_caching, enforce_eager=a.enforce_eager,
-                seed=a.seed, speculative_config=spec, quiet=a.quiet)
+                overlap=not a.no_overlap, seed=a.seed, speculative_config=spec, quiet=a.quiet)
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
