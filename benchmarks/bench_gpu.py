@@ -123,6 +123,10 @@ def section_overlap(args, results):
             r = run_engine(eng, [prompt] * 2, 1, args.max_tokens)
             fused = eng.runner.fused
             r.update(config=name, overlap=overlap, chained=fused.chained if fused else 0)
+            if overlap:  # the graph alone, and where its time goes
+                kk = args.k if spec else 0
+                r["graph_ms"] = time_fused_graphs(eng, [1], kk).get(1)
+                profile_graph(eng, kk, Path(args.out) / f"profile_shaped_{name}_b1.txt")
             rows.append(r)
             print("overlap:", r, flush=True)
             del eng
@@ -389,6 +393,9 @@ def section_big(args, results):
         tag = "overlap" if overlap else "sync"
         results["big"].update({f"tpot_ms_{tag}": r["tpot_ms"], f"tok_s_{tag}": r["tok_s"],
                                f"ratio_to_floor_{tag}": round(r["tpot_ms"] / floor_ms, 3)})
+        if overlap:
+            results["big"]["graph_ms"] = time_fused_graphs(eng, [1], 0).get(1)
+            profile_graph(eng, 0, Path(args.out) / "profile_big_b1.txt")
         del eng
     print("big:", results["big"], flush=True)
 

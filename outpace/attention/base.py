@@ -67,6 +67,17 @@ class AttentionBackend(ABC):
                 meta: AttentionMetadata) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] -> out [T, Hq, D]. Writes k/v at meta.slot_mapping."""
 
+    def forward_rope(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     meta: AttentionMetadata, cos: torch.Tensor, sin: torch.Tensor,
+                     positions: torch.Tensor) -> torch.Tensor:
+        """forward() of q and k before rope: rotates them (tables [max_pos, D/2 or D], see
+        kernels/rope.py; q may be rotated in place) at `positions` first. Backends may fuse
+        the rotation into their KV store (TritonPagedBackend does)."""
+        from outpace.kernels.rope import apply_rope
+        k = k.clone()  # k may be a view into the caller's qkv buffer
+        apply_rope(q, k, cos, sin, positions)
+        return self.forward(layer, q, k, v, meta)
+
     def prepare_capture(self, max_num_seqs: int, max_query_len: int) -> None:
         pass
 

@@ -40,6 +40,7 @@ import torch
 from outpace.attention.base import AttentionBackend, AttentionMetadata
 from outpace.errors import ConfigError
 from outpace.kernels import next_pow2
+from outpace.kernels.rope import apply_rope_and_store_triton
 from outpace.kernels.store_kv import store_kv_triton
 
 try:  # guarded: `import outpace` (and this module) must work without triton
@@ -224,7 +225,7 @@ def choose_splits(num_tiles: int, sm_count: int, max_splits: int) -> int:
 
 
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, meta: AttentionMetadata,
-                    scale: float, num_splits: int = 1, min_split_tokens: int = 256) -> torch.Tensor:
+                    scale: float, num_splits: int = 1, min_split_tokens: int = 64) -> torch.Tensor:
     """q [T, Hq, D] (last dim contiguous) -> out [T, Hq, D]; K/V are read from the pool only.
 
     Uses meta.query_start_loc / seq_lens / block_tables (device) and meta.max_query_len (a bound
@@ -275,7 +276,7 @@ class TritonPagedBackend(AttentionBackend):
     """
 
     def __init__(self, kv_cache: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
-                 scale: float, *, max_kv_splits: int = 16, min_split_tokens: int = 256):
+                 scale: float, *, max_kv_splits: int = 16, min_split_tokens: int = 64):
         super().__init__(kv_cache, num_heads, num_kv_heads, head_dim, scale)
         if triton is None:  # ImportError: callers fall back to the reference backend on it
             raise ImportError("the Triton attention backend needs triton; install it "
@@ -306,5 +307,15 @@ class TritonPagedBackend(AttentionBackend):
     def forward(self, layer, q, k, v, meta: AttentionMetadata):
         """q [T, Hq, D], k/v [T, Hkv, D] -> out [T, Hq, D]; writes k/v at meta.slot_mapping."""
         store_kv_triton(self.kv_cache, layer, k, v, meta.slot_mapping)
+        return self._attend(layer, q, meta)
+
+    def forward_rope(self, layer, q, k, v, meta: AttentionMetadata, cos, sin, positions):
+        """q, k before rope: one kernel rotates q in place and writes rotated k and v into the
+        pool (kernels/rope.py), then attention."""
+        apply_rope_and_store_triton(q, k, v, cos, sin, positions, self.kv_cache, layer,
+                                    meta.slot_mapping)
+        return self._attend(layer, q, meta)
+
+    def _attend(self, layer, q, meta: AttentionMetadata):
         return paged_attention(q, self.kv_cache, layer, meta, self.scale,
                                self.num_splits_for(meta, q.shape[1]), self.min_split_tokens)

@@ -2,7 +2,11 @@
 
     norm.py      rms_norm, fused_add_rms_norm (+ *_ref, *_triton)
     rope.py      apply_rope (+ apply_rope_ref, apply_rope_triton): neox style, in place
+    rope.py      also apply_rope_and_store_triton: rope of q and k, k and v written to the pool
     store_kv.py  store_kv_triton: write K/V into the paged pool through the slot mapping
+    small_linear.py  few-row (M <= 16) projections with the norm, residual add or silu * mul
+                 fused in, and silu_mul
+    argmax.py    argmax_rows: two-pass row argmax of logits
 
 The paged attention kernel lives in outpace/attention/triton_paged.py.
 

@@ -36,6 +36,7 @@ from torch import nn
 from outpace.attention.base import ForwardContext
 from outpace.config import ModelConfig
 from outpace.errors import ConfigError, ModelLoadError
+from outpace.kernels.argmax import argmax_rows
 from outpace.models.llama import LlamaDecoderLayer, RMSNorm, RotaryEmbedding
 
 
@@ -160,6 +161,11 @@ class Eagle3Head(nn.Module):
     def compute_draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # [N, H] (forward output) -> [N, draft_vocab] float32
         return F.linear(self.norm(hidden), self.lm_head_weight).float()
+
+    def greedy_draft_ids(self, hidden: torch.Tensor) -> torch.Tensor:
+        # [N, H] -> [N] draft-vocab ids, argmax of compute_draft_logits (in the model's dtype:
+        # the same argmax without the fp32 conversion)
+        return argmax_rows(F.linear(self.norm(hidden), self.lm_head_weight))
 
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         # [...] draft-vocab ids -> [...] target-vocab ids

@@ -26,8 +26,10 @@ from outpace.attention.base import ForwardContext
 from outpace.config import ModelConfig
 from outpace.errors import ModelLoadError, UnsupportedModelError
 from outpace.kernels import use_triton
-from outpace.kernels.norm import fused_add_rms_norm_triton, rms_norm_triton
-from outpace.kernels.rope import apply_rope_triton
+from outpace.kernels.argmax import argmax_rows
+from outpace.kernels.small_linear import (SMALL_M_MAX, norm_small_linear,
+                                          norm_small_linear_silu_mul, silu_mul, small_linear)
+from outpace.kernels.norm import fused_add_rms_norm, fused_add_rms_norm_triton, rms_norm_triton
 
 
 def _param(*shape, dtype, device) -> nn.Parameter:
@@ -37,6 +39,13 @@ def _param(*shape, dtype, device) -> nn.Parameter:
 # CPU weight copies (see LlamaForCausalLM.add_cpu_weight_copies_): one row uses the transposed
 # copy where there is one; more rows use the oneDNN-packed copy.
 _FEW_ROWS = 1
+# CUDA forwards of at most SMALL_M_MAX tokens use the few-row Triton kernels (see
+# LlamaForCausalLM._forward_few_rows); False: cuBLAS and separate norms for every size.
+FEW_ROW_KERNELS = True
+# ... for models this narrow: measured on the H200 (benchmarks/results/small_linear_h200.json),
+# the fused projections beat cuBLAS + separate norms 1.3-2.4x at SmolLM2's widths, but at
+# Llama-8B's (4096) the norm-fused qkv is 0.64-0.87x, so wide models keep cuBLAS.
+FEW_ROW_MAX_HIDDEN = 2048
 # Multi-token-query forwards of at most this many tokens run single-threaded on CPU (see
 # cpu_threads_for).
 _ONE_THREAD_MAX_TOKENS = 16
@@ -164,16 +173,13 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions):
         # [T] long -> (cos [T, 1, D], sin [T, 1, D], positions); on CUDA the Triton kernel
-        # reads the tables itself: (None, None, positions)
-        if positions.is_cuda and use_triton(positions):
+        # reads the tables itself: (None, None, positions); their columns D/2.. hold cos(f)
+        # and the unsigned sin(f), as the kernel expects
+        if use_triton(positions):  # CUDA with triton
             return None, None, positions
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1), positions
 
-    def apply_qk(self, q, k, cos_sin):
-        """Rotate q [T, Hq, D] and k [T, Hkv, D]; may work in place (they are fresh)."""
-        if cos_sin[0] is None:
-            # Table columns D/2.. hold cos(f) and the unsigned sin(f), as the kernel expects.
-            return apply_rope_triton(q, k, self.cos, self.sin, cos_sin[2])
+    def apply_qk(self, q, k, cos_sin):  # CPU tables: q [T, Hq, D], k [T, Hkv, D] rotated
         return self.apply(q, cos_sin), self.apply(k, cos_sin)
 
     def apply(self, x, cos_sin):  # x [T, H, D] -> [T, H, D] (new tensor)
@@ -209,19 +215,27 @@ class LlamaAttention(nn.Module):
     def forward(self, x, cos_sin, rope: RotaryEmbedding, ctx: ForwardContext):
         # x [T, qkv_input_size] -> [T, hidden]
         qkv = linear(x, self, "qkv_weight", self.qkv_bias)  # [T, (Hq + 2 Hkv) * D]
+        return linear(self.attend(qkv, cos_sin, rope, ctx), self, "o_weight", self.o_bias)
+
+    def attend(self, qkv, cos_sin, rope: RotaryEmbedding, ctx: ForwardContext):
+        # qkv [T, (Hq + 2 Hkv) * D] (projected) -> attention output [T, Hq * D], before o_proj
         t, hq, hkv = qkv.shape[0], self.num_heads, self.num_kv_heads
         heads = qkv.view(t, hq + 2 * hkv, self.head_dim)
         v = heads[:, hq + hkv:]  # [T, Hkv, D] (a view: backends must honour strides)
-        if self.q_norm is None and cos_sin[0] is not None:
-            qk = rope.apply(heads[:, :hq + hkv], cos_sin)  # q and k rotated in one pass
-            q, k = qk[:, :hq], qk[:, hq:]
-        elif self.q_norm is None:
-            q, k = rope.apply_qk(heads[:, :hq], heads[:, hq:hq + hkv], cos_sin)
+        q, k = heads[:, :hq], heads[:, hq:hq + hkv]
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if cos_sin[0] is None:  # CUDA: the backend rotates (and stores K/V) in one kernel
+            out = ctx.backend.forward_rope(self.layer_slot, q, k, v, ctx.meta, rope.cos,
+                                           rope.sin, cos_sin[2])
         else:
-            q, k = rope.apply_qk(self.q_norm(heads[:, :hq]), self.k_norm(heads[:, hq:hq + hkv]),
-                                 cos_sin)
-        out = ctx.backend.forward(self.layer_slot, q, k, v, ctx.meta)  # [T, Hq, D]
-        return linear(out.reshape(t, self.q_size), self, "o_weight", self.o_bias)
+            if self.q_norm is None:
+                qk = rope.apply(heads[:, :hq + hkv], cos_sin)  # q and k rotated in one pass
+                q, k = qk[:, :hq], qk[:, hq:]
+            else:
+                q, k = rope.apply_qk(q, k, cos_sin)
+            out = ctx.backend.forward(self.layer_slot, q, k, v, ctx.meta)  # [T, Hq, D]
+        return out.reshape(t, self.q_size)
 
 
 class LlamaMLP(nn.Module):
@@ -233,8 +247,11 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x):  # [T, H] -> [T, H]
         gu = linear(x, self, "gate_up_weight")  # [T, 2I]
-        a = F.silu(gu[:, :self.inter])
-        a.mul_(gu[:, self.inter:])
+        if use_triton(gu):
+            a = silu_mul(gu)  # one kernel, the same rounding
+        else:
+            a = F.silu(gu[:, :self.inter])
+            a.mul_(gu[:, self.inter:])
         return linear(a, self, "down_weight")
 
 
@@ -301,6 +318,8 @@ class LlamaForCausalLM(nn.Module):
         # order asked; HF's hidden_states[i + 1], except that for the last layer HF's entry is
         # after the final norm and ours is before it)
         h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        if use_triton(h):  # CUDA with triton
+            return self._forward_fused_norms(h, positions, ctx, capture_layers)
         with cpu_threads_for(h, ctx.meta.max_query_len):
             cos_sin = self.rotary(positions)
             captured = {}
@@ -310,6 +329,63 @@ class LlamaForCausalLM(nn.Module):
                 if i in capture_layers:
                     captured[i] = h
             return self.norm(h), [captured[i] for i in capture_layers]
+
+    def _forward_fused_norms(self, h, positions, ctx: ForwardContext, capture_layers: tuple):
+        """forward() on CUDA: the same values with fewer kernels. Each layer's MLP output is
+        added to the residual stream by the kernel that also norms it for the next layer (or
+        the final norm), as the attention output is by the post-attention norm; the add and the
+        norm round exactly as LlamaDecoderLayer's `out += h` and the next `rms_norm` do."""
+        if h.shape[0] <= SMALL_M_MAX and self._few_rows_ok():
+            return self._forward_few_rows(h, positions, ctx, capture_layers)
+        cos_sin = self.rotary(positions)
+        layers = self.layers
+        residual = h
+        first = layers[0].input_layernorm
+        normed = rms_norm(h, first.weight, first.eps)
+        captured = {}
+        for i, layer in enumerate(layers):
+            attn = layer.self_attn.forward(normed, cos_sin, self.rotary, ctx)
+            post = layer.post_attention_layernorm
+            normed, residual = fused_add_rms_norm(attn, residual, post.weight, post.eps)
+            mlp = layer.mlp.forward(normed)
+            nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.norm
+            # residual: the stream after layer i (a fresh tensor, safe to keep)
+            normed, residual = fused_add_rms_norm(mlp, residual, nxt.weight, nxt.eps)
+            if i in capture_layers:
+                captured[i] = residual
+        return normed, [captured[i] for i in capture_layers]
+
+    def _few_rows_ok(self) -> bool:
+        """Whether _forward_few_rows can run this model: narrow enough (FEW_ROW_MAX_HIDDEN)
+        and no biases (the few-row kernels have none)."""
+        ok = getattr(self, "_few_rows", None)
+        if ok is None:
+            ok = FEW_ROW_KERNELS and self.config.hidden_size <= FEW_ROW_MAX_HIDDEN and all(
+                layer.self_attn.qkv_bias is None and layer.self_attn.o_bias is None
+                for layer in self.layers)
+            self._few_rows = ok
+        return ok
+
+    def _forward_few_rows(self, h, positions, ctx: ForwardContext, capture_layers: tuple):
+        """forward() on CUDA for at most SMALL_M_MAX tokens (decode at small batch, verify):
+        six kernels a layer instead of eleven. Each norm runs inside the projection that reads
+        it (kernels/small_linear.py), and o_proj / down_proj add their output to the residual
+        stream in fp32 before rounding once (the layer-by-layer path rounds the projection's
+        output first, so bf16 values can differ by an ulp)."""
+        cos_sin = self.rotary(positions)
+        residual = h
+        captured = {}
+        for i, layer in enumerate(self.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            ln, post = layer.input_layernorm, layer.post_attention_layernorm
+            qkv = norm_small_linear(residual, ln.weight, ln.eps, attn.qkv_weight)
+            o = attn.attend(qkv, cos_sin, self.rotary, ctx)
+            residual = small_linear(o, attn.o_weight, residual=residual)
+            a = norm_small_linear_silu_mul(residual, post.weight, post.eps, mlp.gate_up_weight)
+            residual = small_linear(a, mlp.down_weight, residual=residual)  # a fresh tensor
+            if i in capture_layers:
+                captured[i] = residual
+        return self.norm(residual), [captured[i] for i in capture_layers]
 
     def add_cpu_weight_copies_(self) -> None:
         """CPU only: keep faster-to-read copies of the projection weights next to them (same
@@ -341,6 +417,12 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden):  # [N, H] -> [N, V] float32
         with cpu_threads_for(hidden):
             return linear(hidden, self, "lm_head_weight").float()
+
+    def greedy_tokens(self, hidden):  # [N, H] -> [N] int64, argmax of compute_logits
+        # The argmax of the logits in the model's dtype is the argmax of their fp32 copy (the
+        # conversion is exact), so the conversion kernel is skipped.
+        with cpu_threads_for(hidden):
+            return argmax_rows(linear(hidden, self, "lm_head_weight"))
 
     # ---- loading -------------------------------------------------------------------------
 

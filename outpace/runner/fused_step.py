@@ -288,7 +288,7 @@ class FusedStep:
         ctx = ForwardContext(self.backend, meta)
         capture = self.head.capture_layers if self.head is not None else ()
         hidden, aux = self.model(ids, pos, ctx, capture_layers=capture)
-        target = self.model.compute_logits(hidden).argmax(dim=-1).view(bucket, q)
+        target = self.model.greedy_tokens(hidden).view(bucket, q)
         drafts = ids.view(bucket, q)[:, 1:]
         num_drafts = self.num_drafts[:bucket]
         if self.runner.sampling.force_accept_mean is not None:

@@ -27,5 +27,4 @@ class Eagle3Proposer(HeadProposer):
         return self.head(hidden, input_ids, positions, ctx, embed_fn=self.target.embed_tokens)
 
     def draft_ids(self, hidden):
-        logits = self.head.compute_draft_logits(hidden)  # [N, draft_vocab]
-        return self.head.draft_to_target(logits.argmax(dim=-1))
+        return self.head.draft_to_target(self.head.greedy_draft_ids(hidden))

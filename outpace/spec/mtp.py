@@ -35,7 +35,7 @@ class MTPEagleProposer(HeadProposer):
         return self.head(0, hidden, input_ids, positions, ctx, embed_fn=self.target.embed_tokens)
 
     def draft_ids(self, hidden):
-        return self.head.compute_logits(hidden, self.target).argmax(dim=-1)
+        return self.target.greedy_tokens(self.target.norm(hidden))  # = argmax of compute_logits
 
 
 def MTPProposer(spec, policy, target, model_cfg, runner_cfg):

@@ -23,6 +23,11 @@ from outpace.attention.triton_paged import TritonPagedBackend, paged_attention  
 from outpace.kernels.norm import (fused_add_rms_norm, fused_add_rms_norm_ref,  # noqa: E402
                                   rms_norm, rms_norm_ref)
 from outpace.kernels.rope import apply_rope, apply_rope_ref  # noqa: E402
+from outpace.kernels.small_linear import (norm_small_linear, norm_small_linear_ref,  # noqa: E402
+                                          norm_small_linear_silu_mul,
+                                          norm_small_linear_silu_mul_ref, silu_mul, silu_mul_ref,
+                                          small_linear, small_linear_ref, small_linear_silu_mul,
+                                          small_linear_silu_mul_ref)
 from outpace.kernels.store_kv import store_kv_triton  # noqa: E402
 from tests.unit.kernel_cases import COMPOSITIONS, check_attention, make_batch  # noqa: E402
 
@@ -174,6 +179,139 @@ def test_rope(dtype, t, hq, hkv, d, layout):
     apply_rope_ref(ref[:, :hq], ref[:, hq:hq + hkv], cos, sin, pos)
     torch.testing.assert_close(qkv, ref, **TOL[dtype])
     assert torch.equal(qkv[:, hq + hkv:], ref[:, hq + hkv:])
+
+
+# ----------------------------------------------------------------------------- few-row linears
+
+# (N, K) of SmolLM2-135M (qkv, o, gate_up, down, LM head) and Llama-3.1-8B; the gate/up kernels
+# take the [2I, K] weight of the gate_up rows, so their N is 2I.
+SMOL = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),
+        "lm_head": (49152, 576)}
+BIG8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
+         "down": (4096, 14336), "lm_head": (128256, 4096)}
+LINEAR_CASES = [(f"smol-{k}", v) for k, v in SMOL.items()] + \
+    [(f"8b-{k}", v) for k, v in BIG8B.items()]
+ULP_BF16 = 2.0 ** -7
+# bf16: reduction order may tip the one output rounding (one ulp); in the fused kernels also the
+# normalized input's and g/u's roundings, so silu(g) * u may be a couple of ulps off.
+LIN_TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4),  # K up to 14336 in another order
+           torch.bfloat16: dict(atol=2 * ULP_BF16, rtol=ULP_BF16)}
+FUSED_TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4),
+             torch.bfloat16: dict(atol=4 * ULP_BF16, rtol=3 * ULP_BF16)}
+
+
+def _lin_inputs(m, n, k, dtype, seed, *, x_dtype=None):
+    """Fresh random x [m, k] (a strided view), w [n, k] scaled so outputs are O(1), RMSNorm
+    weight near 1."""
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    x = (torch.randn(m, k + 64, device=DEV, generator=g) * 2).to(x_dtype or dtype)[:, 32:32 + k]
+    w = (torch.randn(n, k, device=DEV, generator=g) / k ** 0.5).to(dtype)
+    nw = (1 + 0.2 * torch.randn(k, device=DEV, generator=g)).to(dtype)
+    return x, w, nw
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("m", [1, 5, 16])
+@pytest.mark.parametrize("name,nk", LINEAR_CASES, ids=[c[0] for c in LINEAR_CASES])
+def test_small_linear(name, nk, m, dtype):
+    (n, k) = nk
+    x, w, _ = _lin_inputs(m, n, k, dtype, seed=m + n)
+    y = small_linear(x, w)
+    assert y.dtype == dtype and y.shape == (m, n)
+    torch.testing.assert_close(y, small_linear_ref(x, w), **LIN_TOL[dtype])
+
+
+@pytest.mark.parametrize("res_dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("m", [1, 5, 16])
+@pytest.mark.parametrize("name", ["smol-o", "smol-down", "8b-o", "8b-down"])
+def test_small_linear_residual(name, m, res_dtype):
+    """o_proj / down_proj + residual add, also into an fp32 residual stream over bf16 weights."""
+    n, k = (SMOL if name.startswith("smol") else BIG8B)[name.split("-")[1]]
+    x, w, _ = _lin_inputs(m, n, k, torch.bfloat16, seed=m + k)
+    r = torch.randn(m, n, device=DEV).to(res_dtype)
+    y = small_linear(x, w, residual=r)
+    assert y.dtype == res_dtype
+    # fp32 output: only summation order differs (tensor-core accumulation included)
+    torch.testing.assert_close(y, small_linear_ref(x, w, residual=r), **LIN_TOL[res_dtype])
+
+
+@pytest.mark.parametrize("x_dtype,dtype", [(torch.bfloat16, torch.bfloat16),
+                                           (torch.float32, torch.float32),
+                                           (torch.float32, torch.bfloat16)], ids=str)
+@pytest.mark.parametrize("m", [1, 5, 16])
+@pytest.mark.parametrize("name", ["smol-qkv", "smol-lm_head", "8b-qkv", "8b-lm_head"])
+def test_norm_small_linear(name, m, x_dtype, dtype):
+    n, k = (SMOL if name.startswith("smol") else BIG8B)[name.split("-")[1]]
+    x, w, nw = _lin_inputs(m, n, k, dtype, seed=m + 3 * n, x_dtype=x_dtype)
+    y = norm_small_linear(x, nw, 1e-5, w)
+    assert y.dtype == dtype
+    torch.testing.assert_close(y, norm_small_linear_ref(x, nw, 1e-5, w), **FUSED_TOL[dtype])
+
+
+@pytest.mark.parametrize("x_dtype,dtype", [(torch.bfloat16, torch.bfloat16),
+                                           (torch.float32, torch.float32),
+                                           (torch.float32, torch.bfloat16)], ids=str)
+@pytest.mark.parametrize("m", [1, 5, 16])
+@pytest.mark.parametrize("name", ["smol-gate_up", "8b-gate_up"])
+def test_gate_up_silu_mul(name, m, x_dtype, dtype):
+    n, k = (SMOL if name.startswith("smol") else BIG8B)[name.split("-")[1]]
+    x, w, nw = _lin_inputs(m, n, k, dtype, seed=m + 5 * n, x_dtype=x_dtype)
+    y = norm_small_linear_silu_mul(x, nw, 1e-6, w)
+    assert y.dtype == dtype and y.shape == (m, n // 2)
+    torch.testing.assert_close(y, norm_small_linear_silu_mul_ref(x, nw, 1e-6, w),
+                               **FUSED_TOL[dtype])
+    if x_dtype == dtype:
+        torch.testing.assert_close(small_linear_silu_mul(x, w), small_linear_silu_mul_ref(x, w),
+                                   **FUSED_TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("m,inter", [(1, 1536), (5, 14336), (300, 1536), (2, 7)])
+def test_silu_mul(m, inter, dtype):
+    g = torch.Generator(device=DEV).manual_seed(m)
+    gu = (torch.randn(m, 2 * inter + 8, device=DEV, generator=g) * 3).to(dtype)[:, 4:4 + 2 * inter]
+    # silu in fp32 then one rounding, as torch: only exp's last fp32 bit may tip a bf16 rounding
+    torch.testing.assert_close(silu_mul(gu), silu_mul_ref(gu), **TOL[dtype])
+
+
+def test_small_linear_falls_back_above_small_m():
+    x, w, _ = _lin_inputs(17, 960, 576, torch.bfloat16, seed=0)
+    assert torch.equal(small_linear(x, w), small_linear_ref(x, w))  # cuBLAS, the same call
+
+
+@pytest.mark.parametrize("m", [1, 5])
+def test_norm_small_linear_cuda_graph_replay(m):
+    """Capture once, then replay with new x values (and new weights) in the same buffers; the
+    launch must not sync with the host either."""
+    n, k = SMOL["qkv"]
+    x, w, nw = _lin_inputs(m, n, k, torch.bfloat16, seed=1)
+    x = x.contiguous()
+    out = torch.empty(m, n, device=DEV, dtype=torch.bfloat16)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile outside the capture
+        norm_small_linear(x, nw, 1e-5, w, out=out)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        norm_small_linear(x, nw, 1e-5, w, out=out)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = norm_small_linear(x, nw, 1e-5, w, out=out)
+    assert y is out
+    for seed in range(2, 5):
+        x2, w2, nw2 = _lin_inputs(m, n, k, torch.bfloat16, seed=seed)
+        x.copy_(x2)
+        w.copy_(w2)
+        nw.copy_(nw2)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out, norm_small_linear_ref(x, nw, 1e-5, w),
+                                   **FUSED_TOL[torch.bfloat16])
 
 
 # ----------------------------------------------------------------------------- CUDA graphs

@@ -1,5 +1,7 @@
 """Our decoder, loaded from a saved HF checkpoint, gives transformers' logits (fp32, CPU)."""
 
+import copy
+
 import pytest
 import torch
 
@@ -72,3 +74,54 @@ def test_two_sequences_packed(pair):
     got_b = torch.cat([la[17:], mixed[1:]])
     assert (got_a - ref_a).abs().max().item() <= TOL
     assert (got_b - ref_b).abs().max().item() <= TOL
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_norm_forward_matches(pair, monkeypatch, dtype):
+    """The CUDA forward (MLP residual add fused into the next layer's norm; rope inside the
+    backend, fused with the KV store there) gives the same logits and captured layers as the
+    CPU forward: run here with the reference kernels; on the GPU the Triton ones (tests/gpu).
+    bf16 differs by rounding only: the kernels' rope rounds once, the CPU one per op."""
+    import outpace.models.llama as llama
+    family, hf, ours, cfg = pair
+    model = copy.deepcopy(ours).to(dtype)
+    ids = torch.randint(0, cfg.vocab_size, (24,), generator=torch.Generator().manual_seed(3))
+    ids = ids.tolist()
+    capture = (0, cfg.num_hidden_layers - 2)
+
+    def run():
+        runner = PagedRunner(model, num_seqs=1)
+        out = [runner.step({0: ids[:17]}, capture_layers=capture)]
+        out += [runner.step({0: [t]}, capture_layers=capture) for t in ids[17:]]
+        return torch.cat([o[0] for o in out]), [torch.cat(a) for a in zip(*[o[1] for o in out])]
+
+    ref_logits, ref_aux = run()
+    monkeypatch.setattr(llama, "use_triton", lambda t: True)  # the CUDA code path
+    calls = []
+    for name in ("_forward_fused_norms", "_forward_few_rows"):  # prefill, decode steps
+        orig = getattr(llama.LlamaForCausalLM, name)
+        monkeypatch.setattr(llama.LlamaForCausalLM, name,
+                            lambda *a, _n=name, _f=orig: calls.append(_n) or _f(*a))
+    logits, aux = run()
+    few_rows_ok = family not in ("llama_bias", "qwen2")  # the few-row kernels have no bias
+    assert calls.count("_forward_few_rows") == (len(ids) - 17 if few_rows_ok else 0), calls
+    exact, exact_hidden = hf_logits(hf, ids, output_hidden_states=True)  # fp32 transformers
+    if dtype == torch.float32:
+        torch.testing.assert_close(logits, ref_logits, atol=1e-5, rtol=1e-5)
+        for a, b in zip(aux, ref_aux):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+        assert (logits - exact).abs().max().item() <= TOL
+    else:  # as close to fp32 as the CPU bf16 forward is (a broken path is off by O(1))
+        for got, ref, want in [(logits, ref_logits, exact)] + [
+                (a, b, exact_hidden[i + 1]) for i, a, b in zip(capture, aux, ref_aux)]:
+            err, ref_err = ((x.float() - want).abs().max().item() for x in (got, ref))
+            assert err <= 2 * ref_err + 1e-2, (err, ref_err)
+
+
+def test_greedy_tokens_is_argmax_of_logits(pair):
+    _, _, ours, cfg = pair
+    hidden = torch.randn(6, cfg.hidden_size, generator=torch.Generator().manual_seed(4))
+    for dtype in (torch.float32, torch.bfloat16):
+        m = copy.deepcopy(ours).to(dtype)
+        h = hidden.to(dtype)
+        assert torch.equal(m.greedy_tokens(h), m.compute_logits(h).argmax(dim=-1))

@@ -67,12 +67,16 @@ def test_import_and_fallback_without_triton():
         "from outpace.kernels.norm import fused_add_rms_norm, fused_add_rms_norm_ref, rms_norm, "
         "rms_norm_ref\n"
         "from outpace.kernels.rope import apply_rope, apply_rope_ref\n"
+        "from outpace.kernels.small_linear import norm_small_linear, norm_small_linear_ref\n"
         "from outpace.attention.triton_paged import TritonPagedBackend\n"
         "assert not triton_available()\n"
         "x, r, w = torch.randn(3, 8), torch.randn(3, 8), torch.randn(8)\n"
         "assert torch.equal(rms_norm(x, w, 1e-6), rms_norm_ref(x, w, 1e-6))\n"
         "a, b = fused_add_rms_norm(x, r, w, 1e-6); c, d = fused_add_rms_norm_ref(x, r, w, 1e-6)\n"
         "assert torch.equal(a, c) and torch.equal(b, d)\n"
+        "lw = torch.randn(5, 8)\n"
+        "assert torch.equal(norm_small_linear(x, w, 1e-6, lw),\n"
+        "                   norm_small_linear_ref(x, w, 1e-6, lw))\n"
         "q, k = torch.randn(2, 2, 8), torch.randn(2, 1, 8); q2, k2 = q.clone(), k.clone()\n"
         "cs = torch.randn(5, 4); pos = torch.tensor([1, 4])\n"
         "apply_rope(q, k, cs, cs, pos); apply_rope_ref(q2, k2, cs, cs, pos)\n"
@@ -149,7 +153,16 @@ if IN_CHILD:
     from outpace.attention.triton_paged import TritonPagedBackend, paged_attention
     from outpace.kernels.norm import (fused_add_rms_norm_ref, fused_add_rms_norm_triton,
                                       rms_norm_ref, rms_norm_triton)
-    from outpace.kernels.rope import apply_rope_ref, apply_rope_triton
+    from outpace.kernels.argmax import argmax_triton
+    from outpace.kernels.rope import (apply_rope_and_store_ref, apply_rope_and_store_triton,
+                                      apply_rope_ref, apply_rope_triton)
+    from outpace.kernels.small_linear import (Blocks, choose_blocks, norm_small_linear_ref,
+                                              norm_small_linear_silu_mul_ref,
+                                              norm_small_linear_silu_mul_triton,
+                                              norm_small_linear_triton, silu_mul_ref,
+                                              silu_mul_triton, small_linear_ref,
+                                              small_linear_silu_mul_ref,
+                                              small_linear_silu_mul_triton, small_linear_triton)
     from outpace.kernels.store_kv import store_kv_triton
     from tests.unit.kernel_cases import COMPOSITIONS, make_batch
     from tests.unit.kernel_cases import check_attention as verify_attention
@@ -313,3 +326,185 @@ def check_harness_catches_a_wrong_kernel():
     out[1, 0, 3] += 1e-3
     with pytest.raises(AssertionError):
         verify_attention(b, out, 0.125)
+
+
+# ----------------------------------------------------------------------------- few-row linears
+
+# (M, N, K): N and K off the block sizes; K = 600 takes several K steps with a ragged last one.
+LINEAR_SHAPES = [(1, 50, 72), (3, 96, 160), (16, 40, 600)]
+# The fused kernels round bf16 at up to four points (the normalized input, its product with the
+# RMSNorm weight, g and u, silu and the product). The interpreter truncates at each, and since
+# truncation is biased toward zero its errors add up over K instead of cancelling: a few ulps,
+# ~6 at worst over many seeds. (The kernel matches a truncating emulation of the reference
+# exactly; the GPU tests, which round to nearest, are tighter.)
+FUSED_TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5),
+             torch.bfloat16: dict(atol=8 * ULP_BF16, rtol=6 * ULP_BF16)}
+
+
+def _linear_inputs(m, n, k, dtype, seed, *, w_dtype=None, rows=1):
+    """x [m, k] as a strided view (row stride > k), w [rows * n, k] scaled so y is O(1), and an
+    RMSNorm weight near 1."""
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(m, k + 24, generator=g) * 2).to(dtype)[:, 5:5 + k]
+    w = (torch.randn(rows * n, k, generator=g) / k ** 0.5).to(w_dtype or dtype)
+    nw = (1 + 0.2 * torch.randn(k, generator=g)).to(w_dtype or dtype)
+    return x, w, nw
+
+
+def _interp_blocks(m, n, k, dtype, use_dot=None):
+    """choose_blocks, off tl.dot for bf16 (the interpreter's bf16 tl.dot is wrong)."""
+    return choose_blocks(m, n, k, use_dot=False if dtype == torch.bfloat16 else use_dot)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", LINEAR_SHAPES)
+def check_small_linear(shape, dtype):
+    m, n, k = shape
+    x, w, _ = _linear_inputs(m, n, k, dtype, seed=20 + m)
+    y = small_linear_triton(x, w, blocks=_interp_blocks(m, n, k, dtype))
+    assert y.dtype == dtype and y.shape == (m, n)
+    torch.testing.assert_close(y, small_linear_ref(x, w), **NORM_TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("use_dot", [False, True])
+def check_small_linear_both_paths(use_dot, dtype):
+    """The broadcast-sum and the tl.dot path at every row count of the shapes above."""
+    for m, n, k in LINEAR_SHAPES:
+        x, w, _ = _linear_inputs(m, n, k, dtype, seed=30 + m)
+        y = small_linear_triton(x, w, blocks=choose_blocks(m, n, k, use_dot=use_dot))
+        torch.testing.assert_close(y, small_linear_ref(x, w), **NORM_TOL[dtype])
+
+
+# Blocks(block_m, block_n, block_k, num_warps, num_stages, use_dot)
+@pytest.mark.parametrize("cfg", [(4, 4, 16, 1, 1, False), (4, 32, 64, 8, 3, False),
+                                 (16, 16, 32, 4, 1, True), (16, 16, 64, 1, 2, True)], ids=str)
+@pytest.mark.parametrize("shape", [(3, 50, 72), (4, 40, 600)])
+def check_small_linear_explicit_blocks(shape, cfg):
+    """Configurations a benchmark sweep may pick: many K steps, ragged N and K tails, the norm
+    statistics over several steps (one warp at K = 600)."""
+    blocks = Blocks(*cfg)
+    m, n, k = shape
+    x, w, nw = _linear_inputs(m, n, k, torch.float32, seed=40)
+    torch.testing.assert_close(small_linear_triton(x, w, blocks=blocks), small_linear_ref(x, w),
+                               **NORM_TOL[torch.float32])
+    torch.testing.assert_close(norm_small_linear_triton(x, nw, 1e-6, w, blocks=blocks),
+                               norm_small_linear_ref(x, nw, 1e-6, w), **NORM_TOL[torch.float32])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def check_small_linear_residual(dtype):
+    """residual of the activation dtype, and an fp32 residual stream over bf16 x and w: one
+    fp32 sum, one rounding to the residual's dtype."""
+    for (m, n, k), res_dtype in zip(LINEAR_SHAPES, [dtype, torch.float32, torch.float32]):
+        x, w, _ = _linear_inputs(m, n, k, dtype, seed=50 + m)
+        res = torch.randn(m, n, generator=torch.Generator().manual_seed(m)).to(res_dtype)
+        y = small_linear_triton(x, w, residual=res, blocks=_interp_blocks(m, n, k, dtype))
+        assert y.dtype == res_dtype
+        tol = NORM_TOL[dtype] if res_dtype == dtype else NORM_TOL[torch.float32]
+        torch.testing.assert_close(y, small_linear_ref(x, w, residual=res), **tol)
+
+
+def check_small_linear_out_buffer():
+    """out= is written in place (a strided row view of a wider buffer), and returned."""
+    m, n, k = 3, 96, 160
+    x, w, _ = _linear_inputs(m, n, k, torch.float32, seed=60)
+    buf = torch.full((m, n + 8), float("nan"))
+    out = buf[:, 4:4 + n]
+    y = small_linear_triton(x, w, out=out)
+    assert y.data_ptr() == out.data_ptr()
+    torch.testing.assert_close(out, small_linear_ref(x, w), **NORM_TOL[torch.float32])
+    assert torch.isnan(buf[:, :4]).all() and torch.isnan(buf[:, 4 + n:]).all()
+
+
+# (x dtype, weight dtype, RMSNorm weight dtype): the last two are the fp32 residual stream
+# feeding bf16 weights, with a bf16 or an fp32 RMSNorm weight.
+NORM_DTYPES = [(torch.float32,) * 3, (torch.bfloat16,) * 3,
+               (torch.float32, torch.bfloat16, torch.bfloat16),
+               (torch.float32, torch.bfloat16, torch.float32)]
+
+
+@pytest.mark.parametrize("dtypes", NORM_DTYPES, ids=lambda d: "-".join(str(t)[6:] for t in d))
+@pytest.mark.parametrize("shape", LINEAR_SHAPES)
+def check_norm_small_linear(shape, dtypes):
+    m, n, k = shape
+    x_dtype, w_dtype, nw_dtype = dtypes
+    x, w, nw = _linear_inputs(m, n, k, x_dtype, seed=70 + m, w_dtype=w_dtype)
+    nw = nw.to(nw_dtype)
+    y = norm_small_linear_triton(x, nw, 1e-5, w, blocks=_interp_blocks(m, n, k, w_dtype))
+    assert y.dtype == w_dtype and y.shape == (m, n)
+    torch.testing.assert_close(y, norm_small_linear_ref(x, nw, 1e-5, w), **FUSED_TOL[w_dtype])
+
+
+@pytest.mark.parametrize("dtypes", NORM_DTYPES[:3], ids=lambda d: "-".join(str(t)[6:] for t in d))
+@pytest.mark.parametrize("shape", LINEAR_SHAPES)
+def check_norm_small_linear_silu_mul(shape, dtypes):
+    m, inter, k = shape
+    x_dtype, w_dtype, nw_dtype = dtypes
+    x, w, nw = _linear_inputs(m, inter, k, x_dtype, seed=80 + m, w_dtype=w_dtype, rows=2)
+    nw = nw.to(nw_dtype)
+    y = norm_small_linear_silu_mul_triton(x, nw, 1e-6, w,
+                                          blocks=_interp_blocks(m, inter, k, w_dtype))
+    assert y.dtype == w_dtype and y.shape == (m, inter)
+    torch.testing.assert_close(y, norm_small_linear_silu_mul_ref(x, nw, 1e-6, w),
+                               **FUSED_TOL[w_dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", LINEAR_SHAPES)
+def check_small_linear_silu_mul(shape, dtype):
+    m, inter, k = shape
+    x, w, _ = _linear_inputs(m, inter, k, dtype, seed=90 + m, rows=2)
+    y = small_linear_silu_mul_triton(x, w, blocks=_interp_blocks(m, inter, k, dtype))
+    assert y.dtype == dtype and y.shape == (m, inter)
+    torch.testing.assert_close(y, small_linear_silu_mul_ref(x, w), **FUSED_TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("m,inter", [(1, 50), (7, 1500), (40, 3)])
+def check_silu_mul(dtype, m, inter):
+    g = torch.Generator().manual_seed(100 + m)
+    gu = (torch.randn(m, 2 * inter + 6, generator=g) * 3).to(dtype)[:, 2:2 + 2 * inter]
+    y = silu_mul_triton(gu)
+    assert y.dtype == dtype and y.shape == (m, inter)
+    # One rounding after an exact-ish silu: the interpreter may truncate both roundings.
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else NORM_TOL[dtype]
+    torch.testing.assert_close(y, silu_mul_ref(gu), **tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,vocab", [(1, 5000), (3, 4097), (2, 5)])
+def check_argmax(dtype, rows, vocab):
+    g = torch.Generator().manual_seed(rows + vocab)
+    x = (torch.randn(rows, vocab, generator=g) * 4).to(dtype)
+    top = x.max(dim=-1).values + 1
+    x[:, vocab // 2] = top  # ties in different chunks: the first index wins
+    x[:, -1] = top
+    if rows > 1:
+        x[1] = top[1]  # one value everywhere: index 0
+    assert torch.equal(argmax_triton(x), x.argmax(dim=-1))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [64, 24])
+def check_rope_and_store(dtype, d):
+    g = torch.Generator().manual_seed(d)
+    t, hq, hkv, blocks, bs = 7, 4, 2, 5, 4
+    qkv = torch.randn(t, hq + 2 * hkv, d, generator=g).to(dtype)
+    cos, sin = torch.randn(50, d // 2, generator=g), torch.randn(50, d // 2, generator=g)
+    pos = torch.randint(0, 50, (t,), generator=g)
+    slots = torch.randperm((blocks - 1) * bs, generator=g)[:t] + bs
+    slots[3] = -1
+    cache = torch.full((2, 2, blocks, bs, hkv, d), float("nan"), dtype=dtype)
+    ref_cache = cache.clone()
+    k, v = qkv[:, hq:hq + hkv], qkv[:, hq + hkv:]
+    k_before, q_ref = k.clone(), qkv[:, :hq].clone()
+    apply_rope_and_store_ref(q_ref, k, v, cos, sin, pos, ref_cache, 1, slots)
+    q = qkv[:, :hq]  # a strided view, rotated in place
+    apply_rope_and_store_triton(q, k, v, cos, sin, pos, cache, 1, slots)
+    torch.testing.assert_close(q, q_ref, **EXACT_TOL[dtype])
+    torch.testing.assert_close(cache[:, :, 1:], ref_cache[:, :, 1:], equal_nan=True,
+                               **EXACT_TOL[dtype])
+    assert torch.isnan(cache[:, :, 0].float()).all(), "a padded row was written"
+    assert torch.isnan(cache[0].float()).all(), "another layer slot was written"
+    assert torch.equal(k, k_before), "k was modified"

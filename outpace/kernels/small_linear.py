@@ -1,0 +1,452 @@
+"""Linear layers with few rows (M = 1..16 tokens: small-batch decode, verify of k+1 tokens), with
+the neighbouring element-wise work fused in: Triton kernels and their PyTorch references.
+
+Why: at batch 1 a small model's decode step is a chain of tiny GEMMs (SmolLM2-135M: 576 x 960)
+that cuBLAS runs on ~15 CTAs in ~3.8 us each, while reading the weight would take ~0.3 us. Here one
+program owns BLOCK_N output columns and runs the whole K loop, so even a 576-column weight is read
+by ~300 programs at once, each weight element once for all M rows. The norm, the residual add and
+silu * mul ride along, so a decoder layer needs fewer kernels:
+
+    small_linear(x, w, residual=)            y = x @ w.T (+ residual, one rounding)
+    norm_small_linear(x, nw, eps, w)         y = rms_norm(x) @ w.T
+    norm_small_linear_silu_mul(x, nw, eps, w_gate_up)   a = silu(g) * u, [g, u] = rms_norm(x) @ w.T
+    small_linear_silu_mul(x, w_gate_up)      a = silu(g) * u, [g, u] = x @ w.T
+    silu_mul(gu)                             a = silu(gu[:, :I]) * gu[:, I:]   (any M)
+
+Rounding follows the unfused torch composition (HF's modules): the rms_norm is HF's (statistics in
+fp32, normalized value rounded to the activation dtype, times the weight in promote(weight, x)),
+its output is rounded to the linear's weight dtype, each matmul output is rounded to its dtype,
+silu(g) is rounded, then the product. Products accumulate in fp32, so bf16 results differ from
+the references only by summation order (an ulp now and then). With `residual` the sum is taken
+in fp32 before the single rounding (the fp32-residual-stream case: residual fp32, x and w bf16).
+
+Measured on an H200 (bf16, CUDA-graph replays, L2-cold weights; benchmarks/bench_small_linear.py):
+SmolLM2 projections at M = 1 take 2.5-3.6 us against cuBLAS's 3.9-5.3, the fused norm + gate_up +
+silu * mul 4.5 us against 9.1 for the unfused ops; Llama-8B shapes run at cuBLAS's speed (+-8%),
+except the norm-fused projections at K = 4096 (the statistics pass costs 3-10 us there).
+
+Each dispatcher runs the Triton kernel for CUDA inputs with at most SMALL_M_MAX rows and falls
+back to the reference otherwise (CPU, wide batches, unusual layouts). Launches allocate by shape
+only and never read device values, so they are CUDA-graph capturable; `out=` takes a buffer.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+import torch.nn.functional as F
+
+from outpace.kernels import next_pow2, use_triton
+from outpace.kernels.norm import rms_norm_ref  # HF's RMSNorm: the norm the fused kernels apply
+
+try:  # guarded: CPU machines may not have triton, and `import outpace` must still work
+    import triton
+    import triton.language as tl
+except Exception:  # pragma: no cover - exercised only where triton is missing
+    triton = None
+    tl = None
+
+SMALL_M_MAX = 16  # rows up to which the Triton kernels run; wider batches go to cuBLAS
+_NUM_SMS = 132  # H200; only sets the program-count target of choose_blocks (a shape policy)
+
+
+# ----------------------------------------------------------------------------- references
+
+def silu_mul_ref(gu: torch.Tensor) -> torch.Tensor:
+    """gu [..., 2I] -> silu(gu[..., :I]) * gu[..., I:]: silu rounded to the dtype, then the
+    product (what `F.silu(g) * u` does on bf16)."""
+    i = gu.shape[-1] // 2
+    return F.silu(gu[..., :i]) * gu[..., i:]
+
+
+def small_linear_ref(x: torch.Tensor, w: torch.Tensor, *,
+                     residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x [M, K] @ w[N, K].T (+ residual [M, N], added in fp32 before the one rounding to
+    residual.dtype)."""
+    if residual is None:
+        return F.linear(x, w)
+    return (residual.float() + F.linear(x.float(), w.float())).to(residual.dtype)
+
+
+def norm_small_linear_ref(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                          w: torch.Tensor) -> torch.Tensor:
+    """rms_norm(x) rounded to w.dtype, @ w.T -> [M, N] of w.dtype."""
+    return F.linear(rms_norm_ref(x, norm_weight, eps).to(w.dtype), w)
+
+
+def norm_small_linear_silu_mul_ref(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                                   w_gate_up: torch.Tensor) -> torch.Tensor:
+    """w_gate_up [2I, K] (gate rows, then up rows) -> silu(g) * u [M, I] of w.dtype."""
+    return silu_mul_ref(norm_small_linear_ref(x, norm_weight, eps, w_gate_up))
+
+
+def small_linear_silu_mul_ref(x: torch.Tensor, w_gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(g) * u for [g, u] = x @ w_gate_up.T -> [M, I]."""
+    return silu_mul_ref(F.linear(x, w_gate_up))
+
+
+# ----------------------------------------------------------------------------- block sizes
+
+class Blocks(NamedTuple):
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    use_dot: bool
+
+
+# Numbers below are from benchmarks/bench_small_linear.py on an H200 (SmolLM2-135M and Llama-8B
+# shapes, bf16, CUDA-graph replays with L2-cold weights).
+# The broadcast-multiply-sum path materialises a [BLOCK_M, BLOCK_N, BLOCK_K] fp32 product per K
+# step; up to 128 values a thread (4 warps) it stays in registers.
+_PRODUCT_BUDGET = 16384
+_SUM_ONE_STEP_K = 2048  # up to this K the broadcast path reads a row in one step...
+_SUM_K = 1024  # ...beyond it in steps of this (faster than 2048 or 512 on Llama-8B shapes)
+_DOT_K = 256  # K step of the tl.dot path
+_DOT_STAGES = 3  # its software pipeline (3 beat 2 by ~20% on every shape, 4 was no better)
+_DOT_SMEM = 64 * 1024  # its pipeline buffers: wide tiles get shorter K steps (LM head: 128 x 64)
+_SUM_MAX_N = 16384  # wider weights (LM heads) take the tl.dot path even at M = 1
+
+
+def choose_blocks(M: int, N: int, K: int, *, elem_bytes: int = 2, gate_up: bool = False,
+                  norm: bool = False, use_dot: Optional[bool] = None) -> Blocks:
+    """Launch configuration of the few-row linear: a pure function of shapes and dtype size
+    (never of values), so a captured graph and an eager call pick the same kernel.
+
+    N is the number of output columns the programs split (I for the gate/up kernels, which
+    read two weight tiles a step: `gate_up`); elem_bytes is the weight's element size; `norm`:
+    the kernel computes the RMSNorm statistics first.
+
+    Broadcast multiply + sum (M = 1 up to N = 16384, and M <= 4 on a small weight, K <= 2048:
+    a small model's verify): BLOCK_K takes the whole row in one step when K <= 2048, so all of
+    a program's loads are in flight at once (a small weight is below the GPU's bandwidth-delay
+    product, and every serial K step costs a DRAM latency); longer rows go in steps of 1024.
+    BLOCK_N is as small as keeps >= 4 programs per SM (576 columns: 288 programs of 2) and grows
+    up to the register budget for wide weights.
+
+    tl.dot otherwise (the rows padded to 16): on Llama-8B shapes the broadcast product over
+    several rows was 1.5-5x slower than tensor cores, and on a SmolLM2 LM head (49152 x 576)
+    tl.dot with 128 x 64 tiles beat the M = 1 broadcast path (17 vs 21 us). K steps of 256 in a
+    3-stage pipeline, shorter where the stages would pass 64 KB; BLOCK_N is the largest of
+    16..128 that keeps >= 2 programs per SM; 2 warps for narrow tiles (up to 15% faster), 4 for
+    wide ones (2 warps were 2x slower on a 128-wide tile) and under the norm prologue (its
+    [16, BLOCK_K] statistics tile). `use_dot` forces a path (tests, sweeps).
+    """
+    if use_dot is None:
+        use_dot = not ((M == 1 and N <= _SUM_MAX_N)
+                       or (M <= 4 and K <= _SUM_ONE_STEP_K and N <= 4096))
+    k_max = max(next_pow2(K), 16)
+    tiles = 2 if gate_up else 1
+    if use_dot:
+        block_m = max(next_pow2(M), 16)
+        block_n = 16  # tl.dot's minimum tile
+        while block_n < 128 and _cdiv(N, block_n * 2) >= 2 * _NUM_SMS:
+            block_n *= 2
+        block_k = min(k_max, _DOT_K)
+        while (block_k > 32 and
+               _DOT_STAGES * (tiles * block_n + block_m) * block_k * elem_bytes > _DOT_SMEM):
+            block_k //= 2
+        return Blocks(block_m, block_n, block_k,
+                      num_warps=4 if norm or block_n > 32 else 2,
+                      num_stages=_DOT_STAGES, use_dot=True)
+    block_m = next_pow2(M)
+    block_k = k_max if k_max <= _SUM_ONE_STEP_K else _SUM_K
+    block_k = min(block_k, max(_PRODUCT_BUDGET // (block_m * 2 * tiles), 16))
+    block_n = 2
+    while (block_n * 2 * tiles * block_m * block_k <= _PRODUCT_BUDGET
+           and _cdiv(N, block_n * 2) >= 4 * _NUM_SMS):
+        block_n *= 2
+    return Blocks(block_m, block_n, block_k, num_warps=4, num_stages=2, use_dot=False)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# ----------------------------------------------------------------------------- triton
+
+if triton is not None:
+
+    @triton.jit
+    def _dot_input(x, nw_ptr, offs_k, k_mask, rstd, W_DTYPE: tl.constexpr,
+                   HAS_NORM: tl.constexpr, NORM_ROUND: tl.constexpr):
+        # x [BLOCK_M, BLOCK_K] as loaded -> the matmul operand, fp32 holding W_DTYPE values.
+        if HAS_NORM:
+            n = (x.to(tl.float32) * rstd[:, None]).to(x.dtype)  # HF casts back before the weight
+            nw = tl.load(nw_ptr + offs_k, mask=k_mask, other=0.0)
+            n = nw.to(tl.float32)[None, :] * n.to(tl.float32)
+            if NORM_ROUND:  # weight and activation share a dtype: torch's product is in it
+                n = n.to(x.dtype)
+            x = n
+        return x.to(W_DTYPE).to(tl.float32)
+
+    @triton.jit
+    def _accumulate(acc, a, w, USE_DOT: tl.constexpr):
+        # acc [BLOCK_M, BLOCK_N] += a [BLOCK_M, BLOCK_K] @ w [BLOCK_N, BLOCK_K].T
+        if USE_DOT:
+            if w.dtype == tl.float32:  # no tf32: fp32 layers must match fp32 torch
+                acc = tl.dot(a, tl.trans(w), acc, input_precision="ieee")
+            else:  # a holds w-dtype values already, so this cast is exact
+                acc = tl.dot(a.to(w.dtype), tl.trans(w), acc)
+        else:
+            # GEMV-style broadcast multiply + sum, for M = 1: tensor cores would pad the row to
+            # 16 and stage tiles through shared memory for nothing (the op is bound by the
+            # weight read); here the weight tile goes straight to registers.
+            acc += tl.sum(a[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+        return acc
+
+    @triton.jit
+    def _silu_mul_values(g, u, OUT_DTYPE: tl.constexpr):
+        # g, u fp32 holding OUT_DTYPE values; silu rounded, then the product (torch's roundings)
+        s = (g / (1.0 + tl.exp(-g))).to(OUT_DTYPE).to(tl.float32)
+        return (s * u).to(OUT_DTYPE)
+
+    @triton.jit
+    def _load_w(w_rows, u_rows, offs_k, n_mask, K, SILU_MUL: tl.constexpr):
+        # The weight tile of one K step (and its up-half tile for SILU_MUL).
+        mask = n_mask[:, None] & (offs_k < K)[None, :]
+        w = tl.load(w_rows + offs_k[None, :], mask=mask, other=0.0)
+        wu = w
+        if SILU_MUL:
+            wu = tl.load(u_rows + offs_k[None, :], mask=mask, other=0.0)
+        return w, wu
+
+    @triton.jit
+    def _step(acc, acc_u, w, wu, x_rows, m_mask, offs_k, K, nw_ptr, rstd,
+              W_DTYPE: tl.constexpr, HAS_NORM: tl.constexpr, NORM_ROUND: tl.constexpr,
+              SILU_MUL: tl.constexpr, USE_DOT: tl.constexpr):
+        # One K step: load x (an L2 hit), make the matmul operand, accumulate.
+        k_mask = offs_k < K
+        x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        a = _dot_input(x, nw_ptr, offs_k, k_mask, rstd, W_DTYPE, HAS_NORM, NORM_ROUND)
+        acc = _accumulate(acc, a, w, USE_DOT)
+        if SILU_MUL:
+            acc_u = _accumulate(acc_u, a, wu, USE_DOT)
+        return acc, acc_u
+
+    @triton.jit
+    def _small_linear_kernel(x_ptr, nw_ptr, w_ptr, r_ptr, out_ptr, M, N, K,
+                             stride_xm, stride_rm, stride_om, eps,
+                             HAS_NORM: tl.constexpr, NORM_ROUND: tl.constexpr,
+                             HAS_RESIDUAL: tl.constexpr, SILU_MUL: tl.constexpr,
+                             USE_DOT: tl.constexpr, BLOCK_M: tl.constexpr,
+                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        # One program: output columns [pid * BLOCK_N, +BLOCK_N) for all M rows, whole K loop.
+        # With SILU_MUL the weight is [2N, K] and the program also owns up rows N + j.
+        pid = tl.program_id(0)
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        m_mask = offs_m < M
+        n_mask = offs_n < N
+        W_DTYPE: tl.constexpr = w_ptr.dtype.element_ty
+        x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
+        w_rows = w_ptr + offs_n[:, None].to(tl.int64) * K
+        u_rows = w_ptr + (offs_n[:, None].to(tl.int64) + N) * K  # the up half (SILU_MUL)
+
+        # The first weight tile is loaded before anything else, so its DRAM latency overlaps
+        # the norm statistics; when K fits one step (a small model at M = 1) that is the
+        # program's whole weight read.
+        offs_k = tl.arange(0, BLOCK_K)
+        w, wu = _load_w(w_rows, u_rows, offs_k, n_mask, K, SILU_MUL)
+
+        rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
+        if HAS_NORM:
+            # Every program recomputes the row statistics: x is a few KB and L2-resident, and
+            # this saves the separate norm kernel and its round trip through memory.
+            sq = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                offs_kk = k0 + tl.arange(0, BLOCK_K)
+                xk = tl.load(x_rows + offs_kk[None, :],
+                             mask=m_mask[:, None] & (offs_kk < K)[None, :], other=0.0)
+                xk = xk.to(tl.float32)
+                sq += xk * xk
+            rstd = 1.0 / tl.sqrt(tl.sum(sq, axis=1) / K + eps)
+
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc, acc_u = _step(acc, acc, w, wu, x_rows, m_mask, offs_k, K, nw_ptr, rstd, W_DTYPE,
+                           HAS_NORM, NORM_ROUND, SILU_MUL, USE_DOT)
+        for k0 in range(BLOCK_K, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            w, wu = _load_w(w_rows, u_rows, offs_k, n_mask, K, SILU_MUL)
+            acc, acc_u = _step(acc, acc_u, w, wu, x_rows, m_mask, offs_k, K, nw_ptr, rstd,
+                               W_DTYPE, HAS_NORM, NORM_ROUND, SILU_MUL, USE_DOT)
+
+        out_mask = m_mask[:, None] & n_mask[None, :]
+        out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+        OUT_DTYPE: tl.constexpr = out_ptr.dtype.element_ty
+        if SILU_MUL:
+            # g and u are rounded as the gate/up matmul output would be, then silu * mul.
+            g = acc.to(W_DTYPE).to(tl.float32)
+            u = acc_u.to(W_DTYPE).to(tl.float32)
+            y = _silu_mul_values(g, u, OUT_DTYPE)
+        elif HAS_RESIDUAL:
+            r = tl.load(r_ptr + offs_m[:, None].to(tl.int64) * stride_rm + offs_n[None, :],
+                        mask=out_mask, other=0.0)
+            y = (r.to(tl.float32) + acc).to(OUT_DTYPE)
+        else:
+            y = acc.to(OUT_DTYPE)
+        tl.store(out_ptrs, y, mask=out_mask)
+
+    @triton.jit
+    def _silu_mul_kernel(gu_ptr, out_ptr, I, stride_gm, stride_om, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < I
+        g = tl.load(gu_ptr + row * stride_gm + cols, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(gu_ptr + row * stride_gm + I + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * stride_om + cols,
+                 _silu_mul_values(g, u, out_ptr.dtype.element_ty), mask=mask)
+
+
+def _unit_last(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _out(out: Optional[torch.Tensor], m: int, n: int, dtype: torch.dtype,
+         device: torch.device) -> torch.Tensor:
+    if out is None:
+        return torch.empty((m, n), dtype=dtype, device=device)
+    if out.shape != (m, n) or out.dtype != dtype or out.stride(-1) != 1:
+        raise ValueError(f"out must be [{m}, {n}] {dtype} with a unit last stride, "
+                         f"got {tuple(out.shape)} {out.dtype} strides {out.stride()}")
+    return out
+
+
+def _launch(x, w, out, *, n_cols, norm_weight=None, eps=0.0, residual=None, silu_mul=False,
+            blocks: Optional[Blocks] = None):
+    """Shared launcher; `blocks` overrides choose_blocks (benchmark sweeps)."""
+    m, k = x.shape
+    if m == 0 or n_cols == 0:
+        return out
+    cfg = blocks or choose_blocks(m, n_cols, k, elem_bytes=w.element_size(), gate_up=silu_mul,
+                                  norm=norm_weight is not None)
+    if cfg.block_m < m or (cfg.use_dot and min(cfg.block_m, cfg.block_n, cfg.block_k) < 16):
+        raise ValueError(f"{cfg} cannot cover M={m} (tl.dot needs 16-wide tiles)")
+    nw = norm_weight if norm_weight is not None else w
+    res = residual if residual is not None else out
+    grid = (triton.cdiv(n_cols, cfg.block_n),)
+    _small_linear_kernel[grid](
+        x, nw, w, res, out, m, n_cols, k, x.stride(0), res.stride(0), out.stride(0),
+        float(eps),
+        HAS_NORM=norm_weight is not None,
+        NORM_ROUND=norm_weight is not None and norm_weight.dtype == x.dtype,
+        HAS_RESIDUAL=residual is not None, SILU_MUL=silu_mul, USE_DOT=cfg.use_dot,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out
+
+
+def small_linear_triton(x: torch.Tensor, w: torch.Tensor, *,
+                        residual: Optional[torch.Tensor] = None,
+                        out: Optional[torch.Tensor] = None,
+                        blocks: Optional[Blocks] = None) -> torch.Tensor:
+    x = _unit_last(x)
+    dtype = residual.dtype if residual is not None else x.dtype
+    out = _out(out, x.shape[0], w.shape[0], dtype, x.device)
+    if residual is not None:
+        residual = _unit_last(residual)
+    return _launch(x, w, out, n_cols=w.shape[0], residual=residual, blocks=blocks)
+
+
+def norm_small_linear_triton(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                             w: torch.Tensor, *, out: Optional[torch.Tensor] = None,
+                             blocks: Optional[Blocks] = None) -> torch.Tensor:
+    x = _unit_last(x)
+    out = _out(out, x.shape[0], w.shape[0], w.dtype, x.device)
+    return _launch(x, w, out, n_cols=w.shape[0], norm_weight=norm_weight.contiguous(), eps=eps,
+                   blocks=blocks)
+
+
+def norm_small_linear_silu_mul_triton(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                                      w_gate_up: torch.Tensor, *,
+                                      out: Optional[torch.Tensor] = None,
+                                      blocks: Optional[Blocks] = None) -> torch.Tensor:
+    x = _unit_last(x)
+    inter = w_gate_up.shape[0] // 2
+    out = _out(out, x.shape[0], inter, w_gate_up.dtype, x.device)
+    return _launch(x, w_gate_up, out, n_cols=inter, norm_weight=norm_weight.contiguous(),
+                   eps=eps, silu_mul=True, blocks=blocks)
+
+
+def small_linear_silu_mul_triton(x: torch.Tensor, w_gate_up: torch.Tensor, *,
+                                 out: Optional[torch.Tensor] = None,
+                                 blocks: Optional[Blocks] = None) -> torch.Tensor:
+    x = _unit_last(x)
+    inter = w_gate_up.shape[0] // 2
+    out = _out(out, x.shape[0], inter, w_gate_up.dtype, x.device)
+    return _launch(x, w_gate_up, out, n_cols=inter, silu_mul=True, blocks=blocks)
+
+
+_SILU_BLOCK = 1024
+
+
+def silu_mul_triton(gu: torch.Tensor, *, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """gu [M, 2I] (unit last stride, any row stride) -> [M, I]."""
+    gu = _unit_last(gu)
+    m, inter = gu.shape[0], gu.shape[1] // 2
+    out = _out(out, m, inter, gu.dtype, gu.device)
+    if m and inter:
+        block = min(_SILU_BLOCK, next_pow2(inter))
+        _silu_mul_kernel[(m, triton.cdiv(inter, block))](
+            gu, out, inter, gu.stride(0), out.stride(0), BLOCK=block,
+            num_warps=4 if block >= 512 else 1)
+    return out
+
+
+# ----------------------------------------------------------------------------- dispatch
+
+def _fast(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Kernel preconditions: CUDA + triton, 1..SMALL_M_MAX rows, a row-major weight of x's dtype
+    (x may be fp32 against a bf16 weight only where a norm sits in between)."""
+    return (x.dim() == 2 and 1 <= x.shape[0] <= SMALL_M_MAX and w.dim() == 2
+            and w.is_contiguous() and x.shape[1] == w.shape[1] and use_triton(x))
+
+
+def _copy_to(out: Optional[torch.Tensor], y: torch.Tensor) -> torch.Tensor:
+    if out is None:
+        return y
+    out.copy_(y)
+    return out
+
+
+def small_linear(x: torch.Tensor, w: torch.Tensor, *, residual: Optional[torch.Tensor] = None,
+                 out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """y [M, N] = x [M, K] @ w [N, K].T (+ residual [M, N] in fp32, one rounding to its dtype).
+    Triton for CUDA inputs of at most SMALL_M_MAX rows, the reference otherwise."""
+    if _fast(x, w) and x.dtype == w.dtype:
+        return small_linear_triton(x, w, residual=residual, out=out)
+    return _copy_to(out, small_linear_ref(x, w, residual=residual))
+
+
+def norm_small_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, w: torch.Tensor,
+                      *, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """rms_norm(x) @ w.T -> [M, N] of w.dtype (x may be an fp32 residual stream)."""
+    if _fast(x, w):
+        return norm_small_linear_triton(x, norm_weight, eps, w, out=out)
+    return _copy_to(out, norm_small_linear_ref(x, norm_weight, eps, w))
+
+
+def norm_small_linear_silu_mul(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                               w_gate_up: torch.Tensor, *,
+                               out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """silu(g) * u with [g, u] = rms_norm(x) @ w_gate_up.T -> [M, I] of w.dtype."""
+    if _fast(x, w_gate_up):
+        return norm_small_linear_silu_mul_triton(x, norm_weight, eps, w_gate_up, out=out)
+    return _copy_to(out, norm_small_linear_silu_mul_ref(x, norm_weight, eps, w_gate_up))
+
+
+def small_linear_silu_mul(x: torch.Tensor, w_gate_up: torch.Tensor, *,
+                          out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """silu(g) * u with [g, u] = x @ w_gate_up.T -> [M, I]."""
+    if _fast(x, w_gate_up) and x.dtype == w_gate_up.dtype:
+        return small_linear_silu_mul_triton(x, w_gate_up, out=out)
+    return _copy_to(out, small_linear_silu_mul_ref(x, w_gate_up))
+
+
+def silu_mul(gu: torch.Tensor, *, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """silu(gu[:, :I]) * gu[:, I:] for any number of rows; Triton on CUDA."""
+    if gu.dim() == 2 and use_triton(gu):
+        return silu_mul_triton(gu, out=out)
+    return _copy_to(out, silu_mul_ref(gu))

@@ -1,0 +1,127 @@
+"""outpace.kernels.small_linear on CPU: the references are the unfused torch compositions the model
+runs today (HF's arithmetic), the dispatchers fall back to them off CUDA, and the launch
+configuration is a function of shapes only. The kernels themselves are checked against these
+references in test_kernels_interpret.py (interpreter) and tests/gpu/test_kernels.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from outpace.kernels import next_pow2
+from outpace.kernels.norm import rms_norm_ref
+from outpace.kernels.small_linear import (SMALL_M_MAX, choose_blocks, norm_small_linear,
+                                          norm_small_linear_ref, norm_small_linear_silu_mul,
+                                          norm_small_linear_silu_mul_ref, silu_mul, silu_mul_ref,
+                                          small_linear, small_linear_ref, small_linear_silu_mul,
+                                          small_linear_silu_mul_ref)
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _inputs(m, n, k, dtype, seed=0, *, w_dtype=None):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(m, k, generator=g) * 2).to(dtype)
+    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(w_dtype or dtype)
+    nw = (1 + 0.2 * torch.randn(k, generator=g)).to(w_dtype or dtype)
+    return x, w, nw
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_norm_small_linear_ref_is_norm_then_linear(dtype):
+    x, w, nw = _inputs(5, 48, 64, dtype)
+    assert torch.equal(norm_small_linear_ref(x, nw, 1e-6, w),
+                       F.linear(rms_norm_ref(x, nw, 1e-6), w))
+
+
+def test_norm_small_linear_ref_fp32_stream_bf16_weights():
+    """fp32 residual stream: HF's norm in fp32 (no cast back), then the bf16 linear's input."""
+    x, w, nw = _inputs(3, 40, 64, torch.float32, w_dtype=torch.bfloat16)
+    y = norm_small_linear_ref(x, nw, 1e-5, w)
+    assert y.dtype == torch.bfloat16
+    assert torch.equal(y, F.linear(rms_norm_ref(x, nw, 1e-5).to(torch.bfloat16), w))
+
+
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float16], ids=str)
+def test_silu_mul_ref_is_silu_times_up(dtype):
+    gu = (torch.randn(7, 2 * 33) * 4).to(dtype)
+    g, u = gu[:, :33], gu[:, 33:]
+    assert torch.equal(silu_mul_ref(gu), F.silu(g) * u)
+    a = F.silu(g)  # outpace.models.llama.LlamaMLP's in-place form
+    a.mul_(u)
+    assert torch.equal(silu_mul_ref(gu), a)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gate_up_refs_are_the_mlp_composition(dtype):
+    x, w, nw = _inputs(4, 2 * 24, 64, dtype, seed=1)
+    gu = F.linear(rms_norm_ref(x, nw, 1e-6), w)
+    assert torch.equal(norm_small_linear_silu_mul_ref(x, nw, 1e-6, w),
+                       F.silu(gu[:, :24]) * gu[:, 24:])
+    gu = F.linear(x, w)
+    assert torch.equal(small_linear_silu_mul_ref(x, w), F.silu(gu[:, :24]) * gu[:, 24:])
+
+
+def test_small_linear_ref_residual_rounds_once():
+    x, w, _ = _inputs(3, 40, 64, torch.float32, seed=2)
+    r = torch.randn(3, 40)
+    assert torch.equal(small_linear_ref(x, w), F.linear(x, w))
+    assert torch.equal(small_linear_ref(x, w, residual=r), r + F.linear(x, w))  # fp32: as torch
+    xb, wb = x.bfloat16(), w.bfloat16()
+    y = small_linear_ref(xb, wb, residual=r)  # fp32 residual stream over bf16 weights
+    assert y.dtype == torch.float32
+    assert torch.equal(y, r + F.linear(xb.float(), wb.float()))
+    rb = r.bfloat16()
+    y = small_linear_ref(xb, wb, residual=rb)
+    assert y.dtype == torch.bfloat16
+    assert torch.equal(y, (rb.float() + F.linear(xb.float(), wb.float())).bfloat16())
+    # one rounding is within one bf16 ulp of torch's two (linear, then add)
+    torch.testing.assert_close(y, rb + F.linear(xb, wb), atol=2 ** -6, rtol=2 ** -7)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_dispatchers_on_cpu_return_the_reference(dtype):
+    x, w, nw = _inputs(3, 2 * 20, 48, dtype, seed=3)
+    r = torch.randn(3, 40).to(dtype)
+    pairs = [
+        (small_linear(x, w), small_linear_ref(x, w)),
+        (small_linear(x, w, residual=r), small_linear_ref(x, w, residual=r)),
+        (norm_small_linear(x, nw, 1e-6, w), norm_small_linear_ref(x, nw, 1e-6, w)),
+        (norm_small_linear_silu_mul(x, nw, 1e-6, w),
+         norm_small_linear_silu_mul_ref(x, nw, 1e-6, w)),
+        (small_linear_silu_mul(x, w), small_linear_silu_mul_ref(x, w)),
+        (silu_mul(r), silu_mul_ref(r)),
+    ]
+    for got, want in pairs:
+        assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+def test_dispatcher_fills_out_buffer_on_cpu():
+    x, w, nw = _inputs(2, 30, 48, torch.float32, seed=4)
+    out = torch.full((2, 30), float("nan"))
+    y = norm_small_linear(x, nw, 1e-6, w, out=out)
+    assert y is out and torch.equal(out, norm_small_linear_ref(x, nw, 1e-6, w))
+    out = torch.empty(2, 15)
+    assert silu_mul(out.new_ones(2, 30), out=out) is out
+
+
+SHAPES = [(960, 576), (576, 576), (1536, 576), (576, 1536), (49152, 576), (6144, 4096),
+          (4096, 4096), (14336, 4096), (4096, 14336), (128256, 4096), (50, 72), (40, 600)]
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 16])
+def test_choose_blocks_is_a_valid_shape_policy(m):
+    for n, k in SHAPES:
+        b = choose_blocks(m, n, k)
+        assert b == choose_blocks(m, n, k)  # a pure function of the shapes
+        for v in (b.block_m, b.block_n, b.block_k):
+            assert v == next_pow2(v)  # Triton block shapes are powers of two
+        assert b.block_m >= m and b.block_n <= 128
+        if b.use_dot:
+            assert min(b.block_m, b.block_n, b.block_k) >= 16
+        else:  # the broadcast product tile stays within the register budget
+            assert b.block_m * b.block_n * b.block_k <= 16384
+        if m == 1 and 576 <= n <= 3072:
+            assert -(-n // b.block_n) >= 100  # small weights spread over the SMs
+    assert choose_blocks(SMALL_M_MAX, 576, 576).block_m == SMALL_M_MAX
