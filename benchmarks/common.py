@@ -46,7 +46,7 @@ def write_result(path: Path, payload: dict) -> Path:
 
 
 def print_table(rows: list, cols: list) -> None:
-    widths = [max(len(c), *(len(f"{r.get(c, '')}") for r in rows)) for c in cols]
+    widths = [max([len(c)] + [len(f"{r.get(c, '')}") for r in rows]) for c in cols]
     print("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
     for r in rows:
         print("  ".join(f"{r.get(c, '')}".ljust(w) for c, w in zip(cols, widths)))

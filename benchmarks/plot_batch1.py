@@ -1,0 +1,58 @@
+"""Batch-1 TPOT across GPU runs: a bar per (config, overlap) and run, from the `overlap`
+section of bench_gpu.py JSONs (SmolLM2-shaped model), with the 8B-shaped ratio to its floor.
+
+    python benchmarks/plot_batch1.py RUN.json [MORE.json ...] --out FILE.png
+
+Needs matplotlib (not a dependency of outpace).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("json", nargs="+")
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [(Path(f).stem, json.loads(Path(f).read_text())) for f in a.json]
+    keys = []
+    for _, d in runs:
+        for r in d.get("overlap", []):
+            k = (r["config"], r["overlap"])
+            if k not in keys:
+                keys.append(k)
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 5), gridspec_kw={"width_ratios": [3, 1]})
+    width = 0.8 / max(1, len(runs))
+    for i, (name, d) in enumerate(runs):
+        tpot = {(r["config"], r["overlap"]): r["tpot_ms"] for r in d.get("overlap", [])}
+        xs = [j + i * width for j in range(len(keys))]
+        ax.bar(xs, [tpot.get(k, 0) for k in keys], width, label=f"{name} ({d.get('commit', '?')})")
+        big = d.get("big", {})
+        if "ratio_to_floor_overlap" in big:
+            bx.bar([i], [big["ratio_to_floor_overlap"]], 0.6, label=name)
+    ax.set_xticks([j + width * (len(runs) - 1) / 2 for j in range(len(keys))])
+    ax.set_xticklabels([f"{c}\n{'overlap' if o else 'sync'}" for c, o in keys])
+    ax.set_ylabel("TPOT ms (batch 1, lower is better)")
+    ax.set_title("SmolLM2-135M-shaped, bf16, H200")
+    ax.legend()
+    bx.axhline(1.3, color="red", linestyle="--", label="goal 1.3x")
+    bx.set_ylabel("TPOT / weight-bytes floor")
+    bx.set_title("Llama-3.1-8B-shaped, batch 1, overlap")
+    bx.set_xticks(range(len(runs)))
+    bx.set_xticklabels([n for n, _ in runs], rotation=20, fontsize=7)
+    bx.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(a.out, dpi=110)
+    print("wrote", a.out)
+
+
+if __name__ == "__main__":
+    main()
