@@ -1,0 +1,35 @@
+"""The CLI's engine flags reach the engine arguments (no model is loaded)."""
+
+from __future__ import annotations
+
+import pytest
+
+from outpace.entrypoints.cli import build_parser, engine_kwargs
+from outpace.errors import OutpaceError
+
+
+def _kwargs(*argv):
+    return engine_kwargs(build_parser().parse_args(["generate", "hi", *argv]))
+
+
+def test_defaults_overlap_on_graphs_on():
+    kw = _kwargs()
+    assert kw["overlap"] is True and kw["enforce_eager"] is False
+    assert kw["speculative_config"] is None
+
+
+def test_no_overlap_and_enforce_eager():
+    kw = _kwargs("--no-overlap", "--enforce-eager")
+    assert kw["overlap"] is False and kw["enforce_eager"] is True
+
+
+def test_spec_options_are_parsed():
+    kw = _kwargs("--spec", "eagle3", "--draft", "/d", "--k", "4",
+                 "--spec-option", "force_accept_mean=3", "--spec-option", "x=true")
+    assert kw["speculative_config"] == {"method": "eagle3", "num_speculative_tokens": 4,
+                                        "model": "/d", "force_accept_mean": 3, "x": True}
+
+
+def test_malformed_spec_option_is_a_clear_error():
+    with pytest.raises(OutpaceError, match="KEY=VALUE"):
+        _kwargs("--spec", "ngram", "--spec-option", "oops")
