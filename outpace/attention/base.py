@@ -67,6 +67,12 @@ class AttentionBackend(ABC):
                 meta: AttentionMetadata) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] -> out [T, Hq, D]. Writes k/v at meta.slot_mapping."""
 
+    @abstractmethod
+    def attend_stored(self, layer: int, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """forward() for a step whose k/v the caller already wrote into the pool at
+        meta.slot_mapping (e.g. a projection kernel that stores them itself): q [T, Hq, D]
+        -> out [T, Hq, D]."""
+
     def forward_rope(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      meta: AttentionMetadata, cos: torch.Tensor, sin: torch.Tensor,
                      positions: torch.Tensor) -> torch.Tensor:

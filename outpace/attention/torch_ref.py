@@ -113,9 +113,14 @@ class TorchRefBackend(AttentionBackend):
                 return self.decode(layer, q, k, v, self._plan)
         return self.attend_each(layer, q, k, v, meta)
 
+    def attend_stored(self, layer, q, meta: AttentionMetadata):
+        return self.attend_each(layer, q, None, None, meta)
+
     def attend_each(self, layer, q, k, v, meta: AttentionMetadata):
-        """The general path: store, then one SDPA per sequence over its gathered pages."""
-        store_kv(self.kv_cache, layer, k, v, meta.slot_mapping)
+        """The general path: store (unless k is None: already stored), then one SDPA per
+        sequence over its gathered pages."""
+        if k is not None:
+            store_kv(self.kv_cache, layer, k, v, meta.slot_mapping)
         out = torch.empty_like(q)
         # Metadata built for a graph carries no host mirrors; read the device tensors instead
         # (a sync, which is fine for the oracle; the GPU path uses the Triton backend).

@@ -316,6 +316,9 @@ class TritonPagedBackend(AttentionBackend):
                                     meta.slot_mapping)
         return self._attend(layer, q, meta)
 
+    def attend_stored(self, layer, q, meta: AttentionMetadata):
+        return self._attend(layer, q, meta)
+
     def _attend(self, layer, q, meta: AttentionMetadata):
         return paged_attention(q, self.kv_cache, layer, meta, self.scale,
                                self.num_splits_for(meta, q.shape[1]), self.min_split_tokens)

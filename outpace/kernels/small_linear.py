@@ -229,12 +229,20 @@ if triton is not None:
     @triton.jit
     def _small_linear_kernel(x_ptr, nw_ptr, w_ptr, r_ptr, out_ptr, M, N, K,
                              stride_xm, stride_rm, stride_om, eps,
+                             cos_ptr, sin_ptr, pos_ptr, slot_ptr, kc_ptr, vc_ptr, stride_cos,
+                             table_off, stride_cb, stride_co, stride_ch,
                              HAS_NORM: tl.constexpr, NORM_ROUND: tl.constexpr,
                              HAS_RESIDUAL: tl.constexpr, SILU_MUL: tl.constexpr,
+                             ROPE_STORE: tl.constexpr, TWO_TILES: tl.constexpr,
+                             HALF: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr,
+                             CACHE_BLOCK: tl.constexpr,
                              USE_DOT: tl.constexpr, BLOCK_M: tl.constexpr,
                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         # One program: output columns [pid * BLOCK_N, +BLOCK_N) for all M rows, whole K loop.
-        # With SILU_MUL the weight is [2N, K] and the program also owns up rows N + j.
+        # With SILU_MUL the weight is [2N, K] and the program also owns up rows N + j. With
+        # ROPE_STORE (a qkv weight, heads of 2 * HALF rows) column j is the rope pair of rows
+        # (head, d) and (head, d + HALF), head = j // HALF, d = j % HALF, so the epilogue can
+        # rotate q and k itself (see norm_qkv_rope_store).
         pid = tl.program_id(0)
         offs_m = tl.arange(0, BLOCK_M)
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -242,14 +250,19 @@ if triton is not None:
         n_mask = offs_n < N
         W_DTYPE: tl.constexpr = w_ptr.dtype.element_ty
         x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
-        w_rows = w_ptr + offs_n[:, None].to(tl.int64) * K
-        u_rows = w_ptr + (offs_n[:, None].to(tl.int64) + N) * K  # the up half (SILU_MUL)
+        if ROPE_STORE:
+            row = (offs_n // HALF) * (2 * HALF) + offs_n % HALF
+            w_rows = w_ptr + row[:, None].to(tl.int64) * K
+            u_rows = w_rows + HALF * K  # the rope partner rows
+        else:
+            w_rows = w_ptr + offs_n[:, None].to(tl.int64) * K
+            u_rows = w_ptr + (offs_n[:, None].to(tl.int64) + N) * K  # the up half (SILU_MUL)
 
         # The first weight tile is loaded before anything else, so its DRAM latency overlaps
         # the norm statistics; when K fits one step (a small model at M = 1) that is the
         # program's whole weight read.
         offs_k = tl.arange(0, BLOCK_K)
-        w, wu = _load_w(w_rows, u_rows, offs_k, n_mask, K, SILU_MUL)
+        w, wu = _load_w(w_rows, u_rows, offs_k, n_mask, K, TWO_TILES)
 
         rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
         if HAS_NORM:
@@ -266,17 +279,22 @@ if triton is not None:
 
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc, acc_u = _step(acc, acc, w, wu, x_rows, m_mask, offs_k, K, nw_ptr, rstd, W_DTYPE,
-                           HAS_NORM, NORM_ROUND, SILU_MUL, USE_DOT)
+                           HAS_NORM, NORM_ROUND, TWO_TILES, USE_DOT)
         for k0 in range(BLOCK_K, K, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
-            w, wu = _load_w(w_rows, u_rows, offs_k, n_mask, K, SILU_MUL)
+            w, wu = _load_w(w_rows, u_rows, offs_k, n_mask, K, TWO_TILES)
             acc, acc_u = _step(acc, acc_u, w, wu, x_rows, m_mask, offs_k, K, nw_ptr, rstd,
-                               W_DTYPE, HAS_NORM, NORM_ROUND, SILU_MUL, USE_DOT)
+                               W_DTYPE, HAS_NORM, NORM_ROUND, TWO_TILES, USE_DOT)
 
         out_mask = m_mask[:, None] & n_mask[None, :]
         out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
         OUT_DTYPE: tl.constexpr = out_ptr.dtype.element_ty
-        if SILU_MUL:
+        if ROPE_STORE:
+            _rope_store_epilogue(acc, acc_u, offs_m, offs_n, m_mask, n_mask, out_ptr,
+                                 stride_om, cos_ptr, sin_ptr, pos_ptr, slot_ptr, kc_ptr, vc_ptr,
+                                 stride_cos, table_off, stride_cb, stride_co, stride_ch,
+                                 W_DTYPE, HALF, HQ, HKV, CACHE_BLOCK)
+        elif SILU_MUL:
             # g and u are rounded as the gate/up matmul output would be, then silu * mul.
             g = acc.to(W_DTYPE).to(tl.float32)
             u = acc_u.to(W_DTYPE).to(tl.float32)
@@ -287,7 +305,52 @@ if triton is not None:
             y = (r.to(tl.float32) + acc).to(OUT_DTYPE)
         else:
             y = acc.to(OUT_DTYPE)
-        tl.store(out_ptrs, y, mask=out_mask)
+        if not ROPE_STORE:
+            tl.store(out_ptrs, y, mask=out_mask)
+
+    @triton.jit
+    def _rope_store_epilogue(acc, acc_u, offs_m, offs_n, m_mask, n_mask, q_ptr, stride_qm,
+                             cos_ptr, sin_ptr, pos_ptr, slot_ptr, kc_ptr, vc_ptr, stride_cos,
+                             table_off,
+                             stride_cb, stride_co, stride_ch, W_DTYPE: tl.constexpr,
+                             HALF: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr,
+                             CACHE_BLOCK: tl.constexpr):
+        # acc / acc_u: the (d, d + HALF) halves of q, k and v heads for every token row. The
+        # same roundings as projection -> rope kernel -> KV store: the projection's output is
+        # rounded to the weight dtype, rope runs in fp32 and rounds once, k is rounded to its
+        # dtype before the pool's.
+        x1 = acc.to(W_DTYPE).to(tl.float32)
+        x2 = acc_u.to(W_DTYPE).to(tl.float32)
+        head = (offs_n // HALF)[None, :]
+        d = (offs_n % HALF)[None, :]
+        mask = m_mask[:, None] & n_mask[None, :]
+        pos = tl.load(pos_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
+        t_off = pos[:, None] * stride_cos + table_off + d
+        c = tl.load(cos_ptr + t_off, mask=mask, other=0.0).to(tl.float32)
+        s = tl.load(sin_ptr + t_off, mask=mask, other=0.0).to(tl.float32)
+        r1 = x1 * c - x2 * s
+        r2 = x2 * c + x1 * s
+        # q heads -> q [M, HQ * 2 * HALF]
+        q_mask = mask & (head < HQ)
+        q_ptrs = q_ptr + offs_m[:, None].to(tl.int64) * stride_qm + head * (2 * HALF) + d
+        tl.store(q_ptrs, r1.to(q_ptr.dtype.element_ty), mask=q_mask)
+        tl.store(q_ptrs + HALF, r2.to(q_ptr.dtype.element_ty), mask=q_mask)
+        # k (rotated) and v (as is) -> the pool at each row's slot; slot -1 (padding) writes
+        # nothing
+        slot = tl.load(slot_ptr + offs_m, mask=m_mask, other=-1).to(tl.int64)
+        kv_mask = mask & (slot >= 0)[:, None]
+        is_v = head >= HQ + HKV
+        kvh = tl.where(is_v, head - HQ - HKV, head - HQ)
+        dst = (slot // CACHE_BLOCK)[:, None] * stride_cb \
+            + (slot % CACHE_BLOCK)[:, None] * stride_co + kvh * stride_ch + d
+        k_mask = kv_mask & (head >= HQ) & (head < HQ + HKV)
+        K_DTYPE: tl.constexpr = kc_ptr.dtype.element_ty
+        tl.store(kc_ptr + dst, r1.to(W_DTYPE).to(K_DTYPE), mask=k_mask)
+        tl.store(kc_ptr + dst + HALF, r2.to(W_DTYPE).to(K_DTYPE), mask=k_mask)
+        v_mask = kv_mask & is_v
+        V_DTYPE: tl.constexpr = vc_ptr.dtype.element_ty
+        tl.store(vc_ptr + dst, x1.to(V_DTYPE), mask=v_mask)
+        tl.store(vc_ptr + dst + HALF, x2.to(V_DTYPE), mask=v_mask)
 
     @triton.jit
     def _silu_mul_kernel(gu_ptr, out_ptr, I, stride_gm, stride_om, BLOCK: tl.constexpr):
@@ -315,27 +378,88 @@ def _out(out: Optional[torch.Tensor], m: int, n: int, dtype: torch.dtype,
 
 
 def _launch(x, w, out, *, n_cols, norm_weight=None, eps=0.0, residual=None, silu_mul=False,
-            blocks: Optional[Blocks] = None):
+            rope_store: Optional["_RopeStore"] = None, blocks: Optional[Blocks] = None):
     """Shared launcher; `blocks` overrides choose_blocks (benchmark sweeps)."""
     m, k = x.shape
     if m == 0 or n_cols == 0:
         return out
-    cfg = blocks or choose_blocks(m, n_cols, k, elem_bytes=w.element_size(), gate_up=silu_mul,
+    two = silu_mul or rope_store is not None
+    cfg = blocks or choose_blocks(m, n_cols, k, elem_bytes=w.element_size(), gate_up=two,
                                   norm=norm_weight is not None)
     if cfg.block_m < m or (cfg.use_dot and min(cfg.block_m, cfg.block_n, cfg.block_k) < 16):
         raise ValueError(f"{cfg} cannot cover M={m} (tl.dot needs 16-wide tiles)")
     nw = norm_weight if norm_weight is not None else w
     res = residual if residual is not None else out
     grid = (triton.cdiv(n_cols, cfg.block_n),)
+    rs = rope_store or _RopeStore(out, out, x, x, out, out, 0, 0, 0, 0, 0, 1, 0, 0, 1)
     _small_linear_kernel[grid](
         x, nw, w, res, out, m, n_cols, k, x.stride(0), res.stride(0), out.stride(0),
-        float(eps),
+        float(eps), rs.cos, rs.sin, rs.positions, rs.slots, rs.k_cache, rs.v_cache,
+        rs.stride_cos, rs.table_off, rs.stride_cb, rs.stride_co, rs.stride_ch,
         HAS_NORM=norm_weight is not None,
         NORM_ROUND=norm_weight is not None and norm_weight.dtype == x.dtype,
-        HAS_RESIDUAL=residual is not None, SILU_MUL=silu_mul, USE_DOT=cfg.use_dot,
+        HAS_RESIDUAL=residual is not None, SILU_MUL=silu_mul,
+        ROPE_STORE=rope_store is not None, TWO_TILES=two, HALF=rs.half, HQ=rs.hq, HKV=rs.hkv,
+        CACHE_BLOCK=rs.cache_block, USE_DOT=cfg.use_dot,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
+
+
+class _RopeStore(NamedTuple):
+    """What the ROPE_STORE epilogue needs: rope tables and positions, the KV pool and slots."""
+    cos: torch.Tensor
+    sin: torch.Tensor
+    positions: torch.Tensor
+    slots: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    stride_cos: int
+    table_off: int
+    stride_cb: int
+    stride_co: int
+    stride_ch: int
+    half: int
+    hq: int
+    hkv: int
+    cache_block: int
+
+
+def norm_qkv_rope_store_triton(x, norm_weight, eps, w_qkv, num_heads, num_kv_heads, head_dim,
+                               cos, sin, positions, kv_cache, layer, slot_mapping, *,
+                               blocks: Optional[Blocks] = None) -> torch.Tensor:
+    """One launch for a decoder layer's attention input: rms_norm(x) @ w_qkv.T, rope of its q
+    and k heads at `positions` (tables as in kernels/rope.py), k and v written into
+    kv_cache[layer] at slot_mapping (-1: nothing). Returns q [M, Hq, D] (rotated)."""
+    from outpace.kernels.rope import _table_offset
+    x = _unit_last(x)
+    m, d = x.shape[0], head_dim
+    off = _table_offset(cos, d)
+    _table_offset(sin, d)
+    kc, vc = kv_cache[layer, 0], kv_cache[layer, 1]  # [blocks, block_size, Hkv, D]
+    if kc.stride(-1) != 1 or kc.stride() != vc.stride() or cos.stride(-1) != 1 \
+            or sin.stride() != cos.stride():
+        raise ValueError("norm_qkv_rope_store needs contiguous rope tables and a kv_cache "
+                         "contiguous in its last dim with equal K and V strides")
+    q = torch.empty((m, num_heads * d), dtype=w_qkv.dtype, device=x.device)
+    rs = _RopeStore(cos, sin, positions, slot_mapping, kc, vc, cos.stride(0), off, kc.stride(0),
+                    kc.stride(1), kc.stride(2), d // 2, num_heads, num_kv_heads, kc.shape[1])
+    _launch(x, w_qkv, q, n_cols=w_qkv.shape[0] // 2, norm_weight=norm_weight.contiguous(),
+            eps=eps, rope_store=rs, blocks=blocks)
+    return q.view(m, num_heads, d)
+
+
+def norm_qkv_rope_store_ref(x, norm_weight, eps, w_qkv, num_heads, num_kv_heads, head_dim,
+                            cos, sin, positions, kv_cache, layer, slot_mapping) -> torch.Tensor:
+    """norm_small_linear, then rope of q and k and the KV store (kernels/rope.py's reference)."""
+    from outpace.kernels.rope import apply_rope_and_store_ref
+    qkv = norm_small_linear_ref(x, norm_weight, eps, w_qkv)
+    heads = qkv.view(x.shape[0], num_heads + 2 * num_kv_heads, head_dim)
+    q = heads[:, :num_heads].clone()
+    apply_rope_and_store_ref(q, heads[:, num_heads:num_heads + num_kv_heads],
+                             heads[:, num_heads + num_kv_heads:], cos, sin, positions, kv_cache,
+                             layer, slot_mapping)
+    return q
 
 
 def small_linear_triton(x: torch.Tensor, w: torch.Tensor, *,
@@ -443,6 +567,17 @@ def small_linear_silu_mul(x: torch.Tensor, w_gate_up: torch.Tensor, *,
     if _fast(x, w_gate_up) and x.dtype == w_gate_up.dtype:
         return small_linear_silu_mul_triton(x, w_gate_up, out=out)
     return _copy_to(out, small_linear_silu_mul_ref(x, w_gate_up))
+
+
+def norm_qkv_rope_store(x, norm_weight, eps, w_qkv, num_heads, num_kv_heads, head_dim, cos,
+                        sin, positions, kv_cache, layer, slot_mapping) -> torch.Tensor:
+    """q [M, Hq, D] of rope(rms_norm(x) @ w_qkv.T), with k and v stored in the pool; one
+    Triton launch for CUDA inputs of at most SMALL_M_MAX rows, the reference otherwise."""
+    args = (x, norm_weight, eps, w_qkv, num_heads, num_kv_heads, head_dim, cos, sin, positions,
+            kv_cache, layer, slot_mapping)
+    if _fast(x, w_qkv) and head_dim % 2 == 0:
+        return norm_qkv_rope_store_triton(*args)
+    return norm_qkv_rope_store_ref(*args)
 
 
 def silu_mul(gu: torch.Tensor, *, out: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -27,7 +27,7 @@ from outpace.config import ModelConfig
 from outpace.errors import ModelLoadError, UnsupportedModelError
 from outpace.kernels import use_triton
 from outpace.kernels.argmax import argmax_rows
-from outpace.kernels.small_linear import (SMALL_M_MAX, norm_small_linear,
+from outpace.kernels.small_linear import (SMALL_M_MAX, norm_qkv_rope_store, norm_small_linear,
                                           norm_small_linear_silu_mul, silu_mul, small_linear)
 from outpace.kernels.norm import fused_add_rms_norm, fused_add_rms_norm_triton, rms_norm_triton
 
@@ -46,6 +46,10 @@ FEW_ROW_KERNELS = True
 # the fused projections beat cuBLAS + separate norms 1.3-2.4x at SmolLM2's widths, but at
 # Llama-8B's (4096) the norm-fused qkv is 0.64-0.87x, so wide models keep cuBLAS.
 FEW_ROW_MAX_HIDDEN = 2048
+# ... and with the qkv projection also doing rope and the KV store (norm_qkv_rope_store). Off
+# until its GPU tests have run (tests/gpu/test_rope_store.py, test_fused_step.py): checked on CPU
+# through Triton's interpreter only; the separate rope + store kernel (on) ran on the H200.
+FUSED_QKV_ROPE_STORE = False
 # Multi-token-query forwards of at most this many tokens run single-threaded on CPU (see
 # cpu_threads_for).
 _ONE_THREAD_MAX_TOKENS = 16
@@ -368,19 +372,29 @@ class LlamaForCausalLM(nn.Module):
 
     def _forward_few_rows(self, h, positions, ctx: ForwardContext, capture_layers: tuple):
         """forward() on CUDA for at most SMALL_M_MAX tokens (decode at small batch, verify):
-        seven kernels a layer instead of fourteen (run 5 vs run 7 profiles: four
-        projections, rope + KV store, attention and its split-KV merge). Each norm runs inside the projection that reads
+        seven kernels a layer instead of fourteen (run 5 vs run 7 profiles: four projections,
+        rope + KV store, attention and its split-KV merge); six with FUSED_QKV_ROPE_STORE,
+        where the qkv projection also applies rope and writes K/V into the pool. Each norm runs inside the projection that reads
         it (kernels/small_linear.py), and o_proj / down_proj add their output to the residual
         stream in fp32 before rounding once (the layer-by-layer path rounds the projection's
         output first, so bf16 values can differ by an ulp)."""
         cos_sin = self.rotary(positions)
         residual = h
         captured = {}
+        t, meta, backend = h.shape[0], ctx.meta, ctx.backend
         for i, layer in enumerate(self.layers):
             attn, mlp = layer.self_attn, layer.mlp
             ln, post = layer.input_layernorm, layer.post_attention_layernorm
-            qkv = norm_small_linear(residual, ln.weight, ln.eps, attn.qkv_weight)
-            o = attn.attend(qkv, cos_sin, self.rotary, ctx)
+            if FUSED_QKV_ROPE_STORE and attn.q_norm is None and cos_sin[0] is None:
+                # norm, qkv, rope and the KV store in one kernel; attention reads the pool
+                q = norm_qkv_rope_store(residual, ln.weight, ln.eps, attn.qkv_weight,
+                                        attn.num_heads, attn.num_kv_heads, attn.head_dim,
+                                        self.rotary.cos, self.rotary.sin, cos_sin[2],
+                                        backend.kv_cache, attn.layer_slot, meta.slot_mapping)
+                o = backend.attend_stored(attn.layer_slot, q, meta).reshape(t, attn.q_size)
+            else:  # q/k norm (Qwen3) between projection and rope
+                qkv = norm_small_linear(residual, ln.weight, ln.eps, attn.qkv_weight)
+                o = attn.attend(qkv, cos_sin, self.rotary, ctx)
             residual = small_linear(o, attn.o_weight, residual=residual)
             a = norm_small_linear_silu_mul(residual, post.weight, post.eps, mlp.gate_up_weight)
             residual = small_linear(a, mlp.down_weight, residual=residual)  # a fresh tensor

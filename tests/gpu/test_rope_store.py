@@ -73,3 +73,36 @@ def test_backend_forward_rope_equals_rope_then_forward():
         outs.append(cache)
     torch.testing.assert_close(outs[2], outs[0], atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(outs[3], outs[1], atol=1e-6, rtol=1e-6, equal_nan=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("m,hq,hkv,d,k", [(1, 9, 3, 64, 576), (5, 9, 3, 64, 576),
+                                          (16, 9, 3, 64, 576), (1, 32, 8, 128, 4096),
+                                          (7, 4, 4, 24, 100)])
+def test_norm_qkv_rope_store_matches_reference(dtype, m, hq, hkv, d, k):
+    """The qkv projection with norm, rope and the KV store in its epilogue (small_linear.py)
+    vs norm_small_linear + rope + store references."""
+    from outpace.kernels.small_linear import norm_qkv_rope_store_ref, norm_qkv_rope_store_triton
+    g = torch.Generator(device=DEV).manual_seed(m * k + d)
+    blocks, bs = m // 4 + 4, 4
+    x = (torch.randn(m, k, device=DEV, generator=g) * 2).to(dtype)
+    nw = (1 + 0.1 * torch.randn(k, device=DEV, generator=g)).to(dtype)
+    w = (torch.randn((hq + 2 * hkv) * d, k, device=DEV, generator=g) * k ** -0.5).to(dtype)
+    table = torch.randn(500, d // 2, device=DEV, generator=g)
+    cos, sin = table.cos(), table.sin()
+    pos = torch.randint(0, 500, (m,), device=DEV, generator=g)
+    slots = torch.randperm((blocks - 1) * bs, device=DEV, generator=g)[:m] + bs
+    slots[m // 2] = -1 if m > 1 else slots[0]
+    cache = torch.full((2, 2, blocks, bs, hkv, d), float("nan"), dtype=dtype, device=DEV)
+    ref_cache = cache.clone()
+    want = norm_qkv_rope_store_ref(x, nw, 1e-5, w, hq, hkv, d, cos, sin, pos, ref_cache, 1,
+                                   slots)
+    got = norm_qkv_rope_store_triton(x, nw, 1e-5, w, hq, hkv, d, cos, sin, pos, cache, 1, slots)
+    # summation order moves a projection output by an ulp, and rope mixes the pair
+    scale = want.float().abs().max().item()
+    tol = dict(atol=1e-5 * scale, rtol=1e-5) if dtype == torch.float32 else dict(
+        atol=4 * 2 ** -7 * scale, rtol=2 ** -7)
+    torch.testing.assert_close(got, want, **tol)
+    torch.testing.assert_close(cache[:, :, 1:], ref_cache[:, :, 1:], equal_nan=True, **tol)
+    assert torch.isnan(cache[:, :, 0].float()).all(), "a padded row was written"
+    assert torch.isnan(cache[0].float()).all(), "another layer slot was written"

@@ -76,8 +76,9 @@ def test_two_sequences_packed(pair):
     assert (got_b - ref_b).abs().max().item() <= TOL
 
 
+@pytest.mark.parametrize("fused_qkv", [False, True], ids=["rope-kernel", "qkv-rope-store"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_norm_forward_matches(pair, monkeypatch, dtype):
+def test_fused_norm_forward_matches(pair, monkeypatch, dtype, fused_qkv):
     """The CUDA forward (MLP residual add fused into the next layer's norm; rope inside the
     backend, fused with the KV store there) gives the same logits and captured layers as the
     CPU forward: run here with the reference kernels; on the GPU the Triton ones (tests/gpu).
@@ -97,6 +98,7 @@ def test_fused_norm_forward_matches(pair, monkeypatch, dtype):
 
     ref_logits, ref_aux = run()
     monkeypatch.setattr(llama, "use_triton", lambda t: True)  # the CUDA code path
+    monkeypatch.setattr(llama, "FUSED_QKV_ROPE_STORE", fused_qkv)
     calls = []
     for name in ("_forward_fused_norms", "_forward_few_rows"):  # prefill, decode steps
         orig = getattr(llama.LlamaForCausalLM, name)

@@ -156,7 +156,8 @@ if IN_CHILD:
     from outpace.kernels.argmax import argmax_triton
     from outpace.kernels.rope import (apply_rope_and_store_ref, apply_rope_and_store_triton,
                                       apply_rope_ref, apply_rope_triton)
-    from outpace.kernels.small_linear import (Blocks, choose_blocks, norm_small_linear_ref,
+    from outpace.kernels.small_linear import (Blocks, choose_blocks, norm_qkv_rope_store_ref,
+                                              norm_qkv_rope_store_triton, norm_small_linear_ref,
                                               norm_small_linear_silu_mul_ref,
                                               norm_small_linear_silu_mul_triton,
                                               norm_small_linear_triton, silu_mul_ref,
@@ -508,3 +509,34 @@ def check_rope_and_store(dtype, d):
     assert torch.isnan(cache[:, :, 0].float()).all(), "a padded row was written"
     assert torch.isnan(cache[0].float()).all(), "another layer slot was written"
     assert torch.equal(k, k_before), "k was modified"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m,hq,hkv,d,k", [(1, 4, 2, 16, 40), (3, 3, 1, 24, 72),
+                                          (16, 2, 2, 8, 96)])
+def check_norm_qkv_rope_store(dtype, m, hq, hkv, d, k):
+    g = torch.Generator().manual_seed(m * d + k)
+    blocks, bs = 6, 4
+    x = (torch.randn(m, k, generator=g) * 2).to(dtype)
+    nw = (1 + 0.1 * torch.randn(k, generator=g)).to(dtype)
+    w = (0.2 * torch.randn((hq + 2 * hkv) * d, k, generator=g)).to(dtype)
+    table = torch.randn(30, d if m == 3 else d // 2, generator=g)  # both table layouts
+    cos, sin = table.cos(), table.sin()
+    pos = torch.randint(0, 30, (m,), generator=g)
+    slots = torch.randperm((blocks - 1) * bs, generator=g)[:m] + bs
+    slots[m // 2] = -1 if m > 1 else slots[0]
+    cache = torch.full((2, 2, blocks, bs, hkv, d), float("nan"), dtype=dtype)
+    ref_cache = cache.clone()
+    want = norm_qkv_rope_store_ref(x, nw, 1e-5, w, hq, hkv, d, cos, sin, pos, ref_cache, 1, slots)
+    got = norm_qkv_rope_store_triton(x, nw, 1e-5, w, hq, hkv, d, cos, sin, pos, cache, 1, slots,
+                                     blocks=_interp_blocks(m, (hq + 2 * hkv) * d // 2, k, dtype))
+    # fp32: summation order only. bf16: a projection output an ulp apart (summation order,
+    # the interpreter's truncating cast) moves a rotated value by an ulp of the larger of the
+    # pair it mixes, so the bound scales with the values' size; a wrong rotation or slot is
+    # off by O(1).
+    tol = NORM_TOL[dtype] if dtype == torch.float32 else dict(
+        atol=4 * ULP_BF16 * want.float().abs().max().item(), rtol=ULP_BF16)
+    torch.testing.assert_close(got, want, **tol)
+    torch.testing.assert_close(cache[:, :, 1:], ref_cache[:, :, 1:], equal_nan=True, **tol)
+    assert torch.isnan(cache[:, :, 0].float()).all(), "a padded row was written"
+    assert torch.isnan(cache[0].float()).all(), "another layer slot was written"
