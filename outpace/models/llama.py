@@ -374,10 +374,11 @@ class LlamaForCausalLM(nn.Module):
         """forward() on CUDA for at most SMALL_M_MAX tokens (decode at small batch, verify):
         seven kernels a layer instead of fourteen (run 5 vs run 7 profiles: four projections,
         rope + KV store, attention and its split-KV merge); six with FUSED_QKV_ROPE_STORE,
-        where the qkv projection also applies rope and writes K/V into the pool. Each norm runs inside the projection that reads
-        it (kernels/small_linear.py), and o_proj / down_proj add their output to the residual
-        stream in fp32 before rounding once (the layer-by-layer path rounds the projection's
-        output first, so bf16 values can differ by an ulp)."""
+        where the qkv projection also applies rope and writes K/V into the pool. Each norm
+        runs inside the projection that reads it (kernels/small_linear.py), and o_proj /
+        down_proj add their output to the residual stream in fp32 before rounding once (the
+        layer-by-layer path rounds the projection's output first, so bf16 values can differ
+        by an ulp)."""
         cos_sin = self.rotary(positions)
         residual = h
         captured = {}
@@ -392,7 +393,7 @@ class LlamaForCausalLM(nn.Module):
                                         self.rotary.cos, self.rotary.sin, cos_sin[2],
                                         backend.kv_cache, attn.layer_slot, meta.slot_mapping)
                 o = backend.attend_stored(attn.layer_slot, q, meta).reshape(t, attn.q_size)
-            else:  # q/k norm (Qwen3) between projection and rope
+            else:  # (Qwen3's q/k norm sits between the projection and rope)
                 qkv = norm_small_linear(residual, ln.weight, ln.eps, attn.qkv_weight)
                 o = attn.attend(qkv, cos_sin, self.rotary, ctx)
             residual = small_linear(o, attn.o_weight, residual=residual)
