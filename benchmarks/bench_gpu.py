@@ -11,7 +11,8 @@ Sections
   big     Llama-3.1-8B-shaped random bf16 model, batch 1: step time vs weight bytes / bandwidth,
           with and without overlap
   overlap SmolLM2-shaped random bf16 model, batch 1, no-spec and EAGLE-3 force-accept 3, with
-          and without overlap (no model file needed)
+          and without overlap, and with the qkv + rope + KV store kernel switched the other way
+          (no model file needed)
 """
 
 from __future__ import annotations
@@ -92,14 +93,14 @@ def section_overlap(args, results):
     import json
     from outpace.config import ModelConfig
     from outpace.engine.engine import LLMEngine
+    import outpace.models.llama as llama
     from outpace.models.draft_loader import model_config_dict
-    from outpace.models.llama import LlamaForCausalLM
     from outpace.training.init_draft import init_draft
     cfg = ModelConfig(architecture="llama", vocab_size=49152, hidden_size=576,
                       intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                       num_key_value_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0,
                       tie_word_embeddings=True, max_position_embeddings=8192, eos_token_ids=())
-    model = LlamaForCausalLM(cfg, dtype=torch.bfloat16, device="cuda")
+    model = llama.LlamaForCausalLM(cfg, dtype=torch.bfloat16, device="cuda")
     g = torch.Generator(device="cuda").manual_seed(0)
     with torch.no_grad():
         for prm in model.parameters():
@@ -110,11 +111,16 @@ def section_overlap(args, results):
     eagle = init_draft("eagle3", str(tmp / "target"), tmp / "eagle3", seed=0, quiet=True)
     prompt = list(range(100, 228))
     rows = []
+    default_fused_qkv = llama.FUSED_QKV_ROPE_STORE
     for name, spec in [("no-spec", None),
                        ("eagle3-fa3.0", {"method": "eagle3", "model": str(eagle),
                                          "num_speculative_tokens": args.k,
                                          "force_accept_mean": 3.0})]:
-        for overlap in (False, True):
+        # overlap off and on; then on with the qkv projection's rope + KV store epilogue
+        # switched the other way (llama.FUSED_QKV_ROPE_STORE), to measure it
+        for overlap, fused_qkv in ((False, default_fused_qkv), (True, default_fused_qkv),
+                                   (True, not default_fused_qkv)):
+            llama.FUSED_QKV_ROPE_STORE = fused_qkv
             eng = LLMEngine.from_args("smollm2-shaped", loaded=(model, cfg, _NullTokenizer()),
                                       device="cuda", dtype="bfloat16", max_num_seqs=8,
                                       num_kv_blocks=1024, max_model_len=2048, quiet=True,
@@ -122,15 +128,18 @@ def section_overlap(args, results):
             run_engine(eng, [prompt], 1, 16)
             r = run_engine(eng, [prompt] * 2, 1, args.max_tokens)
             fused = eng.runner.fused
-            r.update(config=name, overlap=overlap, chained=fused.chained if fused else 0)
+            r.update(config=name, overlap=overlap, chained=fused.chained if fused else 0,
+                     fused_qkv_rope_store=fused_qkv)
             if overlap:  # the graph alone, and where its time goes
                 kk = args.k if spec else 0
                 r["graph_ms"] = time_fused_graphs(eng, [1], kk).get(1)
-                profile_graph(eng, kk, Path(args.out) / f"profile_shaped_{name}_b1.txt")
+                tag = "_qkvrope" if fused_qkv else ""
+                profile_graph(eng, kk, Path(args.out) / f"profile_shaped_{name}{tag}_b1.txt")
             rows.append(r)
             print("overlap:", r, flush=True)
             del eng
             torch.cuda.empty_cache()
+    llama.FUSED_QKV_ROPE_STORE = default_fused_qkv
     results["overlap"] = rows
 
 

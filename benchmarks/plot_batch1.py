@@ -23,23 +23,26 @@ def main():
     import matplotlib.pyplot as plt
 
     runs = [(Path(f).stem, json.loads(Path(f).read_text())) for f in a.json]
+    def key(r):  # rows of one config: overlap off/on, and the qkv + rope + store kernel
+        return r["config"], r["overlap"], r.get("fused_qkv_rope_store", False)
+
     keys = []
     for _, d in runs:
         for r in d.get("overlap", []):
-            k = (r["config"], r["overlap"])
-            if k not in keys:
-                keys.append(k)
+            if key(r) not in keys:
+                keys.append(key(r))
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 5), gridspec_kw={"width_ratios": [3, 1]})
     width = 0.8 / max(1, len(runs))
     for i, (name, d) in enumerate(runs):
-        tpot = {(r["config"], r["overlap"]): r["tpot_ms"] for r in d.get("overlap", [])}
+        tpot = {key(r): r["tpot_ms"] for r in d.get("overlap", [])}
         xs = [j + i * width for j in range(len(keys))]
         ax.bar(xs, [tpot.get(k, 0) for k in keys], width, label=f"{name} ({d.get('commit', '?')})")
         big = d.get("big", {})
         if "ratio_to_floor_overlap" in big:
             bx.bar([i], [big["ratio_to_floor_overlap"]], 0.6, label=name)
     ax.set_xticks([j + width * (len(runs) - 1) / 2 for j in range(len(keys))])
-    ax.set_xticklabels([f"{c}\n{'overlap' if o else 'sync'}" for c, o in keys])
+    ax.set_xticklabels([f"{c}\n{'overlap' if o else 'sync'}{' qkv-rope' if f else ''}"
+                        for c, o, f in keys], fontsize=8)
     ax.set_ylabel("TPOT ms (batch 1, lower is better)")
     ax.set_title("SmolLM2-135M-shaped, bf16, H200")
     ax.legend()

@@ -93,12 +93,17 @@ def test_graph_replay_equals_eager(cuda_loaded, cuda_heads, method, k, overlap):
     assert chained > 10 if overlap and method != "ngram" else chained == 0
 
 
+@pytest.mark.parametrize("fused_qkv", [False, True], ids=["rope-kernel", "qkv-rope-store"])
 @pytest.mark.parametrize("num_prompts", [1, 5])
 @pytest.mark.parametrize("method,k", CASES, ids=[f"{m}-k{k}" for m, k in CASES])
-def test_cuda_engine_equals_cpu_engine(cuda_loaded, cuda_heads, method, k, num_prompts):
+def test_cuda_engine_equals_cpu_engine(cuda_loaded, cuda_heads, method, k, num_prompts,
+                                       fused_qkv, monkeypatch):
     """The CUDA code paths (few-row fused projections up to 16 tokens, cuBLAS with fused norms
     above, fused rope + KV store, Triton attention and argmax, graphs, overlap) against the CPU
-    layer-by-layer forward, in fp32: the same tokens."""
+    layer-by-layer forward, in fp32: the same tokens. With and without the qkv projection
+    doing rope and the KV store (llama.FUSED_QKV_ROPE_STORE)."""
+    import outpace.models.llama as llama
+    monkeypatch.setattr(llama, "FUSED_QKV_ROPE_STORE", fused_qkv)
     spec = spec_for(cuda_heads, method, k)
     prompts = repetitive_prompts(num_prompts, 11)
     cpu = make_engine(tiny_target(seed=0), speculative_config=spec, max_num_seqs=8)
