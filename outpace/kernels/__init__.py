@@ -4,8 +4,8 @@
     rope.py      apply_rope (+ apply_rope_ref, apply_rope_triton): neox style, in place
     rope.py      also apply_rope_and_store_triton: rope of q and k, k and v written to the pool
     store_kv.py  store_kv_triton: write K/V into the paged pool through the slot mapping
-    small_linear.py  few-row (M <= 16) projections with the norm, residual add or silu * mul
-                 fused in, and silu_mul
+    small_linear.py  few-row (M <= 16) projections with the norm, residual add, silu * mul or
+                 rope + KV store fused in, and silu_mul (kernels in small_linear_kernels.py)
     argmax.py    argmax_rows: two-pass row argmax of logits
 
 The paged attention kernel lives in outpace/attention/triton_paged.py.

@@ -10,11 +10,13 @@ Tokens of all sequences are packed flat ([T] ids, [T] positions; no batch dim); 
 paged KV pool live behind `ctx.backend`. q/k/v and gate/up are each one fused matmul, because on
 CPU the number of kernels dominates small-batch decode. Parameters are created with torch.empty
 (no random init): loading overwrites them, and initializing 100M+ weights costs seconds.
+
+The forward on CPU goes layer by layer (with the fast paths of cpu_fast_paths.py); on CUDA it
+takes fewer kernels: `_forward_few_rows` up to SMALL_M_MAX tokens, `_forward_fused_norms` above.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 from typing import Iterable, Optional
 
@@ -27,18 +29,16 @@ from outpace.config import ModelConfig
 from outpace.errors import ModelLoadError, UnsupportedModelError
 from outpace.kernels import use_triton
 from outpace.kernels.argmax import argmax_rows
+from outpace.kernels.norm import fused_add_rms_norm, fused_add_rms_norm_triton, rms_norm_triton
 from outpace.kernels.small_linear import (SMALL_M_MAX, norm_qkv_rope_store, norm_small_linear,
                                           norm_small_linear_silu_mul, silu_mul, small_linear)
-from outpace.kernels.norm import fused_add_rms_norm, fused_add_rms_norm_triton, rms_norm_triton
+from outpace.models.cpu_fast_paths import add_weight_copies_, cpu_threads_for, linear
 
 
 def _param(*shape, dtype, device) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device))
 
 
-# CPU weight copies (see LlamaForCausalLM.add_cpu_weight_copies_): one row uses the transposed
-# copy where there is one; more rows use the oneDNN-packed copy.
-_FEW_ROWS = 1
 # CUDA forwards of at most SMALL_M_MAX tokens use the few-row Triton kernels (see
 # LlamaForCausalLM._forward_few_rows); False: cuBLAS and separate norms for every size.
 FEW_ROW_KERNELS = True
@@ -50,54 +50,6 @@ FEW_ROW_MAX_HIDDEN = 2048
 # until its GPU tests have run (tests/gpu/test_rope_store.py, test_fused_step.py): checked on CPU
 # through Triton's interpreter only; the separate rope + store kernel (on) ran on the H200.
 FUSED_QKV_ROPE_STORE = False
-# Multi-token-query forwards of at most this many tokens run single-threaded on CPU (see
-# cpu_threads_for).
-_ONE_THREAD_MAX_TOKENS = 16
-# oneDNN's packed-weight linear (an internal op, the one torch.compile uses on CPU).
-_HAS_PACKED_LINEAR = (torch.backends.mkldnn.is_available()
-                      and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-                      and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
-
-
-def linear(x: torch.Tensor, module: nn.Module, name: str, bias=None) -> torch.Tensor:
-    """F.linear with `module.<name>`, or a faster CPU copy of it (see
-    LlamaForCausalLM.add_cpu_weight_copies_); the copies hold the same values."""
-    w = getattr(module, name)
-    copies = module.__dict__
-    if x.shape[0] <= _FEW_ROWS:
-        wt = copies.get(name + "_t")  # [in, out] contiguous: x @ wt is x @ w.T
-        if wt is not None:
-            return torch.mm(x, wt) if bias is None else torch.addmm(bias, x, wt)
-    else:
-        packed = copies.get(name + "_packed")
-        if packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-    return F.linear(x, w, bias)
-
-
-@contextlib.contextmanager
-def cpu_threads_for(x: torch.Tensor, max_query_len: int = 1):
-    """Run a CPU forward on one thread when its ops are many and tiny.
-
-    With OMP_WAIT_POLICY=PASSIVE every parallel op first wakes the sleeping OpenMP workers
-    (tens of microseconds). A single-token forward (batch-1 decode) is ~400 tiny ops around
-    memory-bound GEMVs that a second thread barely speeds up, and a small step with
-    multi-token queries (verify, a short prefill chunk) attends one sequence at a time; both
-    run faster on one thread (on the 2-core CI machine: batch-1 decode 37 vs 39 ms, verifying
-    4 x 3 tokens 69 vs 104 ms). Batched decode (its attention is a few batched ops, its
-    linears gain from both cores) and long prefills keep all threads.
-    """
-    n = torch.get_num_threads()
-    t = x.shape[0]
-    small = t == 1 or (max_query_len > 1 and t <= _ONE_THREAD_MAX_TOKENS)
-    if x.is_cuda or n == 1 or not small:
-        yield
-        return
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(n)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -404,31 +356,8 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(residual), [captured[i] for i in capture_layers]
 
     def add_cpu_weight_copies_(self) -> None:
-        """CPU only: keep faster-to-read copies of the projection weights next to them (same
-        values; `linear` picks one by the number of rows). Measured on the 2-core CI machine:
-
-          one row (decode at batch 1): MKL streams a transposed weight (x @ w_t with w_t a
-            contiguous [in, out] copy) 1.3-1.8x faster than x @ w.T from the row-major one,
-            except for down_proj (in = 4 * out), where it is slower; so every weight but
-            down_weight gets a transposed copy.
-          2+ rows (batch decode, verify, prefill): oneDNN with its packed weight layout is
-            1.7x faster than MKL at 8 rows (SmolLM2's MLP: 0.81 vs 1.40 ms a layer; LM head
-            2.4x) and no slower for many.
-
-        Costs up to two more copies of the weights in RAM (packed: float32 only)."""
-        for m in self.modules():
-            for name in ("qkv_weight", "o_weight", "gate_up_weight", "down_weight",
-                         "lm_head_weight"):
-                p = getattr(m, name, None)
-                if not isinstance(p, torch.Tensor) or p.dim() != 2 or p.is_cuda:
-                    continue
-                w = p.detach()
-                if name != "down_weight":
-                    m.__dict__[name + "_t"] = w.t().contiguous()
-                if _HAS_PACKED_LINEAR and w.dtype == torch.float32:
-                    # The batch-size hint picks the packed layout; 8 rows measured best for 2..256.
-                    m.__dict__[name + "_packed"] = torch.ops.mkldnn._reorder_linear_weight(w, 8)
-
+        """CPU only: faster-to-read copies of the projection weights (cpu_fast_paths.py)."""
+        add_weight_copies_(self)
 
     def compute_logits(self, hidden):  # [N, H] -> [N, V] float32
         with cpu_threads_for(hidden):

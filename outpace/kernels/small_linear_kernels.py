@@ -1,0 +1,209 @@
+"""The Triton kernels behind kernels/small_linear.py (its docstring says what they compute and
+why): one few-row projection kernel with its optional prologue (RMSNorm) and epilogues (residual
+add, silu * mul, rope + KV store), and the plain silu * mul kernel. Launch them through
+small_linear.py's functions, which choose the block sizes.
+"""
+
+from __future__ import annotations
+
+try:  # guarded: CPU machines may not have triton, and `import outpace` must still work
+    import triton
+    import triton.language as tl
+except Exception:  # pragma: no cover - exercised only where triton is missing
+    triton = None
+    tl = None
+
+if triton is not None:
+
+    @triton.jit
+    def _dot_input(x, nw_ptr, offs_k, k_mask, rstd, W_DTYPE: tl.constexpr,
+                   HAS_NORM: tl.constexpr, NORM_ROUND: tl.constexpr):
+        # x [BLOCK_M, BLOCK_K] as loaded -> the matmul operand, fp32 holding W_DTYPE values.
+        if HAS_NORM:
+            n = (x.to(tl.float32) * rstd[:, None]).to(x.dtype)  # HF casts back before the weight
+            nw = tl.load(nw_ptr + offs_k, mask=k_mask, other=0.0)
+            n = nw.to(tl.float32)[None, :] * n.to(tl.float32)
+            if NORM_ROUND:  # weight and activation share a dtype: torch's product is in it
+                n = n.to(x.dtype)
+            x = n
+        return x.to(W_DTYPE).to(tl.float32)
+
+    @triton.jit
+    def _accumulate(acc, a, w, USE_DOT: tl.constexpr):
+        # acc [BLOCK_M, BLOCK_N] += a [BLOCK_M, BLOCK_K] @ w [BLOCK_N, BLOCK_K].T
+        if USE_DOT:
+            if w.dtype == tl.float32:  # no tf32: fp32 layers must match fp32 torch
+                acc = tl.dot(a, tl.trans(w), acc, input_precision="ieee")
+            else:  # a holds w-dtype values already, so this cast is exact
+                acc = tl.dot(a.to(w.dtype), tl.trans(w), acc)
+        else:
+            # GEMV-style broadcast multiply + sum, for M = 1: tensor cores would pad the row to
+            # 16 and stage tiles through shared memory for nothing (the op is bound by the
+            # weight read); here the weight tile goes straight to registers.
+            acc += tl.sum(a[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+        return acc
+
+    @triton.jit
+    def _silu_mul_values(g, u, OUT_DTYPE: tl.constexpr):
+        # g, u fp32 holding OUT_DTYPE values; silu rounded, then the product (torch's roundings)
+        s = (g / (1.0 + tl.exp(-g))).to(OUT_DTYPE).to(tl.float32)
+        return (s * u).to(OUT_DTYPE)
+
+    @triton.jit
+    def _load_w(w_rows, u_rows, offs_k, n_mask, K, SILU_MUL: tl.constexpr):
+        # The weight tile of one K step (and its up-half tile for SILU_MUL).
+        mask = n_mask[:, None] & (offs_k < K)[None, :]
+        w = tl.load(w_rows + offs_k[None, :], mask=mask, other=0.0)
+        wu = w
+        if SILU_MUL:
+            wu = tl.load(u_rows + offs_k[None, :], mask=mask, other=0.0)
+        return w, wu
+
+    @triton.jit
+    def _step(acc, acc_u, w, wu, x_rows, m_mask, offs_k, K, nw_ptr, rstd,
+              W_DTYPE: tl.constexpr, HAS_NORM: tl.constexpr, NORM_ROUND: tl.constexpr,
+              SILU_MUL: tl.constexpr, USE_DOT: tl.constexpr):
+        # One K step: load x (an L2 hit), make the matmul operand, accumulate.
+        k_mask = offs_k < K
+        x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        a = _dot_input(x, nw_ptr, offs_k, k_mask, rstd, W_DTYPE, HAS_NORM, NORM_ROUND)
+        acc = _accumulate(acc, a, w, USE_DOT)
+        if SILU_MUL:
+            acc_u = _accumulate(acc_u, a, wu, USE_DOT)
+        return acc, acc_u
+
+    @triton.jit
+    def _small_linear_kernel(x_ptr, nw_ptr, w_ptr, r_ptr, out_ptr, M, N, K,
+                             stride_xm, stride_rm, stride_om, eps,
+                             cos_ptr, sin_ptr, pos_ptr, slot_ptr, kc_ptr, vc_ptr, stride_cos,
+                             table_off, stride_cb, stride_co, stride_ch,
+                             HAS_NORM: tl.constexpr, NORM_ROUND: tl.constexpr,
+                             HAS_RESIDUAL: tl.constexpr, SILU_MUL: tl.constexpr,
+                             ROPE_STORE: tl.constexpr, TWO_TILES: tl.constexpr,
+                             HALF: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr,
+                             CACHE_BLOCK: tl.constexpr,
+                             USE_DOT: tl.constexpr, BLOCK_M: tl.constexpr,
+                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        # One program: output columns [pid * BLOCK_N, +BLOCK_N) for all M rows, whole K loop.
+        # With SILU_MUL the weight is [2N, K] and the program also owns up rows N + j. With
+        # ROPE_STORE (a qkv weight, heads of 2 * HALF rows) column j is the rope pair of rows
+        # (head, d) and (head, d + HALF), head = j // HALF, d = j % HALF, so the epilogue can
+        # rotate q and k itself (see norm_qkv_rope_store).
+        pid = tl.program_id(0)
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        m_mask = offs_m < M
+        n_mask = offs_n < N
+        W_DTYPE: tl.constexpr = w_ptr.dtype.element_ty
+        x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
+        if ROPE_STORE:
+            row = (offs_n // HALF) * (2 * HALF) + offs_n % HALF
+            w_rows = w_ptr + row[:, None].to(tl.int64) * K
+            u_rows = w_rows + HALF * K  # the rope partner rows
+        else:
+            w_rows = w_ptr + offs_n[:, None].to(tl.int64) * K
+            u_rows = w_ptr + (offs_n[:, None].to(tl.int64) + N) * K  # the up half (SILU_MUL)
+
+        # The first weight tile is loaded before anything else, so its DRAM latency overlaps
+        # the norm statistics; when K fits one step (a small model at M = 1) that is the
+        # program's whole weight read.
+        offs_k = tl.arange(0, BLOCK_K)
+        w, wu = _load_w(w_rows, u_rows, offs_k, n_mask, K, TWO_TILES)
+
+        rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
+        if HAS_NORM:
+            # Every program recomputes the row statistics: x is a few KB and L2-resident, and
+            # this saves the separate norm kernel and its round trip through memory.
+            sq = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                offs_kk = k0 + tl.arange(0, BLOCK_K)
+                xk = tl.load(x_rows + offs_kk[None, :],
+                             mask=m_mask[:, None] & (offs_kk < K)[None, :], other=0.0)
+                xk = xk.to(tl.float32)
+                sq += xk * xk
+            rstd = 1.0 / tl.sqrt(tl.sum(sq, axis=1) / K + eps)
+
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc, acc_u = _step(acc, acc, w, wu, x_rows, m_mask, offs_k, K, nw_ptr, rstd, W_DTYPE,
+                           HAS_NORM, NORM_ROUND, TWO_TILES, USE_DOT)
+        for k0 in range(BLOCK_K, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            w, wu = _load_w(w_rows, u_rows, offs_k, n_mask, K, TWO_TILES)
+            acc, acc_u = _step(acc, acc_u, w, wu, x_rows, m_mask, offs_k, K, nw_ptr, rstd,
+                               W_DTYPE, HAS_NORM, NORM_ROUND, TWO_TILES, USE_DOT)
+
+        out_mask = m_mask[:, None] & n_mask[None, :]
+        out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+        OUT_DTYPE: tl.constexpr = out_ptr.dtype.element_ty
+        if ROPE_STORE:
+            _rope_store_epilogue(acc, acc_u, offs_m, offs_n, m_mask, n_mask, out_ptr,
+                                 stride_om, cos_ptr, sin_ptr, pos_ptr, slot_ptr, kc_ptr, vc_ptr,
+                                 stride_cos, table_off, stride_cb, stride_co, stride_ch,
+                                 W_DTYPE, HALF, HQ, HKV, CACHE_BLOCK)
+        elif SILU_MUL:
+            # g and u are rounded as the gate/up matmul output would be, then silu * mul.
+            g = acc.to(W_DTYPE).to(tl.float32)
+            u = acc_u.to(W_DTYPE).to(tl.float32)
+            y = _silu_mul_values(g, u, OUT_DTYPE)
+        elif HAS_RESIDUAL:
+            r = tl.load(r_ptr + offs_m[:, None].to(tl.int64) * stride_rm + offs_n[None, :],
+                        mask=out_mask, other=0.0)
+            y = (r.to(tl.float32) + acc).to(OUT_DTYPE)
+        else:
+            y = acc.to(OUT_DTYPE)
+        if not ROPE_STORE:
+            tl.store(out_ptrs, y, mask=out_mask)
+
+    @triton.jit
+    def _rope_store_epilogue(acc, acc_u, offs_m, offs_n, m_mask, n_mask, q_ptr, stride_qm,
+                             cos_ptr, sin_ptr, pos_ptr, slot_ptr, kc_ptr, vc_ptr, stride_cos,
+                             table_off,
+                             stride_cb, stride_co, stride_ch, W_DTYPE: tl.constexpr,
+                             HALF: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr,
+                             CACHE_BLOCK: tl.constexpr):
+        # acc / acc_u: the (d, d + HALF) halves of q, k and v heads for every token row. The
+        # same roundings as projection -> rope kernel -> KV store: the projection's output is
+        # rounded to the weight dtype, rope runs in fp32 and rounds once, k is rounded to its
+        # dtype before the pool's.
+        x1 = acc.to(W_DTYPE).to(tl.float32)
+        x2 = acc_u.to(W_DTYPE).to(tl.float32)
+        head = (offs_n // HALF)[None, :]
+        d = (offs_n % HALF)[None, :]
+        mask = m_mask[:, None] & n_mask[None, :]
+        pos = tl.load(pos_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
+        t_off = pos[:, None] * stride_cos + table_off + d
+        c = tl.load(cos_ptr + t_off, mask=mask, other=0.0).to(tl.float32)
+        s = tl.load(sin_ptr + t_off, mask=mask, other=0.0).to(tl.float32)
+        r1 = x1 * c - x2 * s
+        r2 = x2 * c + x1 * s
+        # q heads -> q [M, HQ * 2 * HALF]
+        q_mask = mask & (head < HQ)
+        q_ptrs = q_ptr + offs_m[:, None].to(tl.int64) * stride_qm + head * (2 * HALF) + d
+        tl.store(q_ptrs, r1.to(q_ptr.dtype.element_ty), mask=q_mask)
+        tl.store(q_ptrs + HALF, r2.to(q_ptr.dtype.element_ty), mask=q_mask)
+        # k (rotated) and v (as is) -> the pool at each row's slot; slot -1 (padding) writes
+        # nothing
+        slot = tl.load(slot_ptr + offs_m, mask=m_mask, other=-1).to(tl.int64)
+        kv_mask = mask & (slot >= 0)[:, None]
+        is_v = head >= HQ + HKV
+        kvh = tl.where(is_v, head - HQ - HKV, head - HQ)
+        dst = (slot // CACHE_BLOCK)[:, None] * stride_cb \
+            + (slot % CACHE_BLOCK)[:, None] * stride_co + kvh * stride_ch + d
+        k_mask = kv_mask & (head >= HQ) & (head < HQ + HKV)
+        K_DTYPE: tl.constexpr = kc_ptr.dtype.element_ty
+        tl.store(kc_ptr + dst, r1.to(W_DTYPE).to(K_DTYPE), mask=k_mask)
+        tl.store(kc_ptr + dst + HALF, r2.to(W_DTYPE).to(K_DTYPE), mask=k_mask)
+        v_mask = kv_mask & is_v
+        V_DTYPE: tl.constexpr = vc_ptr.dtype.element_ty
+        tl.store(vc_ptr + dst, x1.to(V_DTYPE), mask=v_mask)
+        tl.store(vc_ptr + dst + HALF, x2.to(V_DTYPE), mask=v_mask)
+
+    @triton.jit
+    def _silu_mul_kernel(gu_ptr, out_ptr, I, stride_gm, stride_om, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < I
+        g = tl.load(gu_ptr + row * stride_gm + cols, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(gu_ptr + row * stride_gm + I + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * stride_om + cols,
+                 _silu_mul_values(g, u, out_ptr.dtype.element_ty), mask=mask)

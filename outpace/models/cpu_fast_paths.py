@@ -1,0 +1,93 @@
+"""CPU fast paths of the decoder: faster-to-read weight copies and single-threaded small forwards.
+
+Measured on the 2-core CI machine (docs/decisions.md): batch-1 decode is ~400 tiny ops around
+memory-bound GEMVs, so the layout a GEMV reads and the cost of waking OpenMP workers decide its
+speed. CUDA never takes these paths.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# Weight copies (see add_weight_copies_): one row uses the transposed copy where there is one;
+# more rows use the oneDNN-packed copy.
+_FEW_ROWS = 1
+# Multi-token-query forwards of at most this many tokens run single-threaded on CPU (see
+# cpu_threads_for).
+_ONE_THREAD_MAX_TOKENS = 16
+# oneDNN's packed-weight linear (an internal op, the one torch.compile uses on CPU).
+_HAS_PACKED_LINEAR = (torch.backends.mkldnn.is_available()
+                      and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+                      and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+
+
+def linear(x: torch.Tensor, module: nn.Module, name: str, bias=None) -> torch.Tensor:
+    """F.linear with `module.<name>`, or a faster CPU copy of it (see add_weight_copies_); the
+    copies hold the same values."""
+    w = getattr(module, name)
+    copies = module.__dict__
+    if x.shape[0] <= _FEW_ROWS:
+        wt = copies.get(name + "_t")  # [in, out] contiguous: x @ wt is x @ w.T
+        if wt is not None:
+            return torch.mm(x, wt) if bias is None else torch.addmm(bias, x, wt)
+    else:
+        packed = copies.get(name + "_packed")
+        if packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return F.linear(x, w, bias)
+
+
+@contextlib.contextmanager
+def cpu_threads_for(x: torch.Tensor, max_query_len: int = 1):
+    """Run a CPU forward on one thread when its ops are many and tiny.
+
+    With OMP_WAIT_POLICY=PASSIVE every parallel op first wakes the sleeping OpenMP workers
+    (tens of microseconds). A single-token forward (batch-1 decode) is ~400 tiny ops around
+    memory-bound GEMVs that a second thread barely speeds up, and a small step with
+    multi-token queries (verify, a short prefill chunk) attends one sequence at a time; both
+    run faster on one thread (on the 2-core CI machine: batch-1 decode 37 vs 39 ms, verifying
+    4 x 3 tokens 69 vs 104 ms). Batched decode (its attention is a few batched ops, its
+    linears gain from both cores) and long prefills keep all threads.
+    """
+    n = torch.get_num_threads()
+    t = x.shape[0]
+    small = t == 1 or (max_query_len > 1 and t <= _ONE_THREAD_MAX_TOKENS)
+    if x.is_cuda or n == 1 or not small:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
+def add_weight_copies_(model: nn.Module) -> None:
+    """Keep faster-to-read copies of the projection weights next to them (same values;
+    `linear` picks one by the number of rows). Measured on the 2-core CI machine:
+
+      one row (decode at batch 1): MKL streams a transposed weight (x @ w_t with w_t a
+        contiguous [in, out] copy) 1.3-1.8x faster than x @ w.T from the row-major one,
+        except for down_proj (in = 4 * out), where it is slower; so every weight but
+        down_weight gets a transposed copy.
+      2+ rows (batch decode, verify, prefill): oneDNN with its packed weight layout is
+        1.7x faster than MKL at 8 rows (SmolLM2's MLP: 0.81 vs 1.40 ms a layer; LM head
+        2.4x) and no slower for many.
+
+    Costs up to two more copies of the weights in RAM (packed: float32 only)."""
+    for m in model.modules():
+        for name in ("qkv_weight", "o_weight", "gate_up_weight", "down_weight",
+                     "lm_head_weight"):
+            p = getattr(m, name, None)
+            if not isinstance(p, torch.Tensor) or p.dim() != 2 or p.is_cuda:
+                continue
+            w = p.detach()
+            if name != "down_weight":
+                m.__dict__[name + "_t"] = w.t().contiguous()
+            if _HAS_PACKED_LINEAR and w.dtype == torch.float32:
+                # The batch-size hint picks the packed layout; 8 rows measured best for 2..256.
+                m.__dict__[name + "_packed"] = torch.ops.mkldnn._reorder_linear_weight(w, 8)
