@@ -193,7 +193,10 @@ def _launch(x, w, out, *, n_cols, norm_weight=None, eps=0.0, residual=None, silu
     nw = norm_weight if norm_weight is not None else w
     res = residual if residual is not None else out
     grid = (triton.cdiv(n_cols, cfg.block_n),)
-    rs = rope_store or _RopeStore(out, out, x, x, out, out, 0, 0, 0, 0, 0, 1, 0, 0, 1)
+    # Without ROPE_STORE the epilogue's arguments are never read: any pointers and sizes do.
+    rs = rope_store or _RopeStore(out, out, x, x, out, out, stride_cos=0, table_off=0,
+                                  stride_cb=0, stride_co=0, stride_ch=0, half=1, hq=0, hkv=0,
+                                  cache_block=1)
     _small_linear_kernel[grid](
         x, nw, w, res, out, m, n_cols, k, x.stride(0), res.stride(0), out.stride(0),
         float(eps), rs.cos, rs.sin, rs.positions, rs.slots, rs.k_cache, rs.v_cache,
