@@ -94,6 +94,7 @@ def section_overlap(args, results):
     from outpace.config import ModelConfig
     from outpace.engine.engine import LLMEngine
     import outpace.models.llama as llama
+    from outpace.kernels import pdl
     from outpace.models.draft_loader import model_config_dict
     from outpace.training.init_draft import init_draft
     cfg = ModelConfig(architecture="llama", vocab_size=49152, hidden_size=576,
@@ -116,11 +117,15 @@ def section_overlap(args, results):
                        ("eagle3-fa3.0", {"method": "eagle3", "model": str(eagle),
                                          "num_speculative_tokens": args.k,
                                          "force_accept_mean": 3.0})]:
-        # overlap off and on; then on with the qkv projection's rope + KV store epilogue
-        # switched the other way (llama.FUSED_QKV_ROPE_STORE), to measure it
-        for overlap, fused_qkv in ((False, default_fused_qkv), (True, default_fused_qkv),
-                                   (True, not default_fused_qkv)):
+        # overlap off and on (the defaults otherwise); then overlap on with one switch turned
+        # the other way, to measure it: the qkv projection's rope + KV store epilogue
+        # (llama.FUSED_QKV_ROPE_STORE), and programmatic dependent launch (kernels/pdl.py)
+        for overlap, fused_qkv, use_pdl in ((False, default_fused_qkv, True),
+                                            (True, default_fused_qkv, True),
+                                            (True, not default_fused_qkv, True),
+                                            (True, default_fused_qkv, False)):
             llama.FUSED_QKV_ROPE_STORE = fused_qkv
+            pdl.ENABLED = use_pdl
             eng = LLMEngine.from_args("smollm2-shaped", loaded=(model, cfg, _NullTokenizer()),
                                       device="cuda", dtype="bfloat16", max_num_seqs=8,
                                       num_kv_blocks=1024, max_model_len=2048, quiet=True,
@@ -129,17 +134,20 @@ def section_overlap(args, results):
             r = run_engine(eng, [prompt] * 2, 1, args.max_tokens)
             fused = eng.runner.fused
             r.update(config=name, overlap=overlap, chained=fused.chained if fused else 0,
-                     fused_qkv_rope_store=fused_qkv)
+                     fused_qkv_rope_store=fused_qkv, pdl=use_pdl and pdl.supported(
+                         torch.device("cuda")))
             if overlap:  # the graph alone, and where its time goes
                 kk = args.k if spec else 0
                 r["graph_ms"] = time_fused_graphs(eng, [1], kk).get(1)
-                tag = "_qkvrope" if fused_qkv else ""
+                tag = ("_qkvrope" if fused_qkv else "_noqkvrope") \
+                    if fused_qkv != default_fused_qkv else ("" if use_pdl else "_nopdl")
                 profile_graph(eng, kk, Path(args.out) / f"profile_shaped_{name}{tag}_b1.txt")
             rows.append(r)
             print("overlap:", r, flush=True)
             del eng
             torch.cuda.empty_cache()
     llama.FUSED_QKV_ROPE_STORE = default_fused_qkv
+    pdl.ENABLED = True
     results["overlap"] = rows
 
 
@@ -392,20 +400,25 @@ def section_big(args, results):
     results["big"] = {"weight_bytes": weight_bytes, "bandwidth_GBs": round(bw / 1e9, 1),
                       "floor_ms": round(floor_ms, 3)}
     prompt = list(range(100, 228))
-    for overlap in (False, True):
+    from outpace.kernels import pdl
+    for overlap, use_pdl in ((False, True), (True, True), (True, False)):
+        pdl.ENABLED = use_pdl
         eng = LLMEngine.from_args("llama3-8b-shaped", loaded=(model, cfg, _NullTokenizer()),
                                   device="cuda", dtype="bfloat16", max_num_seqs=8,
                                   num_kv_blocks=2048, max_model_len=4096, quiet=True,
                                   overlap=overlap)
         run_engine(eng, [prompt], 1, 16)
         r = run_engine(eng, [prompt] * 2, 1, args.max_tokens)
-        tag = "overlap" if overlap else "sync"
+        tag = ("overlap" if overlap else "sync") + ("" if use_pdl else "_nopdl")
         results["big"].update({f"tpot_ms_{tag}": r["tpot_ms"], f"tok_s_{tag}": r["tok_s"],
                                f"ratio_to_floor_{tag}": round(r["tpot_ms"] / floor_ms, 3)})
         if overlap:
-            results["big"]["graph_ms"] = time_fused_graphs(eng, [1], 0).get(1)
-            profile_graph(eng, 0, Path(args.out) / "profile_big_b1.txt")
+            results["big"]["graph_ms" + ("" if use_pdl else "_nopdl")] = \
+                time_fused_graphs(eng, [1], 0).get(1)
+            if use_pdl:
+                profile_graph(eng, 0, Path(args.out) / "profile_big_b1.txt")
         del eng
+    pdl.ENABLED = True
     print("big:", results["big"], flush=True)
 
 

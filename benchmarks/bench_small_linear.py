@@ -236,6 +236,8 @@ def variants(m, n, k):
 
     if m >= 2:  # the other path first: the question that matters most
         add(choose_blocks(m, n, k, use_dot=not d.use_dot))
+    if not d.use_dot and d.block_m < m:  # all rows in one program instead of row blocks
+        add(d._replace(block_m=1 << (m - 1).bit_length()))
     for bn in (d.block_n // 2, d.block_n * 2):
         add(d._replace(block_n=bn))
     for bk in (d.block_k // 2, d.block_k * 2):
@@ -248,9 +250,9 @@ def variants(m, n, k):
     return out
 
 
-def section_sweep(weights, deadline):
+def section_sweep(weights, deadline, ms=(1, 4, 16, 8), models=("smol", "8b")):
     rows = []
-    order = [("smol", m) for m in (1, 4, 16, 8)] + [("8b", m) for m in (1, 4, 16, 8)]
+    order = [(model, m) for model in models for m in ms]
     for model, m in order:
         for layer, (n, k) in MODELS[model].items():
             if time.perf_counter() > deadline:
@@ -287,6 +289,9 @@ def main():
     ap.add_argument("--total-s", type=float, default=50.0,
                     help="wall-clock budget; the sweep stops when it is spent")
     ap.add_argument("--sections", default="linear,fused,sweep")
+    ap.add_argument("--sweep-ms", default="1,4,16,8",
+                    help="row counts the sweep tries, in this order (e.g. 5 for a k=4 verify)")
+    ap.add_argument("--sweep-models", default="smol,8b")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_small_linear needs CUDA")
@@ -317,7 +322,9 @@ def main():
         print_table(payload["fused"], ["op", "model", "layer", "N", "K", "M", "torch_us",
                                        "ours_us", "speedup", "ours_GBps", "max_err", "config"])
     if "sweep" in sections:
-        payload["sweep"], complete = section_sweep(weights, deadline)
+        payload["sweep"], complete = section_sweep(
+            weights, deadline, ms=[int(m) for m in args.sweep_ms.split(",")],
+            models=args.sweep_models.split(","))
         payload["sweep_complete"] = complete
         print(f"\n== sweep ({time.perf_counter() - t0:.1f} s, "
               f"{'complete' if complete else 'cut by --total-s'})")

@@ -3,6 +3,7 @@
 # model, install the carried gguf wheel, then run what is asked:
 #   bash benchmarks/gpu_session.sh tests            pytest tests/gpu
 #   bash benchmarks/gpu_session.sh bench SECTIONS   bench_gpu.py --sections SECTIONS
+#   bash benchmarks/gpu_session.sh sweep MS         bench_small_linear.py's sweep at those M
 # Results go to $OUT (the device tool brings them back).
 # Without staged parts (tests, or the no-model sections overlap,big) the model steps are skipped.
 set -euo pipefail
@@ -24,4 +25,6 @@ case "$1" in
   tests) python3 -m pytest -q tests/gpu -p no:cacheprovider 2>&1 | tee "${OUT:-/tmp/out}/gpu_tests.log" | tail -25 ;;
   bench) shift; python3 benchmarks/bench_gpu.py --gguf "$GGUF" \
            --out "${OUT:-/tmp/out}" --sections "$@" ;;
+  sweep) shift; python3 benchmarks/bench_small_linear.py --out "${OUT:-/tmp/out}" \
+           --sections sweep --sweep-ms "$1" --sweep-models smol --total-s 45 ;;
 esac

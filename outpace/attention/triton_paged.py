@@ -23,8 +23,10 @@ upper bound. Tiles past a sequence's q_len exit at once; padded sequences have q
 
 Split-KV (flash-decoding): when few tiles exist (decode/verify at small batch) each tile's KV range
 is cut into NUM_SPLITS chunks (>= min_split_tokens each, computed on device from seq_lens); each
-program writes an unnormalised partial (acc, running max m, running sum l) to a workspace, and a
-second kernel merges them:  out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s.
+program writes an unnormalised partial (acc, running max m, running sum l) to a workspace, and
+they are merged:  out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s, by the tile's last
+split to finish (it takes a ticket from a per-tile counter; split_counters) or, without
+counters, by a second kernel.
 
 Softmax runs in base 2 (qk is pre-scaled by scale * log2 e) with fp32 accumulation. fp32 inputs
 use IEEE dot products (no TF32) so they match the reference to ~1e-5.
@@ -39,7 +41,7 @@ import torch
 
 from outpace.attention.base import AttentionBackend, AttentionMetadata
 from outpace.errors import ConfigError
-from outpace.kernels import next_pow2
+from outpace.kernels import next_pow2, pdl
 from outpace.kernels.rope import apply_rope_and_store_triton
 from outpace.kernels.store_kv import store_kv_triton
 
@@ -54,6 +56,7 @@ LOG2E = 1.4426950408889634
 
 
 if triton is not None:
+    from outpace.kernels.pdl import wait_then_release
 
     @triton.jit
     def _attn_tiles(acc, l_i, m_i, q, kc_ptr, vc_ptr, bt_row_ptr, lo, hi, qpos, offs_d, dmask,
@@ -97,14 +100,16 @@ if triton is not None:
 
     @triton.jit
     def _paged_attn_kernel(
-            q_ptr, kc_ptr, vc_ptr, out_ptr, ws_acc_ptr, ws_m_ptr, ws_l_ptr,
+            q_ptr, kc_ptr, vc_ptr, out_ptr, ws_acc_ptr, ws_m_ptr, ws_l_ptr, cnt_ptr,
             qsl_ptr, seq_lens_ptr, bt_ptr,
             stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_co, stride_ch,
             stride_bt, num_tokens, num_q_heads, qk_scale, min_chunk, HEAD_DIM,
             BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
             BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
             BLOCK_D: tl.constexpr,
-            NUM_SPLITS: tl.constexpr, IS_FP32: tl.constexpr):
+            NUM_SPLITS: tl.constexpr, IS_FP32: tl.constexpr, FUSED_MERGE: tl.constexpr,
+            USE_PDL: tl.constexpr):
+        wait_then_release(USE_PDL)  # before any load: everything here is written by the step
         qb = tl.program_id(0)
         seq = tl.program_id(1)
         kvh = tl.program_id(2) // NUM_SPLITS
@@ -165,11 +170,51 @@ if triton is not None:
             tl.store(ws_acc_ptr + idx[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=io_mask)
             tl.store(ws_m_ptr + idx, m_i, mask=row_ok)
             tl.store(ws_l_ptr + idx, l_i, mask=row_ok)
+            if FUSED_MERGE:
+                # The tile's last split to finish merges all of them (no second kernel). Its
+                # acq_rel ticket orders the other splits' partial stores (each issued before
+                # their own ticket, behind a barrier) before its loads.
+                tl.debug_barrier()
+                tile = (seq * tl.num_programs(0) + qb) * (tl.num_programs(2) // NUM_SPLITS) + kvh
+                ticket = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
+                if ticket == NUM_SPLITS - 1:
+                    tl.store(cnt_ptr + tile, 0)  # zero again for the next launch (graphs)
+                    _merge_tile(ws_acc_ptr, ws_m_ptr, ws_l_ptr, out_ptr, tok_g, head, row_ok,
+                                offs_d, io_mask, stride_ot, stride_oh, num_tokens,
+                                num_q_heads, HEAD_DIM, NUM_SPLITS, BLOCK_M, BLOCK_D)
+
+    @triton.jit
+    def _merge_tile(ws_acc_ptr, ws_m_ptr, ws_l_ptr, out_ptr, tok_g, head, row_ok, offs_d,
+                    io_mask, stride_ot, stride_oh, num_tokens, num_q_heads, HEAD_DIM,
+                    NUM_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+        # The merge of _merge_splits_kernel for one tile's rows. Loads bypass L1 (.cg): the
+        # partials were written by other programs of this launch.
+        s = tl.arange(0, NUM_SPLITS)
+        idx = (s[:, None] * num_tokens + tok_g[None, :]) * num_q_heads + head[None, :]
+        m = tl.load(ws_m_ptr + idx, mask=row_ok[None, :], other=float("-inf"),
+                    cache_modifier=".cg")  # [NUM_SPLITS, BLOCK_M]
+        l_s = tl.load(ws_l_ptr + idx, mask=row_ok[None, :], other=0.0, cache_modifier=".cg")
+        m_max = tl.max(m, 0)
+        m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+        w = tl.exp2(m - m_max[None, :])  # empty splits have m = -inf -> weight 0
+        den = tl.sum(w * l_s, 0)
+        num = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        for j in tl.static_range(NUM_SPLITS):  # unrolled: the loads are issued together
+            row = (j * num_tokens + tok_g) * num_q_heads + head
+            a = tl.load(ws_acc_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], mask=io_mask,
+                        other=0.0, cache_modifier=".cg")
+            w_j = tl.sum(tl.where(s[:, None] == j, w, 0.0), 0)
+            num += w_j[:, None] * a
+        out = num / tl.where(den > 0, den, 1.0)[:, None]
+        tl.store(out_ptr + tok_g[:, None] * stride_ot + head[:, None] * stride_oh
+                 + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=io_mask)
 
     @triton.jit
     def _merge_splits_kernel(ws_acc_ptr, ws_m_ptr, ws_l_ptr, out_ptr, qsl_ptr, num_seqs,
                              stride_ot, stride_oh, num_tokens, num_q_heads, HEAD_DIM,
-                             NUM_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr):
+                             NUM_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr,
+                             USE_PDL: tl.constexpr):
+        wait_then_release(USE_PDL)
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         if t >= tl.load(qsl_ptr + num_seqs):  # padding token after the last sequence
@@ -189,6 +234,10 @@ if triton is not None:
         out = num / tl.where(den > 0, den, 1.0)
         tl.store(out_ptr + t * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty),
                  mask=d < HEAD_DIM)
+
+
+# The last split of a tile merges the partials (no merge kernel; 1.6 us a layer at batch 1).
+FUSED_SPLIT_MERGE = True
 
 
 @dataclass(frozen=True)
@@ -225,11 +274,14 @@ def choose_splits(num_tiles: int, sm_count: int, max_splits: int) -> int:
 
 
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, meta: AttentionMetadata,
-                    scale: float, num_splits: int = 1, min_split_tokens: int = 64) -> torch.Tensor:
+                    scale: float, num_splits: int = 1, min_split_tokens: int = 64,
+                    split_counters: torch.Tensor | None = None) -> torch.Tensor:
     """q [T, Hq, D] (last dim contiguous) -> out [T, Hq, D]; K/V are read from the pool only.
 
     Uses meta.query_start_loc / seq_lens / block_tables (device) and meta.max_query_len (a bound
     fixed per captured graph); never the *_host mirrors. num_splits: power of two.
+    split_counters: int32 zeros, one per tile at least (left zero after the launch); with them
+    the last split of each tile merges the partials itself, without the merge kernel.
     """
     t, hq, d = q.shape
     kc, vc = kv_cache[layer, 0], kv_cache[layer, 1]  # [blocks, block_size, Hkv, D]
@@ -252,19 +304,24 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, meta: A
     else:
         ws_acc = ws_m = ws_l = out  # unused by the kernel; any pointer will do
     grid = (max(1, -(-meta.max_query_len // cfg.block_q)), num_seqs, hkv * num_splits)
+    opts = pdl.launch_options(q)
+    fused_merge = (num_splits > 1 and split_counters is not None
+                   and split_counters.numel() >= grid[0] * grid[1] * hkv)
     _paged_attn_kernel[grid](
-        q, kc, vc, out, ws_acc, ws_m, ws_l,
+        q, kc, vc, out, ws_acc, ws_m, ws_l, split_counters if fused_merge else out,
         meta.query_start_loc, meta.seq_lens, meta.block_tables,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kc.stride(0), kc.stride(1), kc.stride(2), meta.block_tables.stride(0),
         t, hq, float(scale) * LOG2E, min_chunk, d, kc.shape[1],
         GROUP=group, GROUP_PAD=next_pow2(group), BLOCK_Q=cfg.block_q, BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, BLOCK_D=block_d, NUM_SPLITS=num_splits,
-        IS_FP32=q.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if num_splits > 1:
+        IS_FP32=q.dtype == torch.float32, FUSED_MERGE=fused_merge, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **opts)
+    if num_splits > 1 and not fused_merge:
         _merge_splits_kernel[(t, hq)](
             ws_acc, ws_m, ws_l, out, meta.query_start_loc, num_seqs, out.stride(0),
-            out.stride(1), t, hq, d, NUM_SPLITS=num_splits, BLOCK_D=block_d, num_warps=4)
+            out.stride(1), t, hq, d, NUM_SPLITS=num_splits, BLOCK_D=block_d, num_warps=4,
+            **opts)
     return out
 
 
@@ -293,6 +350,10 @@ class TritonPagedBackend(AttentionBackend):
         # Read once here, not per step: a device query is a host call we keep out of the step.
         self.sm_count = (torch.cuda.get_device_properties(kv_cache.device).multi_processor_count
                          if kv_cache.is_cuda else 1)
+        # Split-KV runs only below sm_count tiles, so that many counters cover every launch;
+        # a fixed buffer, so captured graphs keep its address.
+        self.split_counters = torch.zeros(self.sm_count, dtype=torch.int32,
+                                          device=kv_cache.device)
 
     def num_splits_for(self, meta: AttentionMetadata, num_q_heads: int) -> int:
         """Split-KV factor for this launch; a function of shapes and max_query_len only."""
@@ -321,4 +382,5 @@ class TritonPagedBackend(AttentionBackend):
 
     def _attend(self, layer, q, meta: AttentionMetadata):
         return paged_attention(q, self.kv_cache, layer, meta, self.scale,
-                               self.num_splits_for(meta, q.shape[1]), self.min_split_tokens)
+                               self.num_splits_for(meta, q.shape[1]), self.min_split_tokens,
+                               self.split_counters if FUSED_SPLIT_MERGE else None)

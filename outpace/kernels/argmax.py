@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from outpace.kernels import next_pow2, use_triton
+from outpace.kernels import next_pow2, pdl, use_triton
 
 try:  # guarded: CPU machines may not have triton
     import triton
@@ -31,10 +31,12 @@ def argmax_ref(x: torch.Tensor) -> torch.Tensor:
 
 
 if triton is not None:
+    from outpace.kernels.pdl import wait_then_release
 
     @triton.jit
     def _argmax_chunks_kernel(x_ptr, vals_ptr, idx_ptr, V, stride_x, num_chunks,
-                              CHUNK: tl.constexpr):
+                              CHUNK: tl.constexpr, USE_PDL: tl.constexpr):
+        wait_then_release(USE_PDL)
         row = tl.program_id(0).to(tl.int64)
         c = tl.program_id(1)
         cols = c * CHUNK + tl.arange(0, CHUNK)
@@ -51,7 +53,8 @@ if triton is not None:
 
     @triton.jit
     def _argmax_reduce_kernel(vals_ptr, idx_ptr, out_ptr, num_chunks, V,
-                              BLOCK: tl.constexpr):
+                              BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+        wait_then_release(USE_PDL)
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         mask = offs < num_chunks
@@ -75,8 +78,11 @@ def argmax_triton(x: torch.Tensor) -> torch.Tensor:
     n = -(-v // CHUNK)
     vals = torch.empty((r, n), dtype=torch.float32, device=x.device)
     idx = torch.empty((r, n), dtype=torch.int32, device=x.device)
-    _argmax_chunks_kernel[(r, n)](x, vals, idx, v, x.stride(0), n, CHUNK=CHUNK, num_warps=4)
-    _argmax_reduce_kernel[(r,)](vals, idx, out, n, v, BLOCK=max(16, next_pow2(n)), num_warps=1)
+    opts = pdl.launch_options(x)
+    _argmax_chunks_kernel[(r, n)](x, vals, idx, v, x.stride(0), n, CHUNK=CHUNK, num_warps=4,
+                                  **opts)
+    _argmax_reduce_kernel[(r,)](vals, idx, out, n, v, BLOCK=max(16, next_pow2(n)), num_warps=1,
+                                **opts)
     return out
 
 

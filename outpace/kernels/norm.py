@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from outpace.kernels import next_pow2, use_triton
+from outpace.kernels import next_pow2, pdl, use_triton
 
 try:  # guarded: CPU machines may not have triton, and `import outpace` must still work
     import triton
@@ -45,15 +45,18 @@ def fused_add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torc
 # ----------------------------------------------------------------------------- triton
 
 if triton is not None:
+    from outpace.kernels.pdl import wait_then_release
 
     @triton.jit
     def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr, H, stride_x, stride_r,
                          stride_o, stride_ro, eps, HAS_RESIDUAL: tl.constexpr,
-                         BLOCK: tl.constexpr):
+                         BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
         # One program per row; the whole row sits in registers, so x is read once.
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < H
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)  # static: before the wait
+        wait_then_release(USE_PDL)
         x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
         if HAS_RESIDUAL:
             r = tl.load(r_ptr + row * stride_r + cols, mask=mask, other=0.0)
@@ -64,7 +67,6 @@ if triton is not None:
         var = tl.sum(xf * xf, axis=0) / H
         rstd = 1.0 / tl.sqrt(var + eps)
         normed = (xf * rstd).to(x.dtype).to(tl.float32)  # HF casts back before the weight
-        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         tl.store(out_ptr + row * stride_o + cols, (normed * w).to(out_ptr.dtype.element_ty),
                  mask=mask)
 
@@ -84,7 +86,8 @@ def _launch(x2, r2, weight, eps, out, res_out):
         x2, r2 if r2 is not None else x2, weight, out, res_out if res_out is not None else out,
         h, x2.stride(0), r2.stride(0) if r2 is not None else 0, out.stride(0),
         res_out.stride(0) if res_out is not None else 0, float(eps),
-        HAS_RESIDUAL=r2 is not None, BLOCK=block, num_warps=min(max(block // 256, 1), 8))
+        HAS_RESIDUAL=r2 is not None, BLOCK=block, num_warps=min(max(block // 256, 1), 8),
+        **pdl.launch_options(x2))
 
 
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

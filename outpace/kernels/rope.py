@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from outpace.kernels import next_pow2, use_triton
+from outpace.kernels import next_pow2, pdl, use_triton
 
 try:  # guarded: CPU machines may not have triton
     import triton
@@ -76,6 +76,7 @@ def apply_rope_and_store_ref(q, k, v, cos, sin, positions, kv_cache, layer, slot
 # ----------------------------------------------------------------------------- triton
 
 if triton is not None:
+    from outpace.kernels.pdl import wait_then_release
 
     @triton.jit
     def _rotate_heads(base, stride_h, num_heads, cos, sin, d, dmask, HALF,
@@ -95,8 +96,10 @@ if triton is not None:
                      TABLE_OFF, v_ptr, kc_ptr, vc_ptr, slot_ptr, stride_vt, stride_vh,
                      stride_cb, stride_co, stride_ch, BLOCK_HQ: tl.constexpr,
                      BLOCK_HKV: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                     STORE_KV: tl.constexpr, CACHE_BLOCK: tl.constexpr):
+                     STORE_KV: tl.constexpr, CACHE_BLOCK: tl.constexpr,
+                     USE_PDL: tl.constexpr):
         # One program per token: the cos/sin row is loaded once for all q and k heads.
+        wait_then_release(USE_PDL)
         t = tl.program_id(0).to(tl.int64)
         pos = tl.load(pos_ptr + t).to(tl.int64)
         d = tl.arange(0, BLOCK_HALF)
@@ -159,7 +162,7 @@ def apply_rope_triton(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: 
         cos.stride(0), sin.stride(0), hq, hkv, half, off,
         q, q, q, positions, 0, 0, 0, 0, 0,  # no KV store: unused
         BLOCK_HQ=next_pow2(hq), BLOCK_HKV=next_pow2(hkv), BLOCK_HALF=next_pow2(half),
-        STORE_KV=False, CACHE_BLOCK=1, num_warps=4)
+        STORE_KV=False, CACHE_BLOCK=1, num_warps=4, **pdl.launch_options(q))
     return q, k
 
 
@@ -191,7 +194,7 @@ def apply_rope_and_store_triton(q, k, v, cos, sin, positions, kv_cache, layer, s
         v, kc, vc, slot_mapping, v.stride(0), v.stride(1), kc.stride(0), kc.stride(1),
         kc.stride(2),
         BLOCK_HQ=next_pow2(hq), BLOCK_HKV=next_pow2(hkv), BLOCK_HALF=next_pow2(half),
-        STORE_KV=True, CACHE_BLOCK=kc.shape[1], num_warps=4)
+        STORE_KV=True, CACHE_BLOCK=kc.shape[1], num_warps=4, **pdl.launch_options(q))
     return q
 
 

@@ -37,7 +37,7 @@ from typing import NamedTuple, Optional
 import torch
 import torch.nn.functional as F
 
-from outpace.kernels import next_pow2, use_triton
+from outpace.kernels import next_pow2, pdl, use_triton
 from outpace.kernels.norm import rms_norm_ref  # HF's RMSNorm: the norm the fused kernels apply
 
 try:  # guarded: CPU machines may not have triton, and `import outpace` must still work
@@ -108,6 +108,11 @@ _DOT_K = 256  # K step of the tl.dot path
 _DOT_STAGES = 3  # its software pipeline (3 beat 2 by ~20% on every shape, 4 was no better)
 _DOT_SMEM = 64 * 1024  # its pipeline buffers: wide tiles get shorter K steps (LM head: 128 x 64)
 _SUM_MAX_N = 16384  # wider weights (LM heads) take the tl.dot path even at M = 1
+_SUM_ROWS = 4  # rows a broadcast-path program handles; more rows take more programs
+# Rows up to which a small weight (K <= 2048, N <= 4096) takes that path. At M = 5 and 8 the
+# row blocks of 4 lost to tl.dot on every SmolLM2 projection (qkv 3.8 vs 2.7 us, gate/up 7.2
+# vs 3.1; run 8 sweep, with PDL), so beyond 4 rows tl.dot it is.
+_SUM_MAX_M = 4
 
 
 def choose_blocks(M: int, N: int, K: int, *, elem_bytes: int = 2, gate_up: bool = False,
@@ -119,8 +124,9 @@ def choose_blocks(M: int, N: int, K: int, *, elem_bytes: int = 2, gate_up: bool 
     read two weight tiles a step: `gate_up`); elem_bytes is the weight's element size; `norm`:
     the kernel computes the RMSNorm statistics first.
 
-    Broadcast multiply + sum (M = 1 up to N = 16384, and M <= 4 on a small weight, K <= 2048:
-    a small model's verify): BLOCK_K takes the whole row in one step when K <= 2048, so all of
+    Broadcast multiply + sum (M = 1 up to N = 16384, and M <= _SUM_MAX_M on a small weight,
+    K <= 2048 and N <= 4096): a program takes at most _SUM_ROWS rows (a forced config with
+    more rows runs more programs, each reading the same weight tile). BLOCK_K takes the whole row in one step when K <= 2048, so all of
     a program's loads are in flight at once (a small weight is below the GPU's bandwidth-delay
     product, and every serial K step costs a DRAM latency); longer rows go in steps of 1024.
     BLOCK_N is as small as keeps >= 4 programs per SM (576 columns: 288 programs of 2) and grows
@@ -136,7 +142,7 @@ def choose_blocks(M: int, N: int, K: int, *, elem_bytes: int = 2, gate_up: bool 
     """
     if use_dot is None:
         use_dot = not ((M == 1 and N <= _SUM_MAX_N)
-                       or (M <= 4 and K <= _SUM_ONE_STEP_K and N <= 4096))
+                       or (M <= _SUM_MAX_M and K <= _SUM_ONE_STEP_K and N <= 4096))
     k_max = max(next_pow2(K), 16)
     tiles = 2 if gate_up else 1
     if use_dot:
@@ -151,7 +157,7 @@ def choose_blocks(M: int, N: int, K: int, *, elem_bytes: int = 2, gate_up: bool 
         return Blocks(block_m, block_n, block_k,
                       num_warps=4 if norm or block_n > 32 else 2,
                       num_stages=_DOT_STAGES, use_dot=True)
-    block_m = next_pow2(M)
+    block_m = min(next_pow2(M), _SUM_ROWS)
     block_k = k_max if k_max <= _SUM_ONE_STEP_K else _SUM_K
     block_k = min(block_k, max(_PRODUCT_BUDGET // (block_m * 2 * tiles), 16))
     block_n = 2
@@ -188,11 +194,11 @@ def _launch(x, w, out, *, n_cols, norm_weight=None, eps=0.0, residual=None, silu
     two = silu_mul or rope_store is not None
     cfg = blocks or choose_blocks(m, n_cols, k, elem_bytes=w.element_size(), gate_up=two,
                                   norm=norm_weight is not None)
-    if cfg.block_m < m or (cfg.use_dot and min(cfg.block_m, cfg.block_n, cfg.block_k) < 16):
-        raise ValueError(f"{cfg} cannot cover M={m} (tl.dot needs 16-wide tiles)")
+    if cfg.use_dot and min(cfg.block_m, cfg.block_n, cfg.block_k) < 16:
+        raise ValueError(f"{cfg}: tl.dot needs 16-wide tiles")
     nw = norm_weight if norm_weight is not None else w
     res = residual if residual is not None else out
-    grid = (triton.cdiv(n_cols, cfg.block_n),)
+    grid = (triton.cdiv(n_cols, cfg.block_n), triton.cdiv(m, cfg.block_m))
     # Without ROPE_STORE the epilogue's arguments are never read: any pointers and sizes do.
     rs = rope_store or _RopeStore(out, out, x, x, out, out, stride_cos=0, table_off=0,
                                   stride_cb=0, stride_co=0, stride_ch=0, half=1, hq=0, hkv=0,
@@ -207,7 +213,7 @@ def _launch(x, w, out, *, n_cols, norm_weight=None, eps=0.0, residual=None, silu
         ROPE_STORE=rope_store is not None, TWO_TILES=two, HALF=rs.half, HQ=rs.hq, HKV=rs.hkv,
         CACHE_BLOCK=rs.cache_block, USE_DOT=cfg.use_dot,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_options(x))
     return out
 
 
@@ -320,7 +326,7 @@ def silu_mul_triton(gu: torch.Tensor, *, out: Optional[torch.Tensor] = None) -> 
         block = min(_SILU_BLOCK, next_pow2(inter))
         _silu_mul_kernel[(m, triton.cdiv(inter, block))](
             gu, out, inter, gu.stride(0), out.stride(0), BLOCK=block,
-            num_warps=4 if block >= 512 else 1)
+            num_warps=4 if block >= 512 else 1, **pdl.launch_options(gu))
     return out
 
 

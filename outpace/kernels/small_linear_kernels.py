@@ -14,6 +14,7 @@ except Exception:  # pragma: no cover - exercised only where triton is missing
     tl = None
 
 if triton is not None:
+    from outpace.kernels.pdl import wait_then_release
 
     @triton.jit
     def _dot_input(x, nw_ptr, offs_k, k_mask, rstd, W_DTYPE: tl.constexpr,
@@ -83,14 +84,18 @@ if triton is not None:
                              HALF: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr,
                              CACHE_BLOCK: tl.constexpr,
                              USE_DOT: tl.constexpr, BLOCK_M: tl.constexpr,
-                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        # One program: output columns [pid * BLOCK_N, +BLOCK_N) for all M rows, whole K loop.
+                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                             USE_PDL: tl.constexpr):
+        # One program: output columns [pid * BLOCK_N, +BLOCK_N) for rows
+        # [program_id(1) * BLOCK_M, +BLOCK_M) (one row block unless the broadcast path splits
+        # the rows; each program then reads the same weight tile, an L2 hit for all but one),
+        # whole K loop.
         # With SILU_MUL the weight is [2N, K] and the program also owns up rows N + j. With
         # ROPE_STORE (a qkv weight, heads of 2 * HALF rows) column j is the rope pair of rows
         # (head, d) and (head, d + HALF), head = j // HALF, d = j % HALF, so the epilogue can
         # rotate q and k itself (see norm_qkv_rope_store).
         pid = tl.program_id(0)
-        offs_m = tl.arange(0, BLOCK_M)
+        offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         m_mask = offs_m < M
         n_mask = offs_n < N
@@ -109,6 +114,9 @@ if triton is not None:
         # program's whole weight read.
         offs_k = tl.arange(0, BLOCK_K)
         w, wu = _load_w(w_rows, u_rows, offs_k, n_mask, K, TWO_TILES)
+        # With PDL this load is issued while the previous kernel still runs (kernels/pdl.py);
+        # everything below may read what earlier kernels wrote.
+        wait_then_release(USE_PDL)
 
         rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
         if HAS_NORM:
@@ -199,7 +207,9 @@ if triton is not None:
         tl.store(vc_ptr + dst + HALF, x2.to(V_DTYPE), mask=v_mask)
 
     @triton.jit
-    def _silu_mul_kernel(gu_ptr, out_ptr, I, stride_gm, stride_om, BLOCK: tl.constexpr):
+    def _silu_mul_kernel(gu_ptr, out_ptr, I, stride_gm, stride_om, BLOCK: tl.constexpr,
+                         USE_PDL: tl.constexpr):
+        wait_then_release(USE_PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < I

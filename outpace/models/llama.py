@@ -13,6 +13,8 @@ CPU the number of kernels dominates small-batch decode. Parameters are created w
 
 The forward on CPU goes layer by layer (with the fast paths of cpu_fast_paths.py); on CUDA it
 takes fewer kernels: `_forward_few_rows` up to SMALL_M_MAX tokens, `_forward_fused_norms` above.
+The draft heads (eagle3.py, mtp.py) run their decoder layer through the same few-row path
+(`LlamaDecoderLayer.forward_few_rows`).
 """
 
 from __future__ import annotations
@@ -46,10 +48,10 @@ FEW_ROW_KERNELS = True
 # the fused projections beat cuBLAS + separate norms 1.3-2.4x at SmolLM2's widths, but at
 # Llama-8B's (4096) the norm-fused qkv is 0.64-0.87x, so wide models keep cuBLAS.
 FEW_ROW_MAX_HIDDEN = 2048
-# ... and with the qkv projection also doing rope and the KV store (norm_qkv_rope_store). Off
-# until its GPU tests have run (tests/gpu/test_rope_store.py, test_fused_step.py): checked on CPU
-# through Triton's interpreter only; the separate rope + store kernel (on) ran on the H200.
-FUSED_QKV_ROPE_STORE = False
+# ... and with the qkv projection also doing rope and the KV store (norm_qkv_rope_store): its
+# GPU tests passed on the H200 (run 8), and it took the no-spec batch-1 graph from 0.687 to
+# 0.643 ms a step (run 8, SmolLM2-shaped); off: a separate rope + store kernel.
+FUSED_QKV_ROPE_STORE = True
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -214,7 +216,8 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm block: h += attn(norm(h)); h += mlp(norm(h)).
 
-    Draft heads reuse it with their own `layer_slot` (their KV plane) and `qkv_input_size`.
+    Draft heads reuse it with their own `layer_slot` (their KV plane) and `qkv_input_size`;
+    on CUDA with few rows they call forward_few_rows, as the target's forward does.
     """
 
     def __init__(self, cfg: ModelConfig, layer_slot: int, qkv_input_size: Optional[int] = None,
@@ -222,6 +225,7 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         kw = dict(dtype=dtype, device=device)
         self.layer_slot = layer_slot
+        self.hidden_size = cfg.hidden_size
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
         self.self_attn = LlamaAttention(cfg, layer_slot, qkv_input_size, **kw)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
@@ -246,6 +250,51 @@ class LlamaDecoderLayer(nn.Module):
         out = self.mlp.forward(normed)
         out += h
         return out
+
+    def few_rows_ok(self) -> bool:
+        """Whether forward_few_rows can run this layer: narrow enough (FEW_ROW_MAX_HIDDEN) and
+        no biases (the few-row kernels have none). The caller checks the rest: CUDA with triton
+        and at most SMALL_M_MAX rows."""
+        a = self.self_attn
+        return (FEW_ROW_KERNELS and self.hidden_size <= FEW_ROW_MAX_HIDDEN
+                and a.qkv_bias is None and a.o_bias is None)
+
+    def forward_few_rows(self, residual, cos_sin, rope: RotaryEmbedding, ctx: ForwardContext,
+                         attn_input=None):
+        """forward() on CUDA for at most SMALL_M_MAX tokens (decode at small batch, verify, the
+        draft heads' steps): residual [T, H] -> the new residual stream [T, H], a fresh tensor.
+
+        Five kernels instead of fourteen (run 5 profile): four projections and attention. With
+        FUSED_QKV_ROPE_STORE the qkv projection also applies rope and writes K/V into the pool
+        (else a sixth kernel does), and split-KV attention merges its splits itself
+        (attention/triton_paged.py). Each norm runs inside the
+        projection that reads it (kernels/small_linear.py), and o_proj / down_proj add their
+        output to the residual stream in fp32 before rounding once (forward() rounds the
+        projection's output first, so bf16 values can differ by an ulp).
+
+        attn_input [T, qkv_input_size]: as in forward(), an already-normalized qkv input
+        (EAGLE-3); the qkv projection then reads it as is, with no norm fused in.
+        Requires few_rows_ok(); on CPU the dispatchers run their PyTorch references."""
+        attn, mlp, post = self.self_attn, self.mlp, self.post_attention_layernorm
+        ln, t = self.input_layernorm, residual.shape[0]
+        if (FUSED_QKV_ROPE_STORE and attn_input is None and attn.q_norm is None
+                and cos_sin[0] is None):
+            # norm, qkv, rope and the KV store in one kernel; attention reads the pool
+            meta, backend = ctx.meta, ctx.backend
+            q = norm_qkv_rope_store(residual, ln.weight, ln.eps, attn.qkv_weight,
+                                    attn.num_heads, attn.num_kv_heads, attn.head_dim,
+                                    rope.cos, rope.sin, cos_sin[2], backend.kv_cache,
+                                    attn.layer_slot, meta.slot_mapping)
+            o = backend.attend_stored(attn.layer_slot, q, meta).reshape(t, attn.q_size)
+        else:  # (Qwen3's q/k norm sits between the projection and rope)
+            if attn_input is None:
+                qkv = norm_small_linear(residual, ln.weight, ln.eps, attn.qkv_weight)
+            else:
+                qkv = small_linear(attn_input, attn.qkv_weight)
+            o = attn.attend(qkv, cos_sin, rope, ctx)
+        residual = small_linear(o, attn.o_weight, residual=residual)
+        a = norm_small_linear_silu_mul(residual, post.weight, post.eps, mlp.gate_up_weight)
+        return small_linear(a, mlp.down_weight, residual=residual)  # a fresh tensor
 
 
 class LlamaForCausalLM(nn.Module):
@@ -312,47 +361,24 @@ class LlamaForCausalLM(nn.Module):
         return normed, [captured[i] for i in capture_layers]
 
     def _few_rows_ok(self) -> bool:
-        """Whether _forward_few_rows can run this model: narrow enough (FEW_ROW_MAX_HIDDEN)
-        and no biases (the few-row kernels have none)."""
+        """Whether _forward_few_rows can run this model: every layer's few_rows_ok()."""
         ok = getattr(self, "_few_rows", None)
-        if ok is None:
-            ok = FEW_ROW_KERNELS and self.config.hidden_size <= FEW_ROW_MAX_HIDDEN and all(
-                layer.self_attn.qkv_bias is None and layer.self_attn.o_bias is None
-                for layer in self.layers)
+        if ok is None:  # cached: the weights' shapes and biases do not change
+            ok = all(layer.few_rows_ok() for layer in self.layers)
             self._few_rows = ok
         return ok
 
     def _forward_few_rows(self, h, positions, ctx: ForwardContext, capture_layers: tuple):
         """forward() on CUDA for at most SMALL_M_MAX tokens (decode at small batch, verify):
-        seven kernels a layer instead of fourteen (run 5 vs run 7 profiles: four projections,
-        rope + KV store, attention and its split-KV merge); six with FUSED_QKV_ROPE_STORE,
-        where the qkv projection also applies rope and writes K/V into the pool. Each norm
-        runs inside the projection that reads it (kernels/small_linear.py), and o_proj /
-        down_proj add their output to the residual stream in fp32 before rounding once (the
-        layer-by-layer path rounds the projection's output first, so bf16 values can differ
-        by an ulp)."""
+        LlamaDecoderLayer.forward_few_rows a layer (five kernels instead of fourteen), then the
+        final norm."""
         cos_sin = self.rotary(positions)
         residual = h
         captured = {}
-        t, meta, backend = h.shape[0], ctx.meta, ctx.backend
         for i, layer in enumerate(self.layers):
-            attn, mlp = layer.self_attn, layer.mlp
-            ln, post = layer.input_layernorm, layer.post_attention_layernorm
-            if FUSED_QKV_ROPE_STORE and attn.q_norm is None and cos_sin[0] is None:
-                # norm, qkv, rope and the KV store in one kernel; attention reads the pool
-                q = norm_qkv_rope_store(residual, ln.weight, ln.eps, attn.qkv_weight,
-                                        attn.num_heads, attn.num_kv_heads, attn.head_dim,
-                                        self.rotary.cos, self.rotary.sin, cos_sin[2],
-                                        backend.kv_cache, attn.layer_slot, meta.slot_mapping)
-                o = backend.attend_stored(attn.layer_slot, q, meta).reshape(t, attn.q_size)
-            else:  # (Qwen3's q/k norm sits between the projection and rope)
-                qkv = norm_small_linear(residual, ln.weight, ln.eps, attn.qkv_weight)
-                o = attn.attend(qkv, cos_sin, self.rotary, ctx)
-            residual = small_linear(o, attn.o_weight, residual=residual)
-            a = norm_small_linear_silu_mul(residual, post.weight, post.eps, mlp.gate_up_weight)
-            residual = small_linear(a, mlp.down_weight, residual=residual)  # a fresh tensor
+            residual = layer.forward_few_rows(residual, cos_sin, self.rotary, ctx)
             if i in capture_layers:
-                captured[i] = residual
+                captured[i] = residual  # a fresh tensor each layer: safe to keep
         return self.norm(residual), [captured[i] for i in capture_layers]
 
     def add_cpu_weight_copies_(self) -> None:

@@ -23,6 +23,8 @@ from torch import nn
 
 from outpace.attention.base import ForwardContext
 from outpace.config import ModelConfig
+from outpace.kernels import use_triton
+from outpace.kernels.small_linear import SMALL_M_MAX
 from outpace.models.llama import LlamaDecoderLayer, RMSNorm, RotaryEmbedding
 
 
@@ -63,7 +65,12 @@ class MTPHead(nn.Module):
         m = self.layers[depth]
         emb = embed_fn(input_ids).to(hidden.dtype)
         x = F.linear(torch.cat([m.enorm(emb), m.hnorm(hidden)], dim=-1), m.eh_proj_weight)
-        return m.layer(x, self.rotary(positions), self.rotary, ctx)
+        cos_sin = self.rotary(positions)
+        if use_triton(x) and x.shape[0] <= SMALL_M_MAX and m.layer.few_rows_ok():
+            # draft steps have few rows: the target's few-row kernels (norms fused into the
+            # projections) instead of cuBLAS and separate norms; x is the layer's residual input
+            return m.layer.forward_few_rows(x, cos_sin, self.rotary, ctx)
+        return m.layer(x, cos_sin, self.rotary, ctx)
 
     def compute_logits(self, hidden: torch.Tensor, target) -> torch.Tensor:
         # [N, H] (forward output) -> [N, vocab] float32, through the target's final norm and head

@@ -58,7 +58,8 @@ def _no_host_mirrors(meta):
     return dataclasses.replace(meta, query_start_loc_host=[], seq_lens_host=[], max_seq_len=1)
 
 
-def _run_attention(seqs, hkv, group, d, dtype, *, splits=None, slack=0, seed=0):
+def _run_attention(seqs, hkv, group, d, dtype, *, splits=None, slack=0, seed=0,
+                   fused_merge=False):
     b = make_batch(seqs, hkv, group, d, dtype, DEV, pad_seqs=2, pad_tokens=3,
                    max_query_len=max(q for q, _ in seqs) + slack, seed=seed)
     scale = d ** -0.5
@@ -68,10 +69,14 @@ def _run_attention(seqs, hkv, group, d, dtype, *, splits=None, slack=0, seed=0):
         out = backend.forward(b.layer, b.q, b.k, b.v, meta)
     else:
         store_kv_triton(b.kv_cache, b.layer, b.k, b.v, b.meta.slot_mapping)
-        out = paged_attention(b.q, b.kv_cache, b.layer, meta, scale, num_splits=splits,
-                              min_split_tokens=64)
-    torch.cuda.synchronize()
-    check_attention(b, out, scale)
+        counters = torch.zeros(4096, dtype=torch.int32, device=DEV) if fused_merge else None
+        for _ in range(2 if fused_merge else 1):  # the counters are reusable as left
+            out = paged_attention(b.q, b.kv_cache, b.layer, meta, scale, num_splits=splits,
+                                  min_split_tokens=64, split_counters=counters)
+            torch.cuda.synchronize()
+            check_attention(b, out, scale)
+        if fused_merge:
+            assert not counters.any(), "the split counters must be left at zero"
 
 
 # (GQA group, head_dim) pairs; each distinct pair x dtype x tile shape is one Triton compile,
@@ -93,11 +98,13 @@ def test_attention_big(name, group, d, dtype):
     _run_attention(BIG[name], 4 if group == 1 else 2, group, d, dtype, seed=len(name))
 
 
+@pytest.mark.parametrize("fused_merge", [False, True], ids=["merge_kernel", "last_split_merges"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("splits", [2, 16])
 @pytest.mark.parametrize("name", ["decode_many", "verify_many", "mixed_big"])
-def test_attention_forced_splits(name, splits, dtype):
-    _run_attention(BIG[name], 2, 4, 128, dtype, splits=splits, slack=1, seed=splits)
+def test_attention_forced_splits(name, splits, dtype, fused_merge):
+    _run_attention(BIG[name], 2, 4, 128, dtype, splits=splits, slack=1, seed=splits,
+                   fused_merge=fused_merge)
 
 
 def test_backend_picks_split_kv_for_small_decode():

@@ -395,3 +395,92 @@ def test_mtp_forward_matches_references(tmp_path, arch):
             logits = head.compute_logits(packed[s][:, :cfg.hidden_size], target)
             ref_logits = rms(refs[0], target.norm.weight) @ target.lm_head_weight.T
             torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
+
+
+# ---- the CUDA few-row path (LlamaDecoderLayer.forward_few_rows), run through the references --
+
+
+def take_few_rows_path(monkeypatch, fused_qkv=False):
+    """From here on the heads take their CUDA code path: use_triton True where the models read
+    it (the few-row dispatchers read their own, so on CPU they run their PyTorch references,
+    and rope goes through the backend's forward_rope). Returns the layer slots that
+    forward_few_rows ran, one per call."""
+    import outpace.models.eagle3 as eagle3
+    import outpace.models.llama as llama
+    import outpace.models.mtp as mtp
+    for mod in (llama, eagle3, mtp):
+        monkeypatch.setattr(mod, "use_triton", lambda t: True)
+    monkeypatch.setattr(llama, "FUSED_QKV_ROPE_STORE", fused_qkv)
+    calls, orig = [], llama.LlamaDecoderLayer.forward_few_rows
+
+    def spy(self, *a, **kw):
+        calls.append(self.layer_slot)
+        return orig(self, *a, **kw)
+    monkeypatch.setattr(llama.LlamaDecoderLayer, "forward_few_rows", spy)
+    return calls
+
+
+# Packed steps of CHUNKS: 15, 11 and 3 rows, all within SMALL_M_MAX
+PACKED_STEPS = max(len(c) for c in CHUNKS.values())
+
+
+@pytest.mark.parametrize("fused_qkv", [False, True], ids=["rope-kernel", "qkv-rope-store"])
+@pytest.mark.parametrize("norm_before_residual", [False, True])
+def test_eagle3_few_rows_path_matches(tmp_path, monkeypatch, norm_before_residual, fused_qkv):
+    """The head's CUDA path (qkv over the given [emb, hidden] input, fused residual adds) gives
+    the outputs and draft-plane KV of its layer-by-layer path. FUSED_QKV_ROPE_STORE must not
+    change it: the fused kernel norms the residual, which is not EAGLE-3's attention input."""
+    cfg = target_config()
+    out = make_head(tmp_path, "eagle3", cfg)
+    if norm_before_residual:
+        edit_config(out, lambda d: d.update(norm_before_residual=True))
+    randomize(out, seed=5)
+    head = load_draft_head("eagle3", out, cfg, first_layer_slot=L)
+    g = torch.Generator().manual_seed(6)
+    embed = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g)
+    data = seq_data(cfg, g, 3)
+
+    def rows(parts, pos, ctx):
+        aux = [torch.cat([data[s][0][j][a:b] for s, a, b in parts]) for j in range(3)]
+        ids = torch.cat([data[s][1][a:b] for s, a, b in parts])
+        return head(head.fuse(aux), ids, pos, ctx, lambda i: F.embedding(i, embed))
+
+    with torch.no_grad():
+        ref, ref_pool = run_paged(cfg, L + 1, rows, packed=True)
+        calls = take_few_rows_path(monkeypatch, fused_qkv)
+        got, pool = run_paged(cfg, L + 1, rows, packed=True)
+    assert calls == [L] * PACKED_STEPS
+    for s in CHUNKS:
+        torch.testing.assert_close(got[s], ref[s], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(pool.backend.kv_cache, ref_pool.backend.kv_cache, rtol=1e-5,
+                               atol=1e-5)
+
+
+@pytest.mark.parametrize("fused_qkv", [False, True], ids=["rope-kernel", "qkv-rope-store"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_mtp_few_rows_path_matches(tmp_path, monkeypatch, arch, fused_qkv):
+    """Each MTP module's CUDA path (its layer normalizes eh_proj's output itself) gives the
+    outputs and KV of the layer-by-layer path; Qwen2's biased layer keeps the general path."""
+    cfg = target_config(arch)
+    out = make_head(tmp_path, "mtp", cfg, num_layers=2)
+    randomize(out, seed=7)
+    head = load_draft_head("mtp", out, cfg, first_layer_slot=L)
+    g = torch.Generator().manual_seed(8)
+    embed = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g)
+    data = seq_data(cfg, g, 1)
+
+    def chain(parts, pos, ctx):  # depth 1 reads depth 0's output, each in its own KV slot
+        h = torch.cat([data[s][0][0][a:b] for s, a, b in parts])
+        ids = torch.cat([data[s][1][a:b] for s, a, b in parts])
+        h0 = head(0, h, ids, pos, ctx, lambda i: F.embedding(i, embed))
+        return torch.cat([h0, head(1, h0, ids, pos, ctx, lambda i: F.embedding(i, embed))], -1)
+
+    with torch.no_grad():
+        ref, ref_pool = run_paged(cfg, L + 2, chain, packed=True)
+        calls = take_few_rows_path(monkeypatch, fused_qkv)
+        got, pool = run_paged(cfg, L + 2, chain, packed=True)
+    assert calls == ([] if arch == "qwen2" else [L, L + 1] * PACKED_STEPS)
+    for s in CHUNKS:
+        torch.testing.assert_close(got[s], ref[s], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(pool.backend.kv_cache, ref_pool.backend.kv_cache, rtol=1e-5,
+                               atol=1e-5)

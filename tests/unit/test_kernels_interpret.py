@@ -303,6 +303,14 @@ def check_paged_attention(case):
     out = paged_attention(b.q, b.kv_cache, b.layer, _no_host_mirrors(b.meta), scale,
                           num_splits=splits, min_split_tokens=16)
     verify_attention(b, out, scale)
+    if splits > 1:  # the last split of each tile merges (per-tile counters), twice in a row
+        counters = torch.zeros(64, dtype=torch.int32)
+        for _ in range(2):
+            out = paged_attention(b.q, b.kv_cache, b.layer, _no_host_mirrors(b.meta), scale,
+                                  num_splits=splits, min_split_tokens=16,
+                                  split_counters=counters)
+            verify_attention(b, out, scale)
+            assert not counters.any(), "the counters must be left at zero"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -331,8 +339,9 @@ def check_harness_catches_a_wrong_kernel():
 
 # ----------------------------------------------------------------------------- few-row linears
 
-# (M, N, K): N and K off the block sizes; K = 600 takes several K steps with a ragged last one.
-LINEAR_SHAPES = [(1, 50, 72), (3, 96, 160), (16, 40, 600)]
+# (M, N, K): N and K off the block sizes; K = 600 takes several K steps with a ragged last one;
+# M = 5 and 16 take several row blocks on the broadcast path.
+LINEAR_SHAPES = [(1, 50, 72), (5, 96, 160), (16, 40, 600)]
 # The fused kernels round bf16 at up to four points (the normalized input, its product with the
 # RMSNorm weight, g and u, silu and the product). The interpreter truncates at each, and since
 # truncation is biased toward zero its errors add up over K instead of cancelling: a few ulps,

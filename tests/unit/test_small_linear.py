@@ -117,10 +117,12 @@ def test_choose_blocks_is_a_valid_shape_policy(m):
         assert b == choose_blocks(m, n, k)  # a pure function of the shapes
         for v in (b.block_m, b.block_n, b.block_k):
             assert v == next_pow2(v)  # Triton block shapes are powers of two
-        assert b.block_m >= m and b.block_n <= 128
-        if b.use_dot:
-            assert min(b.block_m, b.block_n, b.block_k) >= 16
-        else:  # the broadcast product tile stays within the register budget
+        assert b.block_n <= 128
+        if b.use_dot:  # one row block covers every row
+            assert b.block_m >= m and min(b.block_m, b.block_n, b.block_k) >= 16
+        else:  # rows in blocks of at most 4 (more programs); the product tile stays within
+            # the register budget
+            assert b.block_m == min(next_pow2(m), 4)
             assert b.block_m * b.block_n * b.block_k <= 16384
         if m == 1 and 576 <= n <= 3072:
             assert -(-n // b.block_n) >= 100  # small weights spread over the SMs

@@ -1,0 +1,77 @@
+"""Programmatic dependent launch (PDL) for the decode step's Triton kernels.
+
+Why: at batch 1 a small model's step is a chain of ~200 kernels of 2-5 us each, and each one
+pays its launch and its first DRAM latency (the weight tile) only after the previous kernel has
+drained. With PDL (Hopper and later) the next kernel is launched while the previous one runs; it
+loads what no earlier kernel writes (its weights) and then waits on the grid dependency, so its
+launch and weight read hide behind the previous kernel. CUDA graphs keep the dependency as a
+programmatic edge.
+
+The protocol every kernel launched with PDL follows (`wait_then_release`):
+  1. a prologue that only reads memory no kernel of the step writes (weights, norm weights)
+     and writes nothing;
+  2. `gdc_wait`: every earlier kernel has finished and its writes are visible;
+  3. `gdc_launch_dependents`: the next kernel may now launch and run its own prologue;
+  4. the rest of the kernel.
+Every program executes step 2 before it can return, so a kernel finishes only after its
+predecessor did, and "finished" stays transitive along the chain. Releasing only after the wait
+keeps at most two kernels resident at a time. Kernels launched without PDL (torch's, cuBLAS)
+wait for full completion as always; gdc ops are no-ops in a kernel launched without PDL.
+
+`ENABLED` switches it off (benchmarks compare both); `launch_options` returns the launch
+keyword and the kernels' USE_PDL flag together, so a kernel launched with PDL always waits.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:  # guarded: CPU machines may not have triton, and `import outpace` must still work
+    import triton
+    import triton.language as tl
+except Exception:  # pragma: no cover - exercised only where triton is missing
+    triton = None
+    tl = None
+
+ENABLED = True
+_by_device: dict = {}
+
+
+def _triton_has_launch_pdl() -> bool:
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except Exception:
+        return False
+    return "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {})
+
+
+def supported(device: torch.device) -> bool:
+    """Whether PDL can be used on `device`: CUDA of compute capability >= 9.0, and a triton
+    whose launcher takes `launch_pdl` (3.4+)."""
+    if device.type != "cuda" or triton is None:
+        return False
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    ok = _by_device.get(idx)
+    if ok is None:
+        ok = torch.cuda.get_device_capability(idx)[0] >= 9 and _triton_has_launch_pdl()
+        _by_device[idx] = ok
+    return ok
+
+
+def launch_options(t: torch.Tensor) -> dict:
+    """Keyword arguments for a kernel launch on t's device: {'USE_PDL': bool} plus
+    'launch_pdl': True when PDL is on. Pass them to kernels that call wait_then_release."""
+    if ENABLED and supported(t.device):
+        return {"USE_PDL": True, "launch_pdl": True}
+    return {"USE_PDL": False}
+
+
+if triton is not None:
+
+    @triton.jit
+    def wait_then_release(USE_PDL: tl.constexpr):
+        # Steps 2 and 3 of the protocol above; call it after the static prologue and before
+        # the first load of anything an earlier kernel writes (and before any early return).
+        if USE_PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
