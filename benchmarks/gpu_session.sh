@@ -4,7 +4,9 @@
 #   bash benchmarks/gpu_session.sh tests            pytest tests/gpu
 #   bash benchmarks/gpu_session.sh bench SECTIONS   bench_gpu.py --sections SECTIONS
 #   bash benchmarks/gpu_session.sh sweep MS         bench_small_linear.py's sweep at those M
-# Results go to $OUT (the device tool brings them back).
+# Results go to $OUT (the device tool brings them back). The device's copy of .git can be stale
+# (run 8 reported an older HEAD): prefix the call with OUTPACE_COMMIT=$(git rev-parse --short HEAD)
+# taken here.
 # Without staged parts (tests, or the no-model sections overlap,big) the model steps are skipped.
 set -euo pipefail
 GGUF=none

@@ -23,26 +23,28 @@ def main():
     import matplotlib.pyplot as plt
 
     runs = [(Path(f).stem, json.loads(Path(f).read_text())) for f in a.json]
-    def key(r):  # rows of one config: overlap off/on, and the qkv + rope + store kernel
-        return r["config"], r["overlap"], r.get("fused_qkv_rope_store", False)
+    def key(r):  # rows of one config: overlap off/on, the qkv + rope + store kernel, PDL
+        # (runs before run 8 had neither switch: both off)
+        return r["config"], r["overlap"], r.get("fused_qkv_rope_store", False), r.get("pdl", False)
 
     keys = []
     for _, d in runs:
         for r in d.get("overlap", []):
             if key(r) not in keys:
                 keys.append(key(r))
-    fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 5), gridspec_kw={"width_ratios": [3, 1]})
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(16, 5), gridspec_kw={"width_ratios": [4, 1]})
     width = 0.8 / max(1, len(runs))
     for i, (name, d) in enumerate(runs):
         tpot = {key(r): r["tpot_ms"] for r in d.get("overlap", [])}
         xs = [j + i * width for j in range(len(keys))]
-        ax.bar(xs, [tpot.get(k, 0) for k in keys], width, label=f"{name} ({d.get('commit', '?')})")
+        ax.bar(xs, [tpot.get(k, 0) for k in keys], width,
+               label=f"{name} ({str(d.get('commit', '?')).split()[0]})")
         big = d.get("big", {})
         if "ratio_to_floor_overlap" in big:
             bx.bar([i], [big["ratio_to_floor_overlap"]], 0.6, label=name)
     ax.set_xticks([j + width * (len(runs) - 1) / 2 for j in range(len(keys))])
-    ax.set_xticklabels([f"{c}\n{'overlap' if o else 'sync'}{' qkv-rope' if f else ''}"
-                        for c, o, f in keys], fontsize=8)
+    ax.set_xticklabels([f"{c}\n{'overlap' if o else 'sync'}\n{'qkv-rope' if f else ''}"
+                        f"{' PDL' if p else ''}" for c, o, f, p in keys], fontsize=7)
     ax.set_ylabel("TPOT ms (batch 1, lower is better)")
     ax.set_title("SmolLM2-135M-shaped, bf16, H200")
     ax.legend()

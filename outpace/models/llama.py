@@ -49,8 +49,9 @@ FEW_ROW_KERNELS = True
 # Llama-8B's (4096) the norm-fused qkv is 0.64-0.87x, so wide models keep cuBLAS.
 FEW_ROW_MAX_HIDDEN = 2048
 # ... and with the qkv projection also doing rope and the KV store (norm_qkv_rope_store): its
-# GPU tests passed on the H200 (run 8), and it took the no-spec batch-1 graph from 0.687 to
-# 0.643 ms a step (run 8, SmolLM2-shaped); off: a separate rope + store kernel.
+# GPU tests passed on the H200 (run 8a), and it took the no-spec batch-1 graph from 0.687 to
+# 0.643 ms a step (run 8a, SmolLM2-shaped; 0.603 -> 0.565 with PDL, run 8); off: a separate
+# rope + store kernel.
 FUSED_QKV_ROPE_STORE = True
 
 
