@@ -308,6 +308,16 @@ def seq_data(cfg, g, n_aux):
     return data
 
 
+def eagle3_rows(head, data, embed):
+    """run_paged's step function for an EAGLE-3 head over seq_data's sequences: each packed
+    part (seq, start, end) contributes its aux hidden states and ids."""
+    def rows(parts, pos, ctx):
+        aux = [torch.cat([data[s][0][j][a:b] for s, a, b in parts]) for j in range(3)]
+        ids = torch.cat([data[s][1][a:b] for s, a, b in parts])
+        return head(head.fuse(aux), ids, pos, ctx, lambda i: F.embedding(i, embed))
+    return rows
+
+
 @pytest.mark.parametrize("norm_before_residual", [False, True])
 def test_eagle3_forward_matches_references(tmp_path, norm_before_residual):
     cfg = target_config()
@@ -326,10 +336,7 @@ def test_eagle3_forward_matches_references(tmp_path, norm_before_residual):
     embed = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g)
     data = seq_data(cfg, g, 3)
 
-    def rows(parts, pos, ctx):
-        aux = [torch.cat([data[s][0][j][a:b] for s, a, b in parts]) for j in range(3)]
-        ids = torch.cat([data[s][1][a:b] for s, a, b in parts])
-        return head(head.fuse(aux), ids, pos, ctx, lambda i: F.embedding(i, embed))
+    rows = eagle3_rows(head, data, embed)
 
     with torch.no_grad():
         packed, pool = run_paged(cfg, L + 1, rows, packed=True)
@@ -440,10 +447,7 @@ def test_eagle3_few_rows_path_matches(tmp_path, monkeypatch, norm_before_residua
     embed = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g)
     data = seq_data(cfg, g, 3)
 
-    def rows(parts, pos, ctx):
-        aux = [torch.cat([data[s][0][j][a:b] for s, a, b in parts]) for j in range(3)]
-        ids = torch.cat([data[s][1][a:b] for s, a, b in parts])
-        return head(head.fuse(aux), ids, pos, ctx, lambda i: F.embedding(i, embed))
+    rows = eagle3_rows(head, data, embed)
 
     with torch.no_grad():
         ref, ref_pool = run_paged(cfg, L + 1, rows, packed=True)
