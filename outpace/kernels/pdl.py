@@ -46,10 +46,10 @@ def _triton_has_launch_pdl() -> bool:
 
 
 def supported(device: torch.device) -> bool:
-    """Whether PDL can be used on `device`: CUDA of compute capability >= 9.0, and a triton
-    whose launcher takes `launch_pdl` (3.4+)."""
-    if device.type != "cuda" or triton is None:
-        return False
+    """Whether PDL can be used on `device`: an NVIDIA GPU of compute capability >= 9.0, and a
+    triton whose launcher takes `launch_pdl` (3.4+)."""
+    if device.type != "cuda" or triton is None or torch.version.hip is not None:
+        return False  # (ROCm reports its own capability numbers; PDL is NVIDIA's)
     idx = device.index if device.index is not None else torch.cuda.current_device()
     ok = _by_device.get(idx)
     if ok is None:
