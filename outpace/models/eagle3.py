@@ -39,7 +39,8 @@ from outpace.errors import ConfigError, ModelLoadError
 from outpace.kernels import use_triton
 from outpace.kernels.argmax import argmax_rows
 from outpace.kernels.small_linear import SMALL_M_MAX
-from outpace.models.llama import LlamaDecoderLayer, RMSNorm, RotaryEmbedding
+from outpace.models.llama import LlamaDecoderLayer, RMSNorm
+from outpace.models.rotary import RotaryEmbedding
 
 
 def default_aux_layer_ids(num_target_layers: int) -> tuple:

@@ -25,7 +25,8 @@ from outpace.attention.base import ForwardContext
 from outpace.config import ModelConfig
 from outpace.kernels import use_triton
 from outpace.kernels.small_linear import SMALL_M_MAX
-from outpace.models.llama import LlamaDecoderLayer, RMSNorm, RotaryEmbedding
+from outpace.models.llama import LlamaDecoderLayer, RMSNorm
+from outpace.models.rotary import RotaryEmbedding
 
 
 class MTPModule(nn.Module):

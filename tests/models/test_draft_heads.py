@@ -415,7 +415,8 @@ def take_few_rows_path(monkeypatch, fused_qkv=False):
     import outpace.models.eagle3 as eagle3
     import outpace.models.llama as llama
     import outpace.models.mtp as mtp
-    for mod in (llama, eagle3, mtp):
+    import outpace.models.rotary as rotary
+    for mod in (llama, eagle3, mtp, rotary):
         monkeypatch.setattr(mod, "use_triton", lambda t: True)
     monkeypatch.setattr(llama, "FUSED_QKV_ROPE_STORE", fused_qkv)
     calls, orig = [], llama.LlamaDecoderLayer.forward_few_rows

@@ -8,7 +8,7 @@ import torch
 from outpace.errors import ModelLoadError, UnsupportedModelError
 from outpace.models.loader import load_model_config, locate
 from outpace.models.loader.gguf import GGUFFile, dequantize, load_gguf
-from outpace.models.llama import rope_inv_freq
+from outpace.models.rotary import rope_inv_freq
 from tests.models.helpers import (PagedRunner, hf_logits, hf_with_quantized_weights, tiny_hf,
                                   write_gguf)
 

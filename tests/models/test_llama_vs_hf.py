@@ -97,9 +97,15 @@ def test_fused_norm_forward_matches(pair, monkeypatch, dtype, fused_qkv):
         return torch.cat([o[0] for o in out]), [torch.cat(a) for a in zip(*[o[1] for o in out])]
 
     ref_logits, ref_aux = run()
-    monkeypatch.setattr(llama, "use_triton", lambda t: True)  # the CUDA code path
+    import outpace.models.rotary as rotary
+    for mod in (llama, rotary):  # the CUDA code path (rope tables read by the kernels)
+        monkeypatch.setattr(mod, "use_triton", lambda t: True)
     monkeypatch.setattr(llama, "FUSED_QKV_ROPE_STORE", fused_qkv)
     calls = []
+    fused_calls = []
+    orig_fused = llama.norm_qkv_rope_store
+    monkeypatch.setattr(llama, "norm_qkv_rope_store",
+                        lambda *a: fused_calls.append(1) or orig_fused(*a))
     for name in ("_forward_fused_norms", "_forward_few_rows"):  # prefill, decode steps
         orig = getattr(llama.LlamaForCausalLM, name)
         monkeypatch.setattr(llama.LlamaForCausalLM, name,
@@ -107,6 +113,8 @@ def test_fused_norm_forward_matches(pair, monkeypatch, dtype, fused_qkv):
     logits, aux = run()
     few_rows_ok = family not in ("llama_bias", "qwen2")  # the few-row kernels have no bias
     assert calls.count("_forward_few_rows") == (len(ids) - 17 if few_rows_ok else 0), calls
+    fused_ok = few_rows_ok and fused_qkv and family != "qwen3"  # (q/k norm sits before rope)
+    assert len(fused_calls) == (cfg.num_hidden_layers * (len(ids) - 17) if fused_ok else 0)
     exact, exact_hidden = hf_logits(hf, ids, output_hidden_states=True)  # fp32 transformers
     if dtype == torch.float32:
         torch.testing.assert_close(logits, ref_logits, atol=1e-5, rtol=1e-5)

@@ -1,0 +1,83 @@
+"""Rotary position embedding (neox style) for the Llama family: the inverse frequencies with the
+configured scaling (linear, llama3, GGUF per-frequency factors) and the cos/sin tables, computed
+once for every position. On CPU the model applies them itself; on CUDA the Triton kernels read the
+tables (kernels/rope.py, and the qkv projection's epilogue in kernels/small_linear.py).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from outpace.config import ModelConfig
+from outpace.errors import UnsupportedModelError
+from outpace.kernels import use_triton
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """[head_dim // 2] float32 inverse frequencies, with the configured scaling applied."""
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    sc = cfg.rope_scaling
+    if not sc:
+        return inv
+    kind = sc.get("rope_type", sc.get("type"))
+    if kind == "linear":
+        return inv / float(sc["factor"])
+    if kind == "freq_factors":  # GGUF rope_freqs tensor: per-frequency divisors (llama.cpp)
+        factors = torch.tensor(sc["factors"], dtype=torch.float32)
+        if factors.numel() != inv.numel():
+            raise UnsupportedModelError(
+                f"rope_freqs has {factors.numel()} entries, expected {inv.numel()} (head_dim/2)")
+        return inv / factors
+    if kind == "llama3":
+        # Long wavelengths are stretched by `factor`, short ones kept, the band between them
+        # interpolated linearly in 1/wavelength (Llama 3.1 paper, section 3.3).
+        factor = float(sc["factor"])
+        lo, hi = float(sc.get("low_freq_factor", 1.0)), float(sc.get("high_freq_factor", 4.0))
+        old_len = float(sc.get("original_max_position_embeddings", 8192))
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > old_len / lo, inv / factor, inv)
+        smooth = (old_len / wavelen - lo) / (hi - lo)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        mid = (wavelen >= old_len / hi) & (wavelen <= old_len / lo)
+        return torch.where(mid, blended, scaled)
+    raise UnsupportedModelError(f"rope scaling type {kind!r} is not supported")
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style (rotate_half) rope with cos/sin tables precomputed once for every position.
+
+    rope(x) = x * cos + roll(x, D/2) * sin_signed, where sin_signed = [-sin, sin] folds
+    rotate_half's negation into the table, so applying it is three elementwise ops.
+    """
+
+    def __init__(self, cfg: ModelConfig, dtype=torch.float32, device="cpu"):
+        super().__init__()
+        inv = rope_inv_freq(cfg)
+        t = torch.arange(cfg.max_position_embeddings, dtype=torch.float32)
+        freqs = torch.outer(t, inv)  # [P, D/2], fp32 as HF computes it
+        emb = torch.cat((freqs, freqs), dim=-1)
+        sin = emb.sin()
+        half = cfg.head_dim // 2
+        sin[:, :half].neg_()
+        self.half = half
+        self.register_buffer("cos", emb.cos().to(dtype=dtype, device=device), persistent=False)
+        self.register_buffer("sin", sin.to(dtype=dtype, device=device), persistent=False)
+
+    def forward(self, positions):
+        # [T] long -> (cos [T, 1, D], sin [T, 1, D], positions); on CUDA the Triton kernel
+        # reads the tables itself: (None, None, positions); their columns D/2.. hold cos(f)
+        # and the unsigned sin(f), as the kernel expects
+        if use_triton(positions):  # CUDA with triton
+            return None, None, positions
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1), positions
+
+    def apply_qk(self, q, k, cos_sin):  # CPU tables: q [T, Hq, D], k [T, Hkv, D] rotated
+        return self.apply(q, cos_sin), self.apply(k, cos_sin)
+
+    def apply(self, x, cos_sin):  # x [T, H, D] -> [T, H, D] (new tensor)
+        cos, sin = cos_sin[0], cos_sin[1]
+        return torch.addcmul(x * cos, torch.roll(x, self.half, dims=-1), sin)
