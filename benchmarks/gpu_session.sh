@@ -8,6 +8,8 @@
 # (run 8 reported an older HEAD): prefix the call with OUTPACE_COMMIT=$(git rev-parse --short HEAD)
 # taken here.
 # Without staged parts (tests, or the no-model sections overlap,big) the model steps are skipped.
+# .whl/ holds the wheels to carry: gguf, and pytest-xdist + execnet for the tests
+# (pip download --no-deps -d .whl gguf pytest-xdist execnet).
 set -euo pipefail
 GGUF=none
 if ls /root/keep/part_* > /dev/null 2>&1 || [ -f /root/keep/smollm2.gguf ]; then
@@ -24,7 +26,11 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 export OUTPACE_COMMIT=${OUTPACE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 mkdir -p "${OUT:-/tmp/out}"
 case "$1" in
-  tests) python3 -m pytest -q tests/gpu -p no:cacheprovider 2>&1 | tee "${OUT:-/tmp/out}/gpu_tests.log" | tail -25 ;;
+  tests) # pytest-xdist (carried in .whl/ with execnet) spreads the tests over processes: most
+         # of their time is Triton compiling on the CPU, and the machine has 16 cores.
+         par=""; python3 -c "import xdist" 2>/dev/null && par="-n 8"
+         python3 -m pytest -q $par tests/gpu -p no:cacheprovider 2>&1 \
+           | tee "${OUT:-/tmp/out}/gpu_tests.log" | tail -25 ;;
   bench) shift; python3 benchmarks/bench_gpu.py --gguf "$GGUF" \
            --out "${OUT:-/tmp/out}" --sections "$@" ;;
   sweep) shift; python3 benchmarks/bench_small_linear.py --out "${OUT:-/tmp/out}" \
