@@ -34,6 +34,7 @@ use IEEE dot products (no TF32) so they match the reference to ~1e-5.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -251,6 +252,7 @@ class TileConfig:
     num_stages: int
 
 
+@functools.lru_cache(maxsize=1024)  # pure, and asked twice per launch (see num_splits_for)
 def choose_tiles(max_query_len: int, group: int, head_dim: int, dtype: torch.dtype) -> TileConfig:
     gp = next_pow2(group)
     small = dtype.itemsize <= 2 and next_pow2(head_dim) <= 128  # fits big tiles in shared mem

@@ -32,6 +32,7 @@ only and never read device values, so they are CUDA-graph capturable; `out=` tak
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple, Optional
 
 import torch
@@ -115,6 +116,7 @@ _SUM_ROWS = 4  # rows a broadcast-path program handles; more rows take more prog
 _SUM_MAX_M = 4
 
 
+@functools.lru_cache(maxsize=4096)  # a pure function of its arguments, asked every launch
 def choose_blocks(M: int, N: int, K: int, *, elem_bytes: int = 2, gate_up: bool = False,
                   norm: bool = False, use_dot: Optional[bool] = None) -> Blocks:
     """Launch configuration of the few-row linear: a pure function of shapes and dtype size
@@ -198,7 +200,8 @@ def _launch(x, w, out, *, n_cols, norm_weight=None, eps=0.0, residual=None, silu
         raise ValueError(f"{cfg}: tl.dot needs 16-wide tiles")
     nw = norm_weight if norm_weight is not None else w
     res = residual if residual is not None else out
-    grid = (triton.cdiv(n_cols, cfg.block_n), triton.cdiv(m, cfg.block_m))
+    # _cdiv, not triton.cdiv: that one is a jit function, ~5 us a call from Python
+    grid = (_cdiv(n_cols, cfg.block_n), _cdiv(m, cfg.block_m))
     # Without ROPE_STORE the epilogue's arguments are never read: any pointers and sizes do.
     rs = rope_store or _RopeStore(out, out, x, x, out, out, stride_cos=0, table_off=0,
                                   stride_cb=0, stride_co=0, stride_ch=0, half=1, hq=0, hkv=0,
@@ -324,7 +327,7 @@ def silu_mul_triton(gu: torch.Tensor, *, out: Optional[torch.Tensor] = None) -> 
     out = _out(out, m, inter, gu.dtype, gu.device)
     if m and inter:
         block = min(_SILU_BLOCK, next_pow2(inter))
-        _silu_mul_kernel[(m, triton.cdiv(inter, block))](
+        _silu_mul_kernel[(m, _cdiv(inter, block))](
             gu, out, inter, gu.stride(0), out.stride(0), BLOCK=block,
             num_warps=4 if block >= 512 else 1, **pdl.launch_options(gu))
     return out
