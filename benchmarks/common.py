@@ -50,3 +50,17 @@ def print_table(rows: list, cols: list) -> None:
     print("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
     for r in rows:
         print("  ".join(f"{r.get(c, '')}".ljust(w) for c, w in zip(cols, widths)))
+
+
+def plot_args(out_required: bool = True):
+    """The plot scripts' command line (RUN.json ... --out FILE.png) and matplotlib.pyplot
+    with the file-only backend -> (args, plt). matplotlib is not a dependency of outpace."""
+    import argparse
+    ap = argparse.ArgumentParser()
+    ap.add_argument("json", nargs="+")
+    ap.add_argument("--out", required=out_required, default=None)
+    args = ap.parse_args()
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return args, plt

@@ -8,19 +8,16 @@ Needs matplotlib (not a dependency of outpace).
 
 from __future__ import annotations
 
-import argparse
 import json
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.common import plot_args  # noqa: E402
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("json", nargs="+")
-    ap.add_argument("--out", required=True)
-    a = ap.parse_args()
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    a, plt = plot_args(out_required=True)
 
     runs = [(Path(f).stem, json.loads(Path(f).read_text())) for f in a.json]
     def key(r):  # rows of one config: overlap off/on, the qkv + rope + store kernel, PDL

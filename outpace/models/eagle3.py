@@ -36,9 +36,7 @@ from torch import nn
 from outpace.attention.base import ForwardContext
 from outpace.config import ModelConfig
 from outpace.errors import ConfigError, ModelLoadError
-from outpace.kernels import use_triton
 from outpace.kernels.argmax import argmax_rows
-from outpace.kernels.small_linear import SMALL_M_MAX
 from outpace.models.llama import LlamaDecoderLayer, RMSNorm
 from outpace.models.rotary import RotaryEmbedding
 
@@ -160,7 +158,7 @@ class Eagle3Head(nn.Module):
         attn_in = torch.cat([self.midlayer.input_layernorm(emb), normed], dim=-1)  # [T, 2H]
         cos_sin = self.rotary(positions)
         layer = self.midlayer
-        if use_triton(hidden) and hidden.shape[0] <= SMALL_M_MAX and layer.few_rows_ok():
+        if layer.takes_few_rows(hidden):
             # draft steps have few rows: the target's few-row kernels (fused residual adds and
             # post-attention norm) instead of cuBLAS and separate norms
             return layer.forward_few_rows(residual, cos_sin, self.rotary, ctx, attn_input=attn_in)

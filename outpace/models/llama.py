@@ -185,6 +185,11 @@ class LlamaDecoderLayer(nn.Module):
         out += h
         return out
 
+    def takes_few_rows(self, x: torch.Tensor) -> bool:
+        """Whether a draft head should run this layer on `x` through forward_few_rows: CUDA
+        with triton, at most SMALL_M_MAX rows, and few_rows_ok()."""
+        return use_triton(x) and x.shape[0] <= SMALL_M_MAX and self.few_rows_ok()
+
     def few_rows_ok(self) -> bool:
         """Whether forward_few_rows can run this layer: narrow enough (FEW_ROW_MAX_HIDDEN) and
         no biases (the few-row kernels have none). The caller checks the rest: CUDA with triton

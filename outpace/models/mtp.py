@@ -23,8 +23,6 @@ from torch import nn
 
 from outpace.attention.base import ForwardContext
 from outpace.config import ModelConfig
-from outpace.kernels import use_triton
-from outpace.kernels.small_linear import SMALL_M_MAX
 from outpace.models.llama import LlamaDecoderLayer, RMSNorm
 from outpace.models.rotary import RotaryEmbedding
 
@@ -67,7 +65,7 @@ class MTPHead(nn.Module):
         emb = embed_fn(input_ids).to(hidden.dtype)
         x = F.linear(torch.cat([m.enorm(emb), m.hnorm(hidden)], dim=-1), m.eh_proj_weight)
         cos_sin = self.rotary(positions)
-        if use_triton(x) and x.shape[0] <= SMALL_M_MAX and m.layer.few_rows_ok():
+        if m.layer.takes_few_rows(x):
             # draft steps have few rows: the target's few-row kernels (norms fused into the
             # projections) instead of cuBLAS and separate norms; x is the layer's residual input
             return m.layer.forward_few_rows(x, cos_sin, self.rotary, ctx)

@@ -412,11 +412,9 @@ def take_few_rows_path(monkeypatch, fused_qkv=False):
     it (the few-row dispatchers read their own, so on CPU they run their PyTorch references,
     and rope goes through the backend's forward_rope). Returns the layer slots that
     forward_few_rows ran, one per call."""
-    import outpace.models.eagle3 as eagle3
     import outpace.models.llama as llama
-    import outpace.models.mtp as mtp
     import outpace.models.rotary as rotary
-    for mod in (llama, eagle3, mtp, rotary):
+    for mod in (llama, rotary):  # (the heads ask LlamaDecoderLayer.takes_few_rows)
         monkeypatch.setattr(mod, "use_triton", lambda t: True)
     monkeypatch.setattr(llama, "FUSED_QKV_ROPE_STORE", fused_qkv)
     calls, orig = [], llama.LlamaDecoderLayer.forward_few_rows
