@@ -9,10 +9,21 @@ own q positions of the null block, and their outputs are ignored.
     buckets: 1 2 4 8 16 24 32 48 64 96 128 ... (up to max_num_seqs)
     graph(bucket, q): input_ids/positions/slot_mapping[:bucket*q], seq_lens/block_tables[:bucket]
                       -> hidden [bucket*q, H], aux [bucket*q, H] each, logits [bucket*q, V]
+
+A single request's prefill (or prefill chunk) of n tokens is replayed the same way from a
+prefill graph of q >= n tokens (PREFILL_TOKENS, up to the step's token budget): the rows past n
+are padding (slot -1, past the request's real positions, so no real row attends to them), and
+the graph computes logits only at logits_indices[0], the row that is sampled. Eagerly, a batch-1
+prefill is ~150 Python kernel launches, 26-32 ms of host time on the H200 machine for a 135M
+model whose GPU time is ~1 ms (benchmarks/diag_prefill.py): the whole of TTFT.
+
+    prefill graph(q): input_ids/positions/slot_mapping[:q], one sequence (full-width table)
+                      -> hidden [q, H], aux [q, H] each, logits [1, V]
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import numpy as np
@@ -24,11 +35,13 @@ from outpace.runner.inputs import HostBatch
 log = logging.getLogger(__name__)
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+# Prefill graph sizes: padding wastes at most a third of a prefill's rows past 32 tokens.
+PREFILL_TOKENS = (16, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 
 
 class GraphRunner:
     def __init__(self, model, backend, inputs, capture_layers: tuple, max_num_seqs: int,
-                 q_lens: tuple, max_tokens: int):
+                 q_lens: tuple, max_tokens: int, prefill: bool = True):
         self.model = model
         self.backend = backend
         self.inputs = inputs
@@ -37,6 +50,9 @@ class GraphRunner:
                         if b <= max_num_seqs and b * max(q_lens) <= max_tokens]
         self.q_lens = tuple(sorted(set(q_lens)))
         self.graphs: dict = {}  # (bucket, q) -> (graph, hidden, aux, logits)
+        self.prefill_q = tuple(q for q in PREFILL_TOKENS if q <= max_tokens) if prefill else ()
+        self.prefill_graphs: dict = {}  # q -> (graph, hidden, aux, logits [1, V])
+        self.prefill_replays = 0
         self.pool = None
 
     def bucket_for(self, num_seqs: int):
@@ -44,6 +60,10 @@ class GraphRunner:
             if b >= num_seqs:
                 return b
         return None
+
+    def prefill_q_for(self, num_tokens: int):
+        """The smallest prefill graph that holds num_tokens, or None (then: eager)."""
+        return next((q for q in self.prefill_q if q >= num_tokens), None)
 
     def can_run(self, hb: HostBatch) -> bool:
         q = np.diff(hb.query_start_loc)
@@ -74,8 +94,20 @@ class GraphRunner:
                     self._forward(ids, pos, ctx)
                 graph, outs = self.capture(lambda i=ids, p=pos, c=ctx: self._forward(i, p, c))
                 self.graphs[(bucket, q)] = (graph, *outs)
-        log.info("captured %d CUDA graphs (buckets %s, q %s)", len(self.graphs), self.buckets,
-                 self.q_lens)
+        for q in reversed(self.prefill_q):
+            self.fill_dummy(1, q)
+            buf.logits_indices[:1].fill_(q - 1)
+            meta = self._meta(1, q, buf.max_blocks * self.backend.block_size)
+            ctx = ForwardContext(self.backend, meta)
+            ids, pos = buf.input_ids[:q], buf.positions[:q]
+            for _ in range(2):
+                self._prefill_forward(ids, pos, ctx)
+            graph, outs = self.capture(
+                lambda i=ids, p=pos, c=ctx: self._prefill_forward(i, p, c))
+            self.prefill_graphs[q] = (graph, *outs)
+        log.info("captured %d CUDA graphs (buckets %s, q %s) and %d prefill graphs (up to %s "
+                 "tokens)", len(self.graphs), self.buckets, self.q_lens, len(self.prefill_graphs),
+                 max(self.prefill_q, default=0))
 
     def fill_dummy(self, bucket: int, q: int) -> None:
         """A valid batch that writes nowhere (slot -1): each sequence attends to its own q
@@ -104,6 +136,11 @@ class GraphRunner:
     def _forward(self, ids, pos, ctx):
         hidden, aux = self.model(ids, pos, ctx, capture_layers=self.capture_layers)
         return hidden, aux, self.model.compute_logits(hidden)
+
+    def _prefill_forward(self, ids, pos, ctx):
+        hidden, aux = self.model(ids, pos, ctx, capture_layers=self.capture_layers)
+        rows = hidden.index_select(0, self.inputs.logits_indices[:1])
+        return hidden, aux, self.model.compute_logits(rows)
 
     def load_padded(self, hb: HostBatch, full_width: bool = False, extra: tuple = ()):
         """Pad hb to its bucket and copy it into the fixed buffers.
@@ -137,13 +174,35 @@ class GraphRunner:
         n = b * q
         graph, hidden, aux, logits = self.graphs[(bucket, q)]
         graph.replay()
-        # The caller's metadata describes the real (unpadded) batch, for the proposer.
+        return hidden[:n], [a[:n] for a in aux], logits.index_select(0, li), self._meta_of(hb)
+
+    def run_prefill(self, hb: HostBatch):
+        """One request's prefill rows, padded to q = len(hb.input_ids) (a prefill_q), with at
+        most one sampled row. -> (hidden [q, H], aux, logits [0 or 1, V], AttentionMetadata)."""
+        q = len(hb.input_ids)
+        if len(hb.seq_lens) != 1 or q not in self.prefill_graphs or len(hb.logits_indices) > 1:
+            raise ValueError(f"no prefill graph for {len(hb.seq_lens)} sequences of {q} tokens "
+                             f"with {len(hb.logits_indices)} sampled rows")
+        num_sampled = len(hb.logits_indices)
+        if len(hb.logits_indices) == 0:  # a chunk that samples nothing: a valid dummy row
+            hb = dataclasses.replace(hb, logits_indices=np.array([q - 1], np.int64))
+        # Full-width block table: the padded rows' positions past the request's blocks read
+        # the null block, not a stale entry from an earlier step.
+        self.load_padded(hb, full_width=True)
+        graph, hidden, aux, logits = self.prefill_graphs[q]
+        graph.replay()
+        self.prefill_replays += 1
+        return hidden, aux, logits[:num_sampled], self._meta_of(hb)
+
+    def _meta_of(self, hb: HostBatch) -> AttentionMetadata:
+        """Metadata of the real (unpadded) batch in the fixed buffers, for the proposer."""
         buf = self.inputs
-        meta = AttentionMetadata(
-            slot_mapping=buf.slot_mapping[:n], query_start_loc=buf.query_start_loc[:b + 1],
+        b = len(hb.seq_lens)
+        q = int(hb.query_start_loc[1] - hb.query_start_loc[0])
+        return AttentionMetadata(
+            slot_mapping=buf.slot_mapping[:b * q], query_start_loc=buf.query_start_loc[:b + 1],
             seq_lens=buf.seq_lens[:b],
             block_tables=buf.block_tables[:b, :hb.block_tables.shape[1]],
             query_start_loc_host=hb.query_start_loc.tolist(),  # sync-ok: numpy
             seq_lens_host=hb.seq_lens.tolist(),  # sync-ok: numpy
             max_query_len=q, max_seq_len=int(hb.seq_lens.max()))
-        return hidden[:n], [a[:n] for a in aux], logits.index_select(0, li), meta

@@ -47,6 +47,7 @@ class ModelRunner:
         self.model_cfg = model_cfg
         self.device = device
         self.block_size = block_size
+        self.max_model_len = max_model_len
         self.proposer = proposer
         num_draft_layers = proposer.num_kv_layers if proposer is not None else 0
         self.num_layer_slots = model_cfg.num_hidden_layers + num_draft_layers
@@ -103,6 +104,21 @@ class ModelRunner:
             return None
         return q
 
+    def _prefill_graph_q(self, plan: StepPlan):
+        """The prefill graph a step of one request's prefill chunk pads to, or None.
+
+        Not when the padded rows' positions would pass the context (the rope tables end
+        there), nor for a chunk that carries drafts."""
+        if self.graphs is None or len(plan.scheduled) != 1:
+            return None
+        sr = plan.scheduled[0]
+        if sr.draft_token_ids:
+            return None
+        q = self.graphs.prefill_q_for(sr.num_new_tokens)
+        if q is None or sr.num_computed_tokens + q > self.max_model_len:
+            return None
+        return q
+
     # ---- overlap (see runner/fused_step.py and LLMEngine.step) -----------------------------
     def can_launch(self, plan: StepPlan) -> bool:
         """Whether plan can run as a fused step launched now and collected later."""
@@ -140,11 +156,13 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
         q_graph = self._graph_q(plan)
-        hb = self._host_batch(plan, q_graph)
+        q_prefill = self._prefill_graph_q(plan) if q_graph is None else None
+        hb = self._host_batch(plan, q_graph or q_prefill)
         if q_graph is not None and self.fused is not None and self.fused.accepts(plan):
             return self.fused.execute(plan, hb, q_graph)
-        if q_graph is not None:
-            hidden, aux, logits, meta = self.graphs.run(hb)
+        if q_graph is not None or q_prefill is not None:
+            run = self.graphs.run if q_graph is not None else self.graphs.run_prefill
+            hidden, aux, logits, meta = run(hb)
             t = len(hb.input_ids)
             ids, pos = self.inputs.input_ids[:t], self.inputs.positions[:t]
         else:

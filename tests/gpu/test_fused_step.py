@@ -143,3 +143,33 @@ def test_decode_steps_do_not_sync_with_host(cuda_loaded, cuda_heads, method, k, 
         assert eng.runner.fused.chained >= 10
     while eng.has_unfinished_requests():
         eng.step()
+
+
+@pytest.mark.parametrize("method,k", CASES, ids=[f"{m}-k{k}" for m, k in CASES])
+def test_prefill_graphs_equal_eager_and_cpu(cuda_loaded, cuda_heads, method, k):
+    """Batch-1 prefills replay from real prefill graphs (runner/cuda_graph.py, padded to 16 ..
+    512 tokens): the same tokens and drafts as the eager CUDA engine and the CPU engine, for
+    prompts on both sides of graph sizes, up to the largest graph (512 tokens, the context
+    of the tiny model). The eager fallbacks are tested on CPU (tests/spec/test_graph_padding.py).
+    """
+    import random
+    spec = spec_for(cuda_heads, method, k)
+    rng = random.Random(5)
+    vocab = cuda_loaded[1].vocab_size
+    prompts = [[rng.randrange(vocab) for _ in range(n)] for n in (15, 17, 64, 130, 300, 470)]
+    cpu = make_engine(tiny_target(seed=0), speculative_config=spec, max_num_seqs=8)
+    eager = gpu_engine(cuda_loaded, spec, eager=True)
+    graphed = gpu_engine(cuda_loaded, spec, eager=False)
+    eager_drafts, graphed_drafts = record_drafts(eager), record_drafts(graphed)
+    sizes = []  # (graph size, real tokens) of each prefill replay
+    graphs = graphed.runner.graphs
+    inner = graphs.run_prefill
+    graphs.run_prefill = lambda hb: (sizes.append((len(hb.input_ids),
+                                                   int((hb.slot_mapping >= 0).sum()))),
+                                     inner(hb))[1]
+    for p in prompts:
+        want = run_batch(eager, [p], GREEDY)
+        assert run_batch(graphed, [p], GREEDY) == want, len(p)
+        assert run_batch(cpu, [p], GREEDY) == want, len(p)
+    assert graphed_drafts == eager_drafts
+    assert sizes == [(16, 15), (32, 17), (64, 64), (192, 130), (384, 300), (512, 470)]

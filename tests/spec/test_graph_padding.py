@@ -26,3 +26,64 @@ def test_graph_padding_matches_eager(tiny_loaded, fake_graph_capture, spec):
     assert got == want
     assert replays, "no step went through a graph"
     assert 3 in replays, "a batch of 3 (padded to bucket 4) should have replayed"
+
+
+def _count_prefill_replays(engine) -> list:
+    """Record the padded size of every prefill graph replay of engine."""
+    sizes = []
+    graphs = engine.runner.graphs
+    inner = graphs.run_prefill
+    graphs.run_prefill = lambda hb: (sizes.append(len(hb.input_ids)), inner(hb))[1]
+    return sizes
+
+
+@pytest.mark.parametrize("spec", [None, {"method": "ngram", "num_speculative_tokens": 3},
+                                  "eagle3", "mtp"])
+def test_prefill_graphs_match_eager(tiny_loaded, tiny_heads, fake_graph_capture, spec):
+    """Single-request prefills (whole, and chunked by a small token budget) replay from prefill
+    graphs padded to 16 .. 512 tokens; outputs (and with a head, its drafts from the prefill's
+    hidden states) equal the eager engine's token for token. Prompts near the context end and
+    past the largest graph run eagerly."""
+    import random
+    if spec in ("eagle3", "mtp"):
+        spec = {"method": spec, "model": str(tiny_heads[spec]), "num_speculative_tokens": 3}
+    rng = random.Random(3)
+    vocab = tiny_loaded[1].vocab_size
+    lengths = [1, 15, 16, 17, 50, 130, 460]
+    prompts = [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    kw = dict(speculative_config=spec, max_num_seqs=4, max_model_len=480,
+              enable_prefix_caching=False)
+    eager = make_engine(tiny_loaded, **kw)
+    graphed = make_engine(tiny_loaded, **kw)
+    k = spec["num_speculative_tokens"] if spec else 0
+    graphed.runner.enable_cuda_graphs(tuple(range(1, k + 2)))
+    graphed.runner.fused = None
+    sizes = _count_prefill_replays(graphed)
+    for p in prompts:  # one at a time: batch-1 prefills
+        assert run_batch(graphed, [p], params) == run_batch(eager, [p], params), len(p)
+    # A 1-token prompt is a decode step (the q = 1 graph); 15 -> 16, 16 -> 16, 17 -> 32,
+    # 50 -> 64, 130 -> 192; 460 would pad past the context (480): eager.
+    assert sizes == [16, 16, 32, 64, 192]
+    # A small token budget chunks a prompt: its chunks replay too, only the last one samples.
+    chunked = make_engine(tiny_loaded, max_num_batched_tokens=48, **kw)
+    chunked.runner.enable_cuda_graphs(tuple(range(1, k + 2)))
+    chunked.runner.fused = None
+    sizes = _count_prefill_replays(chunked)
+    assert run_batch(chunked, [prompts[5]], params) == run_batch(eager, [prompts[5]], params)
+    assert sizes[:3] == [48, 48, 48], sizes  # 130 = 48 + 48 + 34
+
+
+def test_prefill_graph_rejects_what_it_cannot_replay(tiny_loaded, fake_graph_capture):
+    from outpace.runner.inputs import build_host_batch
+    engine = make_engine(tiny_loaded, max_num_seqs=4)
+    engine.runner.enable_cuda_graphs((1,))
+    graphs = engine.runner.graphs
+    assert graphs.prefill_q[0] == 16 and graphs.prefill_q[-1] == 512
+    assert graphs.prefill_q_for(513) is None and graphs.prefill_q_for(0) == 16
+    two = build_host_batch([([1] * 16, 0, [1], [15]), ([2] * 16, 0, [2], [15])], 16)
+    with pytest.raises(ValueError, match="no prefill graph"):
+        graphs.run_prefill(two)
+    odd = build_host_batch([([1] * 20, 0, [1, 3], [19])], 16)
+    with pytest.raises(ValueError, match="no prefill graph"):
+        graphs.run_prefill(odd)

@@ -1,0 +1,81 @@
+"""Where a batch-1 prefill's time goes (TTFT): per-step wall times, cProfile by cumulative time,
+and torch.profiler's CPU/CUDA table for one prefill step.
+
+    python benchmarks/diag_prefill.py --gguf PATH [--out DIR]
+"""
+import argparse
+import cProfile
+import io
+import pstats
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.bench_gpu import prompt_set  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--gguf", required=True)
+    ap.add_argument("--out", default="/tmp/out")
+    args = ap.parse_args()
+    from outpace import SamplingParams
+    from outpace.engine.engine import LLMEngine
+    from outpace.models.loader import load_model
+    loaded = load_model(args.gguf, dtype=torch.bfloat16, device=torch.device("cuda"), quiet=True)
+    prompts = prompt_set(loaded[2], 4)
+    eng = LLMEngine.from_args(args.gguf, loaded=loaded, device="cuda", dtype="bfloat16",
+                              max_num_seqs=8, quiet=True, enable_prefix_caching=False)
+    sp = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    report = []
+
+    def one(p, tag, prof=None):
+        """Run p alone; -> wall ms of each engine step (the first is the prefill)."""
+        eng.add_request(f"{tag}-{time.monotonic_ns()}", p, sp)
+        times = []
+        while eng.has_unfinished_requests():
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            if prof is not None and not times:
+                prof.enable()
+            eng.step()
+            if prof is not None and len(times) == 0:
+                prof.disable()
+            torch.cuda.synchronize()
+            times.append(round(1000 * (time.perf_counter() - t), 3))
+        return times
+
+    for rep in range(3):
+        for p in prompts:
+            one(p, "w")
+    for p in prompts:
+        report.append(f"prompt {len(p)} tokens: step ms {one(p, 't')}")
+    pr = cProfile.Profile()
+    one(prompts[0], "p", pr)
+    s = io.StringIO()
+    pstats.Stats(pr, stream=s).sort_stats("cumulative").print_stats(45)
+    report.append(s.getvalue())
+    s = io.StringIO()
+    pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(30)
+    report.append(s.getvalue())
+    from torch.profiler import ProfilerActivity, profile
+    eng.add_request(f"tp-{time.monotonic_ns()}", prompts[1], sp)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as tp:
+        eng.step()
+        torch.cuda.synchronize()
+    while eng.has_unfinished_requests():
+        eng.step()
+    report.append(tp.key_averages().table(sort_by="self_cpu_time_total", row_limit=30))
+    report.append(tp.key_averages().table(sort_by="self_cuda_time_total", row_limit=20))
+    text = "\n".join(report)
+    print(text)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "diag_prefill.txt").write_text(text)
+
+
+if __name__ == "__main__":
+    main()
