@@ -156,10 +156,19 @@ class SpecConfig:
                           options={k: v for k, v in d.items() if k not in known})
 
 
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+
 @dataclass(frozen=True)
 class RunnerConfig:
     device: str = "cpu"
-    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    dtype: str = "auto"  # activations, residual stream, KV cache, arithmetic; auto: float32 on
+    # CPU, bfloat16 on CUDA
+    # How the projection matrices, the embedding and the LM head are stored (models/
+    # weight_dtype.py); auto: in `dtype`. float32 activations over bfloat16 weights keep the
+    # bf16 weight bytes (memory, bandwidth) with fp32 arithmetic: greedy output as close to
+    # fp32 as bf16 weights allow (docs/decisions.md).
+    weight_dtype: str = "auto"
     enforce_eager: bool = False  # True: no CUDA graphs
     seed: int = 0
     # Launch the next greedy decode step before reading this one's outputs (with CUDA graphs;
@@ -170,16 +179,43 @@ class RunnerConfig:
     def __post_init__(self):
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ConfigError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
-        if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
+        if self.dtype not in DTYPES:
             raise ConfigError(
                 f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}")
+        if self.weight_dtype not in DTYPES:
+            raise ConfigError(f"weight_dtype must be auto, float32, float16 or bfloat16, got "
+                              f"{self.weight_dtype!r}")
+        act, weight = self._resolved(self.dtype), self._resolved(self.weight_dtype)
+        # A weight is upcast to the activation dtype exactly; a wider (or merely different
+        # 16-bit) one would be rounded on every use, which stores more bytes for nothing.
+        if weight != act and act != "float32":
+            what = (f"weight_dtype {weight} is wider than dtype {act}" if weight == "float32"
+                    else f"weight_dtype {weight} with dtype {act} is not supported (neither "
+                    f"format holds all of the other's values)")
+            fix = ("dtype float32 to run in float32" if weight == "float32" else
+                   f"dtype float32 for float32 activations over {weight} weights")
+            raise ConfigError(f"{what}: weights may be stored narrower than the activations, "
+                              f"never wider; use weight_dtype auto (or {act}), or {fix}")
+
+    def _resolved(self, name: str) -> str:
+        """A dtype option's value with auto resolved (weight_dtype auto: dtype's)."""
+        if name != "auto":
+            return name
+        if self.dtype != "auto":
+            return self.dtype
+        return "float32" if self.device == "cpu" else "bfloat16"
 
     @property
     def torch_dtype(self):
+        """The activation (and KV cache) dtype."""
         import torch
-        if self.dtype == "auto":
-            return torch.float32 if self.device == "cpu" else torch.bfloat16
-        return getattr(torch, self.dtype)
+        return getattr(torch, self._resolved(self.dtype))
+
+    @property
+    def torch_weight_dtype(self):
+        """The dtype the large weight matrices are stored in (== torch_dtype unless set)."""
+        import torch
+        return getattr(torch, self._resolved(self.weight_dtype))
 
 
 @dataclass(frozen=True)

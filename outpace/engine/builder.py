@@ -16,8 +16,9 @@ log = logging.getLogger(__name__)
 
 
 def build_engine(cls, model: str, *, device: str = "auto", dtype: str = "auto",
-                 speculative_config: Optional[dict] = None, max_model_len: Optional[int] = None,
-                 num_kv_blocks: Optional[int] = None, block_size: int = 16,
+                 weight_dtype: str = "auto", speculative_config: Optional[dict] = None,
+                 max_model_len: Optional[int] = None, num_kv_blocks: Optional[int] = None,
+                 block_size: int = 16,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  max_waiting_requests: Optional[int] = None, enable_prefix_caching: bool = True,
                  enable_chunked_prefill: bool = True, memory_fraction: float = 0.85,
@@ -25,7 +26,9 @@ def build_engine(cls, model: str, *, device: str = "auto", dtype: str = "auto",
                  quiet: bool = False,
                  loaded=None):
     """loaded: an already loaded (model, ModelConfig, Tokenizer) to reuse, e.g. when several
-    engines with different cache or scheduler settings share one set of weights."""
+    engines with different cache or scheduler settings share one set of weights. A weight_dtype
+    other than auto must then be the one its weights are stored in (weight_dtype.py's
+    store_weights_in_ casts them): the engine does not change a model it was lent."""
     from outpace.kvcache.manager import KVCacheManager
     from outpace.kvcache.sizing import num_kv_blocks as size_kv
     from outpace.models.loader import load_model
@@ -37,16 +40,23 @@ def build_engine(cls, model: str, *, device: str = "auto", dtype: str = "auto",
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ConfigError("device 'cuda' was asked for but CUDA is not available; use --device cpu")
-    runner_cfg = RunnerConfig(device=device, dtype=dtype, enforce_eager=enforce_eager, seed=seed,
-                              overlap=overlap)
+    runner_cfg = RunnerConfig(device=device, dtype=dtype, weight_dtype=weight_dtype,
+                              enforce_eager=enforce_eager, seed=seed, overlap=overlap)
     spec_cfg = SpecConfig.from_dict(speculative_config)
     torch_device = torch.device(device)
     torch.manual_seed(seed)
 
     if loaded is not None:
         target, model_cfg, tokenizer = loaded
+        stored = target.embed_weight.dtype
+        if weight_dtype != "auto" and stored != runner_cfg.torch_weight_dtype:
+            raise ConfigError(f"the loaded model stores its weights in {stored}, not "
+                              f"weight_dtype {weight_dtype}; cast it first "
+                              f"(outpace.models.weight_dtype.store_weights_in_) or pass "
+                              f"weight_dtype auto")
     else:
         target, model_cfg, tokenizer = load_model(model, dtype=runner_cfg.torch_dtype,
+                                                  weight_dtype=runner_cfg.torch_weight_dtype,
                                                   device=torch_device, quiet=quiet)
     limit = model_cfg.max_position_embeddings
     if max_model_len is not None and max_model_len > limit:
@@ -82,8 +92,11 @@ def build_engine(cls, model: str, *, device: str = "auto", dtype: str = "auto",
         # Graphs for plain decode (q = 1) and every verify length (q = 2 .. k + 1).
         runner.enable_cuda_graphs(tuple(range(1, max_k + 2)), capture_fused=True)
     if not quiet:
-        log.info("outpace: %s on %s (%s), %d KV blocks of %d tokens", model, device,
-                 runner_cfg.torch_dtype, num_blocks, block_size)
+        dtypes = str(runner_cfg.torch_dtype)
+        if runner_cfg.torch_weight_dtype != runner_cfg.torch_dtype:
+            dtypes += f", weights {runner_cfg.torch_weight_dtype}"
+        log.info("outpace: %s on %s (%s), %d KV blocks of %d tokens", model, device, dtypes,
+                 num_blocks, block_size)
     engine = cls(config, tokenizer, scheduler, kv, runner, model_name=model)
     if torch_device.type == "cuda":
         engine.warm_up()  # compile the prefill kernels now (see LLMEngine.warm_up)

@@ -1,6 +1,7 @@
 """The offline API, shaped like vLLM's `LLM` so users feel at home.
 
     llm = LLM("smollm2-135m", device="cpu", dtype="float32")
+    llm = LLM("smollm2-135m", device="cuda", dtype="float32", weight_dtype="bfloat16")
     outs = llm.generate(["Hello"], SamplingParams(max_tokens=32, temperature=0.0))
     outs[0].text, outs[0].token_ids, outs[0].spec_stats
 """
@@ -16,8 +17,12 @@ from outpace.types import SamplingParams
 
 class LLM:
     def __init__(self, model: str = "smollm2-135m", *, device: str = "auto", dtype: str = "auto",
-                 speculative_config: Optional[dict] = None, quiet: bool = False, **engine_args):
+                 weight_dtype: str = "auto", speculative_config: Optional[dict] = None,
+                 quiet: bool = False, **engine_args):
+        # dtype: activations, KV cache, arithmetic; weight_dtype: how the large matrices are
+        # stored (auto: dtype; float32 + bfloat16: fp32 compute over bf16 weights)
         self.engine = LLMEngine.from_args(model, device=device, dtype=dtype,
+                                          weight_dtype=weight_dtype,
                                           speculative_config=speculative_config, quiet=quiet,
                                           **engine_args)
         self._ids = itertools.count()

@@ -13,12 +13,15 @@ silu * mul ride along, so a decoder layer needs fewer kernels:
     small_linear_silu_mul(x, w_gate_up)      a = silu(g) * u, [g, u] = x @ w.T
     silu_mul(gu)                             a = silu(gu[:, :I]) * gu[:, I:]   (any M)
 
-Rounding follows the unfused torch composition (HF's modules): the rms_norm is HF's (statistics in
-fp32, normalized value rounded to the activation dtype, times the weight in promote(weight, x)),
-its output is rounded to the linear's weight dtype, each matmul output is rounded to its dtype,
-silu(g) is rounded, then the product. Products accumulate in fp32, so bf16 results differ from
-the references only by summation order (an ulp now and then). With `residual` the sum is taken
-in fp32 before the single rounding (the fp32-residual-stream case: residual fp32, x and w bf16).
+Rounding follows the unfused torch composition (HF's modules) in the activation dtype (x's): the
+rms_norm is HF's (statistics in fp32, normalized value rounded to the activation dtype, times the
+weight in promote(weight, x)), its output is rounded to the activation dtype, each matmul output
+is rounded to it, silu(g) is rounded, then the product. Products accumulate in fp32, so bf16
+results differ from the references only by summation order (an ulp now and then). With
+`residual` the sum is taken in fp32 before the single rounding to the residual's dtype (which
+may be fp32 over bf16 x and w). The weight is x's dtype, or, under fp32 activations, stored in
+bf16 / fp16 (RunnerConfig.weight_dtype) and upcast exactly: the results are fp32, as if the
+weight were held in fp32.
 
 Measured on an H200 (bf16, CUDA-graph replays, L2-cold weights; benchmarks/bench_small_linear.py):
 SmolLM2 projections at M = 1 take 2.5-3.6 us against cuBLAS's 3.9-5.3, the fused norm + gate_up +
@@ -63,28 +66,28 @@ def silu_mul_ref(gu: torch.Tensor) -> torch.Tensor:
 
 def small_linear_ref(x: torch.Tensor, w: torch.Tensor, *,
                      residual: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """x [M, K] @ w[N, K].T (+ residual [M, N], added in fp32 before the one rounding to
-    residual.dtype)."""
+    """x [M, K] @ w[N, K].T in x's dtype (+ residual [M, N], added in fp32 before the one
+    rounding to residual.dtype)."""
     if residual is None:
-        return F.linear(x, w)
+        return F.linear(x, w.to(x.dtype))  # .to: a no-op unless w is stored narrower
     return (residual.float() + F.linear(x.float(), w.float())).to(residual.dtype)
 
 
 def norm_small_linear_ref(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                           w: torch.Tensor) -> torch.Tensor:
-    """rms_norm(x) rounded to w.dtype, @ w.T -> [M, N] of w.dtype."""
-    return F.linear(rms_norm_ref(x, norm_weight, eps).to(w.dtype), w)
+    """rms_norm(x) rounded to x.dtype, @ w.T -> [M, N] of x.dtype."""
+    return F.linear(rms_norm_ref(x, norm_weight, eps).to(x.dtype), w.to(x.dtype))
 
 
 def norm_small_linear_silu_mul_ref(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                                    w_gate_up: torch.Tensor) -> torch.Tensor:
-    """w_gate_up [2I, K] (gate rows, then up rows) -> silu(g) * u [M, I] of w.dtype."""
+    """w_gate_up [2I, K] (gate rows, then up rows) -> silu(g) * u [M, I] of x.dtype."""
     return silu_mul_ref(norm_small_linear_ref(x, norm_weight, eps, w_gate_up))
 
 
 def small_linear_silu_mul_ref(x: torch.Tensor, w_gate_up: torch.Tensor) -> torch.Tensor:
-    """silu(g) * u for [g, u] = x @ w_gate_up.T -> [M, I]."""
-    return silu_mul_ref(F.linear(x, w_gate_up))
+    """silu(g) * u for [g, u] = x @ w_gate_up.T -> [M, I] of x.dtype."""
+    return silu_mul_ref(F.linear(x, w_gate_up.to(x.dtype)))
 
 
 # ----------------------------------------------------------------------------- block sizes
@@ -123,8 +126,9 @@ def choose_blocks(M: int, N: int, K: int, *, elem_bytes: int = 2, gate_up: bool 
     (never of values), so a captured graph and an eager call pick the same kernel.
 
     N is the number of output columns the programs split (I for the gate/up kernels, which
-    read two weight tiles a step: `gate_up`); elem_bytes is the weight's element size; `norm`:
-    the kernel computes the RMSNorm statistics first.
+    read two weight tiles a step: `gate_up`); elem_bytes is the wider operand's element size
+    (the weight's, or x's over a narrower weight); `norm`: the kernel computes the RMSNorm
+    statistics first.
 
     Broadcast multiply + sum (M = 1 up to N = 16384, and M <= _SUM_MAX_M on a small weight,
     K <= 2048 and N <= 4096): a program takes at most _SUM_ROWS rows (a forced config with
@@ -194,8 +198,10 @@ def _launch(x, w, out, *, n_cols, norm_weight=None, eps=0.0, residual=None, silu
     if m == 0 or n_cols == 0:
         return out
     two = silu_mul or rope_store is not None
-    cfg = blocks or choose_blocks(m, n_cols, k, elem_bytes=w.element_size(), gate_up=two,
-                                  norm=norm_weight is not None)
+    # fp32 x over a bf16 weight: tiles sized as for fp32 (its x tiles are fp32)
+    cfg = blocks or choose_blocks(m, n_cols, k, elem_bytes=max(w.element_size(),
+                                                               x.element_size()),
+                                  gate_up=two, norm=norm_weight is not None)
     if cfg.use_dot and min(cfg.block_m, cfg.block_n, cfg.block_k) < 16:
         raise ValueError(f"{cfg}: tl.dot needs 16-wide tiles")
     nw = norm_weight if norm_weight is not None else w
@@ -255,7 +261,7 @@ def norm_qkv_rope_store_triton(x, norm_weight, eps, w_qkv, num_heads, num_kv_hea
             or sin.stride() != cos.stride():
         raise ValueError("norm_qkv_rope_store needs contiguous rope tables and a kv_cache "
                          "contiguous in its last dim with equal K and V strides")
-    q = torch.empty((m, num_heads * d), dtype=w_qkv.dtype, device=x.device)
+    q = torch.empty((m, num_heads * d), dtype=x.dtype, device=x.device)
     rs = _RopeStore(cos, sin, positions, slot_mapping, kc, vc, cos.stride(0), off, kc.stride(0),
                     kc.stride(1), kc.stride(2), d // 2, num_heads, num_kv_heads, kc.shape[1])
     _launch(x, w_qkv, q, n_cols=w_qkv.shape[0] // 2, norm_weight=norm_weight.contiguous(),
@@ -292,7 +298,7 @@ def norm_small_linear_triton(x: torch.Tensor, norm_weight: torch.Tensor, eps: fl
                              w: torch.Tensor, *, out: Optional[torch.Tensor] = None,
                              blocks: Optional[Blocks] = None) -> torch.Tensor:
     x = _unit_last(x)
-    out = _out(out, x.shape[0], w.shape[0], w.dtype, x.device)
+    out = _out(out, x.shape[0], w.shape[0], x.dtype, x.device)
     return _launch(x, w, out, n_cols=w.shape[0], norm_weight=norm_weight.contiguous(), eps=eps,
                    blocks=blocks)
 
@@ -303,7 +309,7 @@ def norm_small_linear_silu_mul_triton(x: torch.Tensor, norm_weight: torch.Tensor
                                       blocks: Optional[Blocks] = None) -> torch.Tensor:
     x = _unit_last(x)
     inter = w_gate_up.shape[0] // 2
-    out = _out(out, x.shape[0], inter, w_gate_up.dtype, x.device)
+    out = _out(out, x.shape[0], inter, x.dtype, x.device)
     return _launch(x, w_gate_up, out, n_cols=inter, norm_weight=norm_weight.contiguous(),
                    eps=eps, silu_mul=True, blocks=blocks)
 
@@ -313,7 +319,7 @@ def small_linear_silu_mul_triton(x: torch.Tensor, w_gate_up: torch.Tensor, *,
                                  blocks: Optional[Blocks] = None) -> torch.Tensor:
     x = _unit_last(x)
     inter = w_gate_up.shape[0] // 2
-    out = _out(out, x.shape[0], inter, w_gate_up.dtype, x.device)
+    out = _out(out, x.shape[0], inter, x.dtype, x.device)
     return _launch(x, w_gate_up, out, n_cols=inter, silu_mul=True, blocks=blocks)
 
 
@@ -337,9 +343,11 @@ def silu_mul_triton(gu: torch.Tensor, *, out: Optional[torch.Tensor] = None) -> 
 
 def _fast(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Kernel preconditions: CUDA + triton, 1..SMALL_M_MAX rows, a row-major weight of x's dtype
-    (x may be fp32 against a bf16 weight only where a norm sits in between)."""
+    or, under fp32 x, a 16-bit one (weight_dtype; the kernels upcast its tiles)."""
     return (x.dim() == 2 and 1 <= x.shape[0] <= SMALL_M_MAX and w.dim() == 2
-            and w.is_contiguous() and x.shape[1] == w.shape[1] and use_triton(x))
+            and w.is_contiguous() and x.shape[1] == w.shape[1]
+            and (w.dtype == x.dtype or (x.dtype == torch.float32 and w.element_size() == 2))
+            and use_triton(x))
 
 
 def _copy_to(out: Optional[torch.Tensor], y: torch.Tensor) -> torch.Tensor:
@@ -353,14 +361,14 @@ def small_linear(x: torch.Tensor, w: torch.Tensor, *, residual: Optional[torch.T
                  out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """y [M, N] = x [M, K] @ w [N, K].T (+ residual [M, N] in fp32, one rounding to its dtype).
     Triton for CUDA inputs of at most SMALL_M_MAX rows, the reference otherwise."""
-    if _fast(x, w) and x.dtype == w.dtype:
+    if _fast(x, w):
         return small_linear_triton(x, w, residual=residual, out=out)
     return _copy_to(out, small_linear_ref(x, w, residual=residual))
 
 
 def norm_small_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, w: torch.Tensor,
                       *, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """rms_norm(x) @ w.T -> [M, N] of w.dtype (x may be an fp32 residual stream)."""
+    """rms_norm(x) @ w.T -> [M, N] of x.dtype."""
     if _fast(x, w):
         return norm_small_linear_triton(x, norm_weight, eps, w, out=out)
     return _copy_to(out, norm_small_linear_ref(x, norm_weight, eps, w))
@@ -369,7 +377,7 @@ def norm_small_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, w:
 def norm_small_linear_silu_mul(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                                w_gate_up: torch.Tensor, *,
                                out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """silu(g) * u with [g, u] = rms_norm(x) @ w_gate_up.T -> [M, I] of w.dtype."""
+    """silu(g) * u with [g, u] = rms_norm(x) @ w_gate_up.T -> [M, I] of x.dtype."""
     if _fast(x, w_gate_up):
         return norm_small_linear_silu_mul_triton(x, norm_weight, eps, w_gate_up, out=out)
     return _copy_to(out, norm_small_linear_silu_mul_ref(x, norm_weight, eps, w_gate_up))
@@ -378,7 +386,7 @@ def norm_small_linear_silu_mul(x: torch.Tensor, norm_weight: torch.Tensor, eps: 
 def small_linear_silu_mul(x: torch.Tensor, w_gate_up: torch.Tensor, *,
                           out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """silu(g) * u with [g, u] = x @ w_gate_up.T -> [M, I]."""
-    if _fast(x, w_gate_up) and x.dtype == w_gate_up.dtype:
+    if _fast(x, w_gate_up):
         return small_linear_silu_mul_triton(x, w_gate_up, out=out)
     return _copy_to(out, small_linear_silu_mul_ref(x, w_gate_up))
 

@@ -17,9 +17,10 @@ if triton is not None:
     from outpace.kernels.pdl import wait_then_release
 
     @triton.jit
-    def _dot_input(x, nw_ptr, offs_k, k_mask, rstd, W_DTYPE: tl.constexpr,
+    def _dot_input(x, nw_ptr, offs_k, k_mask, rstd, A_DTYPE: tl.constexpr,
                    HAS_NORM: tl.constexpr, NORM_ROUND: tl.constexpr):
-        # x [BLOCK_M, BLOCK_K] as loaded -> the matmul operand, fp32 holding W_DTYPE values.
+        # x [BLOCK_M, BLOCK_K] as loaded -> the matmul operand, fp32 holding A_DTYPE values
+        # (A_DTYPE: the activation dtype, x's; the weight's too unless that is stored narrower).
         if HAS_NORM:
             n = (x.to(tl.float32) * rstd[:, None]).to(x.dtype)  # HF casts back before the weight
             nw = tl.load(nw_ptr + offs_k, mask=k_mask, other=0.0)
@@ -27,15 +28,18 @@ if triton is not None:
             if NORM_ROUND:  # weight and activation share a dtype: torch's product is in it
                 n = n.to(x.dtype)
             x = n
-        return x.to(W_DTYPE).to(tl.float32)
+        return x.to(A_DTYPE).to(tl.float32)
 
     @triton.jit
-    def _accumulate(acc, a, w, USE_DOT: tl.constexpr):
+    def _accumulate(acc, a, w, A_DTYPE: tl.constexpr, USE_DOT: tl.constexpr):
         # acc [BLOCK_M, BLOCK_N] += a [BLOCK_M, BLOCK_K] @ w [BLOCK_N, BLOCK_K].T
         if USE_DOT:
-            if w.dtype == tl.float32:  # no tf32: fp32 layers must match fp32 torch
-                acc = tl.dot(a, tl.trans(w), acc, input_precision="ieee")
-            else:  # a holds w-dtype values already, so this cast is exact
+            if A_DTYPE == tl.float32:  # no tf32: fp32 layers must match fp32 torch; a weight
+                # stored in bf16 / fp16 (weight_dtype) is upcast exactly, since tl.dot wants
+                # operands of one dtype
+                acc = tl.dot(a, tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+            else:  # a holds w-dtype values already (A_DTYPE is w's dtype: only fp32
+                # activations meet a narrower weight), so this cast is exact
                 acc = tl.dot(a.to(w.dtype), tl.trans(w), acc)
         else:
             # GEMV-style broadcast multiply + sum, for M = 1: tensor cores would pad the row to
@@ -62,15 +66,15 @@ if triton is not None:
 
     @triton.jit
     def _step(acc, acc_u, w, wu, x_rows, m_mask, offs_k, K, nw_ptr, rstd,
-              W_DTYPE: tl.constexpr, HAS_NORM: tl.constexpr, NORM_ROUND: tl.constexpr,
+              A_DTYPE: tl.constexpr, HAS_NORM: tl.constexpr, NORM_ROUND: tl.constexpr,
               SILU_MUL: tl.constexpr, USE_DOT: tl.constexpr):
         # One K step: load x (an L2 hit), make the matmul operand, accumulate.
         k_mask = offs_k < K
         x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        a = _dot_input(x, nw_ptr, offs_k, k_mask, rstd, W_DTYPE, HAS_NORM, NORM_ROUND)
-        acc = _accumulate(acc, a, w, USE_DOT)
+        a = _dot_input(x, nw_ptr, offs_k, k_mask, rstd, A_DTYPE, HAS_NORM, NORM_ROUND)
+        acc = _accumulate(acc, a, w, A_DTYPE, USE_DOT)
         if SILU_MUL:
-            acc_u = _accumulate(acc_u, a, wu, USE_DOT)
+            acc_u = _accumulate(acc_u, a, wu, A_DTYPE, USE_DOT)
         return acc, acc_u
 
     @triton.jit
@@ -99,7 +103,9 @@ if triton is not None:
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         m_mask = offs_m < M
         n_mask = offs_n < N
-        W_DTYPE: tl.constexpr = w_ptr.dtype.element_ty
+        # Roundings happen in the activation dtype (x's): the weight's too, except where the
+        # weight is stored narrower (fp32 activations over bf16 weights, weight_dtype).
+        A_DTYPE: tl.constexpr = x_ptr.dtype.element_ty
         x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
         if ROPE_STORE:
             row = (offs_n // HALF) * (2 * HALF) + offs_n % HALF
@@ -132,13 +138,13 @@ if triton is not None:
             rstd = 1.0 / tl.sqrt(tl.sum(sq, axis=1) / K + eps)
 
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        acc, acc_u = _step(acc, acc, w, wu, x_rows, m_mask, offs_k, K, nw_ptr, rstd, W_DTYPE,
+        acc, acc_u = _step(acc, acc, w, wu, x_rows, m_mask, offs_k, K, nw_ptr, rstd, A_DTYPE,
                            HAS_NORM, NORM_ROUND, TWO_TILES, USE_DOT)
         for k0 in range(BLOCK_K, K, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             w, wu = _load_w(w_rows, u_rows, offs_k, n_mask, K, TWO_TILES)
             acc, acc_u = _step(acc, acc_u, w, wu, x_rows, m_mask, offs_k, K, nw_ptr, rstd,
-                               W_DTYPE, HAS_NORM, NORM_ROUND, TWO_TILES, USE_DOT)
+                               A_DTYPE, HAS_NORM, NORM_ROUND, TWO_TILES, USE_DOT)
 
         out_mask = m_mask[:, None] & n_mask[None, :]
         out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
@@ -147,11 +153,11 @@ if triton is not None:
             _rope_store_epilogue(acc, acc_u, offs_m, offs_n, m_mask, n_mask, out_ptr,
                                  stride_om, cos_ptr, sin_ptr, pos_ptr, slot_ptr, kc_ptr, vc_ptr,
                                  stride_cos, table_off, stride_cb, stride_co, stride_ch,
-                                 W_DTYPE, HALF, HQ, HKV, CACHE_BLOCK)
+                                 A_DTYPE, HALF, HQ, HKV, CACHE_BLOCK)
         elif SILU_MUL:
             # g and u are rounded as the gate/up matmul output would be, then silu * mul.
-            g = acc.to(W_DTYPE).to(tl.float32)
-            u = acc_u.to(W_DTYPE).to(tl.float32)
+            g = acc.to(A_DTYPE).to(tl.float32)
+            u = acc_u.to(A_DTYPE).to(tl.float32)
             y = _silu_mul_values(g, u, OUT_DTYPE)
         elif HAS_RESIDUAL:
             r = tl.load(r_ptr + offs_m[:, None].to(tl.int64) * stride_rm + offs_n[None, :],
@@ -166,15 +172,15 @@ if triton is not None:
     def _rope_store_epilogue(acc, acc_u, offs_m, offs_n, m_mask, n_mask, q_ptr, stride_qm,
                              cos_ptr, sin_ptr, pos_ptr, slot_ptr, kc_ptr, vc_ptr, stride_cos,
                              table_off,
-                             stride_cb, stride_co, stride_ch, W_DTYPE: tl.constexpr,
+                             stride_cb, stride_co, stride_ch, A_DTYPE: tl.constexpr,
                              HALF: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr,
                              CACHE_BLOCK: tl.constexpr):
         # acc / acc_u: the (d, d + HALF) halves of q, k and v heads for every token row. The
         # same roundings as projection -> rope kernel -> KV store: the projection's output is
-        # rounded to the weight dtype, rope runs in fp32 and rounds once, k is rounded to its
-        # dtype before the pool's.
-        x1 = acc.to(W_DTYPE).to(tl.float32)
-        x2 = acc_u.to(W_DTYPE).to(tl.float32)
+        # rounded to the activation dtype, rope runs in fp32 and rounds once, k is rounded to
+        # its dtype before the pool's.
+        x1 = acc.to(A_DTYPE).to(tl.float32)
+        x2 = acc_u.to(A_DTYPE).to(tl.float32)
         head = (offs_n // HALF)[None, :]
         d = (offs_n % HALF)[None, :]
         mask = m_mask[:, None] & n_mask[None, :]
@@ -199,8 +205,8 @@ if triton is not None:
             + (slot % CACHE_BLOCK)[:, None] * stride_co + kvh * stride_ch + d
         k_mask = kv_mask & (head >= HQ) & (head < HQ + HKV)
         K_DTYPE: tl.constexpr = kc_ptr.dtype.element_ty
-        tl.store(kc_ptr + dst, r1.to(W_DTYPE).to(K_DTYPE), mask=k_mask)
-        tl.store(kc_ptr + dst + HALF, r2.to(W_DTYPE).to(K_DTYPE), mask=k_mask)
+        tl.store(kc_ptr + dst, r1.to(A_DTYPE).to(K_DTYPE), mask=k_mask)
+        tl.store(kc_ptr + dst + HALF, r2.to(A_DTYPE).to(K_DTYPE), mask=k_mask)
         v_mask = kv_mask & is_v
         V_DTYPE: tl.constexpr = vc_ptr.dtype.element_ty
         tl.store(vc_ptr + dst, x1.to(V_DTYPE), mask=v_mask)

@@ -10,8 +10,9 @@ from __future__ import annotations
 import contextlib
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from outpace.models.weight_dtype import upcast_linear
 
 # Weight copies (see add_weight_copies_): one row uses the transposed copy where there is one;
 # more rows use the oneDNN-packed copy.
@@ -27,7 +28,7 @@ _HAS_PACKED_LINEAR = (torch.backends.mkldnn.is_available()
 
 def linear(x: torch.Tensor, module: nn.Module, name: str, bias=None) -> torch.Tensor:
     """F.linear with `module.<name>`, or a faster CPU copy of it (see add_weight_copies_); the
-    copies hold the same values."""
+    copies hold the same values. A weight stored narrower than x is upcast (weight_dtype.py)."""
     w = getattr(module, name)
     copies = module.__dict__
     if x.shape[0] <= _FEW_ROWS:
@@ -38,7 +39,7 @@ def linear(x: torch.Tensor, module: nn.Module, name: str, bias=None) -> torch.Te
         packed = copies.get(name + "_packed")
         if packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-    return F.linear(x, w, bias)
+    return upcast_linear(x, w, bias)
 
 
 @contextlib.contextmanager
@@ -66,8 +67,9 @@ def cpu_threads_for(x: torch.Tensor, max_query_len: int = 1):
         torch.set_num_threads(n)
 
 
-def add_weight_copies_(model: nn.Module) -> None:
-    """Keep faster-to-read copies of the projection weights next to them (same values;
+def add_weight_copies_(model: nn.Module, dtype: torch.dtype) -> None:
+    """Keep faster-to-read copies of the projection weights next to them (same values, in the
+    activation dtype `dtype`: weights stored narrower are upcast once here, not every call;
     `linear` picks one by the number of rows). Measured on the 2-core CI machine:
 
       one row (decode at batch 1): MKL streams a transposed weight (x @ w_t with w_t a
@@ -78,16 +80,19 @@ def add_weight_copies_(model: nn.Module) -> None:
         1.7x faster than MKL at 8 rows (SmolLM2's MLP: 0.81 vs 1.40 ms a layer; LM head
         2.4x) and no slower for many.
 
-    Costs up to two more copies of the weights in RAM (packed: float32 only)."""
+    Costs up to two more copies of the weights in RAM (packed: float32 only); over bf16-stored
+    weights (weight_dtype) the copies are fp32, so the CPU keeps fp32 speed but not bf16 memory."""
     for m in model.modules():
         for name in ("qkv_weight", "o_weight", "gate_up_weight", "down_weight",
                      "lm_head_weight"):
             p = getattr(m, name, None)
             if not isinstance(p, torch.Tensor) or p.dim() != 2 or p.is_cuda:
                 continue
-            w = p.detach()
-            if name != "down_weight":
+            w = p.detach().to(dtype)
+            # (down_weight stored narrower gets one too: reading it as is would upcast it on
+            # every one-row call)
+            if name != "down_weight" or p.dtype != dtype:
                 m.__dict__[name + "_t"] = w.t().contiguous()
-            if _HAS_PACKED_LINEAR and w.dtype == torch.float32:
+            if _HAS_PACKED_LINEAR and dtype == torch.float32:
                 # The batch-size hint picks the packed layout; 8 rows measured best for 2..256.
                 m.__dict__[name + "_packed"] = torch.ops.mkldnn._reorder_linear_weight(w, 8)

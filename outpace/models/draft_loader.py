@@ -20,6 +20,7 @@ from outpace.config import ModelConfig
 from outpace.errors import ConfigError, ModelLoadError
 from outpace.models.eagle3 import Eagle3Config, Eagle3Head
 from outpace.models.mtp import MTPHead
+from outpace.models.weight_dtype import store_weights_in_
 
 log = logging.getLogger(__name__)
 
@@ -288,10 +289,12 @@ def _mtp_config(config: dict, target_cfg: ModelConfig, path) -> tuple:
 
 
 def load_draft_head(method: str, path: Union[str, Path], target_cfg: ModelConfig,
-                    first_layer_slot: int, dtype=torch.float32, device="cpu"):
+                    first_layer_slot: int, dtype=torch.float32, device="cpu", weight_dtype=None):
     """Load an EAGLE-3 (`method='eagle3'`) or MTP (`'mtp'`) head for `target_cfg`.
 
     Its attention layers use KV slots first_layer_slot.. (normally target_cfg.num_hidden_layers).
+    `dtype` is the activation dtype; the large matrices are stored in `weight_dtype` (default:
+    dtype; models/weight_dtype.py).
     Raises ModelLoadError (with what to change) when the folder, config or weights are unusable
     or don't fit the target.
     """
@@ -311,4 +314,6 @@ def load_draft_head(method: str, path: Union[str, Path], target_cfg: ModelConfig
         layer_cfg, n = _mtp_config(config, target_cfg, path)
         head = MTPHead(layer_cfg, n, first_layer_slot, dtype=dtype, device=device)
     _copy_weights(head, tensors, path)
+    if weight_dtype is not None and weight_dtype != dtype:
+        store_weights_in_(head, weight_dtype)
     return head.eval()

@@ -39,6 +39,7 @@ from outpace.errors import ConfigError, ModelLoadError
 from outpace.kernels.argmax import argmax_rows
 from outpace.models.llama import LlamaDecoderLayer, RMSNorm
 from outpace.models.rotary import RotaryEmbedding
+from outpace.models.weight_dtype import upcast_linear
 
 
 def default_aux_layer_ids(num_target_layers: int) -> tuple:
@@ -137,11 +138,12 @@ class Eagle3Head(nn.Module):
 
     def fuse(self, aux: list) -> torch.Tensor:
         # 3 x [T, H] (target residual stream after each aux layer) -> [T, H]
-        return F.linear(torch.cat(aux, dim=-1), self.fc_weight)
+        return upcast_linear(torch.cat(aux, dim=-1), self.fc_weight)
 
     def embed(self, input_ids: torch.Tensor,
               embed_fn: Optional[Callable] = None) -> torch.Tensor:
-        # [T] long -> [T, H]; the head's own table wins over the shared one
+        # [T] long -> [T, H]; the head's own table wins over the shared one (its rows come in
+        # the table's dtype, which may be narrower than the activations: forward casts them)
         if self.embed_weight is not None:
             return F.embedding(input_ids, self.embed_weight)
         if embed_fn is None:
@@ -166,12 +168,12 @@ class Eagle3Head(nn.Module):
 
     def compute_draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # [N, H] (forward output) -> [N, draft_vocab] float32
-        return F.linear(self.norm(hidden), self.lm_head_weight).float()
+        return upcast_linear(self.norm(hidden), self.lm_head_weight).float()
 
     def greedy_draft_ids(self, hidden: torch.Tensor) -> torch.Tensor:
         # [N, H] -> [N] draft-vocab ids, argmax of compute_draft_logits (in the model's dtype:
         # the same argmax without the fp32 conversion)
-        return argmax_rows(F.linear(self.norm(hidden), self.lm_head_weight))
+        return argmax_rows(upcast_linear(self.norm(hidden), self.lm_head_weight))
 
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         # [...] draft-vocab ids -> [...] target-vocab ids

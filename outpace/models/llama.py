@@ -35,6 +35,7 @@ from outpace.kernels.small_linear import (SMALL_M_MAX, norm_qkv_rope_store, norm
                                           norm_small_linear_silu_mul, silu_mul, small_linear)
 from outpace.models.cpu_fast_paths import add_weight_copies_, cpu_threads_for, linear
 from outpace.models.rotary import RotaryEmbedding
+from outpace.models.weight_dtype import upcast_embedding
 
 
 def _param(*shape, dtype, device) -> nn.Parameter:
@@ -241,7 +242,6 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         kw = dict(dtype=dtype, device=device)
         self.config = cfg
-        self.dtype = dtype
         self.embed_weight = _param(cfg.vocab_size, cfg.hidden_size, **kw)
         self.rotary = RotaryEmbedding(cfg, **kw)
         self.layers = nn.ModuleList(
@@ -252,8 +252,15 @@ class LlamaForCausalLM(nn.Module):
         else:
             self.lm_head_weight = _param(cfg.vocab_size, cfg.hidden_size, **kw)
 
-    def embed_tokens(self, input_ids):  # [T] long -> [T, H]
-        return F.embedding(input_ids, self.embed_weight)
+    @property
+    def dtype(self) -> torch.dtype:
+        """The activation dtype (residual stream, KV cache): the norm weights'. The matrices may
+        be stored narrower (weight_dtype.store_weights_in_), and every use upcasts them to
+        this; norm weights never are, so this follows the model through `.to(dtype)`."""
+        return self.norm.weight.dtype
+
+    def embed_tokens(self, input_ids):  # [T] long -> [T, H] of self.dtype
+        return upcast_embedding(input_ids, self.embed_weight, self.dtype)
 
     def forward(self, input_ids, positions, ctx: ForwardContext, capture_layers: tuple = (),
                 inputs_embeds=None):
@@ -321,8 +328,9 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(residual), [captured[i] for i in capture_layers]
 
     def add_cpu_weight_copies_(self) -> None:
-        """CPU only: faster-to-read copies of the projection weights (cpu_fast_paths.py)."""
-        add_weight_copies_(self)
+        """CPU only: faster-to-read copies of the projection weights (cpu_fast_paths.py), in
+        the activation dtype."""
+        add_weight_copies_(self, self.dtype)
 
     def compute_logits(self, hidden):  # [N, H] -> [N, V] float32
         with cpu_threads_for(hidden):

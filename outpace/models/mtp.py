@@ -18,13 +18,13 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from outpace.attention.base import ForwardContext
 from outpace.config import ModelConfig
 from outpace.models.llama import LlamaDecoderLayer, RMSNorm
 from outpace.models.rotary import RotaryEmbedding
+from outpace.models.weight_dtype import upcast_linear
 
 
 class MTPModule(nn.Module):
@@ -63,7 +63,7 @@ class MTPHead(nn.Module):
         # input_ids [T] (token at position + 1), positions [T] -> new hidden [T, H] (pre-norm)
         m = self.layers[depth]
         emb = embed_fn(input_ids).to(hidden.dtype)
-        x = F.linear(torch.cat([m.enorm(emb), m.hnorm(hidden)], dim=-1), m.eh_proj_weight)
+        x = upcast_linear(torch.cat([m.enorm(emb), m.hnorm(hidden)], dim=-1), m.eh_proj_weight)
         cos_sin = self.rotary(positions)
         if m.layer.takes_few_rows(x):
             # draft steps have few rows: the target's few-row kernels (norms fused into the

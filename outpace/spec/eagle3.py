@@ -16,7 +16,8 @@ class Eagle3Proposer(HeadProposer):
         from outpace.models.draft_loader import load_draft_head
         self.head = load_draft_head("eagle3", spec.model, model_cfg,
                                     first_layer_slot=model_cfg.num_hidden_layers,
-                                    dtype=runner_cfg.torch_dtype, device=runner_cfg.device)
+                                    dtype=runner_cfg.torch_dtype, device=runner_cfg.device,
+                                    weight_dtype=runner_cfg.torch_weight_dtype)
         self.num_kv_layers = 1
         self.capture_layers = tuple(self.head.aux_layer_ids)
 

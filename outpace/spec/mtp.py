@@ -17,7 +17,8 @@ def load_mtp_head(spec, model_cfg, runner_cfg):
     from outpace.models.draft_loader import load_draft_head
     return load_draft_head("mtp", spec.model, model_cfg,
                            first_layer_slot=model_cfg.num_hidden_layers,
-                           dtype=runner_cfg.torch_dtype, device=runner_cfg.device)
+                           dtype=runner_cfg.torch_dtype, device=runner_cfg.device,
+                           weight_dtype=runner_cfg.torch_weight_dtype)
 
 
 class MTPEagleProposer(HeadProposer):

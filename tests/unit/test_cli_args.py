@@ -33,3 +33,11 @@ def test_spec_options_are_parsed():
 def test_malformed_spec_option_is_a_clear_error():
     with pytest.raises(OutpaceError, match="KEY=VALUE"):
         _kwargs("--spec", "ngram", "--spec-option", "oops")
+
+
+def test_weight_dtype_flag():
+    assert _kwargs()["weight_dtype"] == "auto"
+    kw = _kwargs("--dtype", "float32", "--weight-dtype", "bfloat16")
+    assert kw["dtype"] == "float32" and kw["weight_dtype"] == "bfloat16"
+    with pytest.raises(SystemExit):  # argparse rejects an unknown choice
+        _kwargs("--weight-dtype", "int8")

@@ -25,6 +25,7 @@ import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 IN_CHILD = os.environ.get("TRITON_INTERPRET") == "1"
@@ -427,8 +428,9 @@ def check_small_linear_out_buffer():
     assert torch.isnan(buf[:, :4]).all() and torch.isnan(buf[:, 4 + n:]).all()
 
 
-# (x dtype, weight dtype, RMSNorm weight dtype): the last two are the fp32 residual stream
-# feeding bf16 weights, with a bf16 or an fp32 RMSNorm weight.
+# (x dtype, weight dtype, RMSNorm weight dtype): the last two are fp32 activations over bf16
+# weights (RunnerConfig.weight_dtype), with a bf16 or an fp32 RMSNorm weight: fp32 results. Their
+# tl.dot runs on fp32 operands (the weight tile upcast), which the interpreter gets right.
 NORM_DTYPES = [(torch.float32,) * 3, (torch.bfloat16,) * 3,
                (torch.float32, torch.bfloat16, torch.bfloat16),
                (torch.float32, torch.bfloat16, torch.float32)]
@@ -441,9 +443,9 @@ def check_norm_small_linear(shape, dtypes):
     x_dtype, w_dtype, nw_dtype = dtypes
     x, w, nw = _linear_inputs(m, n, k, x_dtype, seed=70 + m, w_dtype=w_dtype)
     nw = nw.to(nw_dtype)
-    y = norm_small_linear_triton(x, nw, 1e-5, w, blocks=_interp_blocks(m, n, k, w_dtype))
-    assert y.dtype == w_dtype and y.shape == (m, n)
-    torch.testing.assert_close(y, norm_small_linear_ref(x, nw, 1e-5, w), **FUSED_TOL[w_dtype])
+    y = norm_small_linear_triton(x, nw, 1e-5, w, blocks=_interp_blocks(m, n, k, x_dtype))
+    assert y.dtype == x_dtype and y.shape == (m, n)
+    torch.testing.assert_close(y, norm_small_linear_ref(x, nw, 1e-5, w), **FUSED_TOL[x_dtype])
 
 
 @pytest.mark.parametrize("dtypes", NORM_DTYPES[:3], ids=lambda d: "-".join(str(t)[6:] for t in d))
@@ -454,10 +456,39 @@ def check_norm_small_linear_silu_mul(shape, dtypes):
     x, w, nw = _linear_inputs(m, inter, k, x_dtype, seed=80 + m, w_dtype=w_dtype, rows=2)
     nw = nw.to(nw_dtype)
     y = norm_small_linear_silu_mul_triton(x, nw, 1e-6, w,
-                                          blocks=_interp_blocks(m, inter, k, w_dtype))
-    assert y.dtype == w_dtype and y.shape == (m, inter)
+                                          blocks=_interp_blocks(m, inter, k, x_dtype))
+    assert y.dtype == x_dtype and y.shape == (m, inter)
     torch.testing.assert_close(y, norm_small_linear_silu_mul_ref(x, nw, 1e-6, w),
-                               **FUSED_TOL[w_dtype])
+                               **FUSED_TOL[x_dtype])
+
+
+@pytest.mark.parametrize("use_dot", [False, True])
+@pytest.mark.parametrize("shape", LINEAR_SHAPES)
+def check_fp32_activations_over_bf16_weights(shape, use_dot):
+    """weight_dtype: fp32 x (RMSNorm weight, residual) over a bf16 weight, on both paths: fp32
+    results matching the references (fp32 over the upcast weight) to fp32 tolerance; a kernel
+    that rounded the activations to bf16 (as all-bf16 does) would be ~1e-3 off and fail."""
+    m, n, k = shape
+    x, w, nw = _linear_inputs(m, n, k, torch.float32, seed=110 + m, w_dtype=torch.bfloat16,
+                              rows=2)
+    nw = nw.float()
+    res = torch.randn(m, 2 * n, generator=torch.Generator().manual_seed(m))
+    one, two = (choose_blocks(m, c, k, use_dot=use_dot) for c in (2 * n, n))
+    cases = [
+        (small_linear_triton(x, w, blocks=one), small_linear_ref(x, w)),
+        (small_linear_triton(x, w, residual=res, blocks=one),
+         small_linear_ref(x, w, residual=res)),
+        (norm_small_linear_triton(x, nw, 1e-5, w, blocks=one),
+         norm_small_linear_ref(x, nw, 1e-5, w)),
+        (norm_small_linear_silu_mul_triton(x, nw, 1e-6, w, blocks=two),
+         norm_small_linear_silu_mul_ref(x, nw, 1e-6, w)),
+        (small_linear_silu_mul_triton(x, w, blocks=two), small_linear_silu_mul_ref(x, w)),
+    ]
+    for got, want in cases:
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, want, **FUSED_TOL[torch.float32])
+    rounded_input = F.linear(rms_norm_ref(x, nw, 1e-5).bfloat16().float(), w.float())
+    assert not torch.allclose(cases[2][0], rounded_input, **FUSED_TOL[torch.float32])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -520,15 +551,17 @@ def check_rope_and_store(dtype, d):
     assert torch.equal(k, k_before), "k was modified"
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+# (activation dtype, weight dtype); the last: fp32 over bf16 weights (weight_dtype)
+@pytest.mark.parametrize("dtype,w_dtype", [(torch.float32,) * 2, (torch.bfloat16,) * 2,
+                                           (torch.float32, torch.bfloat16)], ids=str)
 @pytest.mark.parametrize("m,hq,hkv,d,k", [(1, 4, 2, 16, 40), (3, 3, 1, 24, 72),
                                           (16, 2, 2, 8, 96)])
-def check_norm_qkv_rope_store(dtype, m, hq, hkv, d, k):
+def check_norm_qkv_rope_store(dtype, w_dtype, m, hq, hkv, d, k):
     g = torch.Generator().manual_seed(m * d + k)
     blocks, bs = 6, 4
     x = (torch.randn(m, k, generator=g) * 2).to(dtype)
     nw = (1 + 0.1 * torch.randn(k, generator=g)).to(dtype)
-    w = (0.2 * torch.randn((hq + 2 * hkv) * d, k, generator=g)).to(dtype)
+    w = (0.2 * torch.randn((hq + 2 * hkv) * d, k, generator=g)).to(w_dtype)
     table = torch.randn(30, d if m == 3 else d // 2, generator=g)  # both table layouts
     cos, sin = table.cos(), table.sin()
     pos = torch.randint(0, 30, (m,), generator=g)
@@ -539,6 +572,7 @@ def check_norm_qkv_rope_store(dtype, m, hq, hkv, d, k):
     want = norm_qkv_rope_store_ref(x, nw, 1e-5, w, hq, hkv, d, cos, sin, pos, ref_cache, 1, slots)
     got = norm_qkv_rope_store_triton(x, nw, 1e-5, w, hq, hkv, d, cos, sin, pos, cache, 1, slots,
                                      blocks=_interp_blocks(m, (hq + 2 * hkv) * d // 2, k, dtype))
+    assert got.dtype == dtype
     # fp32: summation order only. bf16: a projection output an ulp apart (summation order,
     # the interpreter's truncating cast) moves a rotated value by an ulp of the larger of the
     # pair it mixes, so the bound scales with the values' size; a wrong rotation or slot is

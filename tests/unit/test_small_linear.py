@@ -35,12 +35,28 @@ def test_norm_small_linear_ref_is_norm_then_linear(dtype):
                        F.linear(rms_norm_ref(x, nw, 1e-6), w))
 
 
-def test_norm_small_linear_ref_fp32_stream_bf16_weights():
-    """fp32 residual stream: HF's norm in fp32 (no cast back), then the bf16 linear's input."""
-    x, w, nw = _inputs(3, 40, 64, torch.float32, w_dtype=torch.bfloat16)
-    y = norm_small_linear_ref(x, nw, 1e-5, w)
-    assert y.dtype == torch.bfloat16
-    assert torch.equal(y, F.linear(rms_norm_ref(x, nw, 1e-5).to(torch.bfloat16), w))
+@pytest.mark.parametrize("w_dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_refs_and_dispatchers_fp32_activations_over_16bit_weights(w_dtype):
+    """weight_dtype: fp32 x (and RMSNorm weight, residual) over a bf16 / fp16 weight compute in
+    fp32 with the weight upcast: exactly the fp32 results over the rounded weight, fp32 out."""
+    x, w32, nw = _inputs(3, 2 * 20, 64, torch.float32, seed=5)
+    r = torch.randn(3, 40)
+    w = w32.to(w_dtype)
+    wf = w.float()
+    assert not torch.equal(small_linear_ref(x, w), small_linear_ref(x, w32))  # rounding shows
+    for fn in (small_linear_ref, small_linear, small_linear_silu_mul_ref,
+               small_linear_silu_mul):
+        y = fn(x, w)
+        assert y.dtype == torch.float32 and torch.equal(y, fn(x, wf))
+    for fn in (small_linear_ref, small_linear):
+        y = fn(x, w, residual=r)
+        assert y.dtype == torch.float32 and torch.equal(y, fn(x, wf, residual=r))
+    for fn in (norm_small_linear_ref, norm_small_linear, norm_small_linear_silu_mul_ref,
+               norm_small_linear_silu_mul):
+        y = fn(x, nw, 1e-5, w)
+        assert y.dtype == torch.float32 and torch.equal(y, fn(x, nw, 1e-5, wf))
+    assert torch.equal(norm_small_linear_ref(x, nw, 1e-5, w),
+                       F.linear(rms_norm_ref(x, nw, 1e-5), wf))
 
 
 @pytest.mark.parametrize("dtype", DTYPES + [torch.float16], ids=str)

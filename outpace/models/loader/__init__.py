@@ -49,18 +49,25 @@ def load_model_config(path_or_name, quiet: bool = False):
     return config_from_gguf(GGUFFile(path))
 
 
-def load_model(path_or_name, runner_cfg=None, quiet: bool = False, *, dtype=None, device=None):
+def load_model(path_or_name, runner_cfg=None, quiet: bool = False, *, dtype=None, device=None,
+               weight_dtype=None):
     """-> (model in eval mode, ModelConfig, Tokenizer).
 
-    Device and dtype come from `runner_cfg` (default RunnerConfig(): CPU, float32); the `dtype`
-    (torch.dtype) and `device` keywords override it.
+    Device, dtype (activations) and weight_dtype (storage of the large matrices, see
+    models/weight_dtype.py) come from `runner_cfg` (default RunnerConfig(): CPU, float32); the
+    `dtype`, `weight_dtype` (torch.dtype) and `device` keywords override it (weight_dtype
+    defaults to dtype then).
     """
     import sys
 
     from outpace.config import RunnerConfig
+    from outpace.models.weight_dtype import store_weights_in_
     from outpace.tokenizer import Tokenizer
     runner_cfg: Optional[RunnerConfig] = runner_cfg or RunnerConfig()
-    dtype = dtype or runner_cfg.torch_dtype
+    if dtype is None:
+        dtype = runner_cfg.torch_dtype
+        weight_dtype = weight_dtype or runner_cfg.torch_weight_dtype
+    weight_dtype = weight_dtype or dtype
     device = device if device is not None else runner_cfg.device
     t0 = time.perf_counter()
     kind, path = locate(path_or_name, quiet)
@@ -72,10 +79,14 @@ def load_model(path_or_name, runner_cfg=None, quiet: bool = False, *, dtype=None
         from outpace.models.loader.gguf import load_gguf
         model, cfg, g = load_gguf(path, dtype, device, quiet)
         tok = Tokenizer.from_gguf(path, cfg.eos_token_ids, cache_key=g.metadata_sha256())
+    if weight_dtype != dtype:
+        # Loaded in the activation dtype first (the loaders round once, from the file's values)
+        store_weights_in_(model, weight_dtype)
     if torch.device(device).type == "cpu":
         model.add_cpu_weight_copies_()
     if not quiet:
+        dtypes = str(dtype) if weight_dtype == dtype else f"{dtype}, weights {weight_dtype}"
         print(f"outpace: loaded {path.name} ({cfg.architecture}, "
-              f"{sum(p.numel() for p in model.parameters()) / 1e6:.0f}M params, {dtype}) in "
+              f"{sum(p.numel() for p in model.parameters()) / 1e6:.0f}M params, {dtypes}) in "
               f"{time.perf_counter() - t0:.1f} s", file=sys.stderr)
     return model, cfg, tok
