@@ -4,7 +4,8 @@ by side, in one run. Prints a table last and writes JSON.
     python benchmarks/bench_gpu.py --gguf PATH [--out DIR] [--sections check,smol,hf,big]
 
 Sections
-  check   greedy bf16 GPU output vs CPU fp32 output (first 64 tokens) on MT-bench/HumanEval prompts
+  check   greedy GPU output (bf16; fp32; bf16 weights + fp32 activations; HF bf16) vs CPU fp32 output
+          (first 64 tokens) on MT-bench/HumanEval prompts, and the mixed mode's batch-1 speed
   smol    SmolLM2-135M: outpace no-spec, ngram, suffix, EAGLE-3 and MTP random heads with
           force-accept at mean acceptance length 2/3/4; batch 1, 8, 32, 128
   hf      HF transformers eager and static cache + torch.compile (batch 1; eager also at 8)
@@ -173,6 +174,15 @@ def section_check(args, results):
     g32 = LLM(args.gguf, device="cuda", dtype="float32", quiet=True)
     g_fp32 = [o.token_ids for o in g32.generate(prompts, sp)]
     del g32
+    # bf16 weights, fp32 activations and KV cache (weight_dtype): the weights' memory and
+    # bandwidth of bf16 with fp32 arithmetic.
+    mixed = LLM(args.gguf, device="cuda", dtype="float32", weight_dtype="bfloat16", quiet=True,
+                enable_prefix_caching=PREFIX_CACHING)
+    g_mixed = [o.token_ids for o in mixed.generate(prompts, sp)]
+    # Its speed at batch 1 (the smol section's no-spec row is the bf16 one).
+    run_engine(mixed.engine, prompts[:args.batch1_requests], 1, 4)
+    speed = run_engine(mixed.engine, prompts[:args.batch1_requests], 1, args.max_tokens)
+    del mixed
     torch.set_num_threads(min(16, os.cpu_count() or 1))
     cpu = LLM(args.gguf, device="cpu", dtype="float32", quiet=True)
     c = [o.token_ids for o in cpu.generate(prompts, sp)]
@@ -187,7 +197,10 @@ def section_check(args, results):
 
     results["check"] = {"prompts": n, "reference": "outpace CPU fp32 (== HF fp32, tested in CI)",
                         "outpace_gpu_bf16": compare(g), "outpace_gpu_fp32": compare(g_fp32),
-                        "hf_gpu_bf16_eager": compare(hf_bf16)}
+                        "outpace_gpu_bf16_weights_fp32_activations": compare(g_mixed),
+                        "hf_gpu_bf16_eager": compare(hf_bf16),
+                        "bf16_weights_fp32_activations_b1": {
+                            k: speed[k] for k in ("tok_s", "tpot_ms", "ttft_ms")}}
     print("check:", results["check"], flush=True)
 
 
@@ -234,6 +247,12 @@ def section_smol(args, results):
                                           **sched}))
     configs.append(("mtp-fa3", {"method": "mtp", "model": str(mtp), "num_speculative_tokens": k,
                                  "force_accept_mean": 3.0, **sched}))
+    # Mean acceptance length 3 at k = 2: both drafts accepted every step, the k a deployment
+    # would tune to when the third and fourth drafts are never accepted (at k = 4 they are
+    # drafted and verified for nothing).
+    configs.append(("eagle3-fa3-k2", {"method": "eagle3", "model": str(eagle),
+                                      "num_speculative_tokens": 2, "force_accept_mean": 3.0,
+                                      "k_schedule": [[32, 2], [64, 1]]}))
     # Process warm-up: the first engine of a process otherwise pays CUDA's lazy module loading
     # and first-use kernel selection inside its timed runs (seen as slow batch-1 prefill).
     eng = LLMEngine.from_args(args.gguf, loaded=loaded, device="cuda", dtype="bfloat16",
@@ -248,19 +267,20 @@ def section_smol(args, results):
                                   speculative_config=spec, max_num_seqs=max(args.batches),
                                   num_kv_blocks=args.kv_blocks, quiet=True,
                                   enable_prefix_caching=PREFIX_CACHING)
+        spec_k = 0 if spec is None else spec["num_speculative_tokens"]
         # Warm-up at every batch size: Triton compiles a kernel per new tile configuration.
         for b in args.batches:
             run_engine(eng, prompts[:b if b > 1 else args.batch1_requests], b, 4)
         for b in args.batches:
             n = b if b > 1 else args.batch1_requests
             r = run_engine(eng, prompts[:n], b, args.max_tokens)
-            r.update(system="outpace", config=name, batch=b, k=0 if spec is None else k)
+            r.update(system="outpace", config=name, batch=b, k=spec_k)
             rows.append(r)
             print(r, flush=True)
         # Last (it replays over finished requests' freed blocks): the fused step's graph alone.
-        graph_ms = time_fused_graphs(eng, args.batches, k if spec else 0)
+        graph_ms = time_fused_graphs(eng, args.batches, spec_k)
         if name in ("no-spec", "eagle3-fa3.0"):
-            profile_graph(eng, k if spec else 0, Path(args.out) / f"profile_{name}_b1.txt")
+            profile_graph(eng, spec_k, Path(args.out) / f"profile_{name}_b1.txt")
             profile_host(eng, prompts[:args.batch1_requests], args.max_tokens,
                          Path(args.out) / f"host_profile_{name}_b1.txt")
         for r in rows:

@@ -121,6 +121,7 @@ class GraphRunner:
             torch.arange(0, (bucket + 1) * q, q, device=buf.device, dtype=torch.int32))
         buf.seq_lens[:bucket].fill_(q)
         buf.block_tables[:bucket].zero_()
+        buf.forget(buf.block_tables)
 
     def capture(self, fn):
         """-> (replayable graph, static outputs of fn)."""
@@ -192,17 +193,19 @@ class GraphRunner:
         graph, hidden, aux, logits = self.prefill_graphs[q]
         graph.replay()
         self.prefill_replays += 1
-        return hidden, aux, logits[:num_sampled], self._meta_of(hb)
+        # The padded rows' sequence length passes the request's blocks: the proposer's
+        # attention over these rows needs the full-width table too.
+        return hidden, aux, logits[:num_sampled], self._meta_of(hb, full_width=True)
 
-    def _meta_of(self, hb: HostBatch) -> AttentionMetadata:
+    def _meta_of(self, hb: HostBatch, full_width: bool = False) -> AttentionMetadata:
         """Metadata of the real (unpadded) batch in the fixed buffers, for the proposer."""
         buf = self.inputs
         b = len(hb.seq_lens)
         q = int(hb.query_start_loc[1] - hb.query_start_loc[0])
+        width = buf.max_blocks if full_width else hb.block_tables.shape[1]
         return AttentionMetadata(
             slot_mapping=buf.slot_mapping[:b * q], query_start_loc=buf.query_start_loc[:b + 1],
-            seq_lens=buf.seq_lens[:b],
-            block_tables=buf.block_tables[:b, :hb.block_tables.shape[1]],
+            seq_lens=buf.seq_lens[:b], block_tables=buf.block_tables[:b, :width],
             query_start_loc_host=hb.query_start_loc.tolist(),  # sync-ok: numpy
             seq_lens_host=hb.seq_lens.tolist(),  # sync-ok: numpy
             max_query_len=q, max_seq_len=int(hb.seq_lens.max()))

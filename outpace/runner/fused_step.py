@@ -187,7 +187,7 @@ class FusedStep:
         bt = np.zeros((bucket, self.inputs.max_blocks), np.int32)
         for i, ids in enumerate(block_tables):
             bt[i, :len(ids)] = ids
-        self.inputs.put(self.inputs.block_tables, bt)
+        self.inputs.put_if_changed(self.inputs.block_tables, bt)
         self.chained += 1
         return self._replay(key, prev.rows, t0)
 

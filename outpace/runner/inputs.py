@@ -58,6 +58,9 @@ class InputBuffers:
         # is illegal while another engine is capturing a graph in the same process.
         self._staging: dict = {}  # device buffer's data_ptr -> pinned host tensor
         self._copied = torch.cuda.Event() if pin else None  # after the last staged copies
+        # put_if_changed's memo: device buffer's data_ptr -> the array it last staged there.
+        # Any other write to that buffer (_stage, or forget() by direct writers) drops it.
+        self._uploaded: dict = {}
 
     def put(self, dst: torch.Tensor, src: np.ndarray) -> torch.Tensor:
         """Copy src into the leading part of dst and return that view."""
@@ -66,7 +69,25 @@ class InputBuffers:
             self._copied.record()
         return view
 
+    def put_if_changed(self, dst: torch.Tensor, src: np.ndarray) -> torch.Tensor:
+        """put, skipped when dst still holds what the last put_if_changed staged and that
+        equals src. A chained decode step's block tables change once per block_size tokens
+        a request; skipping the unchanged ones saves a host -> device copy, and the gaps
+        around it on the GPU, per step."""
+        view = dst[tuple(slice(0, n) for n in src.shape)]
+        last = self._uploaded.get(dst.data_ptr())
+        if last is not None and last.shape == src.shape and np.array_equal(last, src):
+            return view
+        self.put(dst, src)
+        self._uploaded[dst.data_ptr()] = src.copy()
+        return view
+
+    def forget(self, dst: torch.Tensor) -> None:
+        """dst was written outside put / load (e.g. a dummy batch): drop put_if_changed's memo."""
+        self._uploaded.pop(dst.data_ptr(), None)
+
     def _stage(self, dst: torch.Tensor, src: np.ndarray) -> torch.Tensor:
+        self._uploaded.pop(dst.data_ptr(), None)
         view = dst[tuple(slice(0, n) for n in src.shape)]
         if not self._pin:
             view.copy_(torch.from_numpy(src))

@@ -62,6 +62,9 @@ def test_prefill_graphs_match_eager(tiny_loaded, tiny_heads, fake_graph_capture,
     sizes = _count_prefill_replays(graphed)
     for p in prompts:  # one at a time: batch-1 prefills
         assert run_batch(graphed, [p], params) == run_batch(eager, [p], params), len(p)
+    # Same drafts proposed and accepted: a drafter that raised on the padded rows (it is
+    # caught, and the step goes on without drafts) would leave the tokens equal.
+    assert graphed.stats()["spec"] == eager.stats()["spec"]
     # A 1-token prompt is a decode step (the q = 1 graph); 15 -> 16, 16 -> 16, 17 -> 32,
     # 50 -> 64, 130 -> 192; 460 would pad past the context (480): eager.
     assert sizes == [16, 16, 32, 64, 192]
@@ -87,3 +90,18 @@ def test_prefill_graph_rejects_what_it_cannot_replay(tiny_loaded, fake_graph_cap
     odd = build_host_batch([([1] * 20, 0, [1, 3], [19])], 16)
     with pytest.raises(ValueError, match="no prefill graph"):
         graphs.run_prefill(odd)
+
+
+def test_graph_dummy_batches_forget_the_tables(tiny_loaded, fake_graph_capture):
+    """fill_dummy zeroes the block tables directly: put_if_changed must upload again after it
+    (runner/inputs.py)."""
+    import numpy as np
+    import torch
+    engine = make_engine(tiny_loaded, max_num_seqs=4)
+    engine.runner.enable_cuda_graphs((1,))
+    buf, graphs = engine.runner.inputs, engine.runner.graphs
+    a = np.full((1, buf.max_blocks), 3, dtype=np.int32)
+    buf.put_if_changed(buf.block_tables, a)
+    graphs.fill_dummy(1, 1)  # zeroes the tables
+    buf.put_if_changed(buf.block_tables, a)
+    assert torch.equal(buf.block_tables[:1], torch.from_numpy(a))
