@@ -253,6 +253,8 @@ def section_smol(args, results):
     configs.append(("eagle3-fa3-k2", {"method": "eagle3", "model": str(eagle),
                                       "num_speculative_tokens": 2, "force_accept_mean": 3.0,
                                       "k_schedule": [[32, 2], [64, 1]]}))
+    if args.configs:
+        configs = [c for c in configs if c[0] in args.configs.split(",")]
     # Process warm-up: the first engine of a process otherwise pays CUDA's lazy module loading
     # and first-use kernel selection inside its timed runs (seen as slow batch-1 prefill).
     eng = LLMEngine.from_args(args.gguf, loaded=loaded, device="cuda", dtype="bfloat16",
@@ -465,6 +467,9 @@ def main():
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--force-means", type=float, nargs="+", default=[2.0, 3.0, 4.0])
     ap.add_argument("--check-prompts", type=int, default=20)
+    ap.add_argument("--configs", default="",
+                    help="smol: only these configurations (comma-separated names), e.g. "
+                         "no-spec,eagle3-fa3.0")
     ap.add_argument("--kv-blocks", type=int, default=8192)
     args = ap.parse_args()
     results = {}

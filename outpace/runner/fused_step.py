@@ -231,6 +231,13 @@ class FusedStep:
         proposer = runner.proposer
         result = StepResult()
         committed, ks = [], []
+        batch_size = len(plan.scheduled)
+        # A head at a batch size where the policy drafts nothing (k_schedule): no lengths to
+        # trim, no drafts to read. Skipping that per-request work keeps such a step as cheap on
+        # the host as a plain one (at batch 128 the host is the bottleneck). A host drafter is
+        # always called: it indexes the new tokens even when it proposes none.
+        drafting = proposer is not None and (self.host_drafter is not None
+                                             or proposer.policy.base_k(batch_size) > 0)
         for i, sr in enumerate(plan.scheduled):
             req = sr.request
             nd = len(sr.draft_token_ids)
@@ -240,10 +247,11 @@ class FusedStep:
                 token_ids=toks, num_draft_tokens=nd, num_accepted_tokens=acc)
             if proposer is not None:
                 proposer.policy.observe(req.request_id, nd, acc)
-                full = req.all_token_ids + toks
-                committed.append(full)
-                ks.append(runner.draft_length(req, len(plan.scheduled), len(full)))
-        if proposer is None:
+            if drafting:
+                if self.host_drafter is not None:  # it reads the whole committed sequence
+                    committed.append(req.all_token_ids + toks)
+                ks.append(runner.draft_length(req, batch_size, req.num_tokens + len(toks)))
+        if not drafting:
             return result
         if self.head is not None:
             drafts = [out[i, q + 1:q + 1 + min(k, kd)].tolist()  # sync-ok: numpy
