@@ -41,7 +41,7 @@ PREFILL_TOKENS = (16, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 
 class GraphRunner:
     def __init__(self, model, backend, inputs, capture_layers: tuple, max_num_seqs: int,
-                 q_lens: tuple, max_tokens: int, prefill: bool = True):
+                 q_lens: tuple, max_tokens: int):
         self.model = model
         self.backend = backend
         self.inputs = inputs
@@ -50,9 +50,8 @@ class GraphRunner:
                         if b <= max_num_seqs and b * max(q_lens) <= max_tokens]
         self.q_lens = tuple(sorted(set(q_lens)))
         self.graphs: dict = {}  # (bucket, q) -> (graph, hidden, aux, logits)
-        self.prefill_q = tuple(q for q in PREFILL_TOKENS if q <= max_tokens) if prefill else ()
+        self.prefill_q = tuple(q for q in PREFILL_TOKENS if q <= max_tokens)
         self.prefill_graphs: dict = {}  # q -> (graph, hidden, aux, logits [1, V])
-        self.prefill_replays = 0
         self.pool = None
 
     def bucket_for(self, num_seqs: int):
@@ -82,32 +81,29 @@ class GraphRunner:
     @torch.inference_mode()
     def capture_all(self) -> None:
         """Capture every (bucket, q), largest first so smaller graphs share its memory pool."""
-        buf = self.inputs
         for q in self.q_lens:
             for bucket in reversed(self.buckets):
-                n = bucket * q
-                self.fill_dummy(bucket, q)
-                meta = self._meta(bucket, q, buf.max_blocks * self.backend.block_size)
-                ctx = ForwardContext(self.backend, meta)
-                ids, pos = buf.input_ids[:n], buf.positions[:n]
-                for _ in range(2):  # warm-up: Triton compiles, cuBLAS picks its kernels
-                    self._forward(ids, pos, ctx)
-                graph, outs = self.capture(lambda i=ids, p=pos, c=ctx: self._forward(i, p, c))
-                self.graphs[(bucket, q)] = (graph, *outs)
+                self.graphs[(bucket, q)] = self._capture_over_dummy(bucket, q, self._forward)
         for q in reversed(self.prefill_q):
-            self.fill_dummy(1, q)
-            buf.logits_indices[:1].fill_(q - 1)
-            meta = self._meta(1, q, buf.max_blocks * self.backend.block_size)
-            ctx = ForwardContext(self.backend, meta)
-            ids, pos = buf.input_ids[:q], buf.positions[:q]
-            for _ in range(2):
-                self._prefill_forward(ids, pos, ctx)
-            graph, outs = self.capture(
-                lambda i=ids, p=pos, c=ctx: self._prefill_forward(i, p, c))
-            self.prefill_graphs[q] = (graph, *outs)
+            self.inputs.logits_indices[:1].fill_(q - 1)
+            self.prefill_graphs[q] = self._capture_over_dummy(1, q, self._prefill_forward)
         log.info("captured %d CUDA graphs (buckets %s, q %s) and %d prefill graphs (up to %s "
                  "tokens)", len(self.graphs), self.buckets, self.q_lens, len(self.prefill_graphs),
                  max(self.prefill_q, default=0))
+
+    def _capture_over_dummy(self, bucket: int, q: int, forward) -> tuple:
+        """forward(ids, pos, ctx) over a dummy batch of `bucket` sequences of q tokens, warmed up
+        and captured -> (graph, *its static outputs)."""
+        buf = self.inputs
+        n = bucket * q
+        self.fill_dummy(bucket, q)
+        meta = self._meta(bucket, q, buf.max_blocks * self.backend.block_size)
+        ctx = ForwardContext(self.backend, meta)
+        ids, pos = buf.input_ids[:n], buf.positions[:n]
+        for _ in range(2):  # warm-up: Triton compiles, cuBLAS picks its kernels
+            forward(ids, pos, ctx)
+        graph, outs = self.capture(lambda: forward(ids, pos, ctx))
+        return (graph, *outs)
 
     def fill_dummy(self, bucket: int, q: int) -> None:
         """A valid batch that writes nowhere (slot -1): each sequence attends to its own q
@@ -185,14 +181,13 @@ class GraphRunner:
             raise ValueError(f"no prefill graph for {len(hb.seq_lens)} sequences of {q} tokens "
                              f"with {len(hb.logits_indices)} sampled rows")
         num_sampled = len(hb.logits_indices)
-        if len(hb.logits_indices) == 0:  # a chunk that samples nothing: a valid dummy row
+        if num_sampled == 0:  # a chunk that samples nothing: a valid dummy row
             hb = dataclasses.replace(hb, logits_indices=np.array([q - 1], np.int64))
         # Full-width block table: the padded rows' positions past the request's blocks read
         # the null block, not a stale entry from an earlier step.
         self.load_padded(hb, full_width=True)
         graph, hidden, aux, logits = self.prefill_graphs[q]
         graph.replay()
-        self.prefill_replays += 1
         # The padded rows' sequence length passes the request's blocks: the proposer's
         # attention over these rows needs the full-width table too.
         return hidden, aux, logits[:num_sampled], self._meta_of(hb, full_width=True)
