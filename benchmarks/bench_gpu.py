@@ -265,12 +265,15 @@ def section_smol(args, results):
     if args.configs:
         configs = [c for c in configs if c[0] in args.configs.split(",")]
     # Process warm-up: the first engine of a process otherwise pays CUDA's lazy module loading
-    # and first-use kernel selection inside its timed runs (seen as slow batch-1 prefill).
+    # and first-use kernel selection inside its timed runs (seen as slow batch-1 prefill). Full
+    # length: Triton compiles a kernel variant per new integer specialization (a length that
+    # becomes a multiple of 16): in run 10 a batch-128 step that compiled one took 0.77 s (the
+    # whole timed run takes ~0.6 s), in whichever engine met the shape first.
     eng = LLMEngine.from_args(args.gguf, loaded=loaded, device="cuda", dtype="bfloat16",
                               max_num_seqs=max(args.batches), num_kv_blocks=args.kv_blocks,
                               quiet=True, enable_prefix_caching=PREFIX_CACHING)
     for b in args.batches:
-        run_engine(eng, prompts[:b if b > 1 else args.batch1_requests], b, 8)
+        run_engine(eng, prompts[:b if b > 1 else args.batch1_requests], b, args.max_tokens)
     del eng
     rows = []
     for name, spec in configs:
@@ -279,9 +282,11 @@ def section_smol(args, results):
                                   num_kv_blocks=args.kv_blocks, quiet=True,
                                   enable_prefix_caching=PREFIX_CACHING)
         spec_k = 0 if spec is None else spec["num_speculative_tokens"]
-        # Warm-up at every batch size: Triton compiles a kernel per new tile configuration.
+        # Warm-up at every batch size: Triton compiles a kernel per new tile configuration;
+        # the largest batch at full length (a compile there would dwarf its short timed run).
         for b in args.batches:
-            run_engine(eng, prompts[:b if b > 1 else args.batch1_requests], b, 4)
+            run_engine(eng, prompts[:b if b > 1 else args.batch1_requests], b,
+                       args.max_tokens if b == max(args.batches) else 4)
         for b in args.batches:
             n = b if b > 1 else args.batch1_requests
             r = run_engine(eng, prompts[:n], b, args.max_tokens)

@@ -223,6 +223,16 @@ class ScheduledRequest:
 class StepPlan:
     scheduled: list = field(default_factory=list)  # [ScheduledRequest]
     preempted_ids: list = field(default_factory=list)
+    # Requests running or waiting when the step was planned (0: not recorded). The draft-length
+    # schedule reads it (draft_batch_size): under a queue the decode batches are about to grow,
+    # and drafting for the few requests of a ramp-up step would be verified at the full batch.
+    load: int = 0
+
+    @property
+    def draft_batch_size(self) -> int:
+        """The batch size the k schedule is asked about: this step's requests, or the load
+        when more are running or waiting."""
+        return max(len(self.scheduled), self.load)
 
     @property
     def num_tokens(self) -> int:

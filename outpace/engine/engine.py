@@ -138,7 +138,7 @@ class LLMEngine:
             return None
         kd = launched.kd
         if proposer is not None and (proposer.policy.adaptive or
-                                     proposer.policy.base_k(len(plan.scheduled)) != kd):
+                                     proposer.policy.base_k(plan.draft_batch_size) != kd):
             return None
         if len(launched.rows) * (kd + 1) > self.config.scheduler.max_num_batched_tokens:
             return None

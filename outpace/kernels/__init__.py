@@ -7,6 +7,7 @@
     small_linear.py  few-row (M <= 16) projections with the norm, residual add, silu * mul or
                  rope + KV store fused in, and silu_mul (kernels in small_linear_kernels.py)
     argmax.py    argmax_rows: two-pass row argmax of logits
+    step_glue.py the fused decode step's bookkeeping: chained_inputs, accept, loop_inputs
     pdl.py       programmatic dependent launch: launch_options, wait_then_release
 
 The paged attention kernel lives in outpace/attention/triton_paged.py.

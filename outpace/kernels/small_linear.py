@@ -112,7 +112,11 @@ _DOT_K = 256  # K step of the tl.dot path
 _DOT_STAGES = 3  # its software pipeline (3 beat 2 by ~20% on every shape, 4 was no better)
 _DOT_SMEM = 64 * 1024  # its pipeline buffers: wide tiles get shorter K steps (LM head: 128 x 64)
 _SUM_MAX_N = 16384  # wider weights (LM heads) take the tl.dot path even at M = 1
-_SUM_ROWS = 4  # rows a broadcast-path program handles; more rows take more programs
+# Rows a broadcast-path program handles; more rows take more programs (each reading the same
+# weight tile, an L2 hit). In the k = 2 verify graph (3 rows) blocks of 2 beat blocks of 4:
+# 0.846 vs 0.864 ms a step (run 10, benchmarks/diag_few_rows.py); 1 row a program and
+# 8 warps were slower.
+_SUM_ROWS = 2
 # Rows up to which a small weight (K <= 2048, N <= 4096) takes that path. At M = 5 and 8 the
 # row blocks of 4 lost to tl.dot on every SmolLM2 projection (qkv 3.8 vs 2.7 us, gate/up 7.2
 # vs 3.1; run 8 sweep, with PDL), so beyond 4 rows tl.dot it is.
@@ -264,16 +268,19 @@ def norm_qkv_rope_store_triton(x, norm_weight, eps, w_qkv, num_heads, num_kv_hea
     q = torch.empty((m, num_heads * d), dtype=x.dtype, device=x.device)
     rs = _RopeStore(cos, sin, positions, slot_mapping, kc, vc, cos.stride(0), off, kc.stride(0),
                     kc.stride(1), kc.stride(2), d // 2, num_heads, num_kv_heads, kc.shape[1])
-    _launch(x, w_qkv, q, n_cols=w_qkv.shape[0] // 2, norm_weight=norm_weight.contiguous(),
+    _launch(x, w_qkv, q, n_cols=w_qkv.shape[0] // 2,
+            norm_weight=norm_weight.contiguous() if norm_weight is not None else None,
             eps=eps, rope_store=rs, blocks=blocks)
     return q.view(m, num_heads, d)
 
 
 def norm_qkv_rope_store_ref(x, norm_weight, eps, w_qkv, num_heads, num_kv_heads, head_dim,
                             cos, sin, positions, kv_cache, layer, slot_mapping) -> torch.Tensor:
-    """norm_small_linear, then rope of q and k and the KV store (kernels/rope.py's reference)."""
+    """norm_small_linear (small_linear when norm_weight is None: x is normalized already), then
+    rope of q and k and the KV store (kernels/rope.py's reference)."""
     from outpace.kernels.rope import apply_rope_and_store_ref
-    qkv = norm_small_linear_ref(x, norm_weight, eps, w_qkv)
+    qkv = (norm_small_linear_ref(x, norm_weight, eps, w_qkv) if norm_weight is not None
+           else small_linear_ref(x, w_qkv))
     heads = qkv.view(x.shape[0], num_heads + 2 * num_kv_heads, head_dim)
     q = heads[:, :num_heads].clone()
     apply_rope_and_store_ref(q, heads[:, num_heads:num_heads + num_kv_heads],
@@ -393,8 +400,9 @@ def small_linear_silu_mul(x: torch.Tensor, w_gate_up: torch.Tensor, *,
 
 def norm_qkv_rope_store(x, norm_weight, eps, w_qkv, num_heads, num_kv_heads, head_dim, cos,
                         sin, positions, kv_cache, layer, slot_mapping) -> torch.Tensor:
-    """q [M, Hq, D] of rope(rms_norm(x) @ w_qkv.T), with k and v stored in the pool; one
-    Triton launch for CUDA inputs of at most SMALL_M_MAX rows, the reference otherwise."""
+    """q [M, Hq, D] of rope(rms_norm(x) @ w_qkv.T) (of rope(x @ w_qkv.T) when norm_weight is
+    None), with k and v stored in the pool; one Triton launch for CUDA inputs of at most
+    SMALL_M_MAX rows, the reference otherwise."""
     args = (x, norm_weight, eps, w_qkv, num_heads, num_kv_heads, head_dim, cos, sin, positions,
             kv_cache, layer, slot_mapping)
     if _fast(x, w_qkv) and head_dim % 2 == 0:

@@ -37,6 +37,7 @@ from outpace.attention.base import ForwardContext
 from outpace.config import ModelConfig
 from outpace.errors import ConfigError, ModelLoadError
 from outpace.kernels.argmax import argmax_rows
+from outpace.kernels.small_linear import small_linear
 from outpace.models.llama import LlamaDecoderLayer, RMSNorm
 from outpace.models.rotary import RotaryEmbedding
 from outpace.models.weight_dtype import upcast_linear
@@ -137,8 +138,10 @@ class Eagle3Head(nn.Module):
         return self.embed_weight is not None
 
     def fuse(self, aux: list) -> torch.Tensor:
-        # 3 x [T, H] (target residual stream after each aux layer) -> [T, H]
-        return upcast_linear(torch.cat(aux, dim=-1), self.fc_weight)
+        # 3 x [T, H] (target residual stream after each aux layer) -> [T, H]; few rows (a
+        # verify block) take the few-row kernel (~3 us at H = 576, cuBLAS ~5), more the
+        # reference: upcast_linear's F.linear
+        return small_linear(torch.cat(aux, dim=-1), self.fc_weight)
 
     def embed(self, input_ids: torch.Tensor,
               embed_fn: Optional[Callable] = None) -> torch.Tensor:

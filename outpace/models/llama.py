@@ -217,11 +217,12 @@ class LlamaDecoderLayer(nn.Module):
         Requires few_rows_ok(); on CPU the dispatchers run their PyTorch references."""
         attn, mlp, post = self.self_attn, self.mlp, self.post_attention_layernorm
         ln, t = self.input_layernorm, residual.shape[0]
-        if (FUSED_QKV_ROPE_STORE and attn_input is None and attn.q_norm is None
-                and cos_sin[0] is None):
-            # norm, qkv, rope and the KV store in one kernel; attention reads the pool
+        if FUSED_QKV_ROPE_STORE and attn.q_norm is None and cos_sin[0] is None:
+            # norm, qkv, rope and the KV store in one kernel (an EAGLE-3 attn_input comes
+            # normalized: no norm then); attention reads the pool
             meta, backend = ctx.meta, ctx.backend
-            q = norm_qkv_rope_store(residual, ln.weight, ln.eps, attn.qkv_weight,
+            x, nw = (residual, ln.weight) if attn_input is None else (attn_input, None)
+            q = norm_qkv_rope_store(x, nw, ln.eps, attn.qkv_weight,
                                     attn.num_heads, attn.num_kv_heads, attn.head_dim,
                                     rope.cos, rope.sin, cos_sin[2], backend.kv_cache,
                                     attn.layer_slot, meta.slot_mapping)

@@ -45,10 +45,9 @@ import numpy as np
 import torch
 
 from outpace.attention.base import AttentionMetadata, ForwardContext
-from outpace.runner.sampling_step import force_accept
+from outpace.kernels.step_glue import accept, chained_inputs, loop_inputs
 from outpace.spec.base import DraftBatch
 from outpace.spec.head_proposer import HeadProposer
-from outpace.spec.verify import greedy_verify_batched
 from outpace.types import RequestStepOutput, StepResult
 
 SAMPLING_EPS = 1e-5
@@ -59,15 +58,6 @@ def is_plain_greedy(params) -> bool:
     return (params.temperature < SAMPLING_EPS and params.repetition_penalty == 1.0
             and params.frequency_penalty == 0.0 and params.presence_penalty == 0.0
             and params.logprobs is None)
-
-
-def slots_for(positions: torch.Tensor, block_tables: torch.Tensor, block_size: int):
-    """[..., B] positions -> [..., B] KV slots: position b of each row reads request b's
-    [B, W] block table (clamped to the width)."""
-    idx = (positions // block_size).clamp(max=block_tables.shape[1] - 1)
-    rows = torch.arange(block_tables.shape[0], device=positions.device)
-    blocks = block_tables[rows, idx].to(torch.long)  # broadcasts to [..., B], contiguous
-    return blocks * block_size + positions % block_size
 
 
 @dataclass
@@ -146,8 +136,8 @@ class FusedStep:
         return all(is_plain_greedy(sr.request.sampling_params) for sr in plan.scheduled)
 
     def draft_steps(self, batch_size: int) -> int:
-        """Draft-loop length in the graph: the policy's k for this batch size (an upper bound of
-        every request's own k, which the host trims to)."""
+        """Draft-loop length in the graph: the policy's k for this batch size (a plan's
+        draft_batch_size; an upper bound of every request's own k, which the host trims to)."""
         if self.head is None:
             return 0
         return self.head.policy.base_k(batch_size)
@@ -161,7 +151,7 @@ class FusedStep:
         """Copy the step's inputs in and launch its graph; nothing is waited for."""
         b = len(plan.scheduled)
         bucket = self.graphs.bucket_for(b)
-        key = (bucket, q, self.draft_steps(b), False)
+        key = (bucket, q, self.draft_steps(plan.draft_batch_size), False)
         if key not in self._captured:
             self._captured[key] = self._capture(*key)
         t0 = time.perf_counter()
@@ -231,7 +221,7 @@ class FusedStep:
         proposer = runner.proposer
         result = StepResult()
         committed, ks = [], []
-        batch_size = len(plan.scheduled)
+        batch_size = plan.draft_batch_size
         # A head at a batch size where the policy drafts nothing (k_schedule): no lengths to
         # trim, no drafts to read. Skipping that per-request work keeps such a step as cheap on
         # the host as a plain one (at batch 128 the host is the bottleneck). A host drafter is
@@ -271,19 +261,10 @@ class FusedStep:
         """A chained step's inputs from the carry buffers: row j of request b is the token at
         carry_pos[b] + j (the bonus token, then the drafts)."""
         buf = self.inputs
-        n = bucket * q
-        real = self.real[:bucket]
-        pos = self.carry_pos[:bucket].unsqueeze(1) + torch.arange(q, device=real.device)
-        tables = buf.block_tables[:bucket]
-        idx = (pos // self.block_size).clamp(max=tables.shape[1] - 1)
-        slots = tables.gather(1, idx).to(torch.long) * self.block_size + pos % self.block_size
-        slots = torch.where(real.unsqueeze(1), slots, torch.full_like(slots, -1))
-        buf.input_ids[:n].copy_(self.carry_tokens[:bucket, :q].reshape(n))
-        buf.positions[:n].copy_(pos.reshape(n))
-        buf.slot_mapping[:n].copy_(slots.reshape(n))
-        buf.seq_lens[:bucket].copy_(pos[:, -1] + 1)
-        buf.query_start_loc[:bucket + 1].copy_(self.loop_query_start[:bucket + 1] * q)
-        self.num_drafts[:bucket].copy_(torch.where(real, q - 1, 0))
+        chained_inputs(self.carry_pos[:bucket], self.carry_tokens[:bucket], self.real[:bucket],
+                       buf.block_tables[:bucket], self.block_size, q, buf.input_ids,
+                       buf.positions, buf.slot_mapping, buf.seq_lens, buf.query_start_loc,
+                       self.num_drafts)
 
     def _compute(self, bucket: int, q: int, kd: int, chained: bool = False) -> torch.Tensor:
         buf = self.inputs
@@ -298,32 +279,28 @@ class FusedStep:
         ctx = ForwardContext(self.backend, meta)
         capture = self.head.capture_layers if self.head is not None else ()
         hidden, aux = self.model(ids, pos, ctx, capture_layers=capture)
-        target = self.model.greedy_tokens(hidden).view(bucket, q)
-        drafts = ids.view(bucket, q)[:, 1:]
-        num_drafts = self.num_drafts[:bucket]
-        if self.runner.sampling.force_accept_mean is not None:
-            emitted, accepted = force_accept(target, drafts, num_drafts,
-                                             self.runner.sampling.force_accept_mean)
-        else:
-            emitted, accepted = greedy_verify_batched(target, drafts, num_drafts)
-        parts = [emitted, accepted.unsqueeze(1)]
+        target = self.model.greedy_tokens(hidden)  # [n]
+        kd_out = kd if self.head is not None else 0
+        # [B, q + 1 + kd] = emitted tokens | accepted count | drafts: the step's one output
+        packed = torch.empty(bucket, q + 1 + kd_out, dtype=torch.long, device=ids.device)
+        mean = self.runner.sampling.force_accept_mean
+        u = torch.rand(bucket, device=ids.device) if mean is not None else None
+        carry = (self.carry_pos[:bucket], self.carry_tokens[:bucket]) if self.chainable else None
+        # Verify (or force-accept), and what the head and the next chained step start from:
+        # the token at position + 1 of every row (emitted up to the accepted count, the
+        # target's filler past it), each request's row `accepted` (position f - 2, f: its
+        # committed length) and that position.
+        next_ids, last_rows, first = accept(target, ids, self.num_drafts[:bucket], pos, q,
+                                            packed, u, mean or 0.0,
+                                            head=self.head is not None, carry=carry)
         if self.head is not None:
-            # Token at position + 1 of every row: the emitted one up to the accepted count,
-            # filler (the target's argmax) past it.
-            next_ids = torch.where(emitted >= 0, emitted, target).view(n)
-            # Row `accepted` of each request sits at position f - 2 (f: committed length).
-            last_rows = torch.arange(bucket, device=ids.device) * q + accepted
-            first = pos.view(bucket, q)[:, 0] + accepted
             drafts = self._draft(hidden, aux, next_ids, pos, ctx, last_rows, first,
                                  buf.block_tables[:bucket], kd)
             if drafts is not None:
-                parts.append(drafts)
-        if self.chainable:  # what the next step is made of, for a chained launch
-            self.carry_pos[:bucket].copy_(pos.view(bucket, q)[:, 0] + accepted + 1)
-            self.carry_tokens[:bucket, :1].copy_(emitted.gather(1, accepted.unsqueeze(1)))
-            if len(parts) > 2:
-                self.carry_tokens[:bucket, 1:1 + kd].copy_(parts[2])
-        return torch.cat(parts, dim=1)
+                packed[:, q + 1:].copy_(drafts)
+                if self.chainable:  # the next chained step's rows 1 .. kd
+                    self.carry_tokens[:bucket, 1:1 + kd].copy_(drafts)
+        return packed
 
     def _draft(self, hidden, aux, next_ids, pos, ctx, last_rows, first, block_tables, kd):
         """The head's first pass (always: it keeps the draft plane exact even while the k
@@ -340,11 +317,9 @@ class FusedStep:
         bucket = first.shape[0]
         if kd > 1:
             # Positions, slots and sequence lengths of every loop step at once ([kd-1, B], each
-            # row contiguous): a handful of kernels in place of ten per step.
-            steps = torch.arange(1, kd, device=first.device).unsqueeze(1)
-            pos_all = first.unsqueeze(0) + steps
-            slots_all = slots_for(pos_all, block_tables, self.block_size)
-            lens_all = (pos_all + 1).to(torch.int32)
+            # row contiguous): one kernel in place of ten per step.
+            pos_all, slots_all, lens_all = loop_inputs(first, block_tables, self.block_size,
+                                                       kd - 1)
         for j in range(1, kd):
             p = pos_all[j - 1]
             meta = AttentionMetadata(

@@ -206,7 +206,7 @@ class ModelRunner:
             if out is not None and new:
                 # Last committed-next row: the row of position len(full) - 2.
                 last_rows.append(a + (len(full) - 2 - s))
-                ks.append(self.draft_length(req, len(plan.scheduled), len(full)))
+                ks.append(self.draft_length(req, plan.draft_batch_size, len(full)))
             else:
                 last_rows.append(-1)
                 ks.append(0)

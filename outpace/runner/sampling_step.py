@@ -25,7 +25,7 @@ from outpace.errors import ConfigError
 
 from outpace.sample.logits_processing import SamplingRow, process_logits
 from outpace.sample.sampler import Sampler, make_generator, probs_from_processed
-from outpace.spec.verify import (ThinkingSpanTracker, draw_verify_randomness,
+from outpace.spec.verify import (ThinkingSpanTracker, draw_verify_randomness, force_accept,
                                  greedy_verify_batched, rejection_verify_batched,
                                  relaxed_accept_batched)
 from outpace.types import RequestStepOutput
@@ -216,20 +216,3 @@ class SamplingStep:
                 top = dict(zip(top_i[j].tolist(), top_v[j].tolist()))  # sync-ok
             result.append((chosen_l[j], top))
         return result
-
-
-def force_accept(target_argmax: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor,
-                 mean: float):
-    """Benchmarks only (lossy): accept a random count with mean `mean - 1` (stochastic rounding,
-    drawn on the device), then the target's greedy token at the first unaccepted position.
-
-    target_argmax [B, k+1], drafts [B, k], num_drafts [B] -> (emitted [B, k+1] padded with -1,
-    accepted [B])."""
-    b = drafts.shape[0]
-    u = torch.rand(b, device=drafts.device)
-    acc = torch.minimum((mean - 1.0 + u).floor().long().clamp(min=0), num_drafts)
-    out = torch.cat([drafts, drafts.new_full((b, 1), -1)], dim=1)
-    j = torch.arange(out.shape[1], device=out.device).unsqueeze(0)
-    out = torch.where(j > acc.unsqueeze(1), torch.full_like(out, -1), out)
-    out.scatter_(1, acc.unsqueeze(1), target_argmax.gather(1, acc.unsqueeze(1)))
-    return out, acc

@@ -160,7 +160,8 @@ class Scheduler:
                 self._schedule_running(req, n, [], n == remaining, step)
         if not step.preempted:  # 3. admission
             self._admit(step)
-        return StepPlan(scheduled=list(step.scheduled.values()), preempted_ids=step.preempted)
+        return StepPlan(scheduled=list(step.scheduled.values()), preempted_ids=step.preempted,
+                        load=self.num_running + self.num_waiting)
 
     def _drafts_for(self, req: Request, budget: int) -> list:
         """The request's drafts, trimmed so this step emits no token past its limits."""
@@ -276,7 +277,8 @@ class Scheduler:
                 raise RuntimeError(f"the blocks reserved for {req.request_id}'s chained step "
                                    f"are missing")
             self._add(req, 1 + len(drafts), drafts, True, step)
-        return StepPlan(scheduled=list(step.scheduled.values()), preempted_ids=[])
+        return StepPlan(scheduled=list(step.scheduled.values()), preempted_ids=[],
+                        load=self.num_running + self.num_waiting)
 
     # ---- update ---------------------------------------------------------------------------
     def update(self, plan: StepPlan, result: StepResult) -> list:

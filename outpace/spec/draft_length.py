@@ -2,7 +2,10 @@
 
     fixed        k every step
     schedule     by batch size: [[max_batch, k], ...]; k = 0 above the last bound (no drafting
-                 where the batch is already compute-bound)
+                 where the batch is already compute-bound). The batch size asked is the step's
+                 requests, or the requests running or waiting when more are (StepPlan.
+                 draft_batch_size): while a queue of requests is being admitted, the few a
+                 ramp-up step holds are about to decode in the full batch
     adaptive     per request, between 1 and k: up by one after a step that accepted everything,
                  down by one after a step that accepted less than half
 """

@@ -67,6 +67,25 @@ def greedy_verify_batched(target_argmax: torch.Tensor, drafts: torch.Tensor,
     return _emit(drafts, num_accepted, last), num_accepted
 
 
+def force_accept(target_argmax: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor,
+                 mean: float, u: Optional[torch.Tensor] = None):
+    """Benchmarks only (lossy): accept a random count with mean `mean - 1` (stochastic rounding,
+    drawn on the device unless `u` [B] uniform draws are given), then the target's greedy token
+    at the first unaccepted position.
+
+    target_argmax [B, k+1], drafts [B, k], num_drafts [B] -> (emitted [B, k+1] padded with -1,
+    accepted [B])."""
+    b = drafts.shape[0]
+    if u is None:
+        u = torch.rand(b, device=drafts.device)
+    acc = torch.minimum((mean - 1.0 + u).floor().long().clamp(min=0), num_drafts)
+    out = torch.cat([drafts, drafts.new_full((b, 1), -1)], dim=1)
+    j = torch.arange(out.shape[1], device=out.device).unsqueeze(0)
+    out = torch.where(j > acc.unsqueeze(1), torch.full_like(out, -1), out)
+    out.scatter_(1, acc.unsqueeze(1), target_argmax.gather(1, acc.unsqueeze(1)))
+    return out, acc
+
+
 def greedy_verify(target_argmax: torch.Tensor,
                   draft_token_ids: Union[torch.Tensor, Sequence[int]]) -> tuple[list, int]:
     """target_argmax [k+1], drafts [k] -> (emitted tokens, num_accepted). Host-side helper."""

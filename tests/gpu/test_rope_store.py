@@ -78,15 +78,16 @@ def test_backend_forward_rope_equals_rope_then_forward():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("m,hq,hkv,d,k", [(1, 9, 3, 64, 576), (5, 9, 3, 64, 576),
                                           (16, 9, 3, 64, 576), (1, 32, 8, 128, 4096),
-                                          (7, 4, 4, 24, 100)])
-def test_norm_qkv_rope_store_matches_reference(dtype, m, hq, hkv, d, k):
-    """The qkv projection with norm, rope and the KV store in its epilogue (small_linear.py)
-    vs norm_small_linear + rope + store references."""
+                                          (7, 4, 4, 24, 100), (3, 9, 3, 64, 1152)])
+@pytest.mark.parametrize("with_norm", [True, False])
+def test_norm_qkv_rope_store_matches_reference(dtype, m, hq, hkv, d, k, with_norm):
+    """The qkv projection with norm (without: an EAGLE-3 head's normalized input), rope and the
+    KV store in its epilogue (small_linear.py) vs norm_small_linear + rope + store references."""
     from outpace.kernels.small_linear import norm_qkv_rope_store_ref, norm_qkv_rope_store_triton
     g = torch.Generator(device=DEV).manual_seed(m * k + d)
     blocks, bs = m // 4 + 4, 4
     x = (torch.randn(m, k, device=DEV, generator=g) * 2).to(dtype)
-    nw = (1 + 0.1 * torch.randn(k, device=DEV, generator=g)).to(dtype)
+    nw = (1 + 0.1 * torch.randn(k, device=DEV, generator=g)).to(dtype) if with_norm else None
     w = (torch.randn((hq + 2 * hkv) * d, k, device=DEV, generator=g) * k ** -0.5).to(dtype)
     table = torch.randn(500, d // 2, device=DEV, generator=g)
     cos, sin = table.cos(), table.sin()

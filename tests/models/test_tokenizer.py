@@ -83,3 +83,42 @@ def test_folder_without_tokenizer(tmp_path):
     (tmp_path / "tokenizer.json").write_text("{broken")
     with pytest.raises(ModelLoadError, match="tokenizer"):
         Tokenizer.from_folder(tmp_path)
+
+
+def _punct_tokenizer(clean_up: bool):
+    from tokenizers import Tokenizer as RawTokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+    from transformers import PreTrainedTokenizerFast
+    words = ["<unk>", "<s>", "</s>", "hello", "world", ",", ".", "'s", "n't", "it", "is", "!",
+             "?", "a", "test"]
+    raw = RawTokenizer(WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    raw.pre_tokenizer = Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="<unk>", bos_token="<s>",
+                                   eos_token="</s>", clean_up_tokenization_spaces=clean_up)
+
+
+@pytest.mark.parametrize("clean_up", [False, True])
+def test_decode_matches_transformers(clean_up):
+    """The fast decode (the tokenizers backend, skipping transformers' Python wrapper) is used
+    only where it gives transformers' text: with the clean-up of spaces before punctuation
+    asked for (a word-level model, which transformers does clean up) decode keeps HF's."""
+    hf = _punct_tokenizer(clean_up)
+    tok = Tokenizer(hf)
+    assert (tok._backend_decode is None) == clean_up
+    ids = hf.encode("hello , world . it is a test !", add_special_tokens=False)
+    for skip in (True, False):
+        assert tok.decode(ids + [2], skip) == hf.decode(ids + [2], skip_special_tokens=skip)
+    assert tok.decode(ids) == ("hello, world. it is a test!" if clean_up
+                               else "hello , world . it is a test !")
+
+
+def test_default_tokenizer_decodes_like_transformers(loaded_default):
+    """SmolLM2's BPE tokenizer: byte-level pieces, specials, partial UTF-8 sequences."""
+    import random
+    tok = loaded_default[2]
+    rng = random.Random(0)
+    for _ in range(300):
+        ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randrange(1, 9))]
+        for skip in (True, False):
+            assert tok.decode(ids, skip) == tok.hf.decode(ids, skip_special_tokens=skip)

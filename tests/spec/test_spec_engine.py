@@ -165,6 +165,41 @@ def test_k_schedule_by_batch_size(tiny_loaded):
     assert run.outputs == want
 
 
+@pytest.mark.parametrize("method", ["ngram", "eagle3"])
+def test_k_schedule_counts_waiting_requests(tiny_loaded, tiny_heads, method):
+    """Two running, two waiting (max_num_seqs=2) under [[2, 4]]: the load is 4, so nothing is
+    drafted while the queue lasts, although each step holds at most 2 requests (drafting then
+    would be verified at the batch the queue is about to fill). Once the queue has drained and
+    two or fewer remain, k = 4 again. Outputs equal the plain engine's."""
+    prompts = repetitive_prompts(4, 12)
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+              for n in (8, 12, 30, 40)]
+    opts = {"k_schedule": [[2, 4]]}
+    spec = ({"method": "ngram", "num_speculative_tokens": 4, **opts} if method == "ngram"
+            else eagle3(tiny_heads, 4, **opts))
+    steps = []  # (plan load, planned requests, drafts per request)
+
+    def record(engine):
+        inner = engine.scheduler.schedule
+
+        def schedule():
+            plan = inner()
+            steps.append((plan.load, len(plan.scheduled),
+                          [len(sr.draft_token_ids) for sr in plan.scheduled]))
+            return plan
+        engine.scheduler.schedule = schedule
+
+    run = run_waves(tiny_loaded, [prompts], params, on_engine=record, max_num_seqs=2,
+                    speculative_config=spec, **KW)
+    assert any(load > 2 and n <= 2 for load, n, _ in steps), steps  # the queue was seen
+    for (load, _, _), (_, _, drafts) in zip(steps, steps[1:]):
+        if load > 2:  # drafts verified next were proposed for this step's load
+            assert not any(drafts), steps
+    assert any(max(d, default=0) == 4 for _, _, d in steps), steps  # drafting came back
+    want = run_waves(tiny_loaded, [prompts], params, max_num_seqs=2, **KW).outputs
+    assert run.outputs == want
+
+
 def draft_lengths(run, rid="w0-0"):
     return [rids[rid][0] for _, rids in run.log.steps if rid in rids and rids[rid][0]]
 

@@ -165,6 +165,9 @@ if IN_CHILD:
                                               silu_mul_triton, small_linear_ref,
                                               small_linear_silu_mul_ref,
                                               small_linear_silu_mul_triton, small_linear_triton)
+    from outpace.kernels.step_glue import (accept_ref, accept_triton, chained_inputs_ref,
+                                           chained_inputs_triton, loop_inputs_ref,
+                                           loop_inputs_triton)
     from outpace.kernels.store_kv import store_kv_triton
     from tests.unit.kernel_cases import COMPOSITIONS, make_batch
     from tests.unit.kernel_cases import check_attention as verify_attention
@@ -554,13 +557,15 @@ def check_rope_and_store(dtype, d):
 # (activation dtype, weight dtype); the last: fp32 over bf16 weights (weight_dtype)
 @pytest.mark.parametrize("dtype,w_dtype", [(torch.float32,) * 2, (torch.bfloat16,) * 2,
                                            (torch.float32, torch.bfloat16)], ids=str)
-@pytest.mark.parametrize("m,hq,hkv,d,k", [(1, 4, 2, 16, 40), (3, 3, 1, 24, 72),
-                                          (16, 2, 2, 8, 96)])
-def check_norm_qkv_rope_store(dtype, w_dtype, m, hq, hkv, d, k):
+@pytest.mark.parametrize("m,hq,hkv,d,k,with_norm", [(1, 4, 2, 16, 40, True),
+                                                    (3, 3, 1, 24, 72, True),
+                                                    (16, 2, 2, 8, 96, True),
+                                                    (3, 3, 1, 24, 72, False)])
+def check_norm_qkv_rope_store(dtype, w_dtype, m, hq, hkv, d, k, with_norm):
     g = torch.Generator().manual_seed(m * d + k)
     blocks, bs = 6, 4
     x = (torch.randn(m, k, generator=g) * 2).to(dtype)
-    nw = (1 + 0.1 * torch.randn(k, generator=g)).to(dtype)
+    nw = (1 + 0.1 * torch.randn(k, generator=g)).to(dtype) if with_norm else None
     w = (0.2 * torch.randn((hq + 2 * hkv) * d, k, generator=g)).to(w_dtype)
     table = torch.randn(30, d if m == 3 else d // 2, generator=g)  # both table layouts
     cos, sin = table.cos(), table.sin()
@@ -583,3 +588,72 @@ def check_norm_qkv_rope_store(dtype, w_dtype, m, hq, hkv, d, k):
     torch.testing.assert_close(cache[:, :, 1:], ref_cache[:, :, 1:], equal_nan=True, **tol)
     assert torch.isnan(cache[:, :, 0].float()).all(), "a padded row was written"
     assert torch.isnan(cache[0].float()).all(), "another layer slot was written"
+
+
+# ---- the fused step's bookkeeping (kernels/step_glue.py): integers, so exact equality ----------
+
+def _tables(g, bucket, width=5, blocks=40):
+    return torch.randint(1, blocks, (bucket, width), generator=g, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("bucket,q", [(1, 1), (3, 3), (8, 5), (4, 2)])
+def check_chained_inputs(bucket, q):
+    g = torch.Generator().manual_seed(bucket * 10 + q)
+    bs, kmax = 4, 6
+    real = torch.rand(bucket, generator=g) < 0.7
+    real[0] = True
+    carry_pos = torch.where(real, torch.randint(0, 30, (bucket,), generator=g), 0)
+    carry_tokens = torch.randint(0, 1000, (bucket, kmax), generator=g)
+    tables = _tables(g, bucket)
+    outs = []
+    for fn in (chained_inputs_ref, chained_inputs_triton):
+        bufs = [torch.full((bucket * q + 7,), -9, dtype=torch.long) for _ in range(3)] + [
+            torch.full((bucket + 2,), -9, dtype=torch.int32) for _ in range(2)] + [
+            torch.full((bucket + 2,), -9, dtype=torch.long)]
+        fn(carry_pos, carry_tokens, real, tables, bs, q, *bufs)
+        outs.append(bufs)
+    for want, got in zip(*outs):
+        assert torch.equal(got, want), (got, want)
+    assert (outs[0][2][:bucket * q].view(bucket, q)[~real] == -1).all()  # padding: no slot
+
+
+@pytest.mark.parametrize("force", [False, True])
+@pytest.mark.parametrize("bucket,q", [(1, 1), (2, 3), (5, 5), (3, 4)])
+def check_accept(bucket, q, force):
+    g = torch.Generator().manual_seed(bucket * 10 + q + force)
+    target = torch.randint(0, 50, (bucket * q,), generator=g)
+    ids = torch.randint(0, 50, (bucket * q,), generator=g)
+    nd = torch.randint(0, q, (bucket,), generator=g)
+    for b in range(bucket):  # drafts agreeing with the target for a random prefix
+        m = int(torch.randint(0, q, (1,), generator=g))
+        for j in range(min(m, q - 1)):
+            ids[b * q + 1 + j] = target[b * q + j]
+    positions = (torch.randint(10, 90, (bucket, 1), generator=g) + torch.arange(q)).view(-1)
+    u = torch.rand(bucket, generator=g) if force else None
+    packed_ref = torch.full((bucket, q + 3), -7, dtype=torch.long)
+    packed = packed_ref.clone()
+    want = accept_ref(target, ids, nd, positions, q, packed_ref, u, 2.6)
+    carry_pos = torch.full((bucket,), -5, dtype=torch.long)
+    carry_tok = torch.full((bucket, 4), -5, dtype=torch.long)
+    got = accept_triton(target, ids, nd, positions, q, packed, u, 2.6,
+                        carry=(carry_pos, carry_tok))
+    assert torch.equal(packed, packed_ref), (packed, packed_ref)
+    for a, b in zip(got, want[:3]):
+        assert torch.equal(a, b), (a, b)
+    assert torch.equal(carry_pos, want[2] + 1) and torch.equal(carry_tok[:, 0], want[3])
+    assert (carry_tok[:, 1:] == -5).all()
+    # the head's outputs can be left out (a plain engine's step)
+    packed2 = torch.full((bucket, q + 1), -7, dtype=torch.long)
+    assert accept_triton(target, ids, nd, positions, q, packed2, u, 2.6, head=False) == \
+        (None, None, None)
+    assert torch.equal(packed2, packed_ref[:, :q + 1])
+
+
+@pytest.mark.parametrize("bucket,steps", [(1, 1), (3, 4), (8, 2)])
+def check_loop_inputs(bucket, steps):
+    g = torch.Generator().manual_seed(bucket + steps)
+    first = torch.randint(0, 25, (bucket,), generator=g)
+    tables = _tables(g, bucket)
+    for a, b in zip(loop_inputs_triton(first, tables, 4, steps),
+                    loop_inputs_ref(first, tables, 4, steps)):
+        assert a.dtype == b.dtype and torch.equal(a, b), (a, b)

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from outpace.kernels import next_pow2
 from outpace.kernels.norm import rms_norm_ref
-from outpace.kernels.small_linear import (SMALL_M_MAX, choose_blocks, norm_small_linear,
+from outpace.kernels.small_linear import (_SUM_ROWS, SMALL_M_MAX, choose_blocks, norm_small_linear,
                                           norm_small_linear_ref, norm_small_linear_silu_mul,
                                           norm_small_linear_silu_mul_ref, silu_mul, silu_mul_ref,
                                           small_linear, small_linear_ref, small_linear_silu_mul,
@@ -136,9 +136,9 @@ def test_choose_blocks_is_a_valid_shape_policy(m):
         assert b.block_n <= 128
         if b.use_dot:  # one row block covers every row
             assert b.block_m >= m and min(b.block_m, b.block_n, b.block_k) >= 16
-        else:  # rows in blocks of at most 4 (more programs); the product tile stays within
-            # the register budget
-            assert b.block_m == min(next_pow2(m), 4)
+        else:  # rows in blocks of at most _SUM_ROWS (more programs); the product tile stays
+            # within the register budget
+            assert b.block_m == min(next_pow2(m), _SUM_ROWS)
             assert b.block_m * b.block_n * b.block_k <= 16384
         if m == 1 and 576 <= n <= 3072:
             assert -(-n // b.block_n) >= 100  # small weights spread over the SMs

@@ -1,0 +1,121 @@
+"""Which few-row projection configuration makes a verify step (q = 2 .. 5 rows a request) cheap
+inside the real graph (PDL chains, L2-cold weights, the norm / rope / silu fusions), on the GPU
+machine: batch-1 TPOT and the chained graph's time of no-spec and EAGLE-3 force-accept 3 engines
+(k = 2, 4) under several block policies for 2 <= M <= 8 rows.
+
+In isolation (bench_small_linear.py's sweep) tl.dot at M = 5 ran as fast as M = 1; in the step's
+graph the target's layers at q = 5 took 1.7x those at q = 1 (diag_step.py, run 10).
+
+    python benchmarks/diag_few_rows.py --gguf PATH [--out DIR]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.bench_gpu import make_heads, prompt_set, run_engine  # noqa: E402
+from benchmarks.diag_step import gpu_ms  # noqa: E402
+
+
+def policies(orig):
+    """name -> choose_blocks replacement (rows 2 .. 8 of small weights only). mMnNkKwW: the
+    broadcast path with BLOCK_M, BLOCK_N, BLOCK_K (0: the whole row up to 2048, as choose_blocks
+    takes it) and num_warps; dot: tl.dot as choose_blocks configures it."""
+    from outpace.kernels.small_linear import Blocks
+
+    def few(m, n, k):
+        return 2 <= m <= 8 and n <= 4096
+
+    def bcast(block_m, block_n, block_k=0, warps=4):
+        def f(m, n, k, **kw):
+            if not few(m, n, k):
+                return orig(m, n, k, **kw)
+            kmax = max(1 << (k - 1).bit_length(), 16)
+            bk = block_k or (kmax if kmax <= 2048 else 1024)
+            bm = min(block_m, 1 << (m - 1).bit_length())
+            return Blocks(bm, block_n, min(bk, kmax), warps, 2, False)
+        return f
+
+    def dot(m, n, k, **kw):
+        if not few(m, n, k):
+            return orig(m, n, k, **kw)
+        kw.pop("use_dot", None)
+        return orig(m, n, k, use_dot=True, **kw)
+
+    return {"current": orig, "dot": dot, "m2n2": bcast(2, 2), "m4n1": bcast(4, 1),
+            "m2n1": bcast(2, 1), "m4n2w8": bcast(4, 2, warps=8), "m4n1w8": bcast(4, 1, warps=8),
+            "m4n2k512": bcast(4, 2, 512), "m8n1": bcast(8, 1)}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--gguf", required=True)
+    ap.add_argument("--out", default="/tmp/out")
+    ap.add_argument("--policies", default="current,m2n2,m4n1,m2n1,m4n2w8,m8n1")
+    ap.add_argument("--engines", default="no-spec,eagle3-fa3-k2,eagle3-fa3-k4")
+    args = ap.parse_args()
+    import outpace.kernels.small_linear as sl
+    from outpace.engine.engine import LLMEngine
+    from outpace.models.loader import load_model
+    loaded = load_model(args.gguf, dtype=torch.bfloat16, device=torch.device("cuda"), quiet=True)
+    prompts = prompt_set(loaded[2], 4)
+    eagle, _ = make_heads(args.gguf, tempfile.mkdtemp())
+    engines = [("no-spec", None, 0)] + [
+        (f"eagle3-fa3-k{k}", {"method": "eagle3", "model": str(eagle),
+                              "num_speculative_tokens": k, "force_accept_mean": 3.0}, k)
+        for k in (2, 4)]
+    engines = [e for e in engines if e[0] in args.engines.split(",")]
+    orig = sl.choose_blocks
+    table = policies(orig)
+    rows = []
+    for name, spec, k in engines:
+        eng = LLMEngine.from_args(args.gguf, loaded=loaded, device="cuda", dtype="bfloat16",
+                                  speculative_config=spec, max_num_seqs=8, num_kv_blocks=2048,
+                                  quiet=True, enable_prefix_caching=False)
+        fused = eng.runner.fused
+        for pol in args.policies.split(","):
+            sl.choose_blocks = table[pol]
+            t0 = time.perf_counter()
+            try:
+                for key in [key for key in fused._captured if key[0] == 1]:
+                    fused._captured[key] = fused._capture(*key)
+                cap_s = time.perf_counter() - t0
+                run_engine(eng, prompts[:2], 1, 16)
+                r = run_engine(eng, prompts, 1, 128)
+            except Exception as e:  # a configuration that fails to compile: report, go on
+                print(name, pol, "failed:", repr(e)[:300], flush=True)
+                sl.choose_blocks = orig
+                for key in [key for key in fused._captured if key[0] == 1]:
+                    fused._captured[key] = fused._capture(*key)
+                continue
+            g, _ = fused._captured[(1, k + 1, k, True)]
+            row = {"engine": name, "policy": pol, "tok_s": r["tok_s"], "tpot_ms": r["tpot_ms"],
+                   "graph_ms": gpu_ms(g), "capture_s": round(cap_s, 1),
+                   "mean_acceptance_length": r["mean_acceptance_length"]}
+            rows.append(row)
+            print(row, flush=True)
+        sl.choose_blocks = orig
+        del eng
+        torch.cuda.empty_cache()
+    base = {r["engine"]: r for r in rows if r["policy"] == "current"}
+    ns = {r["policy"]: r for r in rows if r["engine"] == "no-spec"}
+    for r in rows:
+        if r["engine"] != "no-spec" and r["policy"] in ns and "current" in ns:
+            r["ratio_to_nospec_same_policy"] = round(r["tok_s"] / ns[r["policy"]]["tok_s"], 3)
+            r["ratio_to_nospec_current"] = round(r["tok_s"] / ns["current"]["tok_s"], 3)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "diag_few_rows.json").write_text(json.dumps(rows, indent=1) + "\n")
+    for r in rows:
+        print(r)
+    del base
+
+
+if __name__ == "__main__":
+    main()

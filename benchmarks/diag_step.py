@@ -1,0 +1,184 @@
+"""Where a fused decode step's time goes, on the GPU machine (SmolLM2-135M, bf16):
+
+  * batch 1: the kernels of one replay of each engine's steady graph, in order, with durations
+    and the idle gaps between them (no-spec q=1, EAGLE-3 force-accept 3 at k=2 and k=4), and
+    the host cost of launching each graph (cudaGraphLaunch, GPU busy and idle);
+  * batch 128: host time per engine step split by phase (schedule, launch, chain, collect,
+    commit with detokenization) for no-spec against EAGLE-3, chained vs launched steps, and the
+    GPU time of the q=1 graph that steady decoding there replays.
+
+    python benchmarks/diag_step.py --gguf PATH [--out DIR]
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.bench_gpu import make_heads, prompt_set, run_engine  # noqa: E402
+
+
+def kernel_listing(graph, reps: int = 5) -> str:
+    """The kernels of the last of `reps` replays, in start order: name, us, gap before."""
+    from torch.profiler import ProfilerActivity, profile
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            graph.replay()
+            torch.cuda.synchronize()
+    evs = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    evs.sort(key=lambda e: e.time_range.start)
+    # Split into replays at the big gaps the synchronizes leave; keep the last replay.
+    groups, cur = [], []
+    for e in evs:
+        if cur and e.time_range.start - cur[-1].time_range.end > 30:
+            groups.append(cur)
+            cur = []
+        cur.append(e)
+    groups.append(cur)
+    last = groups[-1]
+    lines, prev_end, busy = [], None, 0.0
+    for e in last:
+        gap = 0.0 if prev_end is None else e.time_range.start - prev_end
+        dur = e.time_range.end - e.time_range.start
+        busy += dur
+        lines.append(f"{dur:8.2f} {gap:6.2f}  {e.name[:90]}")
+        prev_end = e.time_range.end
+    span = last[-1].time_range.end - last[0].time_range.start
+    head = (f"{len(last)} kernels, span {span:.1f} us, busy {busy:.1f} us, "
+            f"gaps {span - busy:.1f} us (us: duration, gap before)")
+    return head + "\n" + "\n".join(lines)
+
+
+def launch_cost(graph, reps: int = 50) -> dict:
+    """Host us per graph.replay(): back to back (the GPU busy, as when chained), and one at a
+    time after a synchronize (the GPU idle)."""
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(reps):
+        graph.replay()
+    busy = (time.perf_counter() - t) / reps
+    torch.cuda.synchronize()
+    idle = 0.0
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        graph.replay()
+        idle += time.perf_counter() - t
+    torch.cuda.synchronize()
+    return {"busy_us": round(1e6 * busy, 1), "idle_us": round(1e6 * idle / reps, 1)}
+
+
+def gpu_ms(graph, reps: int = 50) -> float:
+    graph.replay()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(reps):
+        graph.replay()
+    torch.cuda.synchronize()
+    return round(1000 * (time.perf_counter() - t) / reps, 4)
+
+
+class PhaseTimer:
+    """Host seconds per engine phase (monkeypatched wrappers; nothing synchronizes)."""
+
+    def __init__(self):
+        self.t = collections.Counter()
+        self.patched = []
+
+    def wrap(self, cls, name):
+        inner = getattr(cls, name)
+
+        @functools.wraps(inner)
+        def timed(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return inner(*a, **k)
+            finally:
+                self.t[f"{cls.__name__}.{name}"] += time.perf_counter() - t0
+        setattr(cls, name, timed)
+        self.patched.append((cls, name, inner))
+
+    def restore(self):
+        for cls, name, inner in reversed(self.patched):
+            setattr(cls, name, inner)
+        self.patched = []
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--gguf", required=True)
+    ap.add_argument("--out", default="/tmp/out")
+    args = ap.parse_args()
+    from outpace.engine.engine import LLMEngine
+    from outpace.models.loader import load_model
+    from outpace.runner.fused_step import FusedStep
+    from outpace.scheduler.scheduler import Scheduler
+    loaded = load_model(args.gguf, dtype=torch.bfloat16, device=torch.device("cuda"), quiet=True)
+    prompts = prompt_set(loaded[2], 128)
+    eagle, _ = make_heads(args.gguf, tempfile.mkdtemp())
+    configs = [("no-spec", None, 0),
+               ("eagle3-fa3-k2", {"method": "eagle3", "model": str(eagle),
+                                  "num_speculative_tokens": 2, "force_accept_mean": 3.0,
+                                  "k_schedule": [[32, 2], [64, 1]]}, 2),
+               ("eagle3-fa3.0", {"method": "eagle3", "model": str(eagle),
+                                 "num_speculative_tokens": 4, "force_accept_mean": 3.0,
+                                 "k_schedule": [[32, 4], [64, 1]]}, 4)]
+    report = []
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for name, spec, k in configs:
+        eng = LLMEngine.from_args(args.gguf, loaded=loaded, device="cuda", dtype="bfloat16",
+                                  speculative_config=spec, max_num_seqs=128, num_kv_blocks=8192,
+                                  quiet=True, enable_prefix_caching=False)
+        for b in (1, 128):
+            run_engine(eng, prompts[:max(b, 2)], b, 8)
+        r1 = run_engine(eng, prompts[:4], 1, 128)
+        fused = eng.runner.fused
+        g1, _ = fused._captured[(1, k + 1, k, True)]
+        report.append(f"== {name} batch 1: tok/s {r1['tok_s']} tpot {r1['tpot_ms']} ms, "
+                      f"step {r1.get('step_ms')} launch {r1.get('launch_ms')} wait "
+                      f"{r1.get('wait_ms')} unpack {r1.get('unpack_ms')}; chained graph "
+                      f"(1, {k + 1}, {k}): {gpu_ms(g1)} ms, launch {launch_cost(g1)}")
+        report.append(kernel_listing(g1))
+        if name == "eagle3-fa3-k2":
+            continue
+        # batch 128: phases of the host's step
+        timer = PhaseTimer()
+        for cls, fn in [(Scheduler, "schedule"), (Scheduler, "schedule_chained"),
+                        (Scheduler, "update"), (FusedStep, "launch"), (FusedStep, "chain"),
+                        (FusedStep, "collect"), (FusedStep, "_result"),
+                        (LLMEngine, "_chain"), (LLMEngine, "_commit"),
+                        (LLMEngine, "_output_of"), (type(eng.runner), "_host_batch"),
+                        (type(eng.runner), "execute")]:
+            timer.wrap(cls, fn)
+        c0 = fused.chained
+        r = run_engine(eng, prompts[:128], 128, 128)
+        timer.restore()
+        steps = r["all_steps"]
+        g128, _ = fused._captured[(128, 1, 0, True)]
+        report.append(f"== {name} batch 128: tok/s {r['tok_s']} tpot {r['tpot_ms']} ttft "
+                      f"{r['ttft_ms']} step {r['step_ms']} ms; steps {steps}, fused "
+                      f"{r['fused_steps']}, chained {fused.chained - c0}; graph (128, 1, 0) "
+                      f"{gpu_ms(g128)} ms, launch {launch_cost(g128)}")
+        report.append("  host ms per step: " + ", ".join(
+            f"{key} {1000 * v / steps:.3f}" for key, v in sorted(timer.t.items())))
+        report.append(kernel_listing(g128))
+        del eng
+        torch.cuda.empty_cache()
+    text = "\n".join(report)
+    print(text)
+    (out / "diag_step.txt").write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
