@@ -320,14 +320,19 @@ def time_fused_graphs(eng, batches, k, reps=50) -> dict:
         if not keys:
             continue
         graph, _ = fused._captured[max(keys, key=lambda key: key[2])]
-        graph.replay()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            graph.replay()
-        torch.cuda.synchronize()
-        out[b] = round(1000 * (time.perf_counter() - t0) / reps, 4)
+        out[b] = graph_ms(graph, reps)
     return out
+
+
+def graph_ms(graph, reps: int = 50) -> float:
+    """GPU milliseconds of one replay of a captured graph (back to back, after one replay)."""
+    graph.replay()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        graph.replay()
+    torch.cuda.synchronize()
+    return round(1000 * (time.perf_counter() - t0) / reps, 4)
 
 
 def profile_graph(eng, k, path, reps=20):

@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.bench_gpu import make_heads, prompt_set, run_engine  # noqa: E402
-from benchmarks.diag_step import gpu_ms  # noqa: E402
+from benchmarks.bench_gpu import graph_ms as gpu_ms  # noqa: E402
 
 
 def policies(orig):

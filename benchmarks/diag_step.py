@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.bench_gpu import graph_ms as gpu_ms  # noqa: E402
 from benchmarks.bench_gpu import make_heads, prompt_set, run_engine  # noqa: E402
 
 
@@ -76,16 +77,6 @@ def launch_cost(graph, reps: int = 50) -> dict:
         idle += time.perf_counter() - t
     torch.cuda.synchronize()
     return {"busy_us": round(1e6 * busy, 1), "idle_us": round(1e6 * idle / reps, 1)}
-
-
-def gpu_ms(graph, reps: int = 50) -> float:
-    graph.replay()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(reps):
-        graph.replay()
-    torch.cuda.synchronize()
-    return round(1000 * (time.perf_counter() - t) / reps, 4)
 
 
 class PhaseTimer:
