@@ -38,6 +38,7 @@ captured ahead). They share the GraphRunner's memory pool.
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Optional
 
@@ -77,7 +78,8 @@ class Launched:
 
 class FusedStep:
     def __init__(self, runner):
-        self.runner = runner
+        # Weak: the runner owns this step (see HeadProposer.bind for why no cycle)
+        self.runner = weakref.proxy(runner)
         self.graphs = runner.graphs  # GraphRunner: buckets, input buffers, capture, memory pool
         self.inputs = runner.inputs
         self.model = runner.model

@@ -25,6 +25,8 @@ target's step shares is touched (DESIGN idea 8).
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from outpace.attention.base import ForwardContext
@@ -51,7 +53,9 @@ class HeadProposer(Proposer):
             self.enhancer_min_match = int(min_match)
 
     def bind(self, runner) -> None:
-        self.runner = runner
+        # A weak back-reference: the runner owns the proposer, and a cycle between them would
+        # outlive `del engine` once the builder has frozen the heap (gc.freeze) on CUDA.
+        self.runner = weakref.proxy(runner)
         self.block_size = runner.block_size
         self.loop_inputs = InputBuffers(runner.inputs.max_seqs, runner.inputs.max_seqs,
                                         runner.inputs.max_blocks, runner.device)

@@ -42,6 +42,7 @@ The draft plane is written only at positions the target already wrote, so no loo
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -104,7 +105,7 @@ class MTPWindowProposer(HeadProposer):
         self.stash: dict = {}  # request_id -> RequestStash
 
     def bind(self, runner) -> None:
-        self.runner = runner
+        self.runner = weakref.proxy(runner)  # (see HeadProposer.bind)
         self.block_size = runner.block_size
         if self.depth > self.block_size:
             # The prefix-cache argument (entries below a trimmed hit are exact) needs every
