@@ -76,6 +76,32 @@ class Launched:
         return self.key[2]
 
 
+class ChainedTables:
+    """The [bucket, W] block tables of consecutive chained steps, kept between them and
+    rewritten only in the rows whose table changed. While a request runs its table only grows
+    (KVCacheManager appends blocks), so a row's (length, last block) tells whether it changed;
+    a finished request's table is empty. At batch 128 rebuilding all rows every step was a
+    Python loop of 128 numpy row writes on the host's critical path."""
+
+    def __init__(self, width: int):
+        self.width = width
+        self.rows: list = []  # request ids, in device row order, of the tables held
+        self.sig: list = []  # per row: (length, last block id) of the table held
+        self.table = np.zeros((0, width), np.int32)
+
+    def update(self, rows: list, bucket: int, block_tables: list) -> np.ndarray:
+        sig = [(len(ids), ids[-1] if ids else -1) for ids in block_tables]
+        if rows != self.rows or self.table.shape[0] != bucket:
+            self.rows, self.sig = list(rows), [None] * len(sig)
+            self.table = np.zeros((bucket, self.width), np.int32)
+        for i, (now, ids) in enumerate(zip(sig, block_tables)):
+            if now != self.sig[i]:
+                self.table[i] = 0
+                self.table[i, :len(ids)] = ids
+        self.sig = sig
+        return self.table
+
+
 class FusedStep:
     def __init__(self, runner):
         # Weak: the runner owns this step (see HeadProposer.bind for why no cycle)
@@ -102,6 +128,7 @@ class FusedStep:
         self.carry_pos = torch.zeros(m, dtype=torch.long, device=dev)  # bonus token's position
         self.carry_tokens = torch.zeros(m, kmax, dtype=torch.long, device=dev)  # bonus, drafts
         self._captured: dict = {}  # (bucket, q, kd, chained) -> (graph, packed output)
+        self._tables = ChainedTables(self.inputs.max_blocks)
         self._host_out: dict = {}  # (shape, parity) -> pinned host tensor
         self._parity = 0  # two output buffers: step N's is read while N+1's copy is queued
         self.is_cuda = dev.type == "cuda"
@@ -176,9 +203,7 @@ class FusedStep:
         if not self.chainable or key not in self._captured:
             return None
         t0 = time.perf_counter()
-        bt = np.zeros((bucket, self.inputs.max_blocks), np.int32)
-        for i, ids in enumerate(block_tables):
-            bt[i, :len(ids)] = ids
+        bt = self._tables.update(prev.rows, bucket, block_tables)
         self.inputs.put_if_changed(self.inputs.block_tables, bt)
         self.chained += 1
         return self._replay(key, prev.rows, t0)
