@@ -30,6 +30,10 @@ copy, and reads N while N+1 runs (engine.py). Chaining is possible only when the
 N+1's shape without N's results: no host drafter, and the engine's conditions (no admission,
 blocks reserved for the worst case, no request near its limits).
 
+On CUDA the bookkeeping around the model (a chained step's inputs, accept with what the head
+and the next step read, the draft loop's positions and slots) is three Triton kernels
+(kernels/step_glue.py); elsewhere their PyTorch references run.
+
 Graphs are captured over a dummy batch: the common ones at start-up, others the first time
 their (bucket, q, kd) is seen (never while a step is in flight: chained graphs exist only if
 captured ahead). They share the GraphRunner's memory pool.
