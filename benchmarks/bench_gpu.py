@@ -51,6 +51,22 @@ def prompt_set(tok, n):
     return chat_ids(tok, mixed[:n])
 
 
+def diag_setup(num_prompts: int, extra: tuple = ()):
+    """The start of a GPU diagnostic script (benchmarks/diag_*.py): the options --gguf, --out and
+    `extra` ((flag, default) pairs), the model in bf16 on CUDA, the first prompts of the
+    benchmark's set -> (args, loaded (model, config, tokenizer), prompts)."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--gguf", required=True)
+    ap.add_argument("--out", default="/tmp/out")
+    for flag, default in extra:
+        ap.add_argument(flag, default=default)
+    args = ap.parse_args()
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    from outpace.models.loader import load_model
+    loaded = load_model(args.gguf, dtype=torch.bfloat16, device=torch.device("cuda"), quiet=True)
+    return args, loaded, prompt_set(loaded[2], num_prompts)
+
+
 def run_engine(engine, prompts, batch, max_tokens):
     """Submit `batch` requests at once, repeatedly, over `prompts`; -> metrics dict."""
     from outpace import SamplingParams

@@ -3,7 +3,6 @@ cProfile of the first steps after 128 requests arrive at once.
 
     python benchmarks/diag_b128_prefill.py --gguf PATH [--out DIR]
 """
-import argparse
 import cProfile
 import io
 import pstats
@@ -15,19 +14,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.bench_gpu import make_heads, prompt_set, run_engine  # noqa: E402
+from benchmarks.bench_gpu import diag_setup, make_heads, run_engine  # noqa: E402
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--gguf", required=True)
-    ap.add_argument("--out", default="/tmp/out")
-    args = ap.parse_args()
+    args, loaded, prompts = diag_setup(128)
     from outpace import SamplingParams
     from outpace.engine.engine import LLMEngine
-    from outpace.models.loader import load_model
-    loaded = load_model(args.gguf, dtype=torch.bfloat16, device=torch.device("cuda"), quiet=True)
-    prompts = prompt_set(loaded[2], 128)
     eagle, _ = make_heads(args.gguf, tempfile.mkdtemp())
     report = []
     for name, spec in (("no-spec", None),

@@ -10,7 +10,6 @@ graph the target's layers at q = 5 took 1.7x those at q = 1 (diag_step.py, run 1
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import tempfile
@@ -20,7 +19,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.bench_gpu import make_heads, prompt_set, run_engine  # noqa: E402
+from benchmarks.bench_gpu import diag_setup, make_heads, run_engine  # noqa: E402
 from benchmarks.bench_gpu import graph_ms as gpu_ms  # noqa: E402
 
 
@@ -55,17 +54,11 @@ def policies(orig):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--gguf", required=True)
-    ap.add_argument("--out", default="/tmp/out")
-    ap.add_argument("--policies", default="current,m2n2,m4n1,m2n1,m4n2w8,m8n1")
-    ap.add_argument("--engines", default="no-spec,eagle3-fa3-k2,eagle3-fa3-k4")
-    args = ap.parse_args()
+    args, loaded, prompts = diag_setup(4, extra=(
+        ("--policies", "current,m2n2,m4n1,m2n1,m4n2w8,m8n1"),
+        ("--engines", "no-spec,eagle3-fa3-k2,eagle3-fa3-k4")))
     import outpace.kernels.small_linear as sl
     from outpace.engine.engine import LLMEngine
-    from outpace.models.loader import load_model
-    loaded = load_model(args.gguf, dtype=torch.bfloat16, device=torch.device("cuda"), quiet=True)
-    prompts = prompt_set(loaded[2], 4)
     eagle, _ = make_heads(args.gguf, tempfile.mkdtemp())
     engines = [("no-spec", None, 0)] + [
         (f"eagle3-fa3-k{k}", {"method": "eagle3", "model": str(eagle),
@@ -110,7 +103,6 @@ def main():
         if r["engine"] != "no-spec" and r["policy"] in ns and "current" in ns:
             r["ratio_to_nospec_same_policy"] = round(r["tok_s"] / ns[r["policy"]]["tok_s"], 3)
             r["ratio_to_nospec_current"] = round(r["tok_s"] / ns["current"]["tok_s"], 3)
-    Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "diag_few_rows.json").write_text(json.dumps(rows, indent=1) + "\n")
     for r in rows:
         print(r)

@@ -12,31 +12,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-
-def launch_us(graph, reps: int = 50) -> dict:
-    """Host us per replay: one at a time with the GPU idle, and back to back."""
-    torch.cuda.synchronize()
-    idle = 0.0
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        graph.replay()
-        idle += time.perf_counter() - t
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(reps):
-        graph.replay()
-    busy = (time.perf_counter() - t) / reps
-    torch.cuda.synchronize()
-    return {"idle_us": round(1e6 * idle / reps, 1), "busy_us": round(1e6 * busy, 1)}
+from benchmarks.diag_step import launch_cost  # noqa: E402
 
 
 def capture(fn):
@@ -97,7 +79,7 @@ def main():
              "adds150+triton30": with_triton(150, 30), "adds150+triton120": with_triton(150, 120)}
     rows = {}
     for name, fn in cases.items():
-        rows[name] = launch_us(capture(fn))
+        rows[name] = launch_cost(capture(fn))
         print(name, rows[name], flush=True)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "diag_launch.json").write_text(json.dumps(rows, indent=1) + "\n")

@@ -4,7 +4,6 @@ overlapped decode steps (decode_trace.json: the GPU's gaps between graphs, TPOT 
 
     python benchmarks/diag_prefill.py --gguf PATH [--out DIR]
 """
-import argparse
 import cProfile
 import io
 import pstats
@@ -15,24 +14,17 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.bench_gpu import prompt_set  # noqa: E402
+from benchmarks.bench_gpu import diag_setup  # noqa: E402
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--gguf", required=True)
-    ap.add_argument("--out", default="/tmp/out")
-    args = ap.parse_args()
+    args, loaded, prompts = diag_setup(4)
     from outpace import SamplingParams
     from outpace.engine.engine import LLMEngine
-    from outpace.models.loader import load_model
-    loaded = load_model(args.gguf, dtype=torch.bfloat16, device=torch.device("cuda"), quiet=True)
-    prompts = prompt_set(loaded[2], 4)
     eng = LLMEngine.from_args(args.gguf, loaded=loaded, device="cuda", dtype="bfloat16",
                               max_num_seqs=8, quiet=True, enable_prefix_caching=False)
     sp = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
     report = []
-    Path(args.out).mkdir(parents=True, exist_ok=True)
 
     def one(p, tag, prof=None):
         """Run p alone; -> wall ms of each engine step (the first is the prefill)."""

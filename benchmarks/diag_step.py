@@ -11,7 +11,6 @@
 """
 from __future__ import annotations
 
-import argparse
 import collections
 import functools
 import sys
@@ -23,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.bench_gpu import graph_ms as gpu_ms  # noqa: E402
-from benchmarks.bench_gpu import make_heads, prompt_set, run_engine  # noqa: E402
+from benchmarks.bench_gpu import diag_setup, make_heads, run_engine  # noqa: E402
 
 
 def kernel_listing(graph, reps: int = 5) -> str:
@@ -106,16 +105,10 @@ class PhaseTimer:
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--gguf", required=True)
-    ap.add_argument("--out", default="/tmp/out")
-    args = ap.parse_args()
+    args, loaded, prompts = diag_setup(128)
     from outpace.engine.engine import LLMEngine
-    from outpace.models.loader import load_model
     from outpace.runner.fused_step import FusedStep
     from outpace.scheduler.scheduler import Scheduler
-    loaded = load_model(args.gguf, dtype=torch.bfloat16, device=torch.device("cuda"), quiet=True)
-    prompts = prompt_set(loaded[2], 128)
     eagle, _ = make_heads(args.gguf, tempfile.mkdtemp())
     configs = [("no-spec", None, 0),
                ("eagle3-fa3-k2", {"method": "eagle3", "model": str(eagle),
@@ -126,7 +119,6 @@ def main():
                                  "k_schedule": [[32, 4], [64, 1]]}, 4)]
     report = []
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     for name, spec, k in configs:
         eng = LLMEngine.from_args(args.gguf, loaded=loaded, device="cuda", dtype="bfloat16",
                                   speculative_config=spec, max_num_seqs=128, num_kv_blocks=8192,

@@ -52,9 +52,8 @@ def chained_inputs_ref(carry_pos, carry_tokens, real, block_tables, block_size: 
     are the first B * q (B, B + 1) entries of the input buffers."""
     bucket = carry_pos.shape[0]
     n = bucket * q
-    pos = carry_pos.unsqueeze(1) + torch.arange(q, device=carry_pos.device)
-    idx = (pos // block_size).clamp(max=block_tables.shape[1] - 1)
-    slots = block_tables.gather(1, idx).to(torch.long) * block_size + pos % block_size
+    pos = carry_pos.unsqueeze(1) + torch.arange(q, device=carry_pos.device)  # [B, q]
+    slots = slots_for(pos.T, block_tables, block_size).T
     slots = torch.where(real.unsqueeze(1), slots, torch.full_like(slots, -1))
     input_ids[:n].copy_(carry_tokens[:, :q].reshape(n))
     positions[:n].copy_(pos.reshape(n))

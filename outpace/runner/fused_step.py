@@ -311,9 +311,9 @@ class FusedStep:
         capture = self.head.capture_layers if self.head is not None else ()
         hidden, aux = self.model(ids, pos, ctx, capture_layers=capture)
         target = self.model.greedy_tokens(hidden)  # [n]
-        kd_out = kd if self.head is not None else 0
         # [B, q + 1 + kd] = emitted tokens | accepted count | drafts: the step's one output
-        packed = torch.empty(bucket, q + 1 + kd_out, dtype=torch.long, device=ids.device)
+        # (kd = 0 without a head: draft_steps)
+        packed = torch.empty(bucket, q + 1 + kd, dtype=torch.long, device=ids.device)
         mean = self.runner.sampling.force_accept_mean
         u = torch.rand(bucket, device=ids.device) if mean is not None else None
         carry = (self.carry_pos[:bucket], self.carry_tokens[:bucket]) if self.chainable else None
