@@ -37,6 +37,13 @@ and the next step read, the draft loop's positions and slots) is three Triton ke
 Graphs are captured over a dummy batch: the common ones at start-up, others the first time
 their (bucket, q, kd) is seen (never while a step is in flight: chained graphs exist only if
 captured ahead). They share the GraphRunner's memory pool.
+
+Prefill (a head only): a step of one request's prefill chunk runs the target in a prefill graph
+(runner/cuda_graph.py) and samples on the host; the head's pass over the chunk and its draft
+loop then replay a second graph, captured per prefill graph over that graph's static hidden
+states (`prefill_drafts`). Eagerly that pass and loop were ~40 Triton launches from Python for
+microseconds of GPU work each: most of a head engine's batch-1 TTFT (5.6-15 ms against
+no-spec's 1.6, run 10).
 """
 
 from __future__ import annotations
@@ -132,6 +139,13 @@ class FusedStep:
         self.carry_pos = torch.zeros(m, dtype=torch.long, device=dev)  # bonus token's position
         self.carry_tokens = torch.zeros(m, kmax, dtype=torch.long, device=dev)  # bonus, drafts
         self._captured: dict = {}  # (bucket, q, kd, chained) -> (graph, packed output)
+        # Prefill: (q, kd) -> (graph, (drafts [1, kd],) or ()), and what the host fills in:
+        # the token after every row, the row whose head output drafts (prefill_drafts).
+        self._prefill_heads: dict = {}
+        self.prefill_next_ids = torch.zeros(max(runner.graphs.prefill_q, default=1),
+                                            dtype=torch.long, device=dev)
+        self.prefill_last_row = torch.zeros(1, dtype=torch.long, device=dev)
+        self.prefill_replays = 0  # prefill steps whose head ran from a graph (tests read it)
         self._tables = ChainedTables(self.inputs.max_blocks)
         self._host_out: dict = {}  # (shape, parity) -> pinned host tensor
         self._parity = 0  # two output buffers: step N's is read while N+1's copy is queued
@@ -154,6 +168,65 @@ class FusedStep:
             for key in keys:
                 if key not in self._captured:
                     self._captured[key] = self._capture(*key)
+
+    def capture_prefill_heads(self) -> None:
+        """Capture the head's graphs for every prefill graph: its pass over the chunk alone
+        (kd = 0: a chunk that samples nothing, or no drafts wanted) and with the batch-1 draft
+        loop. At start-up only: capturing fills the input buffers with a dummy batch, which
+        would clobber a prefill step's inputs in between its two graphs."""
+        if self.head is None:
+            return
+        for q in self.graphs.prefill_graphs:
+            for kd in sorted({0, self.draft_steps(1)}):
+                if (q, kd) not in self._prefill_heads:
+                    self._prefill_heads[(q, kd)] = self._capture_prefill_head(q, kd)
+
+    @torch.inference_mode()
+    def prefill_drafts(self, q: int, next_ids: np.ndarray, last_row: int, frontier: int,
+                       k: int, batch_size: int) -> Optional[list]:
+        """The head's pass and k drafts for a single-request prefill step that just ran in the
+        prefill graph of q rows (its hidden states and inputs still in the fixed buffers):
+        next_ids [q], the token after every row; last_row, the row of position f - 2 (f, the
+        frontier: the committed length after this step's token); k, the request's draft
+        length (0: the pass alone). -> the drafts, or None when no graph fits (the caller runs
+        the head eagerly)."""
+        kd = self.draft_steps(batch_size) if k > 0 else 0
+        entry = self._prefill_heads.get((q, kd))
+        # The loop runs kd steps, up to position f + kd - 3; where k was trimmed near the
+        # context's end that could pass the rope tables: the eager loop stops at k.
+        if entry is None or kd < k or frontier + kd - 3 >= self.runner.max_model_len:
+            return None
+        graph, outs = entry
+        self.inputs.put(self.prefill_next_ids, next_ids)
+        self.inputs.put(self.prefill_last_row, np.array([max(last_row, 0)], np.int64))
+        graph.replay()
+        self.prefill_replays += 1
+        if kd == 0:
+            return []
+        return outs[0][0, :k].tolist()  # sync-ok: the step's drafts, read once
+
+    def _capture_prefill_head(self, q: int, kd: int):
+        _, hidden, aux, _ = self.graphs.prefill_graphs[q]
+        buf = self.inputs
+        self.graphs.fill_dummy(1, q)
+        self.prefill_next_ids.zero_()
+        self.prefill_last_row.zero_()  # the loop then stays at positions 1 .. kd - 1
+        # The prefill graph's own metadata (full-width block table, static bounds)
+        meta = AttentionMetadata(
+            slot_mapping=buf.slot_mapping[:q], query_start_loc=buf.query_start_loc[:2],
+            seq_lens=buf.seq_lens[:1], block_tables=buf.block_tables[:1],
+            max_query_len=q, max_seq_len=buf.max_blocks * self.block_size)
+        pos = buf.positions[:q]
+
+        def fn():
+            first = pos.index_select(0, self.prefill_last_row)
+            drafts = self._draft(hidden, aux, self.prefill_next_ids[:q], pos,
+                                 ForwardContext(self.backend, meta), self.prefill_last_row,
+                                 first, buf.block_tables[:1], kd)
+            return () if drafts is None else (drafts,)
+        for _ in range(2):  # warm-up: Triton compiles, cuBLAS picks its kernels
+            fn()
+        return self.graphs.capture(fn)
 
     def next_q(self, kd: int) -> int:
         """Query length of the step after one that drafted kd tokens on the device."""

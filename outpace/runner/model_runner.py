@@ -87,6 +87,7 @@ class ModelRunner:
         self.graphs.capture_all()
         from outpace.runner.fused_step import FusedStep
         self.fused = FusedStep(self)
+        self.fused.capture_prefill_heads()
         if capture_fused:
             self.fused.capture_common()
 
@@ -181,11 +182,13 @@ class ModelRunner:
                 if out is not None:
                     self.proposer.policy.observe(sr.request.request_id, out.num_draft_tokens,
                                                  out.num_accepted_tokens)
-            self._propose(plan, per_req, hb, ids, pos, hidden, aux, meta, result)
+            self._propose(plan, per_req, hb, ids, pos, hidden, aux, meta, result, q_prefill)
         return result
 
-    def _propose(self, plan, per_req, hb, ids, pos, hidden, aux, meta, result) -> None:
-        """Ask the proposer for the next drafts of every request that committed a token."""
+    def _propose(self, plan, per_req, hb, ids, pos, hidden, aux, meta, result,
+                 q_prefill=None) -> None:
+        """Ask the proposer for the next drafts of every request that committed a token (from
+        the fused step's head graph after a prefill graph's step, where one was captured)."""
         qsl = hb.query_start_loc
         reqs, committed, starts, ends, last_rows, ks = [], [], [], [], [], []
         next_ids = np.empty_like(hb.input_ids)
@@ -210,13 +213,21 @@ class ModelRunner:
             else:
                 last_rows.append(-1)
                 ks.append(0)
-        batch = DraftBatch(requests=reqs, committed=committed, row_start=starts, row_end=ends,
-                           last_row=last_rows, positions=pos,
-                           next_token_ids=torch.from_numpy(next_ids).to(self.device),
-                           hidden=hidden, aux_hidden=aux, meta=meta,
-                           block_ids=[sr.block_ids for sr in plan.scheduled])
         try:
-            drafts = self.proposer.propose(batch, ks)
+            drafts = None
+            if q_prefill is not None and self.fused is not None:
+                one = self.fused.prefill_drafts(q_prefill, next_ids, last_rows[0],
+                                                len(committed[0]), ks[0],
+                                                plan.draft_batch_size)
+                drafts = None if one is None else [one]
+            if drafts is None:
+                batch = DraftBatch(
+                    requests=reqs, committed=committed, row_start=starts, row_end=ends,
+                    last_row=last_rows, positions=pos,
+                    next_token_ids=torch.from_numpy(next_ids).to(self.device),
+                    hidden=hidden, aux_hidden=aux, meta=meta,
+                    block_ids=[sr.block_ids for sr in plan.scheduled])
+                drafts = self.proposer.propose(batch, ks)
         except Exception:  # a drafter bug must not take the engine down: go on without drafts
             if not self._proposer_failed:
                 log.exception("the drafter raised; continuing without drafts for this step")

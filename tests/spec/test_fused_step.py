@@ -113,6 +113,31 @@ def test_device_draft_loop_writes_an_exact_draft_plane(tiny_loaded, tiny_heads,
     assert sum(n > 0 for n in by_count) >= 2, f"acceptance never varied: {per_pos}"
 
 
+@pytest.mark.parametrize("method", ["eagle3", "mtp"])
+def test_prefill_head_graph_equals_eager(tiny_loaded, tiny_heads, fake_graph_capture, method):
+    """One request at a time: its prefill chunks run in prefill graphs, and the head's pass
+    over each chunk (alone for a chunk that samples nothing, with the draft loop for the last)
+    replays the fused step's prefill-head graph. Drafts, outputs and the draft plane equal the
+    eager head's."""
+    k = 3
+    prompts = repetitive_prompts(3, 11) + [list(range(1, 10))]  # 2 chunks of <= 16; 1 chunk
+    runs = []
+    for graphs in (False, True):
+        drafts, checker = [], PlaneChecker(tiny_loaded)
+        run = run_waves(tiny_loaded, [[p] for p in prompts], GREEDY, after_step=checker,
+                        overlap=False, max_num_seqs=1,
+                        on_engine=lambda e: record_drafts(e, drafts, k if graphs else None),
+                        speculative_config=head_spec(tiny_heads, method, k), **SMALL)
+        assert checker.entries_checked > 100
+        runs.append((run, drafts))
+    (eager, want), (fused, got) = runs
+    assert fused.outputs == eager.outputs
+    assert got == want, "the prefill-head graph's drafts differ from the eager head's"
+    # every prefill step of the fused engine: 2 chunks for each of the 3 long prompts, 1 short
+    assert fused.engine.runner.fused.prefill_replays == 7
+    assert any(d for step in got[:2] for d in step.values())  # the first prefill drafted
+
+
 def test_force_accept_mean_on_the_fused_path(tiny_loaded, tiny_heads, fake_graph_capture):
     k, mean = 4, 3.0
     eng = make_engine(tiny_loaded, max_num_seqs=8, speculative_config=head_spec(
