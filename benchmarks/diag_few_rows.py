@@ -26,12 +26,11 @@ from benchmarks.bench_gpu import graph_ms as gpu_ms  # noqa: E402
 def policies(orig):
     """name -> choose_blocks replacement (rows 2 .. 8 of small weights only). mMnNkKwW: the
     broadcast path with BLOCK_M, BLOCK_N, BLOCK_K (0: the whole row up to 2048, as choose_blocks
-    takes it) and num_warps; dot: tl.dot as choose_blocks configures it; t_mMnN: K as two
-    power-of-two tiles (Blocks.block_k2), t_all also at M = 1 (the no-spec step)."""
+    takes it) and num_warps; dot: tl.dot as choose_blocks configures it."""
     from outpace.kernels.small_linear import Blocks
 
-    def few(m, n, k, min_m=2):
-        return min_m <= m <= 8 and n <= 4096
+    def few(m, n, k):
+        return 2 <= m <= 8 and n <= 4096
 
     def bcast(block_m, block_n, block_k=0, warps=4):
         def f(m, n, k, **kw):
@@ -43,22 +42,6 @@ def policies(orig):
             return Blocks(bm, block_n, min(bk, kmax), warps, 2, False)
         return f
 
-    def two_tiles(block_m, block_n, min_m=2):
-        # K as two power-of-two tiles (576 = 512 + 64, 1536 = 1024 + 512), from min_m rows;
-        # block_n 0: choose_blocks' own (its M = 1 width)
-        def f(m, n, k, **kw):
-            if not few(m, n, k, min_m) or k > 4096:
-                return orig(m, n, k, **kw)
-            base = orig(m, n, k, **kw)
-            if base.use_dot:
-                return base
-            bk = 1 << (k.bit_length() - 1)  # the largest power of two <= K
-            rest = k - bk
-            bk2 = max(1 << (rest - 1).bit_length(), 16) if rest else 0
-            bm = min(block_m, 1 << (m - 1).bit_length())
-            return Blocks(bm, block_n or base.block_n, bk, 4, 2, False, bk2)
-        return f
-
     def dot(m, n, k, **kw):
         if not few(m, n, k):
             return orig(m, n, k, **kw)
@@ -67,14 +50,12 @@ def policies(orig):
 
     return {"current": orig, "dot": dot, "m2n2": bcast(2, 2), "m4n1": bcast(4, 1),
             "m2n1": bcast(2, 1), "m4n2w8": bcast(4, 2, warps=8), "m4n1w8": bcast(4, 1, warps=8),
-            "m4n2k512": bcast(4, 2, 512), "m8n1": bcast(8, 1),
-            "t_m2n2": two_tiles(2, 2), "t_m4n2": two_tiles(4, 2), "t_m4n1": two_tiles(4, 1),
-            "t_all": two_tiles(2, 0, min_m=1)}
+            "m4n2k512": bcast(4, 2, 512), "m8n1": bcast(8, 1)}
 
 
 def main():
     args, loaded, prompts = diag_setup(4, extra=(
-        ("--policies", "current,t_m2n2,t_m4n2,t_m4n1,t_all"),
+        ("--policies", "current,m2n2,m4n1,m2n1,m4n2w8,m8n1"),
         ("--engines", "no-spec,eagle3-fa3-k2,eagle3-fa3-k4")))
     import outpace.kernels.small_linear as sl
     from outpace.engine.engine import LLMEngine

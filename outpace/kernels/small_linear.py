@@ -99,7 +99,6 @@ class Blocks(NamedTuple):
     num_warps: int
     num_stages: int
     use_dot: bool
-    block_k2: int = 0  # > 0: K in two tiles, block_k then block_k2 (no K loop)
 
 
 # Numbers below are from benchmarks/bench_small_linear.py on an H200 (SmolLM2-135M and Llama-8B
@@ -209,8 +208,6 @@ def _launch(x, w, out, *, n_cols, norm_weight=None, eps=0.0, residual=None, silu
                                   gate_up=two, norm=norm_weight is not None)
     if cfg.use_dot and min(cfg.block_m, cfg.block_n, cfg.block_k) < 16:
         raise ValueError(f"{cfg}: tl.dot needs 16-wide tiles")
-    if cfg.block_k2 and k > cfg.block_k + cfg.block_k2:
-        raise ValueError(f"{cfg}: two K tiles must cover K = {k}")
     nw = norm_weight if norm_weight is not None else w
     res = residual if residual is not None else out
     # _cdiv, not triton.cdiv: that one is a jit function, ~5 us a call from Python
@@ -228,7 +225,7 @@ def _launch(x, w, out, *, n_cols, norm_weight=None, eps=0.0, residual=None, silu
         HAS_RESIDUAL=residual is not None, SILU_MUL=silu_mul,
         ROPE_STORE=rope_store is not None, TWO_TILES=two, HALF=rs.half, HQ=rs.hq, HKV=rs.hkv,
         CACHE_BLOCK=rs.cache_block, USE_DOT=cfg.use_dot,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_K2=cfg.block_k2,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_options(x))
     return out
 

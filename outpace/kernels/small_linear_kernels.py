@@ -89,13 +89,11 @@ if triton is not None:
                              CACHE_BLOCK: tl.constexpr,
                              USE_DOT: tl.constexpr, BLOCK_M: tl.constexpr,
                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                             BLOCK_K2: tl.constexpr, USE_PDL: tl.constexpr):
+                             USE_PDL: tl.constexpr):
         # One program: output columns [pid * BLOCK_N, +BLOCK_N) for rows
         # [program_id(1) * BLOCK_M, +BLOCK_M) (one row block unless the broadcast path splits
         # the rows; each program then reads the same weight tile, an L2 hit for all but one),
-        # whole K loop. BLOCK_K2 > 0: K is read as two tiles, [0, BLOCK_K) and [BLOCK_K,
-        # BLOCK_K + BLOCK_K2), both loaded before anything else (576 = 512 + 64 pads nothing,
-        # where one tile of 1024 would compute on 448 masked columns).
+        # whole K loop.
         # With SILU_MUL the weight is [2N, K] and the program also owns up rows N + j. With
         # ROPE_STORE (a qkv weight, heads of 2 * HALF rows) column j is the rope pair of rows
         # (head, d) and (head, d + HALF), head = j // HALF, d = j % HALF, so the epilogue can
@@ -122,9 +120,6 @@ if triton is not None:
         # program's whole weight read.
         offs_k = tl.arange(0, BLOCK_K)
         w, wu = _load_w(w_rows, u_rows, offs_k, n_mask, K, TWO_TILES)
-        if BLOCK_K2 > 0:
-            offs_k2 = BLOCK_K + tl.arange(0, BLOCK_K2)
-            w2, wu2 = _load_w(w_rows, u_rows, offs_k2, n_mask, K, TWO_TILES)
         # With PDL this load is issued while the previous kernel still runs (kernels/pdl.py);
         # everything below may read what earlier kernels wrote.
         wait_then_release(USE_PDL)
@@ -145,15 +140,11 @@ if triton is not None:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc, acc_u = _step(acc, acc, w, wu, x_rows, m_mask, offs_k, K, nw_ptr, rstd, A_DTYPE,
                            HAS_NORM, NORM_ROUND, TWO_TILES, USE_DOT)
-        if BLOCK_K2 > 0:  # K <= BLOCK_K + BLOCK_K2 (small_linear._launch checks)
-            acc, acc_u = _step(acc, acc_u, w2, wu2, x_rows, m_mask, offs_k2, K, nw_ptr, rstd,
+        for k0 in range(BLOCK_K, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            w, wu = _load_w(w_rows, u_rows, offs_k, n_mask, K, TWO_TILES)
+            acc, acc_u = _step(acc, acc_u, w, wu, x_rows, m_mask, offs_k, K, nw_ptr, rstd,
                                A_DTYPE, HAS_NORM, NORM_ROUND, TWO_TILES, USE_DOT)
-        else:
-            for k0 in range(BLOCK_K, K, BLOCK_K):
-                offs_k = k0 + tl.arange(0, BLOCK_K)
-                w, wu = _load_w(w_rows, u_rows, offs_k, n_mask, K, TWO_TILES)
-                acc, acc_u = _step(acc, acc_u, w, wu, x_rows, m_mask, offs_k, K, nw_ptr, rstd,
-                                   A_DTYPE, HAS_NORM, NORM_ROUND, TWO_TILES, USE_DOT)
 
         out_mask = m_mask[:, None] & n_mask[None, :]
         out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]

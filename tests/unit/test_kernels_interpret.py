@@ -406,29 +406,6 @@ def check_small_linear_explicit_blocks(shape, cfg):
                                norm_small_linear_ref(x, nw, 1e-6, w), **NORM_TOL[torch.float32])
 
 
-# (m, n, k, block_m, block_n, block_k, block_k2): K read as two tiles, as SmolLM2's K = 576
-# (512 + 64) and 1536 (1024 + 512), and a second tile partly masked (100 = 64 + 36 of 64)
-@pytest.mark.parametrize("cfg", [(3, 40, 576, 2, 2, 512, 64), (4, 24, 1536, 4, 1, 1024, 512),
-                                 (1, 20, 100, 1, 4, 64, 64)], ids=str)
-def check_small_linear_two_k_tiles(cfg):
-    m, n, k, bm, bn, bk, bk2 = cfg
-    blocks = Blocks(bm, bn, bk, 4, 2, False, bk2)
-    x, w, nw = _linear_inputs(m, n, k, torch.float32, seed=45)
-    res = torch.randn(m, n, generator=torch.Generator().manual_seed(1))
-    tol = NORM_TOL[torch.float32]
-    torch.testing.assert_close(small_linear_triton(x, w, residual=res, blocks=blocks),
-                               small_linear_ref(x, w, residual=res), **tol)
-    torch.testing.assert_close(norm_small_linear_triton(x, nw, 1e-6, w, blocks=blocks),
-                               norm_small_linear_ref(x, nw, 1e-6, w), **tol)
-    x2, w2, nw2 = _linear_inputs(m, n, k, torch.float32, seed=46, rows=2)
-    torch.testing.assert_close(norm_small_linear_silu_mul_triton(x2, nw2, 1e-6, w2,
-                                                                 blocks=blocks),
-                               norm_small_linear_silu_mul_ref(x2, nw2, 1e-6, w2),
-                               **FUSED_TOL[torch.float32])
-    with pytest.raises(ValueError, match="cover"):
-        small_linear_triton(x, w, blocks=Blocks(bm, bn, bk // 2, 4, 2, False, bk2))
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def check_small_linear_residual(dtype):
     """residual of the activation dtype, and an fp32 residual stream over bf16 x and w: one
