@@ -47,6 +47,13 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     raise UnsupportedModelError(f"rope scaling type {kind!r} is not supported")
 
 
+# Rows past the model's last position. A graph's draft loop runs its fixed number of steps for
+# every request (runner/fused_step.py) and the host trims the drafts; near the context's end
+# those discarded steps reach up to k - 3 (< 16, SpecConfig's bound on k) positions past it,
+# and the rope kernels index the tables without a bound check.
+POSITION_MARGIN = 16
+
+
 class RotaryEmbedding(nn.Module):
     """Neox-style (rotate_half) rope with cos/sin tables precomputed once for every position.
 
@@ -57,7 +64,7 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype=torch.float32, device="cpu"):
         super().__init__()
         inv = rope_inv_freq(cfg)
-        t = torch.arange(cfg.max_position_embeddings, dtype=torch.float32)
+        t = torch.arange(cfg.max_position_embeddings + POSITION_MARGIN, dtype=torch.float32)
         freqs = torch.outer(t, inv)  # [P, D/2], fp32 as HF computes it
         emb = torch.cat((freqs, freqs), dim=-1)
         sin = emb.sin()

@@ -182,19 +182,18 @@ class FusedStep:
                     self._prefill_heads[(q, kd)] = self._capture_prefill_head(q, kd)
 
     @torch.inference_mode()
-    def prefill_drafts(self, q: int, next_ids: np.ndarray, last_row: int, frontier: int,
-                       k: int, batch_size: int) -> Optional[list]:
+    def prefill_drafts(self, q: int, next_ids: np.ndarray, last_row: int, k: int,
+                       batch_size: int) -> Optional[list]:
         """The head's pass and k drafts for a single-request prefill step that just ran in the
         prefill graph of q rows (its hidden states and inputs still in the fixed buffers):
-        next_ids [q], the token after every row; last_row, the row of position f - 2 (f, the
-        frontier: the committed length after this step's token); k, the request's draft
-        length (0: the pass alone). -> the drafts, or None when no graph fits (the caller runs
-        the head eagerly)."""
+        next_ids [q], the token after every row; last_row, the row of position f - 2 (f: the
+        committed length after this step's token); k, the request's draft length (0: the pass
+        alone). -> the drafts, or None when no graph fits (the caller runs the head eagerly).
+        The loop runs kd >= k steps; past k its positions may pass the context's end, which
+        the rope tables' margin covers (models/rotary.py)."""
         kd = self.draft_steps(batch_size) if k > 0 else 0
         entry = self._prefill_heads.get((q, kd))
-        # The loop runs kd steps, up to position f + kd - 3; where k was trimmed near the
-        # context's end that could pass the rope tables: the eager loop stops at k.
-        if entry is None or kd < k or frontier + kd - 3 >= self.runner.max_model_len:
+        if entry is None or kd < k:
             return None
         graph, outs = entry
         self.inputs.put(self.prefill_next_ids, next_ids)

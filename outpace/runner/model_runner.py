@@ -216,8 +216,7 @@ class ModelRunner:
         try:
             drafts = None
             if q_prefill is not None and self.fused is not None:
-                one = self.fused.prefill_drafts(q_prefill, next_ids, last_rows[0],
-                                                len(committed[0]), ks[0],
+                one = self.fused.prefill_drafts(q_prefill, next_ids, last_rows[0], ks[0],
                                                 plan.draft_batch_size)
                 drafts = None if one is None else [one]
             if drafts is None:

@@ -138,6 +138,29 @@ def test_prefill_head_graph_equals_eager(tiny_loaded, tiny_heads, fake_graph_cap
     assert any(d for step in got[:2] for d in step.values())  # the first prefill drafted
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_fused_draft_loop_at_the_context_end(tiny_loaded, tiny_heads, fake_graph_capture,
+                                             overlap):
+    """A request that runs into max_model_len = max_position_embeddings: the graph's draft loop
+    runs its k steps for it although the host trims its drafts, so the discarded steps reach
+    positions past the model's last one; the rope tables hold a margin for them
+    (rotary.POSITION_MARGIN; without it the CPU stand-in raises an IndexError there and a GPU
+    reads past the table). Output equals the eager engine's, which stops its loop at k."""
+    k = 4
+    prompt = [(7 * i + 3) % 90 + 1 for i in range(490)]
+    params = SamplingParams(max_tokens=512 - len(prompt), temperature=0.0, ignore_eos=True)
+    outs = []
+    for graphs in (False, True):
+        eng = make_engine(tiny_loaded, block_size=TINY_BLOCK, num_kv_blocks=200,
+                          overlap=overlap, speculative_config=head_spec(tiny_heads, "eagle3", k))
+        if graphs:
+            enable_graphs(eng, k)
+        outs.append(run_batch(eng, [prompt], params)[0])
+    assert len(prompt) + len(outs[0]) == 512  # up to the context's end
+    assert outs[1] == outs[0]
+    assert eng.runner.fused.replays > 3
+
+
 def test_force_accept_mean_on_the_fused_path(tiny_loaded, tiny_heads, fake_graph_capture):
     k, mean = 4, 3.0
     eng = make_engine(tiny_loaded, max_num_seqs=8, speculative_config=head_spec(
