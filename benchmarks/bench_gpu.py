@@ -11,6 +11,8 @@ Sections
   hf      HF transformers eager and static cache + torch.compile (batch 1; eager also at 8)
   big     Llama-3.1-8B-shaped random bf16 model, batch 1: step time vs weight bytes / bandwidth,
           with and without overlap
+  b128    batch 128, no-spec against the force-accept 3 heads (EAGLE-3 k = 4 and 2, MTP), the
+          engines timed in turns round by round (host-bound there: a fair pairing)
   overlap SmolLM2-shaped random bf16 model, batch 1, no-spec and EAGLE-3 force-accept 3, with
           and without overlap, and with the qkv + rope + KV store kernel switched the other way
           (no model file needed)
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -263,18 +266,12 @@ def make_heads(gguf, tmp):
     return eagle, mtp
 
 
-def section_smol(args, results):
-    from outpace.engine.engine import LLMEngine
-    from outpace.models.loader import load_model
-    loaded = load_model(args.gguf, dtype=torch.bfloat16, device=torch.device("cuda"), quiet=True)
-    prompts = prompt_set(loaded[2], max(args.batches) * 2)
-    tmp = tempfile.mkdtemp()
-    eagle, mtp = make_heads(args.gguf, tmp)
-    k = args.k
+def smol_configs(k, force_means, eagle, mtp) -> list:
+    """The SmolLM2 section's (name, speculative_config) pairs."""
     configs = [("no-spec", None), ("ngram", {"method": "ngram", "num_speculative_tokens": k}),
                ("suffix", {"method": "suffix", "num_speculative_tokens": k})]
     sched = {"k_schedule": [[32, k], [64, 1]]}  # k = 0 (no drafting) above 64 requests
-    for m in args.force_means:
+    for m in force_means:
         configs.append((f"eagle3-fa{m}", {"method": "eagle3", "model": str(eagle),
                                           "num_speculative_tokens": k, "force_accept_mean": m,
                                           **sched}))
@@ -286,6 +283,56 @@ def section_smol(args, results):
     configs.append(("eagle3-fa3-k2", {"method": "eagle3", "model": str(eagle),
                                       "num_speculative_tokens": 2, "force_accept_mean": 3.0,
                                       "k_schedule": [[32, 2], [64, 1]]}))
+    return configs
+
+
+def section_b128(args, results):
+    """Batch 128, paired: no speculation and the force-accept 3 head configurations, built
+    once and timed in turns, round by round (the order rotating), so that the host's slow and
+    fast periods fall on every engine alike. At batch 128 every engine is host-bound, and in
+    run 13 the host's speed moved ~1.7x between configurations timed a minute apart (no-spec
+    22.1k tok/s there, 37.3k in run 12; EAGLE-3 fa3's own three runs 17.7-30.0k). Reports each
+    engine's median tok/s over --b128-rounds rounds and, per head configuration, the median
+    of its ratio to no-spec's run of the same round."""
+    from outpace.engine.engine import LLMEngine
+    from outpace.models.loader import load_model
+    loaded = load_model(args.gguf, dtype=torch.bfloat16, device=torch.device("cuda"), quiet=True)
+    prompts = prompt_set(loaded[2], 128)
+    eagle, mtp = make_heads(args.gguf, tempfile.mkdtemp())
+    wanted = ("no-spec", "eagle3-fa3.0", "mtp-fa3", "eagle3-fa3-k2")
+    configs = [c for c in smol_configs(args.k, [3.0], eagle, mtp) if c[0] in wanted]
+    engines = []
+    for name, spec in configs:
+        eng = LLMEngine.from_args(args.gguf, loaded=loaded, device="cuda", dtype="bfloat16",
+                                  speculative_config=spec, max_num_seqs=128,
+                                  num_kv_blocks=args.kv_blocks // 2, quiet=True,
+                                  enable_prefix_caching=PREFIX_CACHING)
+        run_engine(eng, prompts, 128, args.max_tokens)  # warm-up at full length
+        engines.append((name, eng))
+    runs = {name: [] for name, _ in engines}
+    for rnd in range(args.b128_rounds):
+        shift = rnd % len(engines)
+        for name, eng in engines[shift:] + engines[:shift]:
+            runs[name].append(run_engine(eng, prompts, 128, args.max_tokens)["tok_s"])
+        print(f"b128 round {rnd}:", {n: v[-1] for n, v in runs.items()}, flush=True)
+    med = statistics.median
+    out = {"rounds": args.b128_rounds, "tok_s_runs": runs,
+           "tok_s_median": {n: round(med(v), 1) for n, v in runs.items()},
+           "ratio_to_nospec_median": {n: round(med(a / b for a, b in zip(v, runs["no-spec"])), 3)
+                                      for n, v in runs.items() if n != "no-spec"}}
+    results["b128_paired"] = out
+    print("b128 paired:", out, flush=True)
+    del engines
+
+
+def section_smol(args, results):
+    from outpace.engine.engine import LLMEngine
+    from outpace.models.loader import load_model
+    loaded = load_model(args.gguf, dtype=torch.bfloat16, device=torch.device("cuda"), quiet=True)
+    prompts = prompt_set(loaded[2], max(args.batches) * 2)
+    tmp = tempfile.mkdtemp()
+    eagle, mtp = make_heads(args.gguf, tmp)
+    configs = smol_configs(args.k, args.force_means, eagle, mtp)
     if args.configs:
         configs = [c for c in configs if c[0] in args.configs.split(",")]
     # Process warm-up: the first engine of a process otherwise pays CUDA's lazy module loading
@@ -549,6 +596,8 @@ def main():
                     help="smol: only these configurations (comma-separated names), e.g. "
                          "no-spec,eagle3-fa3.0")
     ap.add_argument("--kv-blocks", type=int, default=8192)
+    ap.add_argument("--b128-rounds", type=int, default=5,
+                    help="b128: rounds of the paired batch-128 comparison")
     ap.add_argument("--reps", type=int, default=3,
                     help="smol: timed runs per configuration and batch size (the median's row)")
     args = ap.parse_args()
