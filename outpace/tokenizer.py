@@ -137,6 +137,28 @@ class Tokenizer:
             return self._backend_decode(ids, skip_special_tokens=skip_special_tokens)
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def decode_stream(self, context_ids: list, skip_special_tokens: bool = True):
+        """A step function token id -> new text or None (held back), from the `tokenizers`
+        library's DecodeStream seeded with context_ids; or None where it would not give
+        exactly IncrementalDetokenizer's per-token text: transformers' decode differs from the
+        backend's (clean-up), the context ends inside a character (its completion belongs to
+        the prompt; DecodeStream would emit it), or the library is too old for seeded streams.
+
+        Why: the per-token algorithm decodes two windows per token through Python; the stream
+        does the same in one call into Rust (2.7 -> 1.2 us a token on the CPU machine), and
+        detokenization is the largest part of a batch-128 step's host time."""
+        if self._backend_decode is None:
+            return None
+        try:
+            from tokenizers.decoders import DecodeStream
+            if "\ufffd" in self.decode(context_ids, skip_special_tokens):
+                return None
+            stream = DecodeStream(ids=list(context_ids), skip_special_tokens=skip_special_tokens)
+        except Exception:  # no DecodeStream, or one without ids=
+            return None
+        backend = self.hf._tokenizer
+        return lambda token_id: stream.step(backend, token_id)
+
     def convert_ids_to_tokens(self, ids):
         return self.hf.convert_ids_to_tokens(ids)
 

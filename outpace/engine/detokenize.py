@@ -4,6 +4,10 @@ Decoding a window of recent tokens (not the whole output) keeps each token O(win
 that ends inside a multi-byte character decodes to U+FFFD; its text is held back until the
 character completes. Tokens are fed one by one so that a stop string ends the output at exactly
 the token that completed it, however many tokens a speculative step committed.
+
+Where the tokenizer offers it (`Tokenizer.decode_stream`), the same algorithm runs inside the
+`tokenizers` library, one call a token; should the stream ever fail, the text is rebuilt by the
+Python algorithm from the start (it gives the same text) and that one continues.
 """
 
 from __future__ import annotations
@@ -28,6 +32,9 @@ class IncrementalDetokenizer:
         self.include_stop = include_stop_str_in_output
         self.max_stop_len = max((len(s) for s in self.stop), default=0)
         self.stopped_by: Optional[str] = None
+        self._num_context = len(self.ids)
+        make_stream = getattr(tokenizer, "decode_stream", None)
+        self._stream = make_stream(self.ids, skip_special_tokens) if make_stream else None
 
     def _decode(self, ids) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special)
@@ -35,6 +42,20 @@ class IncrementalDetokenizer:
     def add_token(self, token_id: int) -> Optional[str]:
         """Append one token; returns the stop string if this token completed one."""
         self.ids.append(token_id)
+        if self._stream is not None:
+            try:
+                piece = self._stream(token_id)
+            except Exception:
+                return self._rebuild()
+            if not piece:
+                return None
+            start = len(self.text)
+            self.text += piece
+            return self._check_stop(start)
+        return self._step()
+
+    def _step(self) -> Optional[str]:
+        # the per-token algorithm, for the token just appended to self.ids
         prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
         full = self._decode(self.ids[self.prefix_offset:])
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
@@ -43,6 +64,20 @@ class IncrementalDetokenizer:
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
             return self._check_stop(start)
         return None
+
+    def _rebuild(self) -> Optional[str]:
+        """The stream failed: recompute the text token by token in Python (a prefix of it is
+        what the stream produced), then go on in Python; stop strings only in the new part."""
+        self._stream = None
+        ids, done = self.ids, len(self.text)
+        self.ids, self.text = ids[:self._num_context], ""
+        self.prefix_offset, self.read_offset = 0, self._num_context
+        stop, self.stop = self.stop, []  # no stop checks while replaying
+        for t in ids[self._num_context:]:
+            self.ids.append(t)
+            self._step()
+        self.stop = stop
+        return self._check_stop(done)
 
     def _check_stop(self, new_start: int) -> Optional[str]:
         if not self.stop:

@@ -122,3 +122,88 @@ def test_default_tokenizer_decodes_like_transformers(loaded_default):
         ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randrange(1, 9))]
         for skip in (True, False):
             assert tok.decode(ids, skip) == tok.hf.decode(ids, skip_special_tokens=skip)
+
+
+def _random_ids(rng, tok, n):
+    """Ids biased to SmolLM2's special (< 20) and single-byte (< 300) tokens: partial UTF-8
+    characters and skipped specials."""
+    def one():
+        r = rng.random()
+        return (rng.randrange(0, 20) if r < 0.1 else rng.randrange(20, 300) if r < 0.4
+                else rng.randrange(tok.vocab_size))
+    return [one() for _ in range(n)]
+
+
+def _detokenize(tok, prompt, out, skip, stream: bool, stop=None):
+    from outpace.engine.detokenize import IncrementalDetokenizer
+    d = IncrementalDetokenizer(tok, prompt, skip_special_tokens=skip, stop=stop)
+    if not stream:
+        d._stream = None
+    for t in out:
+        if d.add_token(t) is not None:
+            break
+    return d
+
+
+def test_decode_stream_gives_the_per_token_text(loaded_default):
+    """IncrementalDetokenizer through the tokenizers library's DecodeStream (one call a token)
+    gives exactly the Python per-token algorithm's text: random prompts and outputs full of
+    byte pieces and specials, both skip settings, and stop strings cut at the same place. A
+    context that ends inside a character keeps the Python algorithm (the stream would emit
+    the prompt's completed character)."""
+    import random
+    tok = loaded_default[2]
+    rng = random.Random(3)
+    streamed = 0
+    for _ in range(400):
+        prompt = _random_ids(rng, tok, rng.randrange(1, 8))
+        out = _random_ids(rng, tok, rng.randrange(1, 30))
+        for skip in (True, False):
+            want = _detokenize(tok, prompt, out, skip, stream=False)
+            got = _detokenize(tok, prompt, out, skip, stream=True)
+            streamed += got._stream is not None
+            assert got.text == want.text
+            if len(want.text) > 4:  # a stop string in the middle of the text
+                stop = [want.text[len(want.text) // 2:len(want.text) // 2 + 2]]
+                w = _detokenize(tok, prompt, out, skip, stream=False, stop=stop)
+                g = _detokenize(tok, prompt, out, skip, stream=True, stop=stop)
+                assert (g.text, g.stopped_by) == (w.text, w.stopped_by)
+    assert streamed > 400  # the contexts that decode to whole characters
+    partial = next(i for i in range(20, 300) if "\ufffd" in tok.decode([i]))
+    assert tok.decode_stream([5, partial]) is None
+
+
+def test_detokenizer_survives_a_failing_stream(loaded_default):
+    """Should the stream raise mid-output, the text is rebuilt by the Python algorithm and goes
+    on there: the same text, and a stop string in the part after the failure still ends it."""
+    tok = loaded_default[2]
+    prompt = tok.encode("The answer:", add_special_tokens=False)
+    out = tok.encode(" one two three four five six", add_special_tokens=False)
+    want = _detokenize(tok, prompt, out, True, stream=False)
+    from outpace.engine.detokenize import IncrementalDetokenizer
+    for stop in (None, [" five"]):
+        d = IncrementalDetokenizer(tok, prompt, stop=stop)
+        assert d._stream is not None
+        inner, calls = d._stream, []
+
+        def failing(t, inner=inner, calls=calls):
+            calls.append(t)
+            if len(calls) == 3:
+                raise RuntimeError("stream failed")
+            return inner(t)
+        d._stream = failing
+        stopped = None
+        for t in out:
+            stopped = d.add_token(t)
+            if stopped is not None:
+                break
+        assert d._stream is None and len(calls) == 3
+        if stop is None:
+            assert d.text == want.text == " one two three four five six"
+        else:
+            assert (stopped, d.text) == (" five", " one two three four")
+
+
+def test_no_stream_where_transformers_cleans_up():
+    assert Tokenizer(_punct_tokenizer(True)).decode_stream([4, 5]) is None
+    assert Tokenizer(_punct_tokenizer(False)).decode_stream([4, 5]) is not None
