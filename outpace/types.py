@@ -15,6 +15,8 @@ from typing import Optional
 
 from outpace.errors import InvalidRequestError
 
+OUTPUT_KINDS = ("cumulative", "final_only")
+
 
 @dataclass
 class SamplingParams:
@@ -36,6 +38,10 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     n: int = 1
+    # "cumulative": an output every step while the request runs (streaming); "final_only": only
+    # the finished one (offline generation: LLM.generate), which spares the engine building a
+    # RequestOutput per request per step. vLLM's RequestOutputKind.CUMULATIVE / FINAL_ONLY.
+    output_kind: str = "cumulative"
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -82,6 +88,8 @@ class SamplingParams:
         if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
                    for t in self.stop_token_ids):
             bad("stop_token_ids must be a list of non-negative integers")
+        if self.output_kind not in OUTPUT_KINDS:
+            bad(f"output_kind must be one of {', '.join(OUTPUT_KINDS)}, got {self.output_kind!r}")
         if self.logprobs is not None and (not isinstance(self.logprobs, int)
                                           or isinstance(self.logprobs, bool)
                                           or not 0 <= self.logprobs <= 20):

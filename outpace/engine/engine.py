@@ -156,9 +156,10 @@ class LLMEngine:
         for out in result.outputs.values():
             self.spec_stats.record(out.num_draft_tokens, out.num_accepted_tokens)
         progressed = self.scheduler.update(plan, result)
-        return [self._output_of(req) for req in progressed if req.request_id in self._requests]
+        outs = (self._output_of(req) for req in progressed if req.request_id in self._requests)
+        return [out for out in outs if out is not None]
 
-    def _output_of(self, req: Request) -> RequestOutput:
+    def _output_of(self, req: Request) -> Optional[RequestOutput]:
         rid = req.request_id
         detok = self._detok[rid]
         done = self._emitted[rid]
@@ -180,6 +181,8 @@ class LLMEngine:
         self.generation_tokens_total += len(req.output_token_ids) - done
         self._emitted[rid] = len(req.output_token_ids)
         finished = req.is_finished
+        if not finished and req.sampling_params.output_kind == "final_only":
+            return None  # detokenized (stop strings) and counted; nobody reads this output
         lps = None
         if req.sampling_params.logprobs is not None:
             lps = [{**top, tok: lp} for tok, (lp, top) in

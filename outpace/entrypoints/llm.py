@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from typing import Optional, Union
 
@@ -54,7 +55,9 @@ class LLM:
         try:
             for prompt, params in items:
                 rid = f"llm-{next(self._ids)}"
-                self.engine.add_request(rid, prompt, params)
+                # only the final outputs are returned: the engine need not build the others
+                self.engine.add_request(rid, prompt,
+                                        dataclasses.replace(params, output_kind="final_only"))
                 order.append(rid)
             done = {}
             while self.engine.has_unfinished_requests():

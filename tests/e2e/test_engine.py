@@ -127,6 +127,48 @@ def test_stop_strings_cut_exactly(loaded_default):
     assert by_id.outputs[0].stop_reason == tid
 
 
+def test_final_only_outputs(loaded_default):
+    """output_kind="final_only": step() returns a request's output only when it finishes, and
+    that output (text, tokens, stop cut, metrics) is the cumulative mode's last one; LLM.generate
+    asks for it."""
+    import dataclasses
+    from outpace.entrypoints.llm import LLM
+    eng = make_engine(loaded_default)
+    prompts = chat_ids(eng.tokenizer, QUESTIONS[:3])
+    base = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    full = _final(eng, prompts[0], base)
+    stop = full.text[len(full.text) // 2:len(full.text) // 2 + 2]
+    wants = []
+    for params in (base, dataclasses.replace(base, stop=[stop])):
+        want = [_final(eng, p, params) for p in prompts]
+        wants.append(want)
+        final = dataclasses.replace(params, output_kind="final_only")
+        for i, p in enumerate(prompts):
+            eng.add_request(f"fo-{i}-{len(params.stop)}", p, final)
+        got = {}
+        while eng.has_unfinished_requests():
+            for out in eng.step():
+                assert out.finished, "a final_only request's intermediate output was returned"
+                got[out.request_id] = out
+        for i, w in enumerate(want):
+            g = got[f"fo-{i}-{len(params.stop)}"]
+            assert (g.text, g.token_ids, g.finish_reason, g.outputs[0].stop_reason) == \
+                (w.text, w.token_ids, w.finish_reason, w.outputs[0].stop_reason)
+            assert g.metrics["first_token_time"] and g.metrics["finished_time"]
+    with pytest.raises(InvalidRequestError, match="output_kind"):
+        SamplingParams(output_kind="delta")
+    llm = LLM.__new__(LLM)  # the offline API over this engine
+    llm.engine, llm._ids = eng, iter(range(10 ** 6))
+    seen = []
+    add = eng.add_request
+    eng.add_request = lambda rid, p, sp: (seen.append(sp.output_kind), add(rid, p, sp))
+    outs = llm.generate(prompts[:2], base)
+    assert seen == ["final_only"] * 2
+    assert [o.token_ids for o in outs] == [w.token_ids for w in wants[0][:2]]
+    assert base.output_kind == "cumulative"  # the caller's params are not changed
+    assert eng.kv.num_used_blocks == 0
+
+
 def test_bad_requests_raise_and_engine_keeps_serving(loaded_default):
     eng = make_engine(loaded_default, max_model_len=128)
     p = chat_ids(eng.tokenizer, ["Hi"])[0]
