@@ -210,11 +210,8 @@ class FusedStep:
         self.graphs.fill_dummy(1, q)
         self.prefill_next_ids.zero_()
         self.prefill_last_row.zero_()  # the loop then stays at positions 1 .. kd - 1
-        # The prefill graph's own metadata (full-width block table, static bounds)
-        meta = AttentionMetadata(
-            slot_mapping=buf.slot_mapping[:q], query_start_loc=buf.query_start_loc[:2],
-            seq_lens=buf.seq_lens[:1], block_tables=buf.block_tables[:1],
-            max_query_len=q, max_seq_len=buf.max_blocks * self.block_size)
+        # the prefill graph's own metadata (full-width block table, static bounds)
+        meta = self.graphs._meta(1, q, buf.max_blocks * self.block_size)
         pos = buf.positions[:q]
 
         def fn():
