@@ -226,7 +226,10 @@ class AsyncEngine:
         timing = tracked.timing
         if new_ids:
             if timing.first_token is None:
-                timing.first_token = now
+                # A request's first output that is also its last (a final-only request's only
+                # one): its first token came earlier, at the engine's first_token_time.
+                first = out.metrics.get("first_token_time") if out.finished else None
+                timing.first_token = first or now
             timing.last_token = now
         timing.num_prompt_tokens = len(out.prompt_token_ids)
         timing.num_output_tokens = n

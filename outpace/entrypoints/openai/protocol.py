@@ -104,7 +104,9 @@ class _SamplingFields(_Strict):
             stop=self.stop_list(), stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos, logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
-            include_stop_str_in_output=self.include_stop_str_in_output)
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            # a response sent whole needs only the finished output (no per-step ones)
+            output_kind="cumulative" if self.stream else "final_only")
 
     @property
     def include_usage(self) -> bool:
