@@ -8,6 +8,7 @@ metadata section (which holds the vocabulary and chat template) and the transfor
 
 from __future__ import annotations
 
+import functools
 import os
 import tempfile
 from pathlib import Path
@@ -156,8 +157,7 @@ class Tokenizer:
             stream = DecodeStream(ids=list(context_ids), skip_special_tokens=skip_special_tokens)
         except Exception:  # no DecodeStream, or one without ids=
             return None
-        backend = self.hf._tokenizer
-        return lambda token_id: stream.step(backend, token_id)
+        return functools.partial(stream.step, self.hf._tokenizer)
 
     def convert_ids_to_tokens(self, ids):
         return self.hf.convert_ids_to_tokens(ids)
