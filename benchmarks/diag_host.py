@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import json
 import pstats
 import statistics
 import sys
@@ -69,7 +70,6 @@ def main():
     from outpace.runner.cuda_graph import GraphRunner
     from outpace.tokenizer import Tokenizer
     from outpace.training.init_draft import init_draft
-    import json
 
     def capture(self, fn):
         g = NoopGraph(fn)

@@ -197,7 +197,8 @@ class FusedStep:
             return None
         graph, outs = entry
         self.inputs.put(self.prefill_next_ids, next_ids)
-        self.inputs.put(self.prefill_last_row, np.array([max(last_row, 0)], np.int64))
+        if kd:  # only the draft loop reads the row that drafts
+            self.inputs.put(self.prefill_last_row, np.array([last_row], np.int64))
         graph.replay()
         self.prefill_replays += 1
         if kd == 0:
