@@ -270,8 +270,20 @@ def make_heads(gguf, tmp):
     return eagle, mtp
 
 
-def smol_configs(k, force_means, eagle, mtp) -> list:
-    """The SmolLM2 section's (name, speculative_config) pairs."""
+def make_eagle3_reduced(gguf, tmp, draft_vocab_size: int = 32000) -> Path:
+    """A random EAGLE-3 head over a reduced draft vocabulary (d2t maps it to target ids): the
+    shape trained EAGLE-3 heads have (32000 draft ids: the EAGLE authors' Llama-3.1-8B head,
+    of 128256, and SpecForge's default). Its LM head reads 32000 x H weights a draft step
+    instead of the whole vocabulary's."""
+    from outpace.training.init_draft import init_draft
+    out = Path(tmp) / f"eagle3_dv{draft_vocab_size}"
+    init_draft("eagle3", gguf, out, seed=0, quiet=True, draft_vocab_size=draft_vocab_size)
+    return out
+
+
+def smol_configs(k, force_means, eagle, mtp, eagle_reduced=None) -> list:
+    """The SmolLM2 section's (name, speculative_config) pairs; eagle_reduced (a head from
+    make_eagle3_reduced) adds its force-accept 3, k = 2 row."""
     configs = [("no-spec", None), ("ngram", {"method": "ngram", "num_speculative_tokens": k}),
                ("suffix", {"method": "suffix", "num_speculative_tokens": k})]
     sched = {"k_schedule": [[32, k], [64, 1]]}  # k = 0 (no drafting) above 64 requests
@@ -287,6 +299,11 @@ def smol_configs(k, force_means, eagle, mtp) -> list:
     configs.append(("eagle3-fa3-k2", {"method": "eagle3", "model": str(eagle),
                                       "num_speculative_tokens": 2, "force_accept_mean": 3.0,
                                       "k_schedule": [[32, 2], [64, 1]]}))
+    if eagle_reduced is not None:
+        configs.append(("eagle3-dv32k-fa3-k2", {"method": "eagle3", "model": str(eagle_reduced),
+                                                "num_speculative_tokens": 2,
+                                                "force_accept_mean": 3.0,
+                                                "k_schedule": [[32, 2], [64, 1]]}))
     return configs
 
 
@@ -342,7 +359,8 @@ def section_smol(args, results):
     prompts = prompt_set(loaded[2], max(args.batches) * 2)
     tmp = tempfile.mkdtemp()
     eagle, mtp = make_heads(args.gguf, tmp)
-    configs = smol_configs(args.k, args.force_means, eagle, mtp)
+    configs = smol_configs(args.k, args.force_means, eagle, mtp,
+                           make_eagle3_reduced(args.gguf, tmp))
     if args.configs:
         configs = [c for c in configs if c[0] in args.configs.split(",")]
     # Process warm-up: the first engine of a process otherwise pays CUDA's lazy module loading

@@ -48,7 +48,21 @@ def policies(orig):
         kw.pop("use_dot", None)
         return orig(m, n, k, use_dot=True, **kw)
 
-    return {"current": orig, "dot": dot, "m2n2": bcast(2, 2), "m4n1": bcast(4, 1),
+    def loop(rows_per_program):
+        # Blocks.row_loop: the one-row configuration (M = 1's BLOCK_N and BLOCK_K), each
+        # program multiplying its weight tile by up to rows_per_program rows in turn
+        def f(m, n, k, **kw):
+            if not (few(m, n, k) and m <= 4):
+                return orig(m, n, k, **kw)
+            kw.pop("use_dot", None)
+            one = orig(1, n, k, **kw)
+            if one.use_dot:
+                return orig(m, n, k, **kw)
+            bm = min(rows_per_program, 1 << (m - 1).bit_length())
+            return one._replace(block_m=bm, row_loop=True)
+        return f
+
+    return {"current": orig, "dot": dot, "loop": loop(4), "loop2": loop(2), "m2n2": bcast(2, 2), "m4n1": bcast(4, 1),
             "m2n1": bcast(2, 1), "m4n2w8": bcast(4, 2, warps=8), "m4n1w8": bcast(4, 1, warps=8),
             "m4n2k512": bcast(4, 2, 512), "m8n1": bcast(8, 1)}
 

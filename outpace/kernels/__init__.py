@@ -6,7 +6,8 @@
     store_kv.py  store_kv_triton: write K/V into the paged pool through the slot mapping
     small_linear.py  few-row (M <= 16) projections with the norm, residual add, silu * mul or
                  rope + KV store fused in, and silu_mul (kernels in small_linear_kernels.py)
-    argmax.py    argmax_rows: two-pass row argmax of logits
+    argmax.py    argmax_rows: two-pass row argmax of logits (+ offsets[idx]: EAGLE-3's d2t)
+    head_input.py  embed_norm_cat: a draft head's [rms_norm(embedding), rms_norm(hidden)] input
     step_glue.py the fused decode step's bookkeeping: chained_inputs, accept, loop_inputs
     pdl.py       programmatic dependent launch: launch_options, wait_then_release
 

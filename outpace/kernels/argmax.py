@@ -7,9 +7,14 @@ pass 2 reduces a row's pieces. Ties go to the lowest index, as torch.argmax docu
 compared in their own dtype, so argmax of bf16 logits equals argmax of the same values in fp32
 (no conversion kernel is needed). NaN counts as the maximum, as in torch (whose index then
 may differ from ours in a row holding both NaN and +inf); the result is always in range.
+
+`offsets` (optional, [V] integers) is added to the winning index in pass 2: EAGLE-3's d2t maps a
+draft-vocabulary id to the target's (`id + d2t[id]`) without two more kernels (index, add).
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 
@@ -25,9 +30,10 @@ except Exception:  # pragma: no cover
 CHUNK = 2048  # columns per pass-1 program: 24 programs for a 49152-entry row
 
 
-def argmax_ref(x: torch.Tensor) -> torch.Tensor:
-    """x [R, V] -> [R] int64, first index of each row's maximum."""
-    return x.argmax(dim=-1)
+def argmax_ref(x: torch.Tensor, offsets: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x [R, V] -> [R] int64, first index of each row's maximum (plus offsets[index], [V])."""
+    idx = x.argmax(dim=-1)
+    return idx if offsets is None else idx + offsets[idx]
 
 
 if triton is not None:
@@ -52,8 +58,9 @@ if triton is not None:
         tl.store(idx_ptr + row * num_chunks + c, first)
 
     @triton.jit
-    def _argmax_reduce_kernel(vals_ptr, idx_ptr, out_ptr, num_chunks, V,
-                              BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    def _argmax_reduce_kernel(vals_ptr, idx_ptr, off_ptr, out_ptr, num_chunks, V,
+                              HAS_OFFSETS: tl.constexpr, BLOCK: tl.constexpr,
+                              USE_PDL: tl.constexpr):
         wait_then_release(USE_PDL)
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
@@ -64,11 +71,15 @@ if triton is not None:
         # chunks are in column order, so the smallest index among the maximal chunks is the
         # row's first maximum
         first = tl.min(tl.where(v == m, i, V), axis=0)
-        tl.store(out_ptr + row, tl.minimum(first, V - 1).to(tl.int64))  # always in range
+        first = tl.minimum(first, V - 1).to(tl.int64)  # always in range
+        if HAS_OFFSETS:
+            first += tl.load(off_ptr + first).to(tl.int64)
+        tl.store(out_ptr + row, first)
 
 
-def argmax_triton(x: torch.Tensor) -> torch.Tensor:
-    """x [R, V] (unit last stride) -> [R] int64. Graph-capturable: shapes only."""
+def argmax_triton(x: torch.Tensor, offsets: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x [R, V] (unit last stride) -> [R] int64, plus offsets[index] when given ([V] integers,
+    unit stride). Graph-capturable: shapes only."""
     r, v = x.shape
     out = torch.empty(r, dtype=torch.int64, device=x.device)
     if r == 0:
@@ -81,14 +92,18 @@ def argmax_triton(x: torch.Tensor) -> torch.Tensor:
     opts = pdl.launch_options(x)
     _argmax_chunks_kernel[(r, n)](x, vals, idx, v, x.stride(0), n, CHUNK=CHUNK, num_warps=4,
                                   **opts)
-    _argmax_reduce_kernel[(r,)](vals, idx, out, n, v, BLOCK=max(16, next_pow2(n)), num_warps=1,
-                                **opts)
+    if offsets is not None:
+        offsets = offsets.contiguous()
+    _argmax_reduce_kernel[(r,)](vals, idx, offsets if offsets is not None else idx, out, n, v,
+                                HAS_OFFSETS=offsets is not None, BLOCK=max(16, next_pow2(n)),
+                                num_warps=1, **opts)
     return out
 
 
-def argmax_rows(x: torch.Tensor) -> torch.Tensor:
-    """x [..., V] -> [...] int64 first index of the maximum; Triton on CUDA, torch otherwise."""
+def argmax_rows(x: torch.Tensor, offsets: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x [..., V] -> [...] int64 first index of the maximum, plus offsets[index] when offsets
+    ([V] integers) is given; Triton on CUDA, torch otherwise."""
     if not use_triton(x) or x.shape[-1] >= 2 ** 31 - 1:
-        return argmax_ref(x)
+        return argmax_ref(x, offsets)
     lead = x.shape[:-1]
-    return argmax_triton(x.reshape(-1, x.shape[-1])).view(lead)
+    return argmax_triton(x.reshape(-1, x.shape[-1]), offsets).view(lead)

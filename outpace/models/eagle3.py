@@ -36,6 +36,7 @@ from torch import nn
 from outpace.attention.base import ForwardContext
 from outpace.config import ModelConfig
 from outpace.errors import ConfigError, ModelLoadError
+from outpace.kernels import head_input
 from outpace.kernels.argmax import argmax_rows
 from outpace.kernels.small_linear import small_linear
 from outpace.models.llama import LlamaDecoderLayer, RMSNorm
@@ -154,13 +155,24 @@ class Eagle3Head(nn.Module):
         return embed_fn(input_ids)
 
     def forward(self, hidden: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
-                ctx: ForwardContext, embed_fn: Optional[Callable] = None) -> torch.Tensor:
+                ctx: ForwardContext, embed_fn: Optional[Callable] = None,
+                embed_weight: Optional[torch.Tensor] = None) -> torch.Tensor:
         # hidden [T, H] (fuse() output or the previous step's output), input_ids [T] (token at
-        # position + 1), positions [T] -> new hidden [T, H], pre-norm: the one that recurs
-        emb = self.embed(input_ids, embed_fn).to(hidden.dtype)
-        normed = self.hidden_norm(hidden)
+        # position + 1), positions [T] -> new hidden [T, H], pre-norm: the one that recurs.
+        # embed_weight: the table embed_fn gathers from, when its rows cast to hidden's dtype
+        # are embed_fn's values (the proposer checks); it lets CUDA run the gather, both norms
+        # and the concatenation as one kernel (kernels/head_input.py)
+        table = self.embed_weight if self.embed_weight is not None else embed_weight
+        in_norm = self.midlayer.input_layernorm
+        if table is not None and self._fused_input_ok(hidden, table):
+            attn_in = head_input.embed_norm_cat(input_ids, table, in_norm.weight, hidden,
+                                                self.hidden_norm.weight, in_norm.eps)  # [T, 2H]
+            normed = attn_in[:, hidden.shape[-1]:]  # a view: hidden_norm(hidden)
+        else:
+            emb = self.embed(input_ids, embed_fn).to(hidden.dtype)
+            normed = self.hidden_norm(hidden)
+            attn_in = torch.cat([in_norm(emb), normed], dim=-1)  # [T, 2H]
         residual = normed if self.config.norm_before_residual else hidden
-        attn_in = torch.cat([self.midlayer.input_layernorm(emb), normed], dim=-1)  # [T, 2H]
         cos_sin = self.rotary(positions)
         layer = self.midlayer
         if layer.takes_few_rows(hidden):
@@ -168,6 +180,13 @@ class Eagle3Head(nn.Module):
             # post-attention norm) instead of cuBLAS and separate norms
             return layer.forward_few_rows(residual, cos_sin, self.rotary, ctx, attn_input=attn_in)
         return layer(residual, cos_sin, self.rotary, ctx, attn_input=attn_in)
+
+    def _fused_input_ok(self, hidden: torch.Tensor, table: torch.Tensor) -> bool:
+        # the kernel where it equals the composition: CUDA, one dtype for the activations and
+        # both norm weights (the table may be narrower), one eps
+        in_norm = self.midlayer.input_layernorm
+        return (in_norm.eps == self.hidden_norm.eps
+                and head_input.triton_ok(hidden, table, in_norm.weight, self.hidden_norm.weight))
 
     def compute_draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # [N, H] (forward output) -> [N, draft_vocab] float32
@@ -181,3 +200,9 @@ class Eagle3Head(nn.Module):
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         # [...] draft-vocab ids -> [...] target-vocab ids
         return draft_ids + self.d2t[draft_ids]
+
+    def greedy_target_ids(self, hidden: torch.Tensor) -> torch.Tensor:
+        # [N, H] -> [N] target-vocab ids: draft_to_target(greedy_draft_ids(hidden)), with d2t
+        # added inside the argmax kernel
+        return argmax_rows(upcast_linear(self.norm(hidden), self.lm_head_weight),
+                           offsets=self.d2t)

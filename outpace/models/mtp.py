@@ -15,13 +15,14 @@ so the head holds no vocabulary-sized tensor.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 from torch import nn
 
 from outpace.attention.base import ForwardContext
 from outpace.config import ModelConfig
+from outpace.kernels import head_input
 from outpace.models.llama import LlamaDecoderLayer, RMSNorm
 from outpace.models.rotary import RotaryEmbedding
 from outpace.models.weight_dtype import upcast_linear
@@ -58,12 +59,22 @@ class MTPHead(nn.Module):
         return self.num_modules
 
     def forward(self, depth: int, hidden: torch.Tensor, input_ids: torch.Tensor,
-                positions: torch.Tensor, ctx: ForwardContext, embed_fn: Callable) -> torch.Tensor:
+                positions: torch.Tensor, ctx: ForwardContext, embed_fn: Callable,
+                embed_weight: Optional[torch.Tensor] = None) -> torch.Tensor:
         # depth: which module runs; hidden [T, H] (target hidden or previous depth's output),
-        # input_ids [T] (token at position + 1), positions [T] -> new hidden [T, H] (pre-norm)
+        # input_ids [T] (token at position + 1), positions [T] -> new hidden [T, H] (pre-norm).
+        # embed_weight: the table embed_fn gathers from, when its rows cast to hidden's dtype
+        # are embed_fn's values (the proposer checks); it lets CUDA run the gather, both norms
+        # and the concatenation as one kernel (kernels/head_input.py)
         m = self.layers[depth]
-        emb = embed_fn(input_ids).to(hidden.dtype)
-        x = upcast_linear(torch.cat([m.enorm(emb), m.hnorm(hidden)], dim=-1), m.eh_proj_weight)
+        if (embed_weight is not None and m.enorm.eps == m.hnorm.eps
+                and head_input.triton_ok(hidden, embed_weight, m.enorm.weight, m.hnorm.weight)):
+            x_in = head_input.embed_norm_cat(input_ids, embed_weight, m.enorm.weight, hidden,
+                                             m.hnorm.weight, m.enorm.eps)
+        else:
+            emb = embed_fn(input_ids).to(hidden.dtype)
+            x_in = torch.cat([m.enorm(emb), m.hnorm(hidden)], dim=-1)
+        x = upcast_linear(x_in, m.eh_proj_weight)
         cos_sin = self.rotary(positions)
         if m.layer.takes_few_rows(x):
             # draft steps have few rows: the target's few-row kernels (norms fused into the

@@ -25,7 +25,7 @@ class Eagle3Proposer(HeadProposer):
         return self.head.fuse(batch.aux_hidden)  # 3 x [T, H] -> [T, H]
 
     def step(self, hidden, input_ids, positions, ctx):
-        return self.head(hidden, input_ids, positions, ctx, embed_fn=self.target.embed_tokens)
+        return self.head(hidden, input_ids, positions, ctx, **self.embed_args(hidden))
 
     def draft_ids(self, hidden):
-        return self.head.draft_to_target(self.head.greedy_draft_ids(hidden))
+        return self.head.greedy_target_ids(hidden)  # argmax and d2t in one kernel on CUDA

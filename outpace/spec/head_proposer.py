@@ -82,6 +82,16 @@ class HeadProposer(Proposer):
     def draft_ids(self, hidden) -> torch.Tensor:  # [N, H] -> [N] target token ids (greedy)
         raise NotImplementedError
 
+    def embed_args(self, hidden: torch.Tensor) -> dict:
+        """The target's embedding for the head's step on `hidden`: embed_tokens, and its table
+        too (the head's one-kernel gather + norms, kernels/head_input.py) when the table's rows
+        cast straight to hidden's dtype are embed_tokens' (the target computes in that dtype)."""
+        t = self.target
+        table = getattr(t, "embed_weight", None)
+        if table is not None and getattr(t, "dtype", None) != hidden.dtype:
+            table = None
+        return {"embed_fn": t.embed_tokens, "embed_weight": table}
+
     # ---- the two phases -------------------------------------------------------------------
     def propose(self, batch: DraftBatch, k: list) -> list:
         ctx = ForwardContext(self.runner.backend, batch.meta)

@@ -33,7 +33,7 @@ class MTPEagleProposer(HeadProposer):
         return batch.hidden  # [T, H] target output
 
     def step(self, hidden, input_ids, positions, ctx):
-        return self.head(0, hidden, input_ids, positions, ctx, embed_fn=self.target.embed_tokens)
+        return self.head(0, hidden, input_ids, positions, ctx, **self.embed_args(hidden))
 
     def draft_ids(self, hidden):
         return self.target.greedy_tokens(self.target.norm(hidden))  # = argmax of compute_logits

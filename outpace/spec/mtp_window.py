@@ -208,7 +208,7 @@ class MTPWindowProposer(HeadProposer):
         h = h0  # [R, H]
         for d in range(K):
             ids = torch.where(use[d], flat[src[d]], tokens[d])  # [R]
-            h = self.head(d, h, ids, pos, ctx, embed_fn=self.target.embed_tokens)
+            h = self.head(d, h, ids, pos, ctx, **self.embed_args(h))
             if d < num_out:
                 logits = self.head.compute_logits(h.index_select(0, draft_rows), self.target)
                 table[:num_sampled, d] = logits.argmax(dim=-1)

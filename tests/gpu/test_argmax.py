@@ -1,4 +1,5 @@
-"""Triton two-pass argmax vs torch.argmax on CUDA (exact: same index, ties to the first)."""
+"""Triton two-pass argmax vs torch.argmax on CUDA (exact: same index, ties to the first), with
+and without the per-index offsets (EAGLE-3's d2t) added in the reduce kernel."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 pytest.importorskip("triton")
 
-from outpace.kernels.argmax import argmax_triton  # noqa: E402
+from outpace.kernels.argmax import argmax_ref, argmax_rows, argmax_triton  # noqa: E402
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -49,3 +50,40 @@ def test_argmax_of_nan_rows_is_in_range():
     got = argmax_triton(x)
     assert got.tolist()[:2] == [0, 777]
     assert torch.equal(got[2], x[2].argmax())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows,vocab", [(1, 32000), (3, 4097), (7, 5), (16, 49152)])
+def test_argmax_with_offsets(dtype, rows, vocab):
+    """idx + offsets[idx] (EAGLE-3's d2t) in the reduce kernel: exact, ties to the first."""
+    g = torch.Generator(device="cuda").manual_seed(rows + vocab)
+    x = (torch.randn(rows, vocab, device="cuda", generator=g) * 4).to(dtype)
+    top = x.max(dim=-1).values + 1
+    x[:, vocab // 3] = top
+    x[:, -1] = top
+    if rows > 2:
+        x[2] = top[2]  # one value everywhere: index 0
+    offsets = (torch.randperm(vocab + 100, device="cuda", generator=g)[:vocab]
+               - torch.arange(vocab, device="cuda"))
+    idx = x.argmax(dim=-1)
+    want = idx + offsets[idx]
+    assert torch.equal(argmax_triton(x, offsets), want)
+    assert torch.equal(argmax_rows(x, offsets), argmax_ref(x, offsets))
+    assert torch.equal(argmax_rows(x), idx)  # without offsets: as before
+    assert torch.equal(argmax_rows(x[None], offsets), want[None])  # leading dims
+
+
+def test_argmax_with_offsets_in_a_cuda_graph():
+    x = torch.randn(2, 32000, device="cuda", dtype=torch.bfloat16)
+    offsets = torch.randint(0, 1000, (32000,), device="cuda")
+    argmax_triton(x, offsets)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = argmax_triton(x, offsets)
+    for seed in range(3):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        x.copy_(torch.randn(2, 32000, device="cuda", generator=g).to(x.dtype))
+        offsets.copy_(torch.randint(0, 1000, (32000,), device="cuda", generator=g))
+        graph.replay()
+        idx = x.argmax(dim=-1)
+        assert torch.equal(out, idx + offsets[idx])

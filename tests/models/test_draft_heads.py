@@ -487,3 +487,96 @@ def test_mtp_few_rows_path_matches(tmp_path, monkeypatch, arch, fused_qkv):
         torch.testing.assert_close(got[s], ref[s], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(pool.backend.kv_cache, ref_pool.backend.kv_cache, rtol=1e-5,
                                atol=1e-5)
+
+
+# ---- the CUDA input path (kernels/head_input.py), run through the kernel's reference ---------
+
+
+def take_fused_input_path(monkeypatch):
+    """From here on embed_norm_cat takes its kernel branch, with the PyTorch reference standing
+    in for the kernel. Returns the number of calls so far (a one-item list)."""
+    import outpace.kernels.head_input as head_input
+    calls = [0]
+
+    def stand_in(*a, **kw):
+        calls[0] += 1
+        return head_input.embed_norm_cat_ref(*a, **kw)
+    monkeypatch.setattr(head_input, "use_triton", lambda t: True)
+    monkeypatch.setattr(head_input, "embed_norm_cat_triton", stand_in)
+    return calls
+
+
+@pytest.mark.parametrize("norm_before_residual", [False, True])
+def test_eagle3_fused_input_path_matches(tmp_path, monkeypatch, norm_before_residual):
+    """Given the embedding table, the head builds [in_norm(emb), hidden_norm(hidden)] in one
+    embed_norm_cat (its second half the residual under norm_before_residual): the same outputs
+    and draft-plane KV as the composition."""
+    cfg = target_config()
+    out = make_head(tmp_path, "eagle3", cfg)
+    if norm_before_residual:
+        edit_config(out, lambda d: d.update(norm_before_residual=True))
+    randomize(out, seed=9)
+    head = load_draft_head("eagle3", out, cfg, first_layer_slot=L)
+    g = torch.Generator().manual_seed(10)
+    embed = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g).to(torch.bfloat16)
+    data = seq_data(cfg, g, 3)
+
+    def rows(parts, pos, ctx):
+        aux = [torch.cat([data[s][0][j][a:b] for s, a, b in parts]) for j in range(3)]
+        ids = torch.cat([data[s][1][a:b] for s, a, b in parts])
+        # a bf16 table under fp32 activations: its rows are cast first, in both paths
+        return head(head.fuse(aux), ids, pos, ctx, lambda i: F.embedding(i, embed).float(),
+                    embed_weight=embed)
+
+    with torch.no_grad():
+        ref, ref_pool = run_paged(cfg, L + 1, rows, packed=True)
+        calls = take_fused_input_path(monkeypatch)
+        got, pool = run_paged(cfg, L + 1, rows, packed=True)
+    assert calls[0] == PACKED_STEPS
+    for s in CHUNKS:
+        torch.testing.assert_close(got[s], ref[s], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(pool.backend.kv_cache, ref_pool.backend.kv_cache, rtol=1e-6,
+                               atol=1e-6)
+
+
+def test_mtp_fused_input_path_matches(tmp_path, monkeypatch):
+    cfg = target_config()
+    out = make_head(tmp_path, "mtp", cfg, num_layers=2)
+    randomize(out, seed=11)
+    head = load_draft_head("mtp", out, cfg, first_layer_slot=L)
+    g = torch.Generator().manual_seed(12)
+    embed = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g)
+    data = seq_data(cfg, g, 1)
+
+    def chain(parts, pos, ctx):
+        h = torch.cat([data[s][0][0][a:b] for s, a, b in parts])
+        ids = torch.cat([data[s][1][a:b] for s, a, b in parts])
+        kw = dict(embed_fn=lambda i: F.embedding(i, embed), embed_weight=embed)
+        h0 = head(0, h, ids, pos, ctx, **kw)
+        return torch.cat([h0, head(1, h0, ids, pos, ctx, **kw)], -1)
+
+    with torch.no_grad():
+        ref, ref_pool = run_paged(cfg, L + 2, chain, packed=True)
+        calls = take_fused_input_path(monkeypatch)
+        got, pool = run_paged(cfg, L + 2, chain, packed=True)
+    assert calls[0] == 2 * PACKED_STEPS
+    for s in CHUNKS:
+        torch.testing.assert_close(got[s], ref[s], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(pool.backend.kv_cache, ref_pool.backend.kv_cache, rtol=1e-6,
+                               atol=1e-6)
+
+
+def test_eagle3_greedy_target_ids(tmp_path):
+    """The argmax with d2t added in (argmax_rows' offsets) maps like draft_to_target."""
+    cfg = target_config()
+    out = make_head(tmp_path, "eagle3", cfg, draft_vocab_size=40)
+    randomize(out, seed=13)
+    g = torch.Generator().manual_seed(14)
+    sub = torch.randperm(cfg.vocab_size, generator=g)[:40].sort().values
+    rewrite(out, lambda t: t.update({"d2t": sub - torch.arange(40)}))
+    head = load_draft_head("eagle3", out, cfg, first_layer_slot=L)
+    hidden = torch.randn(9, cfg.hidden_size, generator=g)
+    with torch.no_grad():
+        got = head.greedy_target_ids(hidden)
+        assert torch.equal(got, head.draft_to_target(head.greedy_draft_ids(hidden)))
+        assert torch.equal(got, sub[head.compute_draft_logits(hidden).argmax(-1)])

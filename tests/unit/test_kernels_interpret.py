@@ -78,6 +78,13 @@ def test_import_and_fallback_without_triton():
         "lw = torch.randn(5, 8)\n"
         "assert torch.equal(norm_small_linear(x, w, 1e-6, lw),\n"
         "                   norm_small_linear_ref(x, w, 1e-6, lw))\n"
+        "from outpace.kernels.head_input import embed_norm_cat, embed_norm_cat_ref\n"
+        "from outpace.kernels.argmax import argmax_rows\n"
+        "ids, tab = torch.tensor([4, 0, 2]), torch.randn(6, 8)\n"
+        "assert torch.equal(embed_norm_cat(ids, tab, w, x, w, 1e-6),\n"
+        "                   embed_norm_cat_ref(ids, tab, w, x, w, 1e-6))\n"
+        "off = torch.tensor([5, -1, 2, 0, 7, 1, 3, 3])\n"
+        "assert torch.equal(argmax_rows(x, off), x.argmax(-1) + off[x.argmax(-1)])\n"
         "q, k = torch.randn(2, 2, 8), torch.randn(2, 1, 8); q2, k2 = q.clone(), k.clone()\n"
         "cs = torch.randn(5, 4); pos = torch.tensor([1, 4])\n"
         "apply_rope(q, k, cs, cs, pos); apply_rope_ref(q2, k2, cs, cs, pos)\n"
@@ -154,7 +161,8 @@ if IN_CHILD:
     from outpace.attention.triton_paged import TritonPagedBackend, paged_attention
     from outpace.kernels.norm import (fused_add_rms_norm_ref, fused_add_rms_norm_triton,
                                       rms_norm_ref, rms_norm_triton)
-    from outpace.kernels.argmax import argmax_triton
+    from outpace.kernels.argmax import argmax_ref, argmax_triton
+    from outpace.kernels.head_input import embed_norm_cat_ref, embed_norm_cat_triton
     from outpace.kernels.rope import (apply_rope_and_store_ref, apply_rope_and_store_triton,
                                       apply_rope_ref, apply_rope_triton)
     from outpace.kernels.small_linear import (Blocks, choose_blocks, norm_qkv_rope_store_ref,
@@ -390,9 +398,11 @@ def check_small_linear_both_paths(use_dot, dtype):
         torch.testing.assert_close(y, small_linear_ref(x, w), **NORM_TOL[dtype])
 
 
-# Blocks(block_m, block_n, block_k, num_warps, num_stages, use_dot)
+# Blocks(block_m, block_n, block_k, num_warps, num_stages, use_dot[, row_loop])
 @pytest.mark.parametrize("cfg", [(4, 4, 16, 1, 1, False), (4, 32, 64, 8, 3, False),
-                                 (16, 16, 32, 4, 1, True), (16, 16, 64, 1, 2, True)], ids=str)
+                                 (16, 16, 32, 4, 1, True), (16, 16, 64, 1, 2, True),
+                                 (4, 4, 16, 1, 1, False, True), (2, 8, 1024, 4, 2, False, True)],
+                         ids=str)
 @pytest.mark.parametrize("shape", [(3, 50, 72), (4, 40, 600)])
 def check_small_linear_explicit_blocks(shape, cfg):
     """Configurations a benchmark sweep may pick: many K steps, ragged N and K tails, the norm
@@ -404,6 +414,37 @@ def check_small_linear_explicit_blocks(shape, cfg):
                                **NORM_TOL[torch.float32])
     torch.testing.assert_close(norm_small_linear_triton(x, nw, 1e-6, w, blocks=blocks),
                                norm_small_linear_ref(x, nw, 1e-6, w), **NORM_TOL[torch.float32])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("block_m", [2, 4])
+def check_row_loop_epilogues(block_m, dtype):
+    """The row loop (Blocks.row_loop) under every epilogue: residual add, norm + silu * mul,
+    norm + rope + KV store; 3 rows in blocks of 2 (a ragged second block) and of 4 (one block,
+    a padding row)."""
+    m, n, k = 3, 24, 72
+    x, w, nw = _linear_inputs(m, n, k, dtype, seed=45 + block_m, rows=2)
+    loop = Blocks(block_m, 4, 128, 4, 2, False, True)
+    res = torch.randn(m, 2 * n, generator=torch.Generator().manual_seed(9)).to(dtype)
+    tol = FUSED_TOL[dtype]
+    torch.testing.assert_close(small_linear_triton(x, w, residual=res, blocks=loop),
+                               small_linear_ref(x, w, residual=res), **tol)
+    torch.testing.assert_close(norm_small_linear_silu_mul_triton(x, nw, 1e-6, w, blocks=loop),
+                               norm_small_linear_silu_mul_ref(x, nw, 1e-6, w), **tol)
+    hq, hkv, d = 1, 1, 16  # (1 + 2) heads x 16 = 48 = 2n rows
+    table = torch.randn(30, d // 2, generator=torch.Generator().manual_seed(3))
+    pos, slots = torch.tensor([4, 9, 17]), torch.tensor([5, -1, 6])
+    caches = [torch.full((1, 2, 3, 4, hkv, d), float("nan"), dtype=dtype) for _ in range(2)]
+    want = norm_qkv_rope_store_ref(x, nw, 1e-5, w, hq, hkv, d, table.cos(), table.sin(), pos,
+                                   caches[0], 0, slots)
+    got = norm_qkv_rope_store_triton(x, nw, 1e-5, w, hq, hkv, d, table.cos(), table.sin(), pos,
+                                     caches[1], 0, slots, blocks=loop)
+    tol = NORM_TOL[dtype] if dtype == torch.float32 else dict(
+        atol=4 * ULP_BF16 * want.float().abs().max().item(), rtol=ULP_BF16)
+    torch.testing.assert_close(got, want, **tol)
+    # (the reference parks slot -1 in the null block 0, which nothing reads)
+    torch.testing.assert_close(caches[1][:, :, 1:], caches[0][:, :, 1:], equal_nan=True, **tol)
+    assert torch.isnan(caches[1][:, :, 0].float()).all(), "a padded row was written"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -527,6 +568,84 @@ def check_argmax(dtype, rows, vocab):
     if rows > 1:
         x[1] = top[1]  # one value everywhere: index 0
     assert torch.equal(argmax_triton(x), x.argmax(dim=-1))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,vocab", [(1, 5000), (3, 4097), (7, 5)])
+@pytest.mark.parametrize("with_offsets", [False, True])
+def check_argmax_offsets(dtype, rows, vocab, with_offsets):
+    """idx + offsets[idx] (EAGLE-3's d2t) added in the reduce kernel; ties to the first index."""
+    g = torch.Generator().manual_seed(rows * vocab + with_offsets)
+    x = (torch.randn(rows, vocab, generator=g) * 4).to(dtype)
+    top = x.max(dim=-1).values + 1
+    x[:, vocab // 3] = top  # ties in different chunks: the first one wins
+    x[:, -1] = top
+    if rows > 2:
+        x[2] = top[2]  # one value everywhere: index 0
+    # a d2t-like table: every index maps to a distinct target id, offsets of both signs
+    offsets = (torch.randperm(vocab + 50, generator=g)[:vocab] - torch.arange(vocab)
+               if with_offsets else None)
+    got = argmax_triton(x, offsets)
+    idx = x.argmax(dim=-1)
+    want = idx + offsets[idx] if with_offsets else idx
+    assert got.dtype == torch.int64 and torch.equal(got, want), (got, want)
+    assert torch.equal(argmax_ref(x, offsets), want)
+    assert torch.equal(got[0], want.new_tensor(vocab // 3) + (offsets[vocab // 3]
+                                                              if with_offsets else 0))
+
+
+def _head_input_case(t, h, dtype, table_dtype, seed, ids_dtype=torch.long):
+    """ids [t] (distinct rows), a table [40, h], weights near 1 and hidden [t, h] as a strided
+    view (row stride > h)."""
+    g = torch.Generator().manual_seed(seed)
+    table = (torch.randn(40, h, generator=g) * 2).to(table_dtype)
+    ids = torch.randperm(40, generator=g)[:t].to(ids_dtype)
+    ew = (1 + 0.2 * torch.randn(h, generator=g)).to(dtype)
+    hw = (1 + 0.2 * torch.randn(h, generator=g)).to(dtype)
+    hidden = (torch.randn(t, h + 8, generator=g) * 3).to(dtype)[:, 4:4 + h]
+    return ids, table, ew, hidden, hw
+
+
+# (activation dtype, table dtype): a table stored narrower than the activations (weight_dtype)
+HEAD_INPUT_DTYPES = [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                     (torch.float16, torch.float16), (torch.float32, torch.bfloat16),
+                     (torch.float32, torch.float16)]
+
+
+@pytest.mark.parametrize("dtype,table_dtype", HEAD_INPUT_DTYPES)
+@pytest.mark.parametrize("t", [1, 3, 7])
+@pytest.mark.parametrize("h", [64, 576])
+def check_embed_norm_cat(dtype, table_dtype, t, h):
+    ids, table, ew, hidden, hw = _head_input_case(t, h, dtype, table_dtype, seed=t * h)
+    got = embed_norm_cat_triton(ids, table, ew, hidden, hw, 1e-5)
+    want = embed_norm_cat_ref(ids, table, ew, hidden, hw, 1e-5)
+    assert got.dtype == dtype and got.shape == (t, 2 * h)
+    torch.testing.assert_close(got, want, **NORM_TOL[dtype])
+    # the same values as the composition it replaces on CUDA (gather, cast, norm.py's kernel
+    # twice, cat), bit for bit: the same arithmetic and roundings
+    emb = F.embedding(ids, table).to(dtype)
+    comp = torch.cat([rms_norm_triton(emb, ew, 1e-5), rms_norm_triton(hidden, hw, 1e-5)], -1)
+    assert torch.equal(got, comp)
+    # each half is its own norm of its own input (a swapped weight or half is caught)
+    assert not torch.equal(got[:, :h], rms_norm_triton(emb, hw, 1e-5))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def check_embed_norm_cat_wider_table(dtype):
+    """A table wider than the activations (int32 ids): its rows are rounded to the activation
+    dtype before the statistics. The fp32 entries sit up to 0.5 ulp (random) above a
+    representable value, so the interpreter's truncating cast and torch's rounding agree."""
+    ids, table, ew, hidden, hw = _head_input_case(3, 64, dtype, dtype, seed=5,
+                                                  ids_dtype=torch.int32)
+    half_ulp = 2.0 ** (-9 if dtype == torch.bfloat16 else -12)  # relative, at least
+    table = table.float() * (1 + half_ulp * torch.rand(table.shape,
+                                                       generator=torch.Generator().manual_seed(6)))
+    got = embed_norm_cat_triton(ids, table, ew, hidden, hw, 1e-6)
+    torch.testing.assert_close(got, embed_norm_cat_ref(ids.long(), table, ew, hidden, hw, 1e-6),
+                               **NORM_TOL[dtype])
+    emb = F.embedding(ids.long(), table).to(dtype)
+    assert torch.equal(got, torch.cat([rms_norm_triton(emb, ew, 1e-6),
+                                       rms_norm_triton(hidden, hw, 1e-6)], -1))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
