@@ -50,7 +50,13 @@ def test_embed_norm_cat_matches(dtype, table_dtype, t, h):
     ids, table, ew, hidden, hw = _case(t, h, dtype, table_dtype, seed=t * h)
     got = embed_norm_cat(ids, table, ew, hidden, hw, 1e-5)
     assert got.dtype == dtype and got.shape == (t, 2 * h)
-    assert torch.equal(got, _composition(ids, table, ew, hidden, hw, 1e-5))
+    comp = _composition(ids, table, ew, hidden, hw, 1e-5)
+    if table_dtype == dtype:
+        assert torch.equal(got, comp)
+    else:  # the narrower row loads in another register layout: the statistics' summation
+        # order differs (run 14: fp32 results an ulp or so apart at H = 576 and 4096)
+        torch.testing.assert_close(got[:, :h], comp[:, :h], atol=1e-6, rtol=1e-6)
+        assert torch.equal(got[:, h:], comp[:, h:])
     torch.testing.assert_close(got, embed_norm_cat_ref(ids, table, ew, hidden, hw, 1e-5),
                                **TOL[dtype])
     # the second half is hidden's norm, usable as a view (EAGLE-3's norm_before_residual)
