@@ -11,8 +11,8 @@ both halves. The roundings are HF's, as in norm.py: statistics in fp32, the norm
 rounded to the input dtype, times the weight rounded to the output dtype; the embedding rows are
 first cast to the activation dtype (models/weight_dtype.py upcast_embedding: F.embedding, then
 `.to(dtype)`). Block size and warps equal norm.py's kernel's, so on the GPU each half equals
-rms_norm_triton of the same input bit for bit, except the embedding half of a table stored
-narrower than the activations (weight_dtype): its row loads in another register layout, so the
+rms_norm_triton of the same input bit for bit, except with a table stored narrower than the
+activations (weight_dtype): its row's load sets the kernel's register layout, so both halves'
 statistics are summed in another order (an fp32 ulp or so, tests/gpu/test_head_input.py).
 
 The second half is the normalized hidden: `out[:, H:]` (a view) serves EAGLE-3's
