@@ -1,11 +1,13 @@
 """Where a fused decode step's time goes, on the GPU machine (SmolLM2-135M, bf16):
 
   * batch 1: the kernels of one replay of each engine's steady graph, in order, with durations
-    and the idle gaps between them (no-spec q=1, EAGLE-3 force-accept 3 at k=2 and k=4), and
-    the host cost of launching each graph (cudaGraphLaunch, GPU busy and idle);
+    and the idle gaps between them (no-spec q=1, EAGLE-3 force-accept 3 at k=2 with the full
+    and a 32000-id draft vocabulary, and at k=4), and the host cost of launching each graph
+    (cudaGraphLaunch, GPU busy and idle);
   * batch 128: host time per engine step split by phase (schedule, launch, chain, collect,
-    commit with detokenization) for no-spec against EAGLE-3, chained vs launched steps, and the
-    GPU time of the q=1 graph that steady decoding there replays.
+    commit with detokenization) for no-spec against EAGLE-3 (one draft there, the benchmark's
+    k schedule), chained vs launched steps, and the GPU time of the graph that steady
+    decoding there replays.
 
     python benchmarks/diag_step.py --gguf PATH [--out DIR]
 """
@@ -22,7 +24,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.bench_gpu import graph_ms as gpu_ms  # noqa: E402
-from benchmarks.bench_gpu import diag_setup, make_heads, run_engine  # noqa: E402
+from benchmarks.bench_gpu import diag_setup, make_eagle3_reduced, make_heads  # noqa: E402
+from benchmarks.bench_gpu import run_engine  # noqa: E402
 
 
 def kernel_listing(graph, reps: int = 5) -> str:
@@ -109,14 +112,20 @@ def main():
     from outpace.engine.engine import LLMEngine
     from outpace.runner.fused_step import FusedStep
     from outpace.scheduler.scheduler import Scheduler
-    eagle, _ = make_heads(args.gguf, tempfile.mkdtemp())
+    tmp = tempfile.mkdtemp()
+    eagle, _ = make_heads(args.gguf, tmp)
+    eagle_dv = make_eagle3_reduced(args.gguf, tmp)
+    # the benchmark's schedule (bench_gpu.smol_configs): one draft at 65-128 requests
     configs = [("no-spec", None, 0),
                ("eagle3-fa3-k2", {"method": "eagle3", "model": str(eagle),
                                   "num_speculative_tokens": 2, "force_accept_mean": 3.0,
-                                  "k_schedule": [[32, 2], [64, 1]]}, 2),
+                                  "k_schedule": [[32, 2], [128, 1]]}, 2),
+               ("eagle3-dv32k-fa3-k2", {"method": "eagle3", "model": str(eagle_dv),
+                                        "num_speculative_tokens": 2, "force_accept_mean": 3.0,
+                                        "k_schedule": [[32, 2], [128, 1]]}, 2),
                ("eagle3-fa3.0", {"method": "eagle3", "model": str(eagle),
                                  "num_speculative_tokens": 4, "force_accept_mean": 3.0,
-                                 "k_schedule": [[32, 4], [64, 1]]}, 4)]
+                                 "k_schedule": [[32, 4], [128, 1]]}, 4)]
     report, listings = [], []  # listings: (report line, graph, its engine kept alive)
     out = Path(args.out)
     for name, spec, k in configs:
@@ -133,7 +142,7 @@ def main():
                       f"{r1.get('wait_ms')} unpack {r1.get('unpack_ms')}; chained graph "
                       f"(1, {k + 1}, {k}): {gpu_ms(g1)} ms, launch {launch_cost(g1)}")
         listings.append((len(report), g1, eng))
-        if name == "eagle3-fa3-k2":
+        if name.endswith("-k2"):
             continue
         # batch 128: phases of the host's step
         timer = PhaseTimer()
@@ -148,10 +157,12 @@ def main():
         r = run_engine(eng, prompts[:128], 128, 128)
         timer.restore()
         steps = r["all_steps"]
-        g128, _ = fused._captured[(128, 1, 0, True)]
+        kb = fused.draft_steps(128)
+        key = (128, kb + 1, kb, True)
+        g128, _ = fused._captured[key]
         report.append(f"== {name} batch 128: tok/s {r['tok_s']} tpot {r['tpot_ms']} ttft "
                       f"{r['ttft_ms']} step {r['step_ms']} ms; steps {steps}, fused "
-                      f"{r['fused_steps']}, chained {fused.chained - c0}; graph (128, 1, 0) "
+                      f"{r['fused_steps']}, chained {fused.chained - c0}; graph {key[:3]} "
                       f"{gpu_ms(g128)} ms, launch {launch_cost(g128)}")
         report.append("  host ms per step: " + ", ".join(
             f"{key} {1000 * v / steps:.3f}" for key, v in sorted(timer.t.items())))
