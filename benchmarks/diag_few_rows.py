@@ -62,7 +62,10 @@ def policies(orig):
             return one._replace(block_m=bm, row_loop=True)
         return f
 
-    return {"current": orig, "dot": dot, "loop": loop(4), "loop2": loop(2), "m2n2": bcast(2, 2), "m4n1": bcast(4, 1),
+    return {"current": orig, "dot": dot, "loop": loop(4), "loop2": loop(2),
+            "m2n2w2": bcast(2, 2, warps=2), "m2n4w2": bcast(2, 4, warps=2),
+            "m2n2w1": bcast(2, 2, warps=1), "m2n2k512": bcast(2, 2, 512),
+            "m2n4": bcast(2, 4), "m2n2": bcast(2, 2), "m4n1": bcast(4, 1),
             "m2n1": bcast(2, 1), "m4n2w8": bcast(4, 2, warps=8), "m4n1w8": bcast(4, 1, warps=8),
             "m4n2k512": bcast(4, 2, 512), "m8n1": bcast(8, 1)}
 
