@@ -62,7 +62,19 @@ def policies(orig):
             return one._replace(block_m=bm, row_loop=True)
         return f
 
+    def warps(w, rows=(2, 8)):
+        # the current configuration with num_warps = w on the broadcast path, rows in `rows`
+        def f(m, n, k, **kw):
+            b = orig(m, n, k, **kw)
+            if b.use_dot or not rows[0] <= m <= rows[1]:
+                return b
+            return b._replace(num_warps=w)
+        return f
+
     return {"current": orig, "dot": dot, "loop": loop(4), "loop2": loop(2),
+            "w1": warps(1), "w2": warps(2), "w1all": warps(1, (1, 16)),
+            "w2all": warps(2, (1, 16)), "m2n4w1": bcast(2, 4, warps=1),
+            "m2n1w1": bcast(2, 1, warps=1), "m4n2w1": bcast(4, 2, warps=1),
             "m2n2w2": bcast(2, 2, warps=2), "m2n4w2": bcast(2, 4, warps=2),
             "m2n2w1": bcast(2, 2, warps=1), "m2n2k512": bcast(2, 2, 512),
             "m2n4": bcast(2, 4), "m2n2": bcast(2, 2), "m4n1": bcast(4, 1),

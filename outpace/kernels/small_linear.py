@@ -121,6 +121,13 @@ _SUM_MAX_N = 16384  # wider weights (LM heads) take the tl.dot path even at M = 
 # 0.846 vs 0.864 ms a step (run 10, benchmarks/diag_few_rows.py); 1 row a program and
 # 8 warps were slower.
 _SUM_ROWS = 2
+# A broadcast-path program with more than one row runs one warp when its product has at most
+# this many values (256 a thread): it is reduced over K inside the warp (shuffles), with no
+# exchange through shared memory between warps. In the k = 2 verify graph (3 rows, every
+# SmolLM2 projection's product 4096-8192 values): 0.825 ms with 4 warps, 0.858 with 2, 0.803
+# with 1 (run 14, diag_few_rows_run14b.json). One-row programs keep 4 (1 warp there: no-spec
+# 0.544 -> 0.588 ms), and so do larger products (not measured with fewer).
+_ONE_WARP_PRODUCT = 8192
 # Rows up to which a small weight (K <= 2048, N <= 4096) takes that path. At M = 5 and 8 the
 # row blocks of 4 lost to tl.dot on every SmolLM2 projection (qkv 3.8 vs 2.7 us, gate/up 7.2
 # vs 3.1; run 8 sweep, with PDL), so beyond 4 rows tl.dot it is.
@@ -144,7 +151,8 @@ def choose_blocks(M: int, N: int, K: int, *, elem_bytes: int = 2, gate_up: bool 
     a program's loads are in flight at once (a small weight is below the GPU's bandwidth-delay
     product, and every serial K step costs a DRAM latency); longer rows go in steps of 1024.
     BLOCK_N is as small as keeps >= 4 programs per SM (576 columns: 288 programs of 2) and grows
-    up to the register budget for wide weights.
+    up to the register budget for wide weights. 4 warps, except one for a several-row program
+    with a small product (_ONE_WARP_PRODUCT).
 
     tl.dot otherwise (the rows padded to 16): on Llama-8B shapes the broadcast product over
     several rows was 1.5-5x slower than tensor cores, and on a SmolLM2 LM head (49152 x 576)
@@ -178,7 +186,9 @@ def choose_blocks(M: int, N: int, K: int, *, elem_bytes: int = 2, gate_up: bool 
     while (block_n * 2 * tiles * block_m * block_k <= _PRODUCT_BUDGET
            and _cdiv(N, block_n * 2) >= 4 * _NUM_SMS):
         block_n *= 2
-    return Blocks(block_m, block_n, block_k, num_warps=4, num_stages=2, use_dot=False)
+    one_warp = M > 1 and block_m * block_n * tiles * block_k <= _ONE_WARP_PRODUCT
+    return Blocks(block_m, block_n, block_k, num_warps=1 if one_warp else 4, num_stages=2,
+                  use_dot=False)
 
 
 def _cdiv(a: int, b: int) -> int:

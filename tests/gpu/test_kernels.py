@@ -218,7 +218,7 @@ def _lin_inputs(m, n, k, dtype, seed, *, x_dtype=None):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
-@pytest.mark.parametrize("m", [1, 5, 16])
+@pytest.mark.parametrize("m", [1, 3, 5, 16])  # 3: the one-warp broadcast path
 @pytest.mark.parametrize("name,nk", LINEAR_CASES, ids=[c[0] for c in LINEAR_CASES])
 def test_small_linear(name, nk, m, dtype):
     (n, k) = nk
@@ -229,7 +229,7 @@ def test_small_linear(name, nk, m, dtype):
 
 
 @pytest.mark.parametrize("res_dtype", [torch.bfloat16, torch.float32], ids=str)
-@pytest.mark.parametrize("m", [1, 5, 16])
+@pytest.mark.parametrize("m", [1, 3, 5, 16])  # 3: the one-warp broadcast path
 @pytest.mark.parametrize("name", ["smol-o", "smol-down", "8b-o", "8b-down"])
 def test_small_linear_residual(name, m, res_dtype):
     """o_proj / down_proj + residual add, also into an fp32 residual stream over bf16 weights."""
@@ -245,7 +245,7 @@ def test_small_linear_residual(name, m, res_dtype):
 @pytest.mark.parametrize("x_dtype,dtype", [(torch.bfloat16, torch.bfloat16),
                                            (torch.float32, torch.float32),
                                            (torch.float32, torch.bfloat16)], ids=str)
-@pytest.mark.parametrize("m", [1, 5, 16])
+@pytest.mark.parametrize("m", [1, 3, 5, 16])  # 3: the one-warp broadcast path
 @pytest.mark.parametrize("name", ["smol-qkv", "smol-lm_head", "8b-qkv", "8b-lm_head"])
 def test_norm_small_linear(name, m, x_dtype, dtype):
     """(float32, bfloat16): fp32 activations over bf16 weights (weight_dtype), fp32 out."""
@@ -259,7 +259,7 @@ def test_norm_small_linear(name, m, x_dtype, dtype):
 @pytest.mark.parametrize("x_dtype,dtype", [(torch.bfloat16, torch.bfloat16),
                                            (torch.float32, torch.float32),
                                            (torch.float32, torch.bfloat16)], ids=str)
-@pytest.mark.parametrize("m", [1, 5, 16])
+@pytest.mark.parametrize("m", [1, 3, 5, 16])  # 3: the one-warp broadcast path
 @pytest.mark.parametrize("name", ["smol-gate_up", "8b-gate_up"])
 def test_gate_up_silu_mul(name, m, x_dtype, dtype):
     n, k = (SMOL if name.startswith("smol") else BIG8B)[name.split("-")[1]]

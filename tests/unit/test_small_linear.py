@@ -143,3 +143,14 @@ def test_choose_blocks_is_a_valid_shape_policy(m):
         if m == 1 and 576 <= n <= 3072:
             assert -(-n // b.block_n) >= 100  # small weights spread over the SMs
     assert choose_blocks(SMALL_M_MAX, 576, 576).block_m == SMALL_M_MAX
+
+
+def test_several_row_broadcast_programs_run_one_warp():
+    """The k = 2 verify (3 rows) of every SmolLM2 projection runs one-warp programs (run 14:
+    0.825 -> 0.803 ms a step); one-row programs and larger products keep 4 warps."""
+    for n, k, gate_up in [(480, 576, False), (576, 576, False), (1536, 576, True),
+                          (576, 1536, False), (576, 1728, False)]:  # the last: EAGLE-3's fc
+        assert choose_blocks(3, n, k, gate_up=gate_up).num_warps == 1
+        assert choose_blocks(1, n, k, gate_up=gate_up).num_warps == 4
+    big = choose_blocks(3, 3072, 2048)  # a [2, 4, 2048] product
+    assert not big.use_dot and big.num_warps == 4
