@@ -8,7 +8,7 @@ staging, unpacking, detokenization with the real SmolLM2 tokenizer, outputs. The
 host is ~3x faster than the device machine's, so compare configurations and versions here,
 not absolute numbers.
 
-    python benchmarks/diag_host.py [--batch 128] [--tokens 96] [--spec none,eagle3]
+    python benchmarks/diag_host.py [--batch 128] [--tokens 96] [--spec none,eagle3,ngram,suffix]
         [--output-kind cumulative,final_only] [--profile]
 """
 from __future__ import annotations
@@ -85,7 +85,9 @@ def main():
         sp = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True,
                             output_kind=kind)
         spec = None
-        if name != "none":
+        if name in ("ngram", "suffix"):  # model-free: drafted on the host after the copy
+            spec = {"method": name, "num_speculative_tokens": 4}
+        elif name != "none":
             head = init_draft(name, str(tmp / "target"), tmp / name, seed=0, quiet=True)
             spec = {"method": name, "model": str(head), "num_speculative_tokens": 4,
                     "force_accept_mean": 3.0, "k_schedule": [[32, 4], [64, 1]]}

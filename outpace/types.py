@@ -193,6 +193,15 @@ class Request:
     def all_token_ids(self) -> list:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_slice(self, start: int, stop: int) -> list:
+        """all_token_ids[start:stop] without building all_token_ids (0 <= start <= stop)."""
+        p, lp = self.prompt_token_ids, len(self.prompt_token_ids)
+        if start >= lp:
+            return self.output_token_ids[start - lp:stop - lp]
+        if stop <= lp:
+            return p[start:stop]
+        return p[start:] + self.output_token_ids[:stop - lp]
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)

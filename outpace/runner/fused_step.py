@@ -58,7 +58,7 @@ import torch
 
 from outpace.attention.base import AttentionMetadata, ForwardContext
 from outpace.kernels.step_glue import accept, chained_inputs, loop_inputs
-from outpace.spec.base import DraftBatch
+from outpace.spec.base import CommittedTokens, DraftBatch
 from outpace.spec.head_proposer import HeadProposer
 from outpace.types import RequestStepOutput, StepResult
 
@@ -339,8 +339,9 @@ class FusedStep:
             if proposer is not None:
                 proposer.policy.observe(req.request_id, nd, acc)
             if drafting:
-                if self.host_drafter is not None:  # it reads the whole committed sequence
-                    committed.append(req.all_token_ids + toks)
+                if self.host_drafter is not None:  # it reads the committed sequence's tail
+                    committed.append(CommittedTokens(req.prompt_token_ids,
+                                                     req.output_token_ids, toks))
                 ks.append(runner.draft_length(req, batch_size, req.num_tokens + len(toks)))
         if not drafting:
             return result

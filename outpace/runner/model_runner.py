@@ -143,8 +143,7 @@ class ModelRunner:
         for sr in plan.scheduled:
             req = sr.request
             start, n = sr.num_computed_tokens, sr.num_new_tokens
-            seq = req.all_token_ids
-            committed_part = seq[start:start + n]
+            committed_part = req.token_slice(start, start + n)
             toks = committed_part + sr.draft_token_ids[:n - len(committed_part)]
             nd = len(sr.draft_token_ids)
             offsets = list(range(n - 1 - nd, n)) if sr.sample else []

@@ -13,10 +13,47 @@ slots to the target's KV pool (the draft KV plane) and tells the proposer where 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
+
+
+class CommittedTokens(Sequence):
+    """A request's committed tokens, the concatenation of `parts` (its prompt, its output, a
+    step's new tokens), read without copying them: the model-free drafters take the length and
+    the new tail each step, and copying a whole sequence a request a step was most of the
+    fused step's host-drafter bookkeeping at batch 128."""
+
+    __slots__ = ("_parts", "_len")
+
+    def __init__(self, *parts: list):
+        self._parts = parts
+        self._len = sum(len(p) for p in parts)
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            start, stop, step = index.indices(self._len)
+            if step != 1:
+                return list(self)[index]
+            out: list = []
+            for part in self._parts:  # each part's share of [start, stop)
+                n = len(part)
+                if start < n and stop > 0:
+                    out.extend(part[max(start, 0):min(stop, n)])
+                start, stop = start - n, stop - n
+            return out
+        if index < 0:
+            index += self._len
+        for part in self._parts:
+            if 0 <= index < len(part):
+                return part[index]
+            index -= len(part)
+        raise IndexError("CommittedTokens index out of range")
 
 
 @dataclass
@@ -31,7 +68,8 @@ class DraftBatch:
     """
 
     requests: list  # [Request] every scheduled request, in row order
-    committed: list  # [list[int]] all committed token ids per request after this step
+    committed: list  # [Sequence[int]] all committed token ids per request after this step
+    # (a list, or a CommittedTokens view)
     row_start: list  # [B]
     row_end: list  # [B]
     last_row: list  # [B]

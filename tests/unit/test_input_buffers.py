@@ -47,3 +47,50 @@ def test_other_writes_drop_the_memo():
     assert len(staged) == n + 1
     assert torch.equal(buf.block_tables[:1], torch.from_numpy(a))
 
+
+
+def test_build_host_batch_equals_the_row_by_row_build():
+    """The whole-batch build equals the row-by-row one (which small batches take) on random
+    batches of prefill chunks, decode and verify rows, graph padding (tokens past num_real:
+    slot -1, even past the table), empty offsets and tables, and the empty batch."""
+    import random
+    from outpace.runner.inputs import _build_row_by_row, _build_vectorized
+    rnd = random.Random(0)
+    for trial in range(300):
+        bs = rnd.choice([1, 4, 16])
+        rows = []
+        for _ in range(rnd.randint(0, 9)):
+            start = rnd.randint(0, 60)
+            n = rnd.randint(1, 12)
+            real = rnd.randint(1, n) if rnd.random() < 0.3 else n
+            nblocks = -(-(start + real) // bs) + rnd.randint(0, 2)
+            blocks = rnd.sample(range(1, 500), nblocks)
+            toks = [rnd.randint(0, 99) for _ in range(n)]
+            offsets = rnd.choice([[], [n - 1], list(range(max(0, n - 4), n))])
+            rows.append((toks, start, blocks, offsets, real) if real < n or rnd.random() < 0.5
+                        else (toks, start, blocks, offsets))
+        if rows and rnd.random() < 0.1:  # a row whose real tokens need no block at all
+            rows.append(([7], 0, [], [0], 0))
+        want = _build_row_by_row(rows, bs)
+        for got in (_build_vectorized(rows, bs), build_host_batch(rows, bs)):
+            for name in ("input_ids", "positions", "slot_mapping", "query_start_loc",
+                         "seq_lens", "block_tables", "logits_indices"):
+                g, w = getattr(got, name), getattr(want, name)
+                assert g.dtype == w.dtype and np.array_equal(g, w), (trial, name, rows)
+
+
+def test_build_host_batch_rejects_a_position_past_the_table():
+    import pytest
+    row = ([1, 2], 15, [3], [1])  # position 16 needs a second block
+    for rows in ([row], [row] * 9):  # both builds
+        with pytest.raises(IndexError, match="block table"):
+            build_host_batch(rows, block_size=16)
+
+
+def test_request_token_slice_equals_slicing_all_token_ids():
+    from outpace.types import Request, SamplingParams
+    req = Request("r", [1, 2, 3, 4], SamplingParams(max_tokens=8))
+    req.output_token_ids.extend([5, 6, 7])
+    for start in range(8):
+        for stop in range(start, 9):
+            assert req.token_slice(start, stop) == req.all_token_ids[start:stop], (start, stop)
