@@ -48,20 +48,6 @@ def policies(orig):
         kw.pop("use_dot", None)
         return orig(m, n, k, use_dot=True, **kw)
 
-    def loop(rows_per_program):
-        # Blocks.row_loop: the one-row configuration (M = 1's BLOCK_N and BLOCK_K), each
-        # program multiplying its weight tile by up to rows_per_program rows in turn
-        def f(m, n, k, **kw):
-            if not (few(m, n, k) and m <= 4):
-                return orig(m, n, k, **kw)
-            kw.pop("use_dot", None)
-            one = orig(1, n, k, **kw)
-            if one.use_dot:
-                return orig(m, n, k, **kw)
-            bm = min(rows_per_program, 1 << (m - 1).bit_length())
-            return one._replace(block_m=bm, row_loop=True)
-        return f
-
     def warps(w, rows=(2, 8)):
         # the current configuration with num_warps = w on the broadcast path, rows in `rows`
         def f(m, n, k, **kw):
@@ -71,7 +57,7 @@ def policies(orig):
             return b._replace(num_warps=w)
         return f
 
-    return {"current": orig, "dot": dot, "loop": loop(4), "loop2": loop(2),
+    return {"current": orig, "dot": dot,
             "w1": warps(1), "w2": warps(2), "w1all": warps(1, (1, 16)),
             "w2all": warps(2, (1, 16)), "m2n4w1": bcast(2, 4, warps=1),
             "m2n1w1": bcast(2, 1, warps=1), "m4n2w1": bcast(4, 2, warps=1),

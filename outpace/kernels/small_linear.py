@@ -99,10 +99,6 @@ class Blocks(NamedTuple):
     num_warps: int
     num_stages: int
     use_dot: bool
-    # Broadcast path only: the program's rows one after another in the one-row layout (each
-    # weight tile multiplied by every row from registers) instead of one [BLOCK_M, BLOCK_N,
-    # BLOCK_K] product. Not chosen by default; benchmarks/diag_few_rows.py measures it.
-    row_loop: bool = False
 
 
 # Numbers below are from benchmarks/bench_small_linear.py on an H200 (SmolLM2-135M and Llama-8B
@@ -222,8 +218,6 @@ def _launch(x, w, out, *, n_cols, norm_weight=None, eps=0.0, residual=None, silu
                                   gate_up=two, norm=norm_weight is not None)
     if cfg.use_dot and min(cfg.block_m, cfg.block_n, cfg.block_k) < 16:
         raise ValueError(f"{cfg}: tl.dot needs 16-wide tiles")
-    if cfg.row_loop and (cfg.use_dot or cfg.block_m > 8):
-        raise ValueError(f"{cfg}: the row loop is a broadcast-path option for up to 8 rows")
     nw = norm_weight if norm_weight is not None else w
     res = residual if residual is not None else out
     # _cdiv, not triton.cdiv: that one is a jit function, ~5 us a call from Python
@@ -240,7 +234,7 @@ def _launch(x, w, out, *, n_cols, norm_weight=None, eps=0.0, residual=None, silu
         NORM_ROUND=norm_weight is not None and norm_weight.dtype == x.dtype,
         HAS_RESIDUAL=residual is not None, SILU_MUL=silu_mul,
         ROPE_STORE=rope_store is not None, TWO_TILES=two, HALF=rs.half, HQ=rs.hq, HKV=rs.hkv,
-        CACHE_BLOCK=rs.cache_block, USE_DOT=cfg.use_dot, ROW_LOOP=cfg.row_loop,
+        CACHE_BLOCK=rs.cache_block, USE_DOT=cfg.use_dot,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_options(x))
     return out

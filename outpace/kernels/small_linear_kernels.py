@@ -78,29 +78,6 @@ if triton is not None:
         return acc, acc_u
 
     @triton.jit
-    def _step_rows(acc, acc_u, w, wu, x_ptr, m0, M, stride_xm, offs_k, K, nw_ptr, rstd,
-                   A_DTYPE: tl.constexpr, HAS_NORM: tl.constexpr, NORM_ROUND: tl.constexpr,
-                   SILU_MUL: tl.constexpr, BLOCK_M: tl.constexpr):
-        # _step for ROW_LOOP: the program's rows one after another, each as a one-row product
-        # (the M = 1 layout: a [BLOCK_N, BLOCK_K] weight tile times one x row), the weight
-        # tile read once from registers for all of them. Row r's sums land in row r of acc.
-        k_mask = offs_k < K
-        rows = tl.arange(0, BLOCK_M)
-        wf = w.to(tl.float32)
-        wuf = wu.to(tl.float32)
-        for r in tl.static_range(BLOCK_M):
-            m = m0 + r + tl.zeros([1], dtype=tl.int32)  # [1]: row r's index
-            x = tl.load(x_ptr + m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :],
-                        mask=(m < M)[:, None] & k_mask[None, :], other=0.0)  # [1, BLOCK_K]
-            rs = tl.zeros([1], dtype=tl.float32) + tl.sum(tl.where(rows == r, rstd, 0.0), axis=0)
-            a = _dot_input(x, nw_ptr, offs_k, k_mask, rs, A_DTYPE, HAS_NORM, NORM_ROUND)
-            acc = tl.where(rows[:, None] == r, acc + tl.sum(a * wf, axis=1)[None, :], acc)
-            if SILU_MUL:
-                acc_u = tl.where(rows[:, None] == r, acc_u + tl.sum(a * wuf, axis=1)[None, :],
-                                 acc_u)
-        return acc, acc_u
-
-    @triton.jit
     def _small_linear_kernel(x_ptr, nw_ptr, w_ptr, r_ptr, out_ptr, M, N, K,
                              stride_xm, stride_rm, stride_om, eps,
                              cos_ptr, sin_ptr, pos_ptr, slot_ptr, kc_ptr, vc_ptr, stride_cos,
@@ -110,8 +87,7 @@ if triton is not None:
                              ROPE_STORE: tl.constexpr, TWO_TILES: tl.constexpr,
                              HALF: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr,
                              CACHE_BLOCK: tl.constexpr,
-                             USE_DOT: tl.constexpr, ROW_LOOP: tl.constexpr,
-                             BLOCK_M: tl.constexpr,
+                             USE_DOT: tl.constexpr, BLOCK_M: tl.constexpr,
                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                              USE_PDL: tl.constexpr):
         # One program: output columns [pid * BLOCK_N, +BLOCK_N) for rows
@@ -162,24 +138,13 @@ if triton is not None:
             rstd = 1.0 / tl.sqrt(tl.sum(sq, axis=1) / K + eps)
 
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        m0 = tl.program_id(1) * BLOCK_M
-        if ROW_LOOP:
-            acc, acc_u = _step_rows(acc, acc, w, wu, x_ptr, m0, M, stride_xm, offs_k, K,
-                                    nw_ptr, rstd, A_DTYPE, HAS_NORM, NORM_ROUND, TWO_TILES,
-                                    BLOCK_M)
-        else:
-            acc, acc_u = _step(acc, acc, w, wu, x_rows, m_mask, offs_k, K, nw_ptr, rstd,
-                               A_DTYPE, HAS_NORM, NORM_ROUND, TWO_TILES, USE_DOT)
+        acc, acc_u = _step(acc, acc, w, wu, x_rows, m_mask, offs_k, K, nw_ptr, rstd, A_DTYPE,
+                           HAS_NORM, NORM_ROUND, TWO_TILES, USE_DOT)
         for k0 in range(BLOCK_K, K, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             w, wu = _load_w(w_rows, u_rows, offs_k, n_mask, K, TWO_TILES)
-            if ROW_LOOP:
-                acc, acc_u = _step_rows(acc, acc_u, w, wu, x_ptr, m0, M, stride_xm, offs_k, K,
-                                        nw_ptr, rstd, A_DTYPE, HAS_NORM, NORM_ROUND,
-                                        TWO_TILES, BLOCK_M)
-            else:
-                acc, acc_u = _step(acc, acc_u, w, wu, x_rows, m_mask, offs_k, K, nw_ptr,
-                                   rstd, A_DTYPE, HAS_NORM, NORM_ROUND, TWO_TILES, USE_DOT)
+            acc, acc_u = _step(acc, acc_u, w, wu, x_rows, m_mask, offs_k, K, nw_ptr, rstd,
+                               A_DTYPE, HAS_NORM, NORM_ROUND, TWO_TILES, USE_DOT)
 
         out_mask = m_mask[:, None] & n_mask[None, :]
         out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]

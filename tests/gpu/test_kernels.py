@@ -281,30 +281,6 @@ def test_silu_mul(m, inter, dtype):
     torch.testing.assert_close(silu_mul(gu), silu_mul_ref(gu), **TOL[dtype])
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
-@pytest.mark.parametrize("rows_per_program", [2, 4])
-@pytest.mark.parametrize("name", ["smol-qkv", "smol-gate_up", "smol-down", "8b-o"])
-def test_row_loop(name, rows_per_program, dtype):
-    """Blocks.row_loop (benchmarks/diag_few_rows.py's loop policies) at 3 rows: plain, with
-    the residual add, and norm + gate/up + silu * mul, against the references."""
-    from outpace.kernels.small_linear import (choose_blocks, norm_small_linear_silu_mul_triton,
-                                              small_linear_triton)
-    n, k = (SMOL if name.startswith("smol") else BIG8B)[name.split("-")[1]]
-    x, w, nw = _lin_inputs(3, n, k, dtype, seed=7 * n + rows_per_program)
-    blocks = choose_blocks(1, n, k, elem_bytes=dtype.itemsize)._replace(
-        block_m=rows_per_program, row_loop=True)
-    torch.testing.assert_close(small_linear_triton(x, w, blocks=blocks), small_linear_ref(x, w),
-                               **LIN_TOL[dtype])
-    r = torch.randn(3, n, device=DEV).to(dtype)
-    torch.testing.assert_close(small_linear_triton(x, w, residual=r, blocks=blocks),
-                               small_linear_ref(x, w, residual=r), **LIN_TOL[dtype])
-    gu = choose_blocks(1, n // 2, k, elem_bytes=dtype.itemsize, gate_up=True, norm=True)
-    torch.testing.assert_close(
-        norm_small_linear_silu_mul_triton(x, nw, 1e-6, w, blocks=gu._replace(
-            block_m=rows_per_program, row_loop=True)),
-        norm_small_linear_silu_mul_ref(x, nw, 1e-6, w), **FUSED_TOL[dtype])
-
-
 def test_small_linear_falls_back_above_small_m():
     x, w, _ = _lin_inputs(17, 960, 576, torch.bfloat16, seed=0)
     assert torch.equal(small_linear(x, w), small_linear_ref(x, w))  # cuBLAS, the same call
