@@ -51,6 +51,7 @@ def embed_norm_cat_ref(input_ids: torch.Tensor, embed_table: torch.Tensor,
 
 
 if triton is not None:
+    from outpace.kernels.norm import normalize_row
     from outpace.kernels.pdl import wait_then_release
 
     @triton.jit
@@ -69,15 +70,11 @@ if triton is not None:
         tok = tl.load(ids_ptr + row).to(tl.int64)
         # the table row, cast to the activation dtype first (upcast_embedding's `.to(dtype)`)
         e = tl.load(table_ptr + tok * stride_t + cols, mask=mask, other=0.0).to(act)
-        ef = e.to(tl.float32)
-        rstd = 1.0 / tl.sqrt(tl.sum(ef * ef, axis=0) / H + eps)
-        normed = (ef * rstd).to(act).to(tl.float32)  # HF casts back before the weight
-        tl.store(out_ptr + row * stride_o + cols, (normed * ew).to(act), mask=mask)
+        tl.store(out_ptr + row * stride_o + cols,
+                 normalize_row(e.to(tl.float32), ew, H, eps, act).to(act), mask=mask)
         x = tl.load(h_ptr + row * stride_h + cols, mask=mask, other=0.0)
-        xf = x.to(tl.float32)
-        rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / H + eps)
-        normed = (xf * rstd).to(act).to(tl.float32)
-        tl.store(out_ptr + row * stride_o + H + cols, (normed * hw).to(act), mask=mask)
+        tl.store(out_ptr + row * stride_o + H + cols,
+                 normalize_row(x.to(tl.float32), hw, H, eps, act).to(act), mask=mask)
 
 
 def _kernel_takes(hidden, embed_table, emb_norm_weight, hidden_norm_weight, out_dtype) -> bool:
@@ -135,3 +132,15 @@ def embed_norm_cat(input_ids: torch.Tensor, embed_table: torch.Tensor,
                                      hidden_norm_weight, eps, out_dtype)
     return embed_norm_cat_ref(input_ids, embed_table, emb_norm_weight, hidden,
                               hidden_norm_weight, eps, out_dtype)
+
+
+def fused_head_input(input_ids: torch.Tensor, embed_table: Optional[torch.Tensor], emb_norm,
+                     hidden: torch.Tensor, hidden_norm) -> Optional[torch.Tensor]:
+    """A draft head's input [T, 2H] from the kernel, or None where the kernel would not equal
+    the head's composition (no table, CPU, mixed dtypes, two different eps): the caller then
+    composes it in torch. emb_norm / hidden_norm: RMSNorm modules (.weight, .eps)."""
+    if (embed_table is None or emb_norm.eps != hidden_norm.eps
+            or not triton_ok(hidden, embed_table, emb_norm.weight, hidden_norm.weight)):
+        return None
+    return embed_norm_cat_triton(input_ids, embed_table, emb_norm.weight, hidden,
+                                 hidden_norm.weight, emb_norm.eps)

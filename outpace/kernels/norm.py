@@ -48,6 +48,14 @@ if triton is not None:
     from outpace.kernels.pdl import wait_then_release
 
     @triton.jit
+    def normalize_row(xf, w, H, eps, ACT: tl.constexpr):
+        # One row: xf its fp32 values (0 where masked), w the fp32 weight -> weight * normed in
+        # fp32 with HF's roundings: fp32 statistics, normed rounded to ACT (the input dtype)
+        # before the weight. Shared with kernels/head_input.py, whose halves equal this.
+        rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / H + eps)
+        return (xf * rstd).to(ACT).to(tl.float32) * w
+
+    @triton.jit
     def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr, H, stride_x, stride_r,
                          stride_o, stride_ro, eps, HAS_RESIDUAL: tl.constexpr,
                          BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
@@ -63,12 +71,8 @@ if triton is not None:
             # Round the sum to the residual's dtype before the statistics, as HF does.
             x = (x.to(tl.float32) + r.to(tl.float32)).to(res_out_ptr.dtype.element_ty)
             tl.store(res_out_ptr + row * stride_ro + cols, x, mask=mask)
-        xf = x.to(tl.float32)
-        var = tl.sum(xf * xf, axis=0) / H
-        rstd = 1.0 / tl.sqrt(var + eps)
-        normed = (xf * rstd).to(x.dtype).to(tl.float32)  # HF casts back before the weight
-        tl.store(out_ptr + row * stride_o + cols, (normed * w).to(out_ptr.dtype.element_ty),
-                 mask=mask)
+        y = normalize_row(x.to(tl.float32), w, H, eps, x.dtype)
+        tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:

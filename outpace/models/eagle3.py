@@ -164,9 +164,9 @@ class Eagle3Head(nn.Module):
         # and the concatenation as one kernel (kernels/head_input.py)
         table = self.embed_weight if self.embed_weight is not None else embed_weight
         in_norm = self.midlayer.input_layernorm
-        if table is not None and self._fused_input_ok(hidden, table):
-            attn_in = head_input.embed_norm_cat(input_ids, table, in_norm.weight, hidden,
-                                                self.hidden_norm.weight, in_norm.eps)  # [T, 2H]
+        attn_in = head_input.fused_head_input(input_ids, table, in_norm, hidden,
+                                              self.hidden_norm)  # [T, 2H] or None
+        if attn_in is not None:
             normed = attn_in[:, hidden.shape[-1]:]  # a view: hidden_norm(hidden)
         else:
             emb = self.embed(input_ids, embed_fn).to(hidden.dtype)
@@ -180,13 +180,6 @@ class Eagle3Head(nn.Module):
             # post-attention norm) instead of cuBLAS and separate norms
             return layer.forward_few_rows(residual, cos_sin, self.rotary, ctx, attn_input=attn_in)
         return layer(residual, cos_sin, self.rotary, ctx, attn_input=attn_in)
-
-    def _fused_input_ok(self, hidden: torch.Tensor, table: torch.Tensor) -> bool:
-        # the kernel where it equals the composition: CUDA, one dtype for the activations and
-        # both norm weights (the table may be narrower), one eps
-        in_norm = self.midlayer.input_layernorm
-        return (in_norm.eps == self.hidden_norm.eps
-                and head_input.triton_ok(hidden, table, in_norm.weight, self.hidden_norm.weight))
 
     def compute_draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # [N, H] (forward output) -> [N, draft_vocab] float32

@@ -67,11 +67,8 @@ class MTPHead(nn.Module):
         # are embed_fn's values (the proposer checks); it lets CUDA run the gather, both norms
         # and the concatenation as one kernel (kernels/head_input.py)
         m = self.layers[depth]
-        if (embed_weight is not None and m.enorm.eps == m.hnorm.eps
-                and head_input.triton_ok(hidden, embed_weight, m.enorm.weight, m.hnorm.weight)):
-            x_in = head_input.embed_norm_cat(input_ids, embed_weight, m.enorm.weight, hidden,
-                                             m.hnorm.weight, m.enorm.eps)
-        else:
+        x_in = head_input.fused_head_input(input_ids, embed_weight, m.enorm, hidden, m.hnorm)
+        if x_in is None:
             emb = embed_fn(input_ids).to(hidden.dtype)
             x_in = torch.cat([m.enorm(emb), m.hnorm(hidden)], dim=-1)
         x = upcast_linear(x_in, m.eh_proj_weight)
