@@ -32,14 +32,20 @@ def policies(orig):
     def few(m, n, k):
         return 2 <= m <= 8 and n <= 4096
 
-    def bcast(block_m, block_n, block_k=0, warps=4):
+    def bcast(block_m, block_n, block_k=0, warps=4, tail=False):
+        # tail: a one-step row split into two tiles as choose_blocks does (tail_k)
         def f(m, n, k, **kw):
             if not few(m, n, k):
                 return orig(m, n, k, **kw)
             kmax = max(1 << (k - 1).bit_length(), 16)
             bk = block_k or (kmax if kmax <= 2048 else 1024)
             bm = min(block_m, 1 << (m - 1).bit_length())
-            return Blocks(bm, block_n, min(bk, kmax), warps, 2, False)
+            bk, tk = min(bk, kmax), 0
+            if tail and bk == kmax and k < kmax:
+                rest = max(1 << (k - kmax // 2 - 1).bit_length(), 16)
+                if kmax // 2 + rest < kmax:
+                    bk, tk = kmax // 2, rest
+            return Blocks(bm, block_n, bk, warps, 2, False, tk)
         return f
 
     def dot(m, n, k, **kw):
@@ -57,7 +63,49 @@ def policies(orig):
             return b._replace(num_warps=w)
         return f
 
-    return {"current": orig, "dot": dot,
+    # tl.dot for one kind of projection only (rows 2 .. 4), told apart by shape and fusion:
+    # SmolLM2's norm + gate_up + silu (gate_up, norm, N = I = 1536), norm + qkv + rope + store
+    # (gate_up, N = 480), o (576 x 576, residual) and down (K = 1536); the EAGLE-3 head's
+    # projections have the same shapes except its qkv (K = 1152) and fc (K = 1728).
+    kinds = {"gu": lambda n, k, kw: kw.get("gate_up") and n >= 1024,
+             "qkv": lambda n, k, kw: kw.get("gate_up") and n < 1024,
+             "o": lambda n, k, kw: not kw.get("gate_up") and k < 1024,
+             "down": lambda n, k, kw: not kw.get("gate_up") and k >= 1024}
+
+    def dot_for(names, rows=(2, 4), tile=None):
+        # tile: (block_n, block_k, warps, stages) replacing choose_blocks' tl.dot choice
+        def f(m, n, k, **kw):
+            if not (rows[0] <= m <= rows[1] and n <= 4096
+                    and any(kinds[x](n, k, kw) for x in names)):
+                return orig(m, n, k, **kw)
+            kw.pop("use_dot", None)
+            b = orig(m, n, k, use_dot=True, **kw)
+            if tile is not None:
+                b = Blocks(b.block_m, tile[0], tile[1], tile[2], tile[3], True)
+            return b
+        return f
+
+    def no_tail(rows=(1, 16)):
+        # K read as one padded power-of-two tile (before the tail_k split), rows in `rows`
+        def f(m, n, k, **kw):
+            b = orig(m, n, k, **kw)
+            if not b.tail_k or not rows[0] <= m <= rows[1]:
+                return b
+            return b._replace(block_k=b.block_k * 2, tail_k=0)
+        return f
+
+    return {"current": orig, "dot": dot, "notail": no_tail(), "notail_m1": no_tail((1, 1)),
+            "notail_few": no_tail((2, 16)),
+            "dot_gu": dot_for(["gu"]), "dot_qkv": dot_for(["qkv"]), "dot_o": dot_for(["o"]),
+            "dot_down": dot_for(["down"]), "dot_gu_down": dot_for(["gu", "down"]),
+            "dot_gu_qkv": dot_for(["gu", "qkv"]),
+            "dot_gu_n32": dot_for(["gu"], tile=(32, 64, 4, 3)),
+            "dot_gu_k64": dot_for(["gu"], tile=(16, 64, 4, 3)),
+            "dot_gu_k64w2": dot_for(["gu"], tile=(16, 64, 2, 3)),
+            "dot_gu_k256s2": dot_for(["gu"], tile=(16, 256, 4, 2)),
+            "dot_gu1": dot_for(["gu"], rows=(1, 4)),
+            "m4n2w1t": bcast(4, 2, warps=1, tail=True), "m2n4w1t": bcast(2, 4, warps=1, tail=True),
+            "m2n2w1t": bcast(2, 2, warps=1, tail=True), "m4n1w1t": bcast(4, 1, warps=1, tail=True),
             "w1": warps(1), "w2": warps(2), "w1all": warps(1, (1, 16)),
             "w2all": warps(2, (1, 16)), "m2n4w1": bcast(2, 4, warps=1),
             "m2n1w1": bcast(2, 1, warps=1), "m4n2w1": bcast(4, 2, warps=1),
@@ -71,7 +119,7 @@ def policies(orig):
 def main():
     args, loaded, prompts = diag_setup(4, extra=(
         ("--policies", "current,m2n2,m4n1,m2n1,m4n2w8,m8n1"),
-        ("--engines", "no-spec,eagle3-fa3-k2,eagle3-fa3-k4")))
+        ("--engines", "no-spec,eagle3-fa3-k2,eagle3-fa3-k4"), ("--tag", "")))
     import outpace.kernels.small_linear as sl
     from outpace.engine.engine import LLMEngine
     eagle, _ = make_heads(args.gguf, tempfile.mkdtemp())
@@ -118,7 +166,7 @@ def main():
         if r["engine"] != "no-spec" and r["policy"] in ns and "current" in ns:
             r["ratio_to_nospec_same_policy"] = round(r["tok_s"] / ns[r["policy"]]["tok_s"], 3)
             r["ratio_to_nospec_current"] = round(r["tok_s"] / ns["current"]["tok_s"], 3)
-    (Path(args.out) / "diag_few_rows.json").write_text(json.dumps(rows, indent=1) + "\n")
+    (Path(args.out) / f"diag_few_rows{args.tag}.json").write_text(json.dumps(rows, indent=1) + "\n")
     for r in rows:
         print(r)
     del base

@@ -99,6 +99,7 @@ class Blocks(NamedTuple):
     num_warps: int
     num_stages: int
     use_dot: bool
+    tail_k: int = 0  # > 0: K is whole block_k steps plus a remainder read as a tile this wide
 
 
 # Numbers below are from benchmarks/bench_small_linear.py on an H200 (SmolLM2-135M and Llama-8B
@@ -146,6 +147,8 @@ def choose_blocks(M: int, N: int, K: int, *, elem_bytes: int = 2, gate_up: bool 
     more rows runs more programs, each reading the same weight tile). BLOCK_K takes the whole row in one step when K <= 2048, so all of
     a program's loads are in flight at once (a small weight is below the GPU's bandwidth-delay
     product, and every serial K step costs a DRAM latency); longer rows go in steps of 1024.
+    With several rows a one-step row that isn't a power of two is two tiles, both loaded up
+    front (`tail_k`: K = 576 is 512 + 64 columns, not a 1024-wide tile with 448 masked).
     BLOCK_N is as small as keeps >= 4 programs per SM (576 columns: 288 programs of 2) and grows
     up to the register budget for wide weights. 4 warps, except one for a several-row program
     with a small product (_ONE_WARP_PRODUCT).
@@ -178,13 +181,26 @@ def choose_blocks(M: int, N: int, K: int, *, elem_bytes: int = 2, gate_up: bool 
     block_m = min(next_pow2(M), _SUM_ROWS)
     block_k = k_max if k_max <= _SUM_ONE_STEP_K else _SUM_K
     block_k = min(block_k, max(_PRODUCT_BUDGET // (block_m * 2 * tiles), 16))
+    tail_k = 0
+    if M > 1 and block_k == k_max and K < k_max:
+        # A row read in one step, padded to a power of two: read the largest power of two
+        # below K and the rest as a second, narrower tile when that is narrower in all
+        # (K = 576: 512 + 64 columns, not 1024; 1536: 1024 + 512, not 2048). Each lane
+        # then multiplies only real columns: 44% fewer products at K = 576. For several
+        # rows, whose one-warp programs multiply in turn: the k = 2 verify graph went from
+        # 0.806 to 0.767 ms; one-row programs (4 warps, few products each) went from 0.544
+        # to 0.633 ms with the split, so they keep one tile (H200, diag_few_rows_run16.json).
+        main = k_max // 2
+        rest = max(next_pow2(K - main), 16)
+        if main + rest < k_max:
+            block_k, tail_k = main, rest
     block_n = 2
     while (block_n * 2 * tiles * block_m * block_k <= _PRODUCT_BUDGET
            and _cdiv(N, block_n * 2) >= 4 * _NUM_SMS):
         block_n *= 2
-    one_warp = M > 1 and block_m * block_n * tiles * block_k <= _ONE_WARP_PRODUCT
+    one_warp = M > 1 and block_m * block_n * tiles * (block_k + tail_k) <= _ONE_WARP_PRODUCT
     return Blocks(block_m, block_n, block_k, num_warps=1 if one_warp else 4, num_stages=2,
-                  use_dot=False)
+                  use_dot=False, tail_k=tail_k)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -218,6 +234,8 @@ def _launch(x, w, out, *, n_cols, norm_weight=None, eps=0.0, residual=None, silu
                                   gate_up=two, norm=norm_weight is not None)
     if cfg.use_dot and min(cfg.block_m, cfg.block_n, cfg.block_k) < 16:
         raise ValueError(f"{cfg}: tl.dot needs 16-wide tiles")
+    if cfg.tail_k and not (cfg.block_k <= k and cfg.tail_k >= k % cfg.block_k > 0):
+        raise ValueError(f"{cfg}: tail_k must cover K % block_k > 0 (K = {k})")
     nw = norm_weight if norm_weight is not None else w
     res = residual if residual is not None else out
     # _cdiv, not triton.cdiv: that one is a jit function, ~5 us a call from Python
@@ -235,7 +253,7 @@ def _launch(x, w, out, *, n_cols, norm_weight=None, eps=0.0, residual=None, silu
         HAS_RESIDUAL=residual is not None, SILU_MUL=silu_mul,
         ROPE_STORE=rope_store is not None, TWO_TILES=two, HALF=rs.half, HQ=rs.hq, HKV=rs.hkv,
         CACHE_BLOCK=rs.cache_block, USE_DOT=cfg.use_dot,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, TAIL_K=cfg.tail_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_options(x))
     return out
 

@@ -89,7 +89,7 @@ if triton is not None:
                              CACHE_BLOCK: tl.constexpr,
                              USE_DOT: tl.constexpr, BLOCK_M: tl.constexpr,
                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                             USE_PDL: tl.constexpr):
+                             TAIL_K: tl.constexpr, USE_PDL: tl.constexpr):
         # One program: output columns [pid * BLOCK_N, +BLOCK_N) for rows
         # [program_id(1) * BLOCK_M, +BLOCK_M) (one row block unless the broadcast path splits
         # the rows; each program then reads the same weight tile, an L2 hit for all but one),
@@ -98,6 +98,9 @@ if triton is not None:
         # ROPE_STORE (a qkv weight, heads of 2 * HALF rows) column j is the rope pair of rows
         # (head, d) and (head, d + HALF), head = j // HALF, d = j % HALF, so the epilogue can
         # rotate q and k itself (see norm_qkv_rope_store).
+        # TAIL_K > 0: K is whole BLOCK_K steps and a remainder of at most TAIL_K columns, read
+        # as one more (narrower) tile, loaded up front with the first: K = 576 is 512 + 64
+        # columns instead of 576 of a 1024-wide tile (see choose_blocks).
         pid = tl.program_id(0)
         offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -120,8 +123,13 @@ if triton is not None:
         # program's whole weight read.
         offs_k = tl.arange(0, BLOCK_K)
         w, wu = _load_w(w_rows, u_rows, offs_k, n_mask, K, TWO_TILES)
-        # With PDL this load is issued while the previous kernel still runs (kernels/pdl.py);
-        # everything below may read what earlier kernels wrote.
+        k_main = K  # the columns read in BLOCK_K steps
+        if TAIL_K > 0:
+            k_main = K - K % BLOCK_K
+            offs_t = k_main + tl.arange(0, TAIL_K)
+            w_t, wu_t = _load_w(w_rows, u_rows, offs_t, n_mask, K, TWO_TILES)
+        # With PDL these loads are issued while the previous kernel still runs
+        # (kernels/pdl.py); everything below may read what earlier kernels wrote.
         wait_then_release(USE_PDL)
 
         rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -129,21 +137,30 @@ if triton is not None:
             # Every program recomputes the row statistics: x is a few KB and L2-resident, and
             # this saves the separate norm kernel and its round trip through memory.
             sq = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
+            for k0 in range(0, k_main, BLOCK_K):
                 offs_kk = k0 + tl.arange(0, BLOCK_K)
                 xk = tl.load(x_rows + offs_kk[None, :],
                              mask=m_mask[:, None] & (offs_kk < K)[None, :], other=0.0)
                 xk = xk.to(tl.float32)
                 sq += xk * xk
-            rstd = 1.0 / tl.sqrt(tl.sum(sq, axis=1) / K + eps)
+            ss = tl.sum(sq, axis=1)
+            if TAIL_K > 0:
+                xt = tl.load(x_rows + offs_t[None, :],
+                             mask=m_mask[:, None] & (offs_t < K)[None, :], other=0.0)
+                xt = xt.to(tl.float32)
+                ss += tl.sum(xt * xt, axis=1)
+            rstd = 1.0 / tl.sqrt(ss / K + eps)
 
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc, acc_u = _step(acc, acc, w, wu, x_rows, m_mask, offs_k, K, nw_ptr, rstd, A_DTYPE,
                            HAS_NORM, NORM_ROUND, TWO_TILES, USE_DOT)
-        for k0 in range(BLOCK_K, K, BLOCK_K):
+        for k0 in range(BLOCK_K, k_main, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             w, wu = _load_w(w_rows, u_rows, offs_k, n_mask, K, TWO_TILES)
             acc, acc_u = _step(acc, acc_u, w, wu, x_rows, m_mask, offs_k, K, nw_ptr, rstd,
+                               A_DTYPE, HAS_NORM, NORM_ROUND, TWO_TILES, USE_DOT)
+        if TAIL_K > 0:
+            acc, acc_u = _step(acc, acc_u, w_t, wu_t, x_rows, m_mask, offs_t, K, nw_ptr, rstd,
                                A_DTYPE, HAS_NORM, NORM_ROUND, TWO_TILES, USE_DOT)
 
         out_mask = m_mask[:, None] & n_mask[None, :]

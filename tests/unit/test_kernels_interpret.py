@@ -400,6 +400,7 @@ def check_small_linear_both_paths(use_dot, dtype):
 
 # Blocks(block_m, block_n, block_k, num_warps, num_stages, use_dot)
 @pytest.mark.parametrize("cfg", [(4, 4, 16, 1, 1, False), (4, 32, 64, 8, 3, False),
+                                 (2, 8, 32, 1, 2, False, 32),  # several steps and a tail tile
                                  (16, 16, 32, 4, 1, True), (16, 16, 64, 1, 2, True)], ids=str)
 @pytest.mark.parametrize("shape", [(3, 50, 72), (4, 40, 600)])
 def check_small_linear_explicit_blocks(shape, cfg):
@@ -412,6 +413,13 @@ def check_small_linear_explicit_blocks(shape, cfg):
                                **NORM_TOL[torch.float32])
     torch.testing.assert_close(norm_small_linear_triton(x, nw, 1e-6, w, blocks=blocks),
                                norm_small_linear_ref(x, nw, 1e-6, w), **NORM_TOL[torch.float32])
+
+
+def check_small_linear_rejects_a_short_tail():
+    """A forced tail narrower than K's remainder would skip columns: refused."""
+    x, w, _ = _linear_inputs(3, 50, 72, torch.float32, seed=41)
+    with pytest.raises(ValueError, match="tail_k"):
+        small_linear_triton(x, w, blocks=Blocks(2, 8, 64, 1, 2, False, 4))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

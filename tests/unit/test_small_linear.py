@@ -142,7 +142,30 @@ def test_choose_blocks_is_a_valid_shape_policy(m):
             assert b.block_m * b.block_n * b.block_k <= 16384
         if m == 1 and 576 <= n <= 3072:
             assert -(-n // b.block_n) >= 100  # small weights spread over the SMs
+        if b.tail_k:  # whole block_k steps plus one narrower tile that covers the rest
+            assert not b.use_dot and b.tail_k == next_pow2(b.tail_k)
+            assert b.block_k <= k and 0 < k % b.block_k <= b.tail_k
+            assert b.block_k + b.tail_k < next_pow2(k)  # less padding than one tile
     assert choose_blocks(SMALL_M_MAX, 576, 576).block_m == SMALL_M_MAX
+
+
+def test_one_row_programs_keep_one_padded_tile():
+    for n, k in [(576, 576), (576, 1536), (49152, 576)]:
+        assert choose_blocks(1, n, k).tail_k == 0
+
+
+@pytest.mark.parametrize("m", [2, 3, 4])
+def test_several_row_programs_split_off_their_padding(m):
+    """K = 576 (SmolLM2's hidden size) reads 512 + 64 columns, not a 1024-wide tile of which
+    448 are masked; K = 1536 reads 1024 + 512; a power of two, or a K whose split saves
+    nothing (960 = 512 + 448 -> 512 + 512), keeps one tile."""
+    assert (choose_blocks(m, 576, 576).block_k, choose_blocks(m, 576, 576).tail_k) == (512, 64)
+    assert (choose_blocks(m, 1536, 576, gate_up=True).block_k,
+            choose_blocks(m, 1536, 576, gate_up=True).tail_k) == (512, 64)
+    assert (choose_blocks(m, 576, 1536).block_k, choose_blocks(m, 576, 1536).tail_k) == (1024, 512)
+    for k in (512, 1024, 960):
+        assert choose_blocks(m, 576, k).tail_k == 0
+        assert choose_blocks(m, 576, k).block_k == next_pow2(k)
 
 
 def test_several_row_broadcast_programs_run_one_warp():
