@@ -5,6 +5,7 @@
 #   bash benchmarks/gpu_session.sh bench SECTIONS   bench_gpu.py --sections SECTIONS
 #   bash benchmarks/gpu_session.sh diag            diag_step.py (where a fused step's time goes)
 #   bash benchmarks/gpu_session.sh rows [ARGS]     diag_few_rows.py (few-row block policies in the step)
+#   bash benchmarks/gpu_session.sh request        diag_request.py (a batch-1 request's steps and idle GPU)
 #   bash benchmarks/gpu_session.sh launch          diag_launch.py (what makes a graph slow to launch)
 #   bash benchmarks/gpu_session.sh sweep MS         bench_small_linear.py's sweep at those M
 # Results go to $OUT (the device tool brings them back). The device's copy of .git can be stale
@@ -38,6 +39,7 @@ case "$1" in
            --out "${OUT:-/tmp/out}" --sections "$@" ;;
   diag)  python3 benchmarks/diag_step.py --gguf "$GGUF" --out "${OUT:-/tmp/out}" ;;
   rows)  shift; python3 benchmarks/diag_few_rows.py --gguf "$GGUF" --out "${OUT:-/tmp/out}" "$@" ;;
+  request) shift; python3 benchmarks/diag_request.py --gguf "$GGUF" --out "${OUT:-/tmp/out}" "$@" ;;
   launch) python3 benchmarks/diag_launch.py --out "${OUT:-/tmp/out}" ;;
   sweep) shift; python3 benchmarks/bench_small_linear.py --out "${OUT:-/tmp/out}" \
            --sections sweep --sweep-ms "$1" --sweep-models smol --total-s 45 ;;

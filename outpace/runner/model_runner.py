@@ -236,14 +236,11 @@ class ModelRunner:
                 result.outputs[sr.request.request_id].next_draft_token_ids = list(d[:k])
 
     def draft_length(self, req, batch_size: int, num_committed: int) -> int:
-        """Drafts to propose for req: the policy's k, never past max_tokens or the context.
+        """Drafts to propose for req: the policy's k, never past the context (the next step
+        emits up to k + 1 tokens, so k <= context left - 1).
 
-        The next step emits up to k + 1 tokens, so k <= tokens left - 1.
-        """
+        Not trimmed to max_tokens: a step launched ahead on the device (LLMEngine._chain)
+        verifies all of them, so the host's plan must hold them all; a step scheduled on the
+        host trims them there (Scheduler._drafts_for)."""
         k = self.proposer.draft_length(req, batch_size)
-        params = req.sampling_params
-        left = req.max_model_len - num_committed - 1
-        if params.max_tokens is not None:
-            num_out = num_committed - req.num_prompt_tokens
-            left = min(left, params.max_tokens - num_out - 1)
-        return max(0, min(k, left))
+        return max(0, min(k, req.max_model_len - num_committed - 1))

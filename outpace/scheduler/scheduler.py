@@ -163,17 +163,32 @@ class Scheduler:
         return StepPlan(scheduled=list(step.scheduled.values()), preempted_ids=step.preempted,
                         load=self.num_running + self.num_waiting)
 
+    def _tokens_left(self, req: Request) -> int:
+        """Tokens req may still emit: up to max_tokens and the end of its context."""
+        left = self._max_len(req) - req.num_tokens
+        max_tokens = req.sampling_params.max_tokens
+        if max_tokens is not None:
+            left = min(left, max_tokens - len(req.output_token_ids))
+        return left
+
     def _drafts_for(self, req: Request, budget: int) -> list:
         """The request's drafts, trimmed so this step emits no token past its limits."""
         spec = req.spec_token_ids
         if not spec:
             return []
-        left = self._max_len(req) - req.num_tokens
-        max_tokens = req.sampling_params.max_tokens
-        if max_tokens is not None:
-            left = min(left, max_tokens - len(req.output_token_ids))
-        k = min(len(spec), left - 1, budget - 1)  # k drafts emit up to k + 1 tokens
+        k = min(len(spec), self._tokens_left(req) - 1, budget - 1)  # k drafts: <= k + 1 tokens
         return list(spec[:k]) if k > 0 else []
+
+    def counted_drafts(self, req: Request, num_draft: int, num_accepted: int) -> tuple:
+        """(drafts, accepted) of a step as the statistics count them, asked before the step's
+        tokens are appended. A chained step may verify drafts past max_tokens (see
+        LLMEngine._chain; the tokens past it are dropped in _append); only the drafts that
+        could have become output count, as many as _drafts_for would have left an unchained
+        step, so the statistics don't depend on overlap."""
+        usable = max(self._tokens_left(req) - 1, 0)
+        if num_draft <= usable:
+            return num_draft, num_accepted
+        return usable, min(num_accepted, usable)
 
     def _chunk(self, remaining: int, budget: int) -> int:
         """Prefill tokens to schedule now; 0 means wait for a step with more room."""
@@ -246,14 +261,15 @@ class Scheduler:
         self._finished_pending.append(req)
 
     # ---- overlap: a step the device launched before its plan was made ----------------------
-    def can_run_ahead(self, req: Request, num_tokens: int) -> bool:
-        """Whether req can emit num_tokens more tokens and stay short of max_tokens and its
-        context, so that nothing about its next steps gets trimmed meanwhile."""
-        left = self._max_len(req) - req.num_tokens
+    def context_has_room(self, req: Request, num_tokens: int) -> bool:
+        """Whether req's context holds num_tokens more tokens, with room to spare (a step
+        launched ahead writes KV and rope positions for all of them)."""
+        return self._max_len(req) - req.num_tokens > num_tokens
+
+    def wants_more_than(self, req: Request, num_tokens: int) -> bool:
+        """Whether req has more than num_tokens tokens left before max_tokens."""
         max_tokens = req.sampling_params.max_tokens
-        if max_tokens is not None:
-            left = min(left, max_tokens - len(req.output_token_ids))
-        return left > num_tokens
+        return max_tokens is None or max_tokens - len(req.output_token_ids) > num_tokens
 
     def reserve_chained(self, req: Request, kd: int) -> bool:
         """Blocks, now, for the step a device will launch after the one just scheduled, whose
@@ -299,7 +315,7 @@ class Scheduler:
                     f"runner output for {rid} is inconsistent: {len(tokens)} tokens, "
                     f"{num_accepted} of {num_draft} drafts accepted, sample={s.sample}")
             req.num_computed_tokens -= num_draft - num_accepted  # rejected drafts' KV is dead
-            req.spec_stats.record(num_draft, num_accepted)
+            req.spec_stats.record(*self.counted_drafts(req, num_draft, num_accepted))
             self._append(req, tokens, out.logprobs if out is not None else None)
             # Tokens after a stop token were dropped, so cache only what is still the sequence.
             self.kv.cache_committed(req, min(req.num_computed_tokens, req.num_tokens))

@@ -265,3 +265,39 @@ def test_overlap_with_arrivals_aborts_and_stops(tiny_loaded, tiny_heads, fake_gr
         assert got[f"o{i}"] == want[i], f"request {i} ({plist[i]})"
     assert "o4" not in got
     assert len(want[1]) < 30 and len(want[2]) < 30 and len(want[3]) == 7  # the stops happened
+
+
+@pytest.mark.parametrize("method,k", [(None, 0), ("eagle3", 2), ("mtp", 3)])
+@pytest.mark.parametrize("force", [False, True], ids=["greedy", "force-accept"])
+def test_steps_chain_up_to_max_tokens(tiny_loaded, tiny_heads, fake_graph_capture, method, k,
+                                      force):
+    """A step is chained from its predecessor's device outputs whenever that predecessor
+    can't finish the request (LLMEngine._chain), also when the new step may pass max_tokens
+    (its tokens past it are dropped): at every max_tokens around a step boundary, without
+    drafts and with every draft accepted (force-accept at mean k + 1, as the benchmark's
+    k = 2 rows), only the first decode step is launched from the host. Greedy with random
+    heads (drafts mostly rejected): outputs and acceptance statistics equal the eager
+    engine's, and the statistics count no draft past max_tokens."""
+    if force and not method:
+        pytest.skip("force-accept needs drafts")
+    spec = spec_for(tiny_heads, method, k, **({"force_accept_mean": k + 1.0} if force else {}))
+    prompt = repetitive_prompts(1, 31)[0]
+    eng = make_engine(tiny_loaded, speculative_config=spec, overlap=True)
+    enable_graphs(eng, k)
+    eager = make_engine(tiny_loaded, speculative_config=spec)
+    fused = eng.runner.fused
+    for max_tokens in range(3 * (k + 1) + 1, 4 * (k + 1) + 2):  # 3 full steps, then 0 .. k + 1
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        replays, chained, stats = fused.replays, fused.chained, eng.stats()["spec"]
+        got = run_batch(eng, [prompt], params)
+        assert len(got[0]) == max_tokens
+        replays, chained = fused.replays - replays, fused.chained - chained
+        accepted = eng.stats()["spec"]["num_accepted_tokens"] - stats["num_accepted_tokens"]
+        if force:  # every step kept k + 1 tokens but the last, which kept what was left
+            assert replays == -(-(max_tokens - 1) // (k + 1))
+            assert accepted == max_tokens - 1 - replays  # no draft past max_tokens counted
+        if force or not method:
+            assert replays >= 3 and replays - chained == 1, (max_tokens, replays, chained)
+        if not force:
+            assert got == run_batch(eager, [prompt], params)
+            assert eng.stats()["spec"] == eager.stats()["spec"], max_tokens
