@@ -60,43 +60,66 @@ if triton is not None:
     from outpace.kernels.pdl import wait_then_release
 
     @triton.jit
+    def _attn_tile(acc, l_i, m_i, q, k, v, cols, cmask, qpos, qk_scale, MASKED: tl.constexpr,
+                   IS_FP32: tl.constexpr):
+        # One KV tile of the online softmax: k [BLOCK_D, BLOCK_N], v [BLOCK_N, BLOCK_D] as
+        # loaded (columns outside cmask are 0). MASKED applies the causal mask (and cmask);
+        # unmasked tiles are full tiles every row of the tile may see.
+        k = k.to(q.dtype)
+        if IS_FP32:
+            qk = tl.dot(q, k, input_precision="ieee")
+        else:
+            qk = tl.dot(q, k)
+        qk = qk * qk_scale  # [BLOCK_M, BLOCK_N], log2 domain
+        if MASKED:
+            vis = (cols[None, :] <= qpos[:, None]) & cmask[None, :]
+            qk = tl.where(vis, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        # A row that has seen nothing yet (possible under split-KV) keeps m = -inf; shift by 0
+        # instead so exp2 gives 0 rather than NaN.
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(qk - m_use[:, None])
+        alpha = tl.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = v.to(q.dtype)  # masked rows are 0 so garbage can't leak
+        if IS_FP32:
+            pv = tl.dot(p, v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        return acc, l_i, m_new
+
+    @triton.jit
+    def _kv_offsets(bt_row_ptr, cols, cmask, kvh, stride_cb, stride_co, stride_ch,
+                    BLOCK_SIZE: tl.constexpr, CG: tl.constexpr):
+        # Pool offsets of KV columns `cols` of one sequence (through its block table); CG:
+        # the block-table load bypasses L1.
+        if CG:
+            blk = tl.load(bt_row_ptr + cols // BLOCK_SIZE, mask=cmask, other=0,
+                          cache_modifier=".cg")
+        else:
+            blk = tl.load(bt_row_ptr + cols // BLOCK_SIZE, mask=cmask, other=0)
+        blk = blk.to(tl.int64)
+        return blk * stride_cb + (cols % BLOCK_SIZE) * stride_co + kvh * stride_ch
+
+    @triton.jit
     def _attn_tiles(acc, l_i, m_i, q, kc_ptr, vc_ptr, bt_row_ptr, lo, hi, qpos, offs_d, dmask,
                     kvh, stride_cb, stride_co, stride_ch, qk_scale, BLOCK_SIZE: tl.constexpr,
-                    MASKED: tl.constexpr, BLOCK_N: tl.constexpr, IS_FP32: tl.constexpr):
+                    MASKED: tl.constexpr, BLOCK_N: tl.constexpr, IS_FP32: tl.constexpr,
+                    CG: tl.constexpr):
         # Online softmax over KV columns [lo, hi). MASKED applies the causal mask (and hi);
         # unmasked calls only get full tiles every row of the tile may see.
         for start in range(lo, hi, BLOCK_N):
             cols = start + tl.arange(0, BLOCK_N)
             cmask = cols < hi
-            blk = tl.load(bt_row_ptr + cols // BLOCK_SIZE, mask=cmask, other=0).to(tl.int64)
-            kv_off = blk * stride_cb + (cols % BLOCK_SIZE) * stride_co + kvh * stride_ch
-            kv_mask = cmask[None, :] & dmask[:, None]
-            k = tl.load(kc_ptr + kv_off[None, :] + offs_d[:, None], mask=kv_mask, other=0.0)
-            k = k.to(q.dtype)  # [BLOCK_D, BLOCK_N]
-            if IS_FP32:
-                qk = tl.dot(q, k, input_precision="ieee")
-            else:
-                qk = tl.dot(q, k)
-            qk = qk * qk_scale  # [BLOCK_M, BLOCK_N], log2 domain
-            if MASKED:
-                vis = (cols[None, :] <= qpos[:, None]) & cmask[None, :]
-                qk = tl.where(vis, qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            # A row that has seen nothing yet (possible under split-KV) keeps m = -inf; shift by 0
-            # instead so exp2 gives 0 rather than NaN.
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp2(qk - m_use[:, None])
-            alpha = tl.exp2(m_i - m_use)
-            l_i = l_i * alpha + tl.sum(p, 1)
+            kv_off = _kv_offsets(bt_row_ptr, cols, cmask, kvh, stride_cb, stride_co, stride_ch,
+                                 BLOCK_SIZE, CG)
+            k = tl.load(kc_ptr + kv_off[None, :] + offs_d[:, None],
+                        mask=cmask[None, :] & dmask[:, None], other=0.0)
             v = tl.load(vc_ptr + kv_off[:, None] + offs_d[None, :],
                         mask=cmask[:, None] & dmask[None, :], other=0.0)
-            v = v.to(q.dtype)  # [BLOCK_N, BLOCK_D]; masked rows are 0 so garbage can't leak
-            if IS_FP32:
-                pv = tl.dot(p, v, input_precision="ieee")
-            else:
-                pv = tl.dot(p.to(v.dtype), v)
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
+            acc, l_i, m_i = _attn_tile(acc, l_i, m_i, q, k, v, cols, cmask, qpos, qk_scale,
+                                       MASKED, IS_FP32)
         return acc, l_i, m_i
 
     @triton.jit
@@ -109,34 +132,31 @@ if triton is not None:
             BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
             BLOCK_D: tl.constexpr,
             NUM_SPLITS: tl.constexpr, IS_FP32: tl.constexpr, FUSED_MERGE: tl.constexpr,
-            USE_PDL: tl.constexpr):
-        wait_then_release(USE_PDL)  # before any load: everything here is written by the step
+            PREFETCH: tl.constexpr, USE_PDL: tl.constexpr):
+        # PREFETCH: before the PDL wait (kernels/pdl.py) the kernel reads what only kernels at
+        # least two launches back wrote, which have finished once it runs (its predecessor
+        # launched it after its own wait): the step's query layout, lengths and block tables,
+        # and the KV of every column before this step's tokens. So the first tile's
+        # block-table entries and old K / V are in flight while the predecessor (the q / k / v
+        # projection) still runs; q and this step's K / V are read after the wait. Those early
+        # loads bypass L1 (.cg): L2 is coherent with the writers on other SMs. Without
+        # PREFETCH the kernel waits before its first load (see paged_attention for when).
+        if not PREFETCH:
+            wait_then_release(USE_PDL)
         qb = tl.program_id(0)
         seq = tl.program_id(1)
         kvh = tl.program_id(2) // NUM_SPLITS
         split = tl.program_id(2) % NUM_SPLITS
-        q_start = tl.load(qsl_ptr + seq)
-        q_len = tl.load(qsl_ptr + seq + 1) - q_start
+        q_start = tl.load(qsl_ptr + seq, cache_modifier=".cg")
+        q_len = tl.load(qsl_ptr + seq + 1, cache_modifier=".cg") - q_start
         first = qb * BLOCK_Q  # first local query token of this tile
-        if first >= q_len:  # tile past this sequence's queries (or a padded sequence)
-            return
-        seq_len = tl.load(seq_lens_ptr + seq)
+        active = first < q_len  # else a tile past this sequence's queries (or a padded one)
+        if not PREFETCH:
+            if not active:
+                return
+        seq_len = tl.load(seq_lens_ptr + seq, cache_modifier=".cg")
         ctx = seq_len - q_len
         last = tl.minimum(q_len, first + BLOCK_Q) - 1
-
-        rows = tl.arange(0, BLOCK_M)
-        tok = first + rows // GROUP_PAD  # local query token of each row
-        hig = rows % GROUP_PAD
-        row_ok = (tok < q_len) & (hig < GROUP)
-        head = kvh * GROUP + hig
-        # Pad rows borrow the last real token's position so no row is ever fully masked.
-        qpos = ctx + tl.minimum(tok, q_len - 1)
-        offs_d = tl.arange(0, BLOCK_D)
-        dmask = offs_d < HEAD_DIM
-        tok_g = (q_start + tok).to(tl.int64)
-        io_mask = row_ok[:, None] & dmask[None, :]
-        q = tl.load(q_ptr + tok_g[:, None] * stride_qt + head[:, None] * stride_qh
-                    + offs_d[None, :], mask=io_mask, other=0.0)  # [BLOCK_M, BLOCK_D]
 
         kv_end = ctx + last + 1
         if NUM_SPLITS == 1:
@@ -150,16 +170,59 @@ if triton is not None:
         mid = ((ctx + first + 1) // BLOCK_N) * BLOCK_N
         mid = tl.minimum(tl.maximum(mid, lo), hi)
 
+        offs_d = tl.arange(0, BLOCK_D)
+        dmask = offs_d < HEAD_DIM
+        bt_row_ptr = bt_ptr + seq.to(tl.int64) * stride_bt
+        if PREFETCH:
+            cols0 = lo + tl.arange(0, BLOCK_N)  # the first tile, [lo, lo + BLOCK_N)
+            cmask0 = cols0 < tl.where(active, hi, lo)  # an inactive tile loads nothing
+            kv_off0 = _kv_offsets(bt_row_ptr, cols0, cmask0, kvh, stride_cb, stride_co,
+                                  stride_ch, BLOCK_SIZE, True)
+            old0 = cmask0 & (cols0 < ctx)
+            k0 = tl.load(kc_ptr + kv_off0[None, :] + offs_d[:, None],
+                         mask=old0[None, :] & dmask[:, None], other=0.0, cache_modifier=".cg")
+            v0 = tl.load(vc_ptr + kv_off0[:, None] + offs_d[None, :],
+                         mask=old0[:, None] & dmask[None, :], other=0.0, cache_modifier=".cg")
+
+            wait_then_release(USE_PDL)  # everything below may read what the predecessor wrote
+            if not active:
+                return
+
+            new0 = cmask0 & (cols0 >= ctx)  # this step's tokens in the first tile (0 above)
+            k0 += tl.load(kc_ptr + kv_off0[None, :] + offs_d[:, None],
+                          mask=new0[None, :] & dmask[:, None], other=0.0)
+            v0 += tl.load(vc_ptr + kv_off0[:, None] + offs_d[None, :],
+                          mask=new0[:, None] & dmask[None, :], other=0.0)
+
+        rows = tl.arange(0, BLOCK_M)
+        tok = first + rows // GROUP_PAD  # local query token of each row
+        hig = rows % GROUP_PAD
+        row_ok = (tok < q_len) & (hig < GROUP)
+        head = kvh * GROUP + hig
+        # Pad rows borrow the last real token's position so no row is ever fully masked.
+        qpos = ctx + tl.minimum(tok, q_len - 1)
+        tok_g = (q_start + tok).to(tl.int64)
+        io_mask = row_ok[:, None] & dmask[None, :]
+        q = tl.load(q_ptr + tok_g[:, None] * stride_qt + head[:, None] * stride_qh
+                    + offs_d[None, :], mask=io_mask, other=0.0)  # [BLOCK_M, BLOCK_D]
+
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-        bt_row_ptr = bt_ptr + seq.to(tl.int64) * stride_bt
-        acc, l_i, m_i = _attn_tiles(acc, l_i, m_i, q, kc_ptr, vc_ptr, bt_row_ptr, lo, mid, qpos,
-                                    offs_d, dmask, kvh, stride_cb, stride_co, stride_ch,
-                                    qk_scale, BLOCK_SIZE, False, BLOCK_N, IS_FP32)
+        start = lo
+        if PREFETCH:
+            # the first tile, always masked (exact for a full tile too); the rest as below
+            acc, l_i, m_i = _attn_tile(acc, l_i, m_i, q, k0, v0, cols0, cmask0, qpos, qk_scale,
+                                       True, IS_FP32)
+            start = tl.minimum(lo + BLOCK_N, hi)
+            mid = tl.maximum(mid, start)
+        # full tiles every row of the tile sees unmasked, then the causal edge masked
+        acc, l_i, m_i = _attn_tiles(acc, l_i, m_i, q, kc_ptr, vc_ptr, bt_row_ptr, start, mid,
+                                    qpos, offs_d, dmask, kvh, stride_cb, stride_co, stride_ch,
+                                    qk_scale, BLOCK_SIZE, False, BLOCK_N, IS_FP32, PREFETCH)
         acc, l_i, m_i = _attn_tiles(acc, l_i, m_i, q, kc_ptr, vc_ptr, bt_row_ptr, mid, hi, qpos,
                                     offs_d, dmask, kvh, stride_cb, stride_co, stride_ch,
-                                    qk_scale, BLOCK_SIZE, True, BLOCK_N, IS_FP32)
+                                    qk_scale, BLOCK_SIZE, True, BLOCK_N, IS_FP32, PREFETCH)
 
         if NUM_SPLITS == 1:
             out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -275,15 +338,26 @@ def choose_splits(num_tiles: int, sm_count: int, max_splits: int) -> int:
     return min(next_pow2(max_splits), next_pow2(-(-sm_count // num_tiles)))
 
 
+def prefetches(max_query_len: int, num_seqs: int, head_dim: int) -> bool:
+    """Whether the attention kernel loads its first KV tile before the PDL wait (PREFETCH):
+    for one sequence's decode / verify with heads of at most 64. Measured on the H200 (run 17,
+    the prefetch at every shape): SmolLM2's batch-1 graphs 0.537 -> 0.505 ms (no-spec) and
+    0.767 -> 0.750 (EAGLE-3 k = 2), but batch 8-128 up to 0.196 ms slower and the 8B-shaped
+    batch-1 graph (heads of 128) 0.14 ms slower, so only that case takes it."""
+    return max_query_len <= 16 and num_seqs == 1 and next_pow2(max(head_dim, 16)) <= 64
+
+
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, meta: AttentionMetadata,
                     scale: float, num_splits: int = 1, min_split_tokens: int = 64,
-                    split_counters: torch.Tensor | None = None) -> torch.Tensor:
+                    split_counters: torch.Tensor | None = None,
+                    prefetch: bool | None = None) -> torch.Tensor:
     """q [T, Hq, D] (last dim contiguous) -> out [T, Hq, D]; K/V are read from the pool only.
 
     Uses meta.query_start_loc / seq_lens / block_tables (device) and meta.max_query_len (a bound
     fixed per captured graph); never the *_host mirrors. num_splits: power of two.
     split_counters: int32 zeros, one per tile at least (left zero after the launch); with them
     the last split of each tile merges the partials itself, without the merge kernel.
+    prefetch: the kernel variant (None: `prefetches` picks it from the shapes; tests force it).
     """
     t, hq, d = q.shape
     kc, vc = kv_cache[layer, 0], kv_cache[layer, 1]  # [blocks, block_size, Hkv, D]
@@ -317,7 +391,9 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, meta: A
         t, hq, float(scale) * LOG2E, min_chunk, d, kc.shape[1],
         GROUP=group, GROUP_PAD=next_pow2(group), BLOCK_Q=cfg.block_q, BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, BLOCK_D=block_d, NUM_SPLITS=num_splits,
-        IS_FP32=q.dtype == torch.float32, FUSED_MERGE=fused_merge, num_warps=cfg.num_warps,
+        IS_FP32=q.dtype == torch.float32, FUSED_MERGE=fused_merge,
+        PREFETCH=prefetches(meta.max_query_len, num_seqs, d) if prefetch is None else prefetch,
+        num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **opts)
     if num_splits > 1 and not fused_merge:
         _merge_splits_kernel[(t, hq)](

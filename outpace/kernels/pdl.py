@@ -8,8 +8,11 @@ launch and weight read hide behind the previous kernel. CUDA graphs keep the dep
 programmatic edge.
 
 The protocol every kernel launched with PDL follows (`wait_then_release`):
-  1. a prologue that only reads memory no kernel of the step writes (weights, norm weights)
-     and writes nothing;
+  1. a prologue that writes nothing and only reads memory that no kernel of the step writes
+     (weights, norm weights) or that only kernels at least two launches back wrote: those
+     have finished, since the predecessor released this kernel only after its own wait
+     (the attention kernel reads the step's block tables and the KV of earlier tokens here,
+     bypassing L1);
   2. `gdc_wait`: every earlier kernel has finished and its writes are visible;
   3. `gdc_launch_dependents`: the next kernel may now launch and run its own prologue;
   4. the rest of the kernel.

@@ -58,6 +58,17 @@ def test_split_and_tile_choice_is_shape_only():
     assert choose_splits(8, 132, 1) == 1
 
 
+def test_attention_prefetches_only_where_it_was_measured_faster():
+    """The first-tile prefetch before the PDL wait: one sequence's decode / verify with heads
+    of at most 64 (SmolLM2's batch-1 graphs were faster with it; batches of 8-128 and the
+    8B-shaped heads of 128 slower)."""
+    from outpace.attention.triton_paged import prefetches
+    assert prefetches(1, 1, 64) and prefetches(5, 1, 64) and prefetches(16, 1, 48)
+    assert not prefetches(1, 2, 64) and not prefetches(3, 8, 64)  # several sequences
+    assert not prefetches(1, 1, 128)  # wide heads
+    assert not prefetches(17, 1, 64) and not prefetches(512, 1, 64)  # prefill chunks
+
+
 def test_import_and_fallback_without_triton():
     """With triton unimportable: modules import, dispatchers use the references, and the Triton
     backend raises ImportError (the runner's cue to fall back) saying what to install."""
@@ -303,9 +314,13 @@ EXTRA = {
 }
 
 
+@pytest.mark.parametrize("prefetch", [False, True], ids=["wait-first", "prefetch"])
 @pytest.mark.parametrize("case", ATTN_CASES, ids=lambda c: f"{c[0]}-{str(c[1])[6:]}-"
                          f"h{c[2]}g{c[3]}d{c[4]}s{c[5]}b{c[6]}")
-def check_paged_attention(case):
+def check_paged_attention(case, prefetch):
+    """Both kernel variants (PREFETCH: the first KV tile loaded before the PDL wait, then the
+    step's own tokens added in) at every composition: the first tile is each split's whole
+    range, part of it, or empty, and holds old columns, new ones or both."""
     name, dtype, hkv, group, d, splits, slack = case
     seqs = EXTRA.get(name) or COMPOSITIONS[name]
     b = make_batch(seqs, hkv, group, d, dtype, "cpu", pad_seqs=1, pad_tokens=2,
@@ -313,14 +328,14 @@ def check_paged_attention(case):
     scale = d ** -0.5
     store_kv_triton(b.kv_cache, b.layer, b.k, b.v, b.meta.slot_mapping)
     out = paged_attention(b.q, b.kv_cache, b.layer, _no_host_mirrors(b.meta), scale,
-                          num_splits=splits, min_split_tokens=16)
+                          num_splits=splits, min_split_tokens=16, prefetch=prefetch)
     verify_attention(b, out, scale)
     if splits > 1:  # the last split of each tile merges (per-tile counters), twice in a row
         counters = torch.zeros(64, dtype=torch.int32)
         for _ in range(2):
             out = paged_attention(b.q, b.kv_cache, b.layer, _no_host_mirrors(b.meta), scale,
                                   num_splits=splits, min_split_tokens=16,
-                                  split_counters=counters)
+                                  split_counters=counters, prefetch=prefetch)
             verify_attention(b, out, scale)
             assert not counters.any(), "the counters must be left at zero"
 
