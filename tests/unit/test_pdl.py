@@ -42,9 +42,9 @@ def test_supported_only_on_hopper_and_later_nvidia(monkeypatch, capability, hip,
 
 
 def _pdl_kernels():
-    from outpace.attention import triton_paged
+    from outpace.attention import triton_paged_kernels
     from outpace.kernels import argmax, norm, rope, small_linear_kernels
-    mods = (triton_paged, argmax, norm, rope, small_linear_kernels)
+    mods = (triton_paged_kernels, argmax, norm, rope, small_linear_kernels)
     for mod in mods:
         for name, obj in vars(mod).items():
             if isinstance(obj, triton.runtime.JITFunction) and "USE_PDL" in obj.arg_names \
