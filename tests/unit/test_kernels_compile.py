@@ -1,0 +1,84 @@
+"""The step's Triton kernels compile for the H200 (sm_90: frontend, LLVM and triton's bundled
+ptxas) on a machine without a GPU. The interpreter checks (test_kernels_interpret.py) run a
+kernel's Python, not its compilation; GPU time is scarce, so a variant that only the compiler
+would reject is caught here first. Each case is a configuration the launchers pick."""
+
+from __future__ import annotations
+
+import pytest
+
+triton = pytest.importorskip("triton")
+
+try:
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+except Exception:  # pragma: no cover - a triton without these entry points
+    pytest.skip("this triton has no ahead-of-time compile entry points", allow_module_level=True)
+
+H200 = GPUTarget("cuda", 90, 32)
+
+
+def compile_for_h200(fn, pointers: dict, floats: tuple, constexprs: dict, num_warps: int,
+                     num_stages: int = 2):
+    """fn's arguments: pointers (name -> element type), float scalars, constexprs; the rest are
+    i32 scalars. -> the compiled kernel."""
+    sig = {}
+    for name in fn.arg_names:
+        if name in constexprs:
+            sig[name] = "constexpr"
+        elif name in pointers:
+            sig[name] = "*" + pointers[name]
+        else:
+            sig[name] = "fp32" if name in floats else "i32"
+    try:
+        src = ASTSource(fn=fn, signature=sig,
+                        constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()})
+    except TypeError as e:  # pragma: no cover - another triton's ASTSource signature
+        pytest.skip(f"this triton's ASTSource takes other arguments: {e}")
+    try:
+        return triton.compile(src, target=H200, options={
+            "num_warps": num_warps, "num_stages": num_stages, "launch_pdl": True})
+    except FileNotFoundError as e:  # pragma: no cover - a triton wheel without ptxas
+        pytest.skip(f"no CUDA toolchain in this triton: {e}")
+
+
+# (PREFETCH, NUM_SPLITS, head_dim, group): SmolLM2's batch-1 decode / verify (prefetch, split-KV
+# with the fused merge), the same without the prefetch, the 8B shape, one split
+ATTN = [(True, 4, 64, 3), (False, 4, 64, 3), (False, 4, 128, 4), (True, 1, 64, 3),
+        (False, 1, 128, 4)]
+
+
+@pytest.mark.parametrize("prefetch,splits,head_dim,group", ATTN, ids=str)
+def test_attention_kernel_compiles(prefetch, splits, head_dim, group):
+    from outpace.attention.triton_paged_kernels import _paged_attn_kernel
+    bf16 = {n: "bf16" for n in ("q_ptr", "kc_ptr", "vc_ptr", "out_ptr")}
+    fp32 = {n: "fp32" for n in ("ws_acc_ptr", "ws_m_ptr", "ws_l_ptr")}
+    i32 = {n: "i32" for n in ("cnt_ptr", "qsl_ptr", "seq_lens_ptr", "bt_ptr")}
+    gp = 1 << (group - 1).bit_length()
+    k = compile_for_h200(_paged_attn_kernel, {**bf16, **fp32, **i32}, ("qk_scale",), {
+        "BLOCK_SIZE": 16, "GROUP": group, "GROUP_PAD": gp, "BLOCK_Q": 16 // gp, "BLOCK_M": 16,
+        "BLOCK_N": 64, "BLOCK_D": head_dim, "NUM_SPLITS": splits, "IS_FP32": False,
+        "FUSED_MERGE": splits > 1, "PREFETCH": prefetch, "USE_PDL": True}, num_warps=4)
+    assert k.asm["cubin"]
+
+
+# (HAS_NORM, SILU_MUL, ROPE_STORE, HAS_RESIDUAL, BLOCK_K, TAIL_K, warps): SmolLM2's 3-row
+# verify projections with K = 576 split 512 + 64 (norm + gate_up + silu, norm + qkv + rope +
+# store, o + residual), down (1536 = 1024 + 512), and one row's padded tile
+LINEAR = [(True, True, False, False, 512, 64, 1), (True, False, True, False, 512, 64, 1),
+          (False, False, False, True, 512, 64, 1), (False, False, False, True, 1024, 512, 1),
+          (True, True, False, False, 1024, 0, 4)]
+
+
+@pytest.mark.parametrize("norm,silu,rope,residual,block_k,tail_k,warps", LINEAR, ids=str)
+def test_small_linear_kernel_compiles(norm, silu, rope, residual, block_k, tail_k, warps):
+    from outpace.kernels.small_linear_kernels import _small_linear_kernel
+    ptrs = {n: "bf16" for n in ("x_ptr", "nw_ptr", "w_ptr", "r_ptr", "out_ptr", "kc_ptr",
+                                "vc_ptr")}
+    ptrs.update({"cos_ptr": "fp32", "sin_ptr": "fp32", "pos_ptr": "i64", "slot_ptr": "i64"})
+    k = compile_for_h200(_small_linear_kernel, ptrs, ("eps",), {
+        "HAS_NORM": norm, "NORM_ROUND": norm, "HAS_RESIDUAL": residual, "SILU_MUL": silu,
+        "ROPE_STORE": rope, "TWO_TILES": silu or rope, "HALF": 32, "HQ": 9, "HKV": 3,
+        "CACHE_BLOCK": 16, "USE_DOT": False, "BLOCK_M": 2 if warps == 1 else 1, "BLOCK_N": 2,
+        "BLOCK_K": block_k, "TAIL_K": tail_k, "USE_PDL": True}, num_warps=warps)
+    assert k.asm["cubin"]
