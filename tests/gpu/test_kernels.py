@@ -107,6 +107,47 @@ def test_attention_forced_splits(name, splits, dtype, fused_merge):
                    fused_merge=fused_merge)
 
 
+@pytest.mark.parametrize("seqs", [[(1, 300)], [(3, 257)], [(5, 64)], [(2, 2)], [(1, 1)]],
+                         ids=str)
+def test_attention_prefetch_sees_this_steps_kv(seqs):
+    """One sequence's decode / verify with heads of 64 loads its first KV tile before the PDL
+    wait (triton_paged.prefetches), and this step's K / V after it: store + attention through
+    the backend (both PDL launches), eagerly and replayed from a graph with new q / k / v,
+    equal the reference each time."""
+    from outpace.attention.triton_paged import prefetches
+    b = make_batch(seqs, 3, 3, 64, torch.bfloat16, DEV, seed=len(seqs[0]) + seqs[0][1])
+    assert prefetches(b.meta.max_query_len, b.meta.seq_lens.shape[0], 64)
+    scale = 0.125
+    meta = _no_host_mirrors(b.meta)
+    backend = TritonPagedBackend(b.kv_cache, 9, 3, 64, scale)
+    out = backend.forward(b.layer, b.q, b.k, b.v, meta)
+    torch.cuda.synchronize()
+    check_attention(b, out, scale)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = backend.forward(b.layer, b.q, b.k, b.v, meta)
+    g = torch.Generator(device=DEV).manual_seed(3)
+    for _ in range(3):
+        for t in (b.q, b.k, b.v):
+            t.copy_(torch.randn(t.shape, device=DEV, generator=g).to(t.dtype))
+        graph.replay()
+        torch.cuda.synchronize()
+        check_attention(b, static_out, scale)
+
+
+@pytest.mark.parametrize("prefetch", [False, True], ids=["wait-first", "prefetch"])
+@pytest.mark.parametrize("name", ["decode", "verify", "mixed"])
+def test_attention_both_variants_at_any_batch(name, prefetch):
+    """Either kernel variant is exact at any composition (the policy picks one by shape)."""
+    b = make_batch(SMALL[name], 2, 4, 64, torch.bfloat16, DEV, pad_seqs=1, pad_tokens=2,
+                   seed=len(name))
+    store_kv_triton(b.kv_cache, b.layer, b.k, b.v, b.meta.slot_mapping)
+    out = paged_attention(b.q, b.kv_cache, b.layer, _no_host_mirrors(b.meta), 0.125,
+                          num_splits=4, min_split_tokens=16, prefetch=prefetch)
+    torch.cuda.synchronize()
+    check_attention(b, out, 0.125)
+
+
 def test_backend_picks_split_kv_for_small_decode():
     b = make_batch([(1, 2000)], 2, 4, 128, torch.bfloat16, DEV)
     backend = TritonPagedBackend(b.kv_cache, 8, 2, 128, 128 ** -0.5)
