@@ -41,10 +41,10 @@ def policies(orig):
             bk = block_k or (kmax if kmax <= 2048 else 1024)
             bm = min(block_m, 1 << (m - 1).bit_length())
             bk, tk = min(bk, kmax), 0
-            if tail and bk == kmax and k < kmax:
-                rest = max(1 << (k - kmax // 2 - 1).bit_length(), 16)
-                if kmax // 2 + rest < kmax:
-                    bk, tk = kmax // 2, rest
+            if tail and bk == kmax:  # choose_blocks' split of this K (a 2-row query has it)
+                split = orig(2, 2, k)
+                if split.tail_k:
+                    bk, tk = split.block_k, split.tail_k
             return Blocks(bm, block_n, bk, warps, 2, False, tk)
         return f
 
