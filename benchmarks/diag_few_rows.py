@@ -94,7 +94,15 @@ def policies(orig):
             return b._replace(block_k=b.block_k * 2, tail_k=0)
         return f
 
-    return {"current": orig, "dot": dot, "notail": no_tail(), "notail_m1": no_tail((1, 1)),
+    def as_one_row(m, n, k, **kw):
+        # every row its own program, configured as a one-row launch (4 warps, one padded tile)
+        if not few(m, n, k):
+            return orig(m, n, k, **kw)
+        return orig(1, n, k, **kw)
+
+    return {"current": orig, "dot": dot, "as_m1": as_one_row,
+            "m1n2w1t": bcast(1, 2, warps=1, tail=True), "m1n4w1t": bcast(1, 4, warps=1, tail=True),
+            "m1n2w2t": bcast(1, 2, warps=2, tail=True), "notail": no_tail(), "notail_m1": no_tail((1, 1)),
             "notail_few": no_tail((2, 16)),
             "dot_gu": dot_for(["gu"]), "dot_qkv": dot_for(["qkv"]), "dot_o": dot_for(["o"]),
             "dot_down": dot_for(["down"]), "dot_gu_down": dot_for(["gu", "down"]),
