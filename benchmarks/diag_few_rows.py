@@ -94,6 +94,21 @@ def policies(orig):
             return b._replace(block_k=b.block_k * 2, tail_k=0)
         return f
 
+    def constants(**values):
+        # choose_blocks itself (uncached) with some of its module constants changed
+        import outpace.kernels.small_linear as sl
+
+        def f(m, n, k, **kw):
+            saved = {name: getattr(sl, name) for name in values}
+            for name, v in values.items():
+                setattr(sl, name, v)
+            try:
+                return orig.__wrapped__(m, n, k, **kw)
+            finally:
+                for name, v in saved.items():
+                    setattr(sl, name, v)
+        return f
+
     def as_one_row(m, n, k, **kw):
         # every row its own program, configured as a one-row launch (4 warps, one padded tile)
         if not few(m, n, k):
@@ -101,8 +116,12 @@ def policies(orig):
         return orig(1, n, k, **kw)
 
     return {"current": orig, "dot": dot, "as_m1": as_one_row,
+            "rows1": constants(_SUM_ROWS=1), "rows1_m8": constants(_SUM_ROWS=1, _SUM_MAX_M=8),
+            "rows1_m16": constants(_SUM_ROWS=1, _SUM_MAX_M=16),
+            "rows2_m8": constants(_SUM_MAX_M=8),
             "m1n2w1t": bcast(1, 2, warps=1, tail=True), "m1n4w1t": bcast(1, 4, warps=1, tail=True),
-            "m1n2w2t": bcast(1, 2, warps=2, tail=True), "notail": no_tail(), "notail_m1": no_tail((1, 1)),
+            "m1n2w2t": bcast(1, 2, warps=2, tail=True), "m1n1w1t": bcast(1, 1, warps=1, tail=True),
+            "m1n2w1": bcast(1, 2, warps=1), "notail": no_tail(), "notail_m1": no_tail((1, 1)),
             "notail_few": no_tail((2, 16)),
             "dot_gu": dot_for(["gu"]), "dot_qkv": dot_for(["qkv"]), "dot_o": dot_for(["o"]),
             "dot_down": dot_for(["down"]), "dot_gu_down": dot_for(["gu", "down"]),
@@ -148,7 +167,7 @@ def main():
             sl.choose_blocks = table[pol]
             t0 = time.perf_counter()
             try:
-                for key in [key for key in fused._captured if key[0] == 1]:
+                for key in list(fused._captured):
                     fused._captured[key] = fused._capture(*key)
                 cap_s = time.perf_counter() - t0
                 run_engine(eng, prompts[:2], 1, 16)
@@ -156,13 +175,16 @@ def main():
             except Exception as e:  # a configuration that fails to compile: report, go on
                 print(name, pol, "failed:", repr(e)[:300], flush=True)
                 sl.choose_blocks = orig
-                for key in [key for key in fused._captured if key[0] == 1]:
+                for key in list(fused._captured):
                     fused._captured[key] = fused._capture(*key)
                 continue
             g, _ = fused._captured[(1, k + 1, k, True)]
             row = {"engine": name, "policy": pol, "tok_s": r["tok_s"], "tpot_ms": r["tpot_ms"],
                    "graph_ms": gpu_ms(g), "capture_s": round(cap_s, 1),
-                   "mean_acceptance_length": r["mean_acceptance_length"]}
+                   "mean_acceptance_length": r["mean_acceptance_length"],
+                   # every bucket's steady (chained) graph: rows = bucket x q
+                   "bucket_graph_ms": {f"b{key[0]}_q{key[1]}": gpu_ms(gg) for key, (gg, _)
+                                       in sorted(fused._captured.items()) if key[3]}}
             rows.append(row)
             print(row, flush=True)
         sl.choose_blocks = orig
