@@ -113,11 +113,16 @@ _DOT_K = 256  # K step of the tl.dot path
 _DOT_STAGES = 3  # its software pipeline (3 beat 2 by ~20% on every shape, 4 was no better)
 _DOT_SMEM = 64 * 1024  # its pipeline buffers: wide tiles get shorter K steps (LM head: 128 x 64)
 _SUM_MAX_N = 16384  # wider weights (LM heads) take the tl.dot path even at M = 1
-# Rows a broadcast-path program handles; more rows take more programs (each reading the same
-# weight tile, an L2 hit). In the k = 2 verify graph (3 rows) blocks of 2 beat blocks of 4:
-# 0.846 vs 0.864 ms a step (run 10, benchmarks/diag_few_rows.py); 1 row a program and
-# 8 warps were slower.
+# Rows a broadcast-path program handles; more rows take more programs, each reading the same
+# weight tile (an L2 hit). Two at most: in the k = 2 verify graph (3 rows) blocks of 2 beat
+# blocks of 4, 0.846 vs 0.864 ms a step (run 10, benchmarks/diag_few_rows.py).
 _SUM_ROWS = 2
+# ...and one at these row counts, whose one-warp programs (below) then each multiply one row
+# instead of two in turn. Whole step graphs on the H200 (run 18, diag_few_rows_run18c.json,
+# SmolLM2, rows = batch x query length): 2 rows (batch-2 decode) 0.667 -> 0.620 ms, 3 rows
+# (batch-1 k = 2 verify) 0.754 -> 0.727; but 4 rows 0.713 -> 0.785 (four reads of each
+# weight tile against two), so 4 keeps blocks of 2.
+_ONE_ROW_M = (2, 3)
 # A broadcast-path program with more than one row runs one warp when its product has at most
 # this many values (256 a thread): it is reduced over K inside the warp (shuffles), with no
 # exchange through shared memory between warps. In the k = 2 verify graph (3 rows, every
@@ -143,8 +148,8 @@ def choose_blocks(M: int, N: int, K: int, *, elem_bytes: int = 2, gate_up: bool 
     statistics first.
 
     Broadcast multiply + sum (M = 1 up to N = 16384, and M <= _SUM_MAX_M on a small weight,
-    K <= 2048 and N <= 4096): a program takes at most _SUM_ROWS rows (a forced config with
-    more rows runs more programs, each reading the same weight tile). BLOCK_K takes the whole row in one step when K <= 2048, so all of
+    K <= 2048 and N <= 4096): a program takes at most _SUM_ROWS rows, one at _ONE_ROW_M rows
+    (a forced config with more rows runs more programs, each reading the same weight tile). BLOCK_K takes the whole row in one step when K <= 2048, so all of
     a program's loads are in flight at once (a small weight is below the GPU's bandwidth-delay
     product, and every serial K step costs a DRAM latency); longer rows go in steps of 1024.
     With several rows a one-step row that isn't a power of two is two tiles, both loaded up
@@ -178,7 +183,7 @@ def choose_blocks(M: int, N: int, K: int, *, elem_bytes: int = 2, gate_up: bool 
         return Blocks(block_m, block_n, block_k,
                       num_warps=4 if norm or block_n > 32 else 2,
                       num_stages=_DOT_STAGES, use_dot=True)
-    block_m = min(next_pow2(M), _SUM_ROWS)
+    block_m = 1 if M in _ONE_ROW_M else min(next_pow2(M), _SUM_ROWS)
     block_k = k_max if k_max <= _SUM_ONE_STEP_K else _SUM_K
     block_k = min(block_k, max(_PRODUCT_BUDGET // (block_m * 2 * tiles), 16))
     tail_k = 0

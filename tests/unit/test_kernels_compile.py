@@ -62,16 +62,19 @@ def test_attention_kernel_compiles(prefetch, splits, head_dim, group):
     assert k.asm["cubin"]
 
 
-# (HAS_NORM, SILU_MUL, ROPE_STORE, HAS_RESIDUAL, BLOCK_K, TAIL_K, warps): SmolLM2's 3-row
-# verify projections with K = 576 split 512 + 64 (norm + gate_up + silu, norm + qkv + rope +
-# store, o + residual), down (1536 = 1024 + 512), and one row's padded tile
-LINEAR = [(True, True, False, False, 512, 64, 1), (True, False, True, False, 512, 64, 1),
-          (False, False, False, True, 512, 64, 1), (False, False, False, True, 1024, 512, 1),
-          (True, True, False, False, 1024, 0, 4)]
+# (HAS_NORM, SILU_MUL, ROPE_STORE, HAS_RESIDUAL, BLOCK_M, BLOCK_K, TAIL_K, warps): SmolLM2's
+# 3-row verify projections, one row a program with K = 576 split 512 + 64 (norm + gate_up +
+# silu, norm + qkv + rope + store, o + residual) and down (1536 = 1024 + 512); 4 rows' blocks
+# of two; one row's padded tile
+LINEAR = [(True, True, False, False, 1, 512, 64, 1), (True, False, True, False, 1, 512, 64, 1),
+          (False, False, False, True, 1, 512, 64, 1), (False, False, False, True, 1, 1024, 512, 1),
+          (True, True, False, False, 2, 512, 64, 1), (False, False, False, True, 2, 1024, 512, 1),
+          (True, True, False, False, 1, 1024, 0, 4)]
 
 
-@pytest.mark.parametrize("norm,silu,rope,residual,block_k,tail_k,warps", LINEAR, ids=str)
-def test_small_linear_kernel_compiles(norm, silu, rope, residual, block_k, tail_k, warps):
+@pytest.mark.parametrize("norm,silu,rope,residual,block_m,block_k,tail_k,warps", LINEAR, ids=str)
+def test_small_linear_kernel_compiles(norm, silu, rope, residual, block_m, block_k, tail_k,
+                                      warps):
     from outpace.kernels.small_linear_kernels import _small_linear_kernel
     ptrs = {n: "bf16" for n in ("x_ptr", "nw_ptr", "w_ptr", "r_ptr", "out_ptr", "kc_ptr",
                                 "vc_ptr")}
@@ -79,6 +82,6 @@ def test_small_linear_kernel_compiles(norm, silu, rope, residual, block_k, tail_
     k = compile_for_h200(_small_linear_kernel, ptrs, ("eps",), {
         "HAS_NORM": norm, "NORM_ROUND": norm, "HAS_RESIDUAL": residual, "SILU_MUL": silu,
         "ROPE_STORE": rope, "TWO_TILES": silu or rope, "HALF": 32, "HQ": 9, "HKV": 3,
-        "CACHE_BLOCK": 16, "USE_DOT": False, "BLOCK_M": 2 if warps == 1 else 1, "BLOCK_N": 2,
+        "CACHE_BLOCK": 16, "USE_DOT": False, "BLOCK_M": block_m, "BLOCK_N": 2,
         "BLOCK_K": block_k, "TAIL_K": tail_k, "USE_PDL": True}, num_warps=warps)
     assert k.asm["cubin"]

@@ -368,7 +368,7 @@ def check_harness_catches_a_wrong_kernel():
 
 # (M, N, K): N and K off the block sizes; K = 600 takes several K steps with a ragged last one;
 # M = 5 and 16 take several row blocks on the broadcast path.
-LINEAR_SHAPES = [(1, 50, 72), (5, 96, 160), (16, 40, 600)]
+LINEAR_SHAPES = [(1, 50, 72), (3, 40, 576), (5, 96, 160), (16, 40, 600)]
 # The fused kernels round bf16 at up to four points (the normalized input, its product with the
 # RMSNorm weight, g and u, silu and the product). The interpreter truncates at each, and since
 # truncation is biased toward zero its errors add up over K instead of cancelling: a few ulps,

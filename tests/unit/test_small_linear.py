@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from outpace.kernels import next_pow2
 from outpace.kernels.norm import rms_norm_ref
-from outpace.kernels.small_linear import (_SUM_ROWS, SMALL_M_MAX, choose_blocks, norm_small_linear,
+from outpace.kernels.small_linear import (_ONE_ROW_M, _SUM_ROWS, SMALL_M_MAX, choose_blocks, norm_small_linear,
                                           norm_small_linear_ref, norm_small_linear_silu_mul,
                                           norm_small_linear_silu_mul_ref, silu_mul, silu_mul_ref,
                                           small_linear, small_linear_ref, small_linear_silu_mul,
@@ -126,7 +126,7 @@ SHAPES = [(960, 576), (576, 576), (1536, 576), (576, 1536), (49152, 576), (6144,
           (4096, 4096), (14336, 4096), (4096, 14336), (128256, 4096), (50, 72), (40, 600)]
 
 
-@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 16])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 16])
 def test_choose_blocks_is_a_valid_shape_policy(m):
     for n, k in SHAPES:
         b = choose_blocks(m, n, k)
@@ -136,9 +136,9 @@ def test_choose_blocks_is_a_valid_shape_policy(m):
         assert b.block_n <= 128
         if b.use_dot:  # one row block covers every row
             assert b.block_m >= m and min(b.block_m, b.block_n, b.block_k) >= 16
-        else:  # rows in blocks of at most _SUM_ROWS (more programs); the product tile stays
-            # within the register budget
-            assert b.block_m == min(next_pow2(m), _SUM_ROWS)
+        else:  # rows in blocks of at most _SUM_ROWS, of one at _ONE_ROW_M (more programs);
+            # the product tile stays within the register budget
+            assert b.block_m == (1 if m in _ONE_ROW_M else min(next_pow2(m), _SUM_ROWS))
             assert b.block_m * b.block_n * b.block_k <= 16384
         if m == 1 and 576 <= n <= 3072:
             assert -(-n // b.block_n) >= 100  # small weights spread over the SMs
@@ -168,6 +168,17 @@ def test_several_row_programs_split_off_their_padding(m):
         assert choose_blocks(m, 576, k).block_k == next_pow2(k)
 
 
+def test_two_or_three_rows_take_one_row_a_program():
+    """Batch-2 decode and the k = 2 verify run a program per row and column block (run 18:
+    step graphs 0.667 -> 0.620 and 0.754 -> 0.727 ms); 4 rows keep blocks of two (0.713 ms
+    against 0.785 with one)."""
+    for n, k, gate_up in [(480, 576, True), (576, 576, False), (1536, 576, True),
+                          (576, 1536, False)]:
+        for m in (2, 3):
+            assert choose_blocks(m, n, k, gate_up=gate_up).block_m == 1
+        assert choose_blocks(4, n, k, gate_up=gate_up).block_m == 2
+
+
 def test_several_row_broadcast_programs_run_one_warp():
     """The k = 2 verify (3 rows) of every SmolLM2 projection runs one-warp programs (run 14:
     0.825 -> 0.803 ms a step); one-row programs and larger products keep 4 warps."""
@@ -175,5 +186,5 @@ def test_several_row_broadcast_programs_run_one_warp():
                           (576, 1536, False), (576, 1728, False)]:  # the last: EAGLE-3's fc
         assert choose_blocks(3, n, k, gate_up=gate_up).num_warps == 1
         assert choose_blocks(1, n, k, gate_up=gate_up).num_warps == 4
-    big = choose_blocks(3, 3072, 2048)  # a [2, 4, 2048] product
+    big = choose_blocks(4, 3072, 2048)  # a [2, 4, 2048] product
     assert not big.use_dot and big.num_warps == 4
