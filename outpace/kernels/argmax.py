@@ -10,6 +10,9 @@ may differ from ours in a row holding both NaN and +inf); the result is always i
 
 `offsets` (optional, [V] integers) is added to the winning index in pass 2: EAGLE-3's d2t maps a
 draft-vocabulary id to the target's (`id + d2t[id]`) without two more kernels (index, add).
+`also` (up to two [R] int64 views, any stride) receive the result too: the fused step's draft
+loop writes each draft straight into its output and carry columns, without a stack and two
+copies after the loop.
 """
 
 from __future__ import annotations
@@ -58,9 +61,10 @@ if triton is not None:
         tl.store(idx_ptr + row * num_chunks + c, first)
 
     @triton.jit
-    def _argmax_reduce_kernel(vals_ptr, idx_ptr, off_ptr, out_ptr, num_chunks, V,
-                              HAS_OFFSETS: tl.constexpr, BLOCK: tl.constexpr,
-                              USE_PDL: tl.constexpr):
+    def _argmax_reduce_kernel(vals_ptr, idx_ptr, off_ptr, out_ptr, also1_ptr, also2_ptr,
+                              stride_a1, stride_a2, num_chunks, V,
+                              HAS_OFFSETS: tl.constexpr, NUM_ALSO: tl.constexpr,
+                              BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
         wait_then_release(USE_PDL)
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
@@ -75,12 +79,19 @@ if triton is not None:
         if HAS_OFFSETS:
             first += tl.load(off_ptr + first).to(tl.int64)
         tl.store(out_ptr + row, first)
+        if NUM_ALSO >= 1:
+            tl.store(also1_ptr + row * stride_a1, first)
+        if NUM_ALSO >= 2:
+            tl.store(also2_ptr + row * stride_a2, first)
 
 
-def argmax_triton(x: torch.Tensor, offsets: Optional[torch.Tensor] = None) -> torch.Tensor:
+def argmax_triton(x: torch.Tensor, offsets: Optional[torch.Tensor] = None,
+                  also: tuple = ()) -> torch.Tensor:
     """x [R, V] (unit last stride) -> [R] int64, plus offsets[index] when given ([V] integers,
-    unit stride). Graph-capturable: shapes only."""
+    unit stride), also written into each of `also` (at most two [R] int64 views).
+    Graph-capturable: shapes only."""
     r, v = x.shape
+    _check_also(also, r)
     out = torch.empty(r, dtype=torch.int64, device=x.device)
     if r == 0:
         return out
@@ -94,16 +105,36 @@ def argmax_triton(x: torch.Tensor, offsets: Optional[torch.Tensor] = None) -> to
                                   **opts)
     if offsets is not None:
         offsets = offsets.contiguous()
-    _argmax_reduce_kernel[(r,)](vals, idx, offsets if offsets is not None else idx, out, n, v,
-                                HAS_OFFSETS=offsets is not None, BLOCK=max(16, next_pow2(n)),
-                                num_warps=1, **opts)
+    a1, a2 = (tuple(also) + (out, out))[:2]
+    _argmax_reduce_kernel[(r,)](vals, idx, offsets if offsets is not None else idx, out, a1, a2,
+                                a1.stride(0), a2.stride(0), n, v,
+                                HAS_OFFSETS=offsets is not None, NUM_ALSO=len(also),
+                                BLOCK=max(16, next_pow2(n)), num_warps=1, **opts)
     return out
 
 
-def argmax_rows(x: torch.Tensor, offsets: Optional[torch.Tensor] = None) -> torch.Tensor:
+def _check_also(also: tuple, rows: int) -> None:
+    if len(also) > 2:
+        raise ValueError(f"argmax writes at most two extra outputs, got {len(also)}")
+    for t in also:
+        if t.dtype != torch.int64 or t.dim() != 1 or t.shape[0] != rows:
+            raise ValueError(f"an extra argmax output must be a [{rows}] int64 view, got "
+                             f"{tuple(t.shape)} {t.dtype}")
+
+
+def argmax_rows(x: torch.Tensor, offsets: Optional[torch.Tensor] = None,
+                also: tuple = ()) -> torch.Tensor:
     """x [..., V] -> [...] int64 first index of the maximum, plus offsets[index] when offsets
-    ([V] integers) is given; Triton on CUDA, torch otherwise."""
+    ([V] integers) is given; Triton on CUDA, torch otherwise. With `also` (x [R, V] only):
+    the result is written into those [R] int64 views too."""
+    if also and x.dim() != 2:
+        raise ValueError("argmax_rows(also=...) takes [R, V] rows")
     if not use_triton(x) or x.shape[-1] >= 2 ** 31 - 1:
-        return argmax_ref(x, offsets)
+        out = argmax_ref(x, offsets)
+        if also:
+            _check_also(also, x.shape[0])
+            for t in also:
+                t.copy_(out)
+        return out
     lead = x.shape[:-1]
-    return argmax_triton(x.reshape(-1, x.shape[-1]), offsets).view(lead)
+    return argmax_triton(x.reshape(-1, x.shape[-1]), offsets, also).view(lead)

@@ -337,11 +337,12 @@ class LlamaForCausalLM(nn.Module):
         with cpu_threads_for(hidden):
             return linear(hidden, self, "lm_head_weight").float()
 
-    def greedy_tokens(self, hidden):  # [N, H] -> [N] int64, argmax of compute_logits
+    def greedy_tokens(self, hidden, also: tuple = ()):  # [N, H] -> [N] int64
+        # argmax of compute_logits, also written into `also` ([N] int64 views; argmax_rows).
         # The argmax of the logits in the model's dtype is the argmax of their fp32 copy (the
         # conversion is exact), so the conversion kernel is skipped.
         with cpu_threads_for(hidden):
-            return argmax_rows(linear(hidden, self, "lm_head_weight"))
+            return argmax_rows(linear(hidden, self, "lm_head_weight"), also=also)
 
     # ---- loading -------------------------------------------------------------------------
 

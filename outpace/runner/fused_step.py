@@ -138,6 +138,10 @@ class FusedStep:
         kmax = max(runner.graphs.q_lens)
         self.carry_pos = torch.zeros(m, dtype=torch.long, device=dev)  # bonus token's position
         self.carry_tokens = torch.zeros(m, kmax, dtype=torch.long, device=dev)  # bonus, drafts
+        # Force-accept's draws when its mean is whole: floor(mean - 1 + u) is mean - 1 for any
+        # u in [0, 1), so zeros do and the graph skips a random-number kernel (~2 us a step)
+        # that real verification doesn't have.
+        self.zero_draws = torch.zeros(m, device=dev)
         self._captured: dict = {}  # (bucket, q, kd, chained) -> (graph, packed output)
         # Prefill: (q, kd) -> (graph, (drafts [1, kd],) or ()), and what the host fills in:
         # the token after every row, the row whose head output drafts (prefill_drafts).
@@ -217,10 +221,11 @@ class FusedStep:
 
         def fn():
             first = pos.index_select(0, self.prefill_last_row)
-            drafts = self._draft(hidden, aux, self.prefill_next_ids[:q], pos,
-                                 ForwardContext(self.backend, meta), self.prefill_last_row,
-                                 first, buf.block_tables[:1], kd)
-            return () if drafts is None else (drafts,)
+            drafts = torch.empty(1, kd, dtype=torch.long, device=pos.device)
+            self._draft(hidden, aux, self.prefill_next_ids[:q], pos,
+                        ForwardContext(self.backend, meta), self.prefill_last_row,
+                        first, buf.block_tables[:1], kd, (drafts,))
+            return (drafts,) if kd else ()
         for _ in range(2):  # warm-up: Triton compiles, cuBLAS picks its kernels
             fn()
         return self.graphs.capture(fn)
@@ -386,7 +391,10 @@ class FusedStep:
         # (kd = 0 without a head: draft_steps)
         packed = torch.empty(bucket, q + 1 + kd, dtype=torch.long, device=ids.device)
         mean = self.runner.sampling.force_accept_mean
-        u = torch.rand(bucket, device=ids.device) if mean is not None else None
+        u = None
+        if mean is not None:
+            u = (self.zero_draws[:bucket] if float(mean).is_integer()
+                 else torch.rand(bucket, device=ids.device))
         carry = (self.carry_pos[:bucket], self.carry_tokens[:bucket]) if self.chainable else None
         # Verify (or force-accept), and what the head and the next chained step start from:
         # the token at position + 1 of every row (emitted up to the accepted count, the
@@ -396,17 +404,18 @@ class FusedStep:
                                             packed, u, mean or 0.0,
                                             head=self.head is not None, carry=carry)
         if self.head is not None:
-            drafts = self._draft(hidden, aux, next_ids, pos, ctx, last_rows, first,
-                                 buf.block_tables[:bucket], kd)
-            if drafts is not None:
-                packed[:, q + 1:].copy_(drafts)
-                if self.chainable:  # the next chained step's rows 1 .. kd
-                    self.carry_tokens[:bucket, 1:1 + kd].copy_(drafts)
+            # the drafts go to the output and to the next chained step's rows 1 .. kd
+            outs = (packed[:, q + 1:],) + ((self.carry_tokens[:bucket, 1:1 + kd],)
+                                           if self.chainable else ())
+            self._draft(hidden, aux, next_ids, pos, ctx, last_rows, first,
+                        buf.block_tables[:bucket], kd, outs)
         return packed
 
-    def _draft(self, hidden, aux, next_ids, pos, ctx, last_rows, first, block_tables, kd):
+    def _draft(self, hidden, aux, next_ids, pos, ctx, last_rows, first, block_tables, kd,
+               outs: tuple) -> None:
         """The head's first pass (always: it keeps the draft plane exact even while the k
-        schedule turns drafting off), then kd draft steps. -> [B, kd] drafts, None if kd = 0."""
+        schedule turns drafting off), then kd draft steps; draft j is written into column j
+        of each of `outs` ([B, >= kd] int64, at most two) by the argmax kernel itself."""
         head = self.head
         batch = DraftBatch(requests=[], committed=[], row_start=[], row_end=[], last_row=[],
                            hidden=hidden, aux_hidden=aux)
@@ -414,8 +423,7 @@ class FusedStep:
         if kd == 0:
             return None
         h = h.index_select(0, last_rows)  # [B, H] head output at each request's f - 2
-        tok = head.draft_ids(h)
-        out = [tok]
+        tok = head.draft_ids(h, also=tuple(o[:, 0] for o in outs))
         bucket = first.shape[0]
         if kd > 1:
             # Positions, slots and sequence lengths of every loop step at once ([kd-1, B], each
@@ -429,9 +437,7 @@ class FusedStep:
                 seq_lens=lens_all[j - 1], block_tables=block_tables,
                 max_query_len=1, max_seq_len=block_tables.shape[1] * self.block_size)
             h = head.step(h, tok, p, ForwardContext(self.backend, meta))
-            tok = head.draft_ids(h)
-            out.append(tok)
-        return torch.stack(out, dim=1)
+            tok = head.draft_ids(h, also=tuple(o[:, j] for o in outs))
 
     def _capture(self, bucket: int, q: int, kd: int, chained: bool):
         """Fill the buffers with a dummy batch that writes nowhere, warm up, capture."""

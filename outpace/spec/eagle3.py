@@ -27,5 +27,6 @@ class Eagle3Proposer(HeadProposer):
     def step(self, hidden, input_ids, positions, ctx):
         return self.head(hidden, input_ids, positions, ctx, **self.embed_args(hidden))
 
-    def draft_ids(self, hidden):
-        return self.head.greedy_target_ids(hidden)  # argmax and d2t in one kernel on CUDA
+    def draft_ids(self, hidden, also: tuple = ()):
+        # argmax and d2t in one kernel on CUDA
+        return self.head.greedy_target_ids(hidden, also=also)

@@ -79,7 +79,9 @@ class HeadProposer(Proposer):
     def step(self, hidden, input_ids, positions, ctx) -> torch.Tensor:  # -> [T, H]
         raise NotImplementedError
 
-    def draft_ids(self, hidden) -> torch.Tensor:  # [N, H] -> [N] target token ids (greedy)
+    def draft_ids(self, hidden, also: tuple = ()) -> torch.Tensor:
+        """[N, H] -> [N] target token ids (greedy), also written into `also` (at most two
+        [N] int64 views: the fused step's output and carry columns)."""
         raise NotImplementedError
 
     def embed_args(self, hidden: torch.Tensor) -> dict:

@@ -35,8 +35,9 @@ class MTPEagleProposer(HeadProposer):
     def step(self, hidden, input_ids, positions, ctx):
         return self.head(0, hidden, input_ids, positions, ctx, **self.embed_args(hidden))
 
-    def draft_ids(self, hidden):
-        return self.target.greedy_tokens(self.target.norm(hidden))  # = argmax of compute_logits
+    def draft_ids(self, hidden, also: tuple = ()):
+        # = argmax of compute_logits
+        return self.target.greedy_tokens(self.target.norm(hidden), also=also)
 
 
 def MTPProposer(spec, policy, target, model_cfg, runner_cfg):

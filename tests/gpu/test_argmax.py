@@ -87,3 +87,26 @@ def test_argmax_with_offsets_in_a_cuda_graph():
         graph.replay()
         idx = x.argmax(dim=-1)
         assert torch.equal(out, idx + offsets[idx])
+
+
+@pytest.mark.parametrize("num_also", [1, 2])
+def test_argmax_also_writes_into_columns_inside_a_graph(num_also):
+    """The draft loop's argmax writes each draft into the step's output and carry columns
+    (strided views) itself; in a graph, with new values every replay."""
+    x = torch.randn(4, 32000, device="cuda", dtype=torch.bfloat16)
+    offsets = torch.randint(-100, 100, (32000,), device="cuda")
+    outs = [torch.full((4, 6), -7, dtype=torch.long, device="cuda") for _ in range(num_also)]
+    also = tuple(o[:, 3] for o in outs)
+    argmax_rows(x, offsets, also=also)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = argmax_rows(x, offsets, also=also)
+    for seed in range(3):
+        x.copy_(torch.randn(4, 32000, device="cuda", generator=torch.Generator(
+            device="cuda").manual_seed(seed)).to(x.dtype))
+        graph.replay()
+        want = argmax_ref(x, offsets)
+        assert torch.equal(got, want)
+        for o in outs:
+            assert torch.equal(o[:, 3], want)
+            assert (o[:, [0, 1, 2, 4, 5]] == -7).all()

@@ -584,6 +584,22 @@ def check_argmax_offsets(dtype, rows, vocab, with_offsets):
                                                               if with_offsets else 0))
 
 
+@pytest.mark.parametrize("num_also", [1, 2])
+def check_argmax_also_writes_strided_columns(num_also):
+    """The ids (with offsets) land in the result and in columns of wider int64 tensors (the
+    fused step's output and carry), and nowhere else in them."""
+    g = torch.Generator().manual_seed(num_also)
+    x = torch.randn(3, 4097, generator=g)
+    offsets = torch.randint(-50, 50, (4097,), generator=g)
+    outs = [torch.full((3, 5), -7, dtype=torch.long) for _ in range(num_also)]
+    got = argmax_triton(x, offsets, also=tuple(o[:, 2] for o in outs))
+    want = x.argmax(-1) + offsets[x.argmax(-1)]
+    assert torch.equal(got, want)
+    for o in outs:
+        assert torch.equal(o[:, 2], want)
+        assert (o[:, [0, 1, 3, 4]] == -7).all()
+
+
 def _head_input_case(t, h, dtype, table_dtype, seed, ids_dtype=torch.long):
     """ids [t] (distinct rows), a table [40, h], weights near 1 and hidden [t, h] as a strided
     view (row stride > h)."""
