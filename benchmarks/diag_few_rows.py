@@ -146,7 +146,12 @@ def policies(orig):
 def main():
     args, loaded, prompts = diag_setup(4, extra=(
         ("--policies", "current,m2n2,m4n1,m2n1,m4n2w8,m8n1"),
-        ("--engines", "no-spec,eagle3-fa3-k2,eagle3-fa3-k4"), ("--tag", "")))
+        ("--engines", "no-spec,eagle3-fa3-k2,eagle3-fa3-k4"), ("--tag", ""),
+        # attention's split-KV settings to try under every policy, SPLITSxMIN_TOKENS
+        # (max_kv_splits x min_split_tokens of the Triton backend; "" keeps the engine's),
+        # "-all": the merge loads every split (triton_paged.MERGE_ACTIVE_SPLITS_ONLY off)
+        ("--attn", "")))
+    import outpace.attention.triton_paged as tp
     import outpace.kernels.small_linear as sl
     from outpace.engine.engine import LLMEngine
     eagle, _ = make_heads(args.gguf, tempfile.mkdtemp())
@@ -163,8 +168,15 @@ def main():
                                   speculative_config=spec, max_num_seqs=8, num_kv_blocks=2048,
                                   quiet=True, enable_prefix_caching=False)
         fused = eng.runner.fused
-        for pol in args.policies.split(","):
+        backend = eng.runner.backend
+        default_attn = f"{backend.max_kv_splits}x{backend.min_split_tokens}"
+        combos = [(pol, attn) for pol in args.policies.split(",")
+                  for attn in (args.attn.split(",") if args.attn else [default_attn])]
+        for pol, attn in combos:
             sl.choose_blocks = table[pol]
+            backend.max_kv_splits, backend.min_split_tokens = map(
+                int, attn.removesuffix("-all").split("x"))
+            tp.MERGE_ACTIVE_SPLITS_ONLY = not attn.endswith("-all")
             t0 = time.perf_counter()
             try:
                 for key in list(fused._captured):
@@ -173,13 +185,17 @@ def main():
                 run_engine(eng, prompts[:2], 1, 16)
                 r = run_engine(eng, prompts, 1, 128)
             except Exception as e:  # a configuration that fails to compile: report, go on
-                print(name, pol, "failed:", repr(e)[:300], flush=True)
+                print(name, pol, attn, "failed:", repr(e)[:300], flush=True)
                 sl.choose_blocks = orig
+                backend.max_kv_splits, backend.min_split_tokens = map(
+                    int, default_attn.split("x"))
+                tp.MERGE_ACTIVE_SPLITS_ONLY = True
                 for key in list(fused._captured):
                     fused._captured[key] = fused._capture(*key)
                 continue
             g, _ = fused._captured[(1, k + 1, k, True)]
-            row = {"engine": name, "policy": pol, "tok_s": r["tok_s"], "tpot_ms": r["tpot_ms"],
+            row = {"engine": name, "policy": pol, "attn": attn, "tok_s": r["tok_s"],
+                   "tpot_ms": r["tpot_ms"],
                    "graph_ms": gpu_ms(g), "capture_s": round(cap_s, 1),
                    "mean_acceptance_length": r["mean_acceptance_length"],
                    # every bucket's steady (chained) graph: rows = bucket x q
@@ -188,18 +204,21 @@ def main():
             rows.append(row)
             print(row, flush=True)
         sl.choose_blocks = orig
+        tp.MERGE_ACTIVE_SPLITS_ONLY = True
         del eng
         torch.cuda.empty_cache()
-    base = {r["engine"]: r for r in rows if r["policy"] == "current"}
-    ns = {r["policy"]: r for r in rows if r["engine"] == "no-spec"}
+    ns = {(r["policy"], r["attn"]): r for r in rows if r["engine"] == "no-spec"}
+    first = rows[0]["attn"] if rows else None  # the engine's own attention settings
     for r in rows:
-        if r["engine"] != "no-spec" and r["policy"] in ns and "current" in ns:
-            r["ratio_to_nospec_same_policy"] = round(r["tok_s"] / ns[r["policy"]]["tok_s"], 3)
-            r["ratio_to_nospec_current"] = round(r["tok_s"] / ns["current"]["tok_s"], 3)
+        same = ns.get((r["policy"], r["attn"]))
+        if r["engine"] != "no-spec" and same is not None:
+            r["ratio_to_nospec_same_policy"] = round(r["tok_s"] / same["tok_s"], 3)
+            if ("current", first) in ns:
+                r["ratio_to_nospec_current"] = round(
+                    r["tok_s"] / ns[("current", first)]["tok_s"], 3)
     (Path(args.out) / f"diag_few_rows{args.tag}.json").write_text(json.dumps(rows, indent=1) + "\n")
     for r in rows:
         print(r)
-    del base
 
 
 if __name__ == "__main__":

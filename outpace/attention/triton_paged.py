@@ -63,6 +63,9 @@ LOG2E = 1.4426950408889634
 
 # The last split of a tile merges the partials (no merge kernel; 1.6 us a layer at batch 1).
 FUSED_SPLIT_MERGE = True
+# ...loading only the splits that cover some of the tile's KV range (a context shorter than
+# the splits' minimum chunks leaves the rest empty). A switch for benchmarks' A/B runs.
+MERGE_ACTIVE_SPLITS_ONLY = True
 
 
 @dataclass(frozen=True)
@@ -153,6 +156,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, meta: A
         GROUP=group, GROUP_PAD=next_pow2(group), BLOCK_Q=cfg.block_q, BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, BLOCK_D=block_d, NUM_SPLITS=num_splits,
         IS_FP32=q.dtype == torch.float32, FUSED_MERGE=fused_merge,
+        MERGE_ACTIVE=MERGE_ACTIVE_SPLITS_ONLY,
         PREFETCH=prefetches(meta.max_query_len, num_seqs, d) if prefetch is None else prefetch,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **opts)

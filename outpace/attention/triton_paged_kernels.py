@@ -90,7 +90,7 @@ if triton is not None:
             BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
             BLOCK_D: tl.constexpr,
             NUM_SPLITS: tl.constexpr, IS_FP32: tl.constexpr, FUSED_MERGE: tl.constexpr,
-            PREFETCH: tl.constexpr, USE_PDL: tl.constexpr):
+            PREFETCH: tl.constexpr, MERGE_ACTIVE: tl.constexpr, USE_PDL: tl.constexpr):
         # PREFETCH: before the PDL wait (kernels/pdl.py) the kernel reads what only kernels at
         # least two launches back wrote, which have finished once it runs (its predecessor
         # launched it after its own wait): the step's query layout, lengths and block tables,
@@ -120,11 +120,15 @@ if triton is not None:
         if NUM_SPLITS == 1:
             lo = kv_end * 0
             hi = kv_end
+            num_active = 1
         else:
             chunk = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
             chunk = tl.maximum(chunk, min_chunk)  # min_chunk is a multiple of BLOCK_N
             lo = split * chunk
             hi = tl.minimum(lo + chunk, kv_end)
+            # splits past the range (a short context under min_chunk) have nothing to add: their
+            # partials (m = -inf, l = 0) are stored but the merge need not load them
+            num_active = tl.cdiv(kv_end, chunk) if MERGE_ACTIVE else NUM_SPLITS
         mid = ((ctx + first + 1) // BLOCK_N) * BLOCK_N
         mid = tl.minimum(tl.maximum(mid, lo), hi)
 
@@ -203,19 +207,23 @@ if triton is not None:
                     tl.store(cnt_ptr + tile, 0)  # zero again for the next launch (graphs)
                     _merge_tile(ws_acc_ptr, ws_m_ptr, ws_l_ptr, out_ptr, tok_g, head, row_ok,
                                 offs_d, io_mask, stride_ot, stride_oh, num_tokens,
-                                num_q_heads, HEAD_DIM, NUM_SPLITS, BLOCK_M, BLOCK_D)
+                                num_q_heads, HEAD_DIM, num_active, NUM_SPLITS, BLOCK_M,
+                                BLOCK_D)
 
     @triton.jit
     def _merge_tile(ws_acc_ptr, ws_m_ptr, ws_l_ptr, out_ptr, tok_g, head, row_ok, offs_d,
                     io_mask, stride_ot, stride_oh, num_tokens, num_q_heads, HEAD_DIM,
-                    NUM_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
-        # The merge of _merge_splits_kernel for one tile's rows. Loads bypass L1 (.cg): the
-        # partials were written by other programs of this launch.
+                    num_active, NUM_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_D: tl.constexpr):
+        # The merge of _merge_splits_kernel for one tile's rows, over its first num_active
+        # splits (the others hold nothing). Loads bypass L1 (.cg): the partials were written
+        # by other programs of this launch.
         s = tl.arange(0, NUM_SPLITS)
         idx = (s[:, None] * num_tokens + tok_g[None, :]) * num_q_heads + head[None, :]
-        m = tl.load(ws_m_ptr + idx, mask=row_ok[None, :], other=float("-inf"),
+        live = (s < num_active)[:, None] & row_ok[None, :]
+        m = tl.load(ws_m_ptr + idx, mask=live, other=float("-inf"),
                     cache_modifier=".cg")  # [NUM_SPLITS, BLOCK_M]
-        l_s = tl.load(ws_l_ptr + idx, mask=row_ok[None, :], other=0.0, cache_modifier=".cg")
+        l_s = tl.load(ws_l_ptr + idx, mask=live, other=0.0, cache_modifier=".cg")
         m_max = tl.max(m, 0)
         m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
         w = tl.exp2(m - m_max[None, :])  # empty splits have m = -inf -> weight 0
@@ -223,7 +231,8 @@ if triton is not None:
         num = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         for j in tl.static_range(NUM_SPLITS):  # unrolled: the loads are issued together
             row = (j * num_tokens + tok_g) * num_q_heads + head
-            a = tl.load(ws_acc_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], mask=io_mask,
+            a = tl.load(ws_acc_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
+                        mask=io_mask & (tl.full([BLOCK_M], j, tl.int32) < num_active)[:, None],
                         other=0.0, cache_modifier=".cg")
             w_j = tl.sum(tl.where(s[:, None] == j, w, 0.0), 0)
             num += w_j[:, None] * a
