@@ -148,10 +148,8 @@ def main():
         ("--policies", "current,m2n2,m4n1,m2n1,m4n2w8,m8n1"),
         ("--engines", "no-spec,eagle3-fa3-k2,eagle3-fa3-k4"), ("--tag", ""),
         # attention's split-KV settings to try under every policy, SPLITSxMIN_TOKENS
-        # (max_kv_splits x min_split_tokens of the Triton backend; "" keeps the engine's),
-        # "-all": the merge loads every split (triton_paged.MERGE_ACTIVE_SPLITS_ONLY off)
+        # (max_kv_splits x min_split_tokens of the Triton backend; "" keeps the engine's)
         ("--attn", "")))
-    import outpace.attention.triton_paged as tp
     import outpace.kernels.small_linear as sl
     from outpace.engine.engine import LLMEngine
     eagle, _ = make_heads(args.gguf, tempfile.mkdtemp())
@@ -174,9 +172,7 @@ def main():
                   for attn in (args.attn.split(",") if args.attn else [default_attn])]
         for pol, attn in combos:
             sl.choose_blocks = table[pol]
-            backend.max_kv_splits, backend.min_split_tokens = map(
-                int, attn.removesuffix("-all").split("x"))
-            tp.MERGE_ACTIVE_SPLITS_ONLY = not attn.endswith("-all")
+            backend.max_kv_splits, backend.min_split_tokens = map(int, attn.split("x"))
             t0 = time.perf_counter()
             try:
                 for key in list(fused._captured):
@@ -189,7 +185,6 @@ def main():
                 sl.choose_blocks = orig
                 backend.max_kv_splits, backend.min_split_tokens = map(
                     int, default_attn.split("x"))
-                tp.MERGE_ACTIVE_SPLITS_ONLY = True
                 for key in list(fused._captured):
                     fused._captured[key] = fused._capture(*key)
                 continue
@@ -204,7 +199,6 @@ def main():
             rows.append(row)
             print(row, flush=True)
         sl.choose_blocks = orig
-        tp.MERGE_ACTIVE_SPLITS_ONLY = True
         del eng
         torch.cuda.empty_cache()
     ns = {(r["policy"], r["attn"]): r for r in rows if r["engine"] == "no-spec"}

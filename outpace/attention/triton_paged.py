@@ -26,7 +26,10 @@ is cut into NUM_SPLITS chunks (>= min_split_tokens each, computed on device from
 program writes an unnormalised partial (acc, running max m, running sum l) to a workspace, and
 they are merged:  out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s, by the tile's last
 split to finish (it takes a ticket from a per-tile counter; split_counters) or, without
-counters, by a second kernel.
+counters, by a second kernel. With counters only the splits whose chunk holds some of the range
+(cdiv(range, chunk) of them: a short context leaves the rest empty) store a partial and take a
+ticket, and the merge reads only theirs; so NUM_SPLITS is an upper bound that costs a short
+context little.
 
 Softmax runs in base 2 (qk is pre-scaled by scale * log2 e) with fp32 accumulation. fp32 inputs
 use IEEE dot products (no TF32) so they match the reference to ~1e-5.
@@ -63,9 +66,6 @@ LOG2E = 1.4426950408889634
 
 # The last split of a tile merges the partials (no merge kernel; 1.6 us a layer at batch 1).
 FUSED_SPLIT_MERGE = True
-# ...loading only the splits that cover some of the tile's KV range (a context shorter than
-# the splits' minimum chunks leaves the rest empty). A switch for benchmarks' A/B runs.
-MERGE_ACTIVE_SPLITS_ONLY = True
 
 
 @dataclass(frozen=True)
@@ -156,7 +156,6 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, meta: A
         GROUP=group, GROUP_PAD=next_pow2(group), BLOCK_Q=cfg.block_q, BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, BLOCK_D=block_d, NUM_SPLITS=num_splits,
         IS_FP32=q.dtype == torch.float32, FUSED_MERGE=fused_merge,
-        MERGE_ACTIVE=MERGE_ACTIVE_SPLITS_ONLY,
         PREFETCH=prefetches(meta.max_query_len, num_seqs, d) if prefetch is None else prefetch,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **opts)

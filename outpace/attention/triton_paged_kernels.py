@@ -90,7 +90,7 @@ if triton is not None:
             BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
             BLOCK_D: tl.constexpr,
             NUM_SPLITS: tl.constexpr, IS_FP32: tl.constexpr, FUSED_MERGE: tl.constexpr,
-            PREFETCH: tl.constexpr, MERGE_ACTIVE: tl.constexpr, USE_PDL: tl.constexpr):
+            PREFETCH: tl.constexpr, USE_PDL: tl.constexpr):
         # PREFETCH: before the PDL wait (kernels/pdl.py) the kernel reads what only kernels at
         # least two launches back wrote, which have finished once it runs (its predecessor
         # launched it after its own wait): the step's query layout, lengths and block tables,
@@ -126,9 +126,10 @@ if triton is not None:
             chunk = tl.maximum(chunk, min_chunk)  # min_chunk is a multiple of BLOCK_N
             lo = split * chunk
             hi = tl.minimum(lo + chunk, kv_end)
-            # splits past the range (a short context under min_chunk) have nothing to add: their
-            # partials (m = -inf, l = 0) are stored but the merge need not load them
-            num_active = tl.cdiv(kv_end, chunk) if MERGE_ACTIVE else NUM_SPLITS
+            # The splits that cover some of the range; with FUSED_MERGE the others (a context
+            # shorter than NUM_SPLITS minimum chunks: their ranges are empty) store no partial
+            # and take no ticket, and the merge reads only these.
+            num_active = tl.cdiv(kv_end, chunk)
         mid = ((ctx + first + 1) // BLOCK_N) * BLOCK_N
         mid = tl.minimum(tl.maximum(mid, lo), hi)
 
@@ -190,25 +191,32 @@ if triton is not None:
             out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
             tl.store(out_ptr + tok_g[:, None] * stride_ot + head[:, None] * stride_oh
                      + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=io_mask)
-        else:
-            # workspace: acc [NUM_SPLITS, T, Hq, HEAD_DIM], m and l [NUM_SPLITS, T, Hq]
-            idx = (split * num_tokens + tok_g) * num_q_heads + head
-            tl.store(ws_acc_ptr + idx[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=io_mask)
-            tl.store(ws_m_ptr + idx, m_i, mask=row_ok)
-            tl.store(ws_l_ptr + idx, l_i, mask=row_ok)
-            if FUSED_MERGE:
-                # The tile's last split to finish merges all of them (no second kernel). Its
-                # acq_rel ticket orders the other splits' partial stores (each issued before
-                # their own ticket, behind a barrier) before its loads.
-                tl.debug_barrier()
-                tile = (seq * tl.num_programs(0) + qb) * (tl.num_programs(2) // NUM_SPLITS) + kvh
-                ticket = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
-                if ticket == NUM_SPLITS - 1:
-                    tl.store(cnt_ptr + tile, 0)  # zero again for the next launch (graphs)
-                    _merge_tile(ws_acc_ptr, ws_m_ptr, ws_l_ptr, out_ptr, tok_g, head, row_ok,
-                                offs_d, io_mask, stride_ot, stride_oh, num_tokens,
-                                num_q_heads, HEAD_DIM, num_active, NUM_SPLITS, BLOCK_M,
-                                BLOCK_D)
+        elif not FUSED_MERGE:  # every split's partial, for _merge_splits_kernel
+            _store_partial(ws_acc_ptr, ws_m_ptr, ws_l_ptr, acc, m_i, l_i, split, num_tokens,
+                           num_q_heads, tok_g, head, row_ok, offs_d, io_mask, HEAD_DIM)
+        elif split < num_active:
+            _store_partial(ws_acc_ptr, ws_m_ptr, ws_l_ptr, acc, m_i, l_i, split, num_tokens,
+                           num_q_heads, tok_g, head, row_ok, offs_d, io_mask, HEAD_DIM)
+            # The tile's last split to finish merges all of them (no second kernel). Its
+            # acq_rel ticket orders the other splits' partial stores (each issued before
+            # their own ticket, behind a barrier) before its loads.
+            tl.debug_barrier()
+            tile = (seq * tl.num_programs(0) + qb) * (tl.num_programs(2) // NUM_SPLITS) + kvh
+            ticket = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
+            if ticket == num_active - 1:
+                tl.store(cnt_ptr + tile, 0)  # zero again for the next launch (graphs)
+                _merge_tile(ws_acc_ptr, ws_m_ptr, ws_l_ptr, out_ptr, tok_g, head, row_ok,
+                            offs_d, io_mask, stride_ot, stride_oh, num_tokens,
+                            num_q_heads, HEAD_DIM, num_active, NUM_SPLITS, BLOCK_M, BLOCK_D)
+
+    @triton.jit
+    def _store_partial(ws_acc_ptr, ws_m_ptr, ws_l_ptr, acc, m_i, l_i, split, num_tokens,
+                       num_q_heads, tok_g, head, row_ok, offs_d, io_mask, HEAD_DIM):
+        # workspace: acc [NUM_SPLITS, T, Hq, HEAD_DIM], m and l [NUM_SPLITS, T, Hq]
+        idx = (split * num_tokens + tok_g) * num_q_heads + head
+        tl.store(ws_acc_ptr + idx[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=io_mask)
+        tl.store(ws_m_ptr + idx, m_i, mask=row_ok)
+        tl.store(ws_l_ptr + idx, l_i, mask=row_ok)
 
     @triton.jit
     def _merge_tile(ws_acc_ptr, ws_m_ptr, ws_l_ptr, out_ptr, tok_g, head, row_ok, offs_d,

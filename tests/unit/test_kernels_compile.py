@@ -58,7 +58,7 @@ def test_attention_kernel_compiles(prefetch, splits, head_dim, group):
     k = compile_for_h200(_paged_attn_kernel, {**bf16, **fp32, **i32}, ("qk_scale",), {
         "BLOCK_SIZE": 16, "GROUP": group, "GROUP_PAD": gp, "BLOCK_Q": 16 // gp, "BLOCK_M": 16,
         "BLOCK_N": 64, "BLOCK_D": head_dim, "NUM_SPLITS": splits, "IS_FP32": False,
-        "FUSED_MERGE": splits > 1, "PREFETCH": prefetch, "MERGE_ACTIVE": True, "USE_PDL": True},
+        "FUSED_MERGE": splits > 1, "PREFETCH": prefetch, "USE_PDL": True},
         num_warps=4)
     assert k.asm["cubin"]
 

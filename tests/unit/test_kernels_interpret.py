@@ -317,10 +317,12 @@ EXTRA = {
 @pytest.mark.parametrize("prefetch", [False, True], ids=["wait-first", "prefetch"])
 @pytest.mark.parametrize("case", ATTN_CASES, ids=lambda c: f"{c[0]}-{str(c[1])[6:]}-"
                          f"h{c[2]}g{c[3]}d{c[4]}s{c[5]}b{c[6]}")
-def check_paged_attention(case, prefetch):
+def check_paged_attention(case, prefetch, monkeypatch):
     """Both kernel variants (PREFETCH: the first KV tile loaded before the PDL wait, then the
     step's own tokens added in) at every composition: the first tile is each split's whole
-    range, part of it, or empty, and holds old columns, new ones or both."""
+    range, part of it, or empty, and holds old columns, new ones or both. With per-tile
+    counters, splits past a short context write nothing and the merge must not read their
+    workspace rows: it is filled with NaN first."""
     name, dtype, hkv, group, d, splits, slack = case
     seqs = EXTRA.get(name) or COMPOSITIONS[name]
     b = make_batch(seqs, hkv, group, d, dtype, "cpu", pad_seqs=1, pad_tokens=2,
@@ -332,6 +334,12 @@ def check_paged_attention(case, prefetch):
     verify_attention(b, out, scale)
     if splits > 1:  # the last split of each tile merges (per-tile counters), twice in a row
         counters = torch.zeros(64, dtype=torch.int32)
+        real_empty = torch.empty
+
+        def nan_empty(*args, **kwargs):
+            t = real_empty(*args, **kwargs)
+            return t.fill_(float("nan")) if t.is_floating_point() else t
+        monkeypatch.setattr(torch, "empty", nan_empty)
         for _ in range(2):
             out = paged_attention(b.q, b.kv_cache, b.layer, _no_host_mirrors(b.meta), scale,
                                   num_splits=splits, min_split_tokens=16,
