@@ -172,10 +172,14 @@ class TritonPagedBackend(AttentionBackend):
 
     max_kv_splits: upper bound of the split-KV factor used when a launch has fewer tiles than
     the GPU has SMs (1 disables split-KV); min_split_tokens: smallest KV chunk per split.
+    8 splits (was 16): SmolLM2's batch-1 steps at 80-280-token contexts, H200, run 18
+    (diag_few_rows_run18d/e.json): no-spec 1862 -> 1983 tok/s (graph 0.516 -> 0.481 ms),
+    EAGLE-3 k = 2 3889 -> 4116 (0.705 -> 0.660); 4 splits were as fast at those contexts but
+    slower at longer ones (graphs 0.501 / 0.688), 2 slower still; 128-token chunks slower.
     """
 
     def __init__(self, kv_cache: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
-                 scale: float, *, max_kv_splits: int = 16, min_split_tokens: int = 64):
+                 scale: float, *, max_kv_splits: int = 8, min_split_tokens: int = 64):
         super().__init__(kv_cache, num_heads, num_kv_heads, head_dim, scale)
         if triton is None:  # ImportError: callers fall back to the reference backend on it
             raise ImportError("the Triton attention backend needs triton; install it "
