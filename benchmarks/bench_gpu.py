@@ -558,9 +558,9 @@ class _NullTokenizer:
         return [1]
 
 
-def section_big(args, results):
+def llama8b_shaped():
+    """A Llama-3.1-8B-shaped model with random bf16 weights on CUDA -> (model, ModelConfig)."""
     from outpace.config import ModelConfig
-    from outpace.engine.engine import LLMEngine
     from outpace.models.llama import LlamaForCausalLM
     cfg = ModelConfig(architecture="llama", vocab_size=128256, hidden_size=4096,
                       intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
@@ -574,6 +574,12 @@ def section_big(args, results):
     with torch.no_grad():
         for prm in model.parameters():
             prm.normal_(0.0, 0.02, generator=g) if prm.dim() > 1 else prm.fill_(1.0)
+    return model, cfg
+
+
+def section_big(args, results):
+    from outpace.engine.engine import LLMEngine
+    model, cfg = llama8b_shaped()
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     # Bandwidth: a large device-to-device copy reads and writes each byte once.
     x = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")

@@ -24,47 +24,60 @@ from pathlib import Path
 CASES = ("nothing", "empty_cache", "clear_workspaces", "clear_workspaces_empty_cache")
 
 
-def child(case: str) -> None:
+def child(case: str, big: bool) -> None:
     import torch
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from benchmarks.bench_gpu import _NullTokenizer, run_engine, smollm2_shaped
+    from benchmarks.bench_gpu import (_NullTokenizer, graph_ms, llama8b_shaped, run_engine,
+                                      smollm2_shaped)
     from outpace.engine.engine import LLMEngine
-    model, cfg, _ = smollm2_shaped(Path(tempfile.mkdtemp()))
-    eng = LLMEngine.from_args("smollm2-shaped", loaded=(model, cfg, _NullTokenizer()),
+    model, cfg = llama8b_shaped() if big else smollm2_shaped(Path(tempfile.mkdtemp()))[:2]
+    eng = LLMEngine.from_args("shaped", loaded=(model, cfg, _NullTokenizer()),
                               device="cuda", dtype="bfloat16", max_num_seqs=8,
                               num_kv_blocks=1024, max_model_len=2048, quiet=True,
                               enable_prefix_caching=False)
     run_engine(eng, [list(range(100, 228))], 1, 32)
     torch.cuda.synchronize()
+    graphs = eng.runner.fused._captured
+    ms = graph_ms(graphs[(1, 1, 0, True)][0])  # the batch-1 decode graph (cuBLAS LM head)
     if "clear_workspaces" in case:
         torch._C._cuda_clearCublasWorkspaces()
     if "empty_cache" in case:
         torch.cuda.empty_cache()
-    graphs = eng.runner.fused._captured
     for key, (graph, _) in graphs.items():
         graph.replay()
     torch.cuda.synchronize()
-    print(f"VERDICT {case}: {len(graphs)} graphs replayed", flush=True)
+    print(f"VERDICT {case}: {len(graphs)} graphs replayed; batch-1 graph {ms} ms", flush=True)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--child", default="")
+    ap.add_argument("--big", action="store_true", help="the Llama-8B-shaped model")
+    ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--no-workspace", action="store_true",
+                    help="children run with CUBLAS_WORKSPACE_CONFIG=:0:0 (no cuBLAS workspace)")
     args = ap.parse_args()
     if args.child:
-        child(args.child)
+        child(args.child, args.big)
         return
+    import os
+    env = dict(os.environ)
+    if args.no_workspace:
+        env["CUBLAS_WORKSPACE_CONFIG"] = ":0:0"
     rows = []
-    for case in CASES:
-        p = subprocess.run([sys.executable, __file__, "--child", case], capture_output=True,
-                           text=True, timeout=300)
+    for case in args.cases.split(","):
+        p = subprocess.run([sys.executable, __file__, "--child", case]
+                           + (["--big"] if args.big else []), capture_output=True,
+                           text=True, timeout=300, env=env)
         verdict = next((ln for ln in p.stdout.splitlines() if ln.startswith("VERDICT")), None)
         err = [ln for ln in p.stderr.splitlines() if "Error" in ln or "error" in ln][-3:]
-        rows.append({"case": case, "returncode": p.returncode, "verdict": verdict,
-                     "errors": err})
+        rows.append({"case": case, "big": args.big, "no_workspace": args.no_workspace,
+                     "returncode": p.returncode, "verdict": verdict, "errors": err})
         print(rows[-1], flush=True)
-    (Path(args.out) / "diag_cublas_workspace.json").write_text(json.dumps(rows, indent=1) + "\n")
+    name = "diag_cublas_workspace" + ("_big" if args.big else "") + \
+        ("_noworkspace" if args.no_workspace else "") + ".json"
+    (Path(args.out) / name).write_text(json.dumps(rows, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ case "$1" in
   diag)  python3 benchmarks/diag_step.py --gguf "$GGUF" --out "${OUT:-/tmp/out}" ;;
   rows)  shift; python3 benchmarks/diag_few_rows.py --gguf "$GGUF" --out "${OUT:-/tmp/out}" "$@" ;;
   request) shift; python3 benchmarks/diag_request.py --gguf "$GGUF" --out "${OUT:-/tmp/out}" "$@" ;;
-  cublas) python3 benchmarks/diag_cublas_workspace.py --out "${OUT:-/tmp/out}" ;;
+  cublas) shift; python3 benchmarks/diag_cublas_workspace.py --out "${OUT:-/tmp/out}" "$@" ;;
   launch) python3 benchmarks/diag_launch.py --out "${OUT:-/tmp/out}" ;;
   sweep) shift; python3 benchmarks/bench_small_linear.py --out "${OUT:-/tmp/out}" \
            --sections sweep --sweep-ms "$1" --sweep-models smol --total-s 45 ;;
