@@ -505,6 +505,28 @@ def profile_host(eng, prompts, max_tokens, path):
 
 
 def section_hf(args, results):
+    """HF transformers in a child process: its static-cache generate compiles with CUDA graphs
+    (torch.compile's cudagraph trees), after which replaying the 8B-shaped engine's graph in
+    this process hit an illegal memory access (runs 15, 16, 18; `big` alone, and `big,hf`
+    without it, profiled fine in run 18). The child also keeps HF's timing free of this
+    process's state."""
+    import json
+    import subprocess
+    with tempfile.TemporaryDirectory() as out:
+        cmd = [sys.executable, __file__, "--gguf", args.gguf, "--out", out,
+               "--sections", "hf_here", "--max-tokens", str(args.max_tokens)]
+        proc = subprocess.run(cmd, text=True, capture_output=True, timeout=1800)
+        print(proc.stdout[-4000:], proc.stderr[-2000:], flush=True)
+        child = Path(out) / "gpu_bench.json"
+        got = json.loads(child.read_text()) if child.exists() else {}
+    results["hf"] = got.get("hf", [])
+    if proc.returncode != 0 or "hf_here_error" in got:
+        raise RuntimeError(f"the HF child failed (exit {proc.returncode}): "
+                           f"{got.get('hf_here_error', proc.stderr[-300:])}")
+
+
+def section_hf_here(args, results):
+    """section_hf's work, in this process."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     p = Path(args.gguf)
     tok = AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
