@@ -44,6 +44,25 @@ from outpace.models.rotary import RotaryEmbedding
 from outpace.models.weight_dtype import upcast_linear
 
 
+def side_by_side(parts: list) -> Optional[torch.Tensor]:
+    """The [T, n * H] tensor whose column blocks are `parts` (n [T, H] views, in order) when
+    they are exactly that (the few-row target's captured layers), else None."""
+    first = parts[0]
+    if first.dim() != 2:
+        return None
+    t, h = first.shape
+    n, size = len(parts), first.element_size()
+    if first.stride() != (n * h, 1):
+        return None
+    for j, p in enumerate(parts):
+        if (p.shape != first.shape or p.stride() != first.stride() or p.dtype != first.dtype
+                or p.device != first.device
+                or p.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+                or p.data_ptr() != first.data_ptr() + j * h * size):
+            return None
+    return first.as_strided((t, n * h), (n * h, 1))
+
+
 def default_aux_layer_ids(num_target_layers: int) -> tuple:
     """(1, L/2-1, L-4): low, middle and late features, as EAGLE-3 trains them by default."""
     n = num_target_layers
@@ -141,8 +160,11 @@ class Eagle3Head(nn.Module):
     def fuse(self, aux: list) -> torch.Tensor:
         # 3 x [T, H] (target residual stream after each aux layer) -> [T, H]; few rows (a
         # verify block) take the few-row kernel (~3 us at H = 576, cuBLAS ~5), more the
-        # reference: upcast_linear's F.linear
-        return small_linear(torch.cat(aux, dim=-1), self.fc_weight)
+        # reference: upcast_linear's F.linear. The few-row target writes the three side by
+        # side already (no concatenation kernel then).
+        joined = side_by_side(aux)
+        return small_linear(joined if joined is not None else torch.cat(aux, dim=-1),
+                            self.fc_weight)
 
     def embed(self, input_ids: torch.Tensor,
               embed_fn: Optional[Callable] = None) -> torch.Tensor:

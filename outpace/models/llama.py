@@ -200,9 +200,10 @@ class LlamaDecoderLayer(nn.Module):
                 and a.qkv_bias is None and a.o_bias is None)
 
     def forward_few_rows(self, residual, cos_sin, rope: RotaryEmbedding, ctx: ForwardContext,
-                         attn_input=None):
+                         attn_input=None, out=None):
         """forward() on CUDA for at most SMALL_M_MAX tokens (decode at small batch, verify, the
-        draft heads' steps): residual [T, H] -> the new residual stream [T, H], a fresh tensor.
+        draft heads' steps): residual [T, H] -> the new residual stream [T, H], a fresh tensor
+        (or `out`, a [T, H] view with a unit last stride: the model's captured layers).
 
         Five kernels instead of fourteen (run 5 profile): four projections and attention. With
         FUSED_QKV_ROPE_STORE the qkv projection also applies rope and writes K/V into the pool
@@ -235,7 +236,7 @@ class LlamaDecoderLayer(nn.Module):
             o = attn.attend(qkv, cos_sin, rope, ctx)
         residual = small_linear(o, attn.o_weight, residual=residual)
         a = norm_small_linear_silu_mul(residual, post.weight, post.eps, mlp.gate_up_weight)
-        return small_linear(a, mlp.down_weight, residual=residual)  # a fresh tensor
+        return small_linear(a, mlp.down_weight, residual=residual, out=out)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -321,12 +322,21 @@ class LlamaForCausalLM(nn.Module):
         final norm."""
         cos_sin = self.rotary(positions)
         residual = h
-        captured = {}
+        # The captured layers write their residual stream side by side into one [T, n * H]
+        # tensor, in the order asked: a head that concatenates them (EAGLE-3's fc) reads it
+        # as is, without a copy (`captured_side_by_side`). The next layer reads the strided
+        # view; the few-row kernels take any row stride.
+        side = h.new_empty(h.shape[0], len(capture_layers) * h.shape[1]) if capture_layers \
+            else None
         for i, layer in enumerate(self.layers):
-            residual = layer.forward_few_rows(residual, cos_sin, self.rotary, ctx)
+            out = None
             if i in capture_layers:
-                captured[i] = residual  # a fresh tensor each layer: safe to keep
-        return self.norm(residual), [captured[i] for i in capture_layers]
+                j = capture_layers.index(i)
+                out = side[:, j * h.shape[1]:(j + 1) * h.shape[1]]
+            residual = layer.forward_few_rows(residual, cos_sin, self.rotary, ctx, out=out)
+        hs = h.shape[1]
+        return self.norm(residual), [side[:, j * hs:(j + 1) * hs]
+                                     for j in range(len(capture_layers))]
 
     def add_cpu_weight_copies_(self) -> None:
         """CPU only: faster-to-read copies of the projection weights (cpu_fast_paths.py), in

@@ -580,3 +580,19 @@ def test_eagle3_greedy_target_ids(tmp_path):
         got = head.greedy_target_ids(hidden)
         assert torch.equal(got, head.draft_to_target(head.greedy_draft_ids(hidden)))
         assert torch.equal(got, sub[head.compute_draft_logits(hidden).argmax(-1)])
+
+
+def test_side_by_side_views_join_without_a_copy():
+    """EAGLE-3's fc reads the target's captured layers as one tensor when they are adjacent
+    column blocks of one, in order; anything else is concatenated."""
+    from outpace.models.eagle3 import side_by_side
+    buf = torch.arange(24.0).view(2, 12)
+    parts = [buf[:, 0:4], buf[:, 4:8], buf[:, 8:12]]
+    joined = side_by_side(parts)
+    assert joined is not None and joined.data_ptr() == buf.data_ptr()
+    assert torch.equal(joined, torch.cat(parts, dim=-1))
+    assert side_by_side(parts[::-1]) is None  # out of order
+    assert side_by_side([p.clone() for p in parts]) is None  # separate tensors
+    assert side_by_side(parts[:2]) is None  # the rows hold a third block
+    other = torch.arange(24.0).view(2, 12)
+    assert side_by_side([parts[0], other[:, 4:8], parts[2]]) is None

@@ -115,6 +115,14 @@ def test_fused_norm_forward_matches(pair, monkeypatch, dtype, fused_qkv):
     assert calls.count("_forward_few_rows") == (len(ids) - 17 if few_rows_ok else 0), calls
     fused_ok = few_rows_ok and fused_qkv and family != "qwen3"  # (q/k norm sits before rope)
     assert len(fused_calls) == (cfg.num_hidden_layers * (len(ids) - 17) if fused_ok else 0)
+    if few_rows_ok:  # a few-row step's captured layers come side by side (EAGLE-3 reads them
+        # as one [T, 2H] input, no concatenation)
+        from outpace.models.eagle3 import side_by_side
+        runner = PagedRunner(model, num_seqs=1)
+        runner.step({0: ids[:17]}, capture_layers=capture)
+        step_aux = runner.step({0: ids[17:19]}, capture_layers=capture)[1]
+        joined = side_by_side(step_aux)
+        assert joined is not None and torch.equal(joined, torch.cat(step_aux, dim=-1))
     exact, exact_hidden = hf_logits(hf, ids, output_hidden_states=True)  # fp32 transformers
     if dtype == torch.float32:
         torch.testing.assert_close(logits, ref_logits, atol=1e-5, rtol=1e-5)
