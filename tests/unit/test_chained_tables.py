@@ -7,7 +7,7 @@ import random
 
 import numpy as np
 
-from outpace.runner.fused_step import ChainedTables
+from outpace.runner.chained_tables import ChainedTables
 
 
 def _scratch(bucket, width, tables):
