@@ -149,8 +149,9 @@ def choose_blocks(M: int, N: int, K: int, *, elem_bytes: int = 2, gate_up: bool 
 
     Broadcast multiply + sum (M = 1 up to N = 16384, and M <= _SUM_MAX_M on a small weight,
     K <= 2048 and N <= 4096): a program takes at most _SUM_ROWS rows, one at _ONE_ROW_M rows
-    (a forced config with more rows runs more programs, each reading the same weight tile). BLOCK_K takes the whole row in one step when K <= 2048, so all of
-    a program's loads are in flight at once (a small weight is below the GPU's bandwidth-delay
+    (a forced config with more rows runs more programs, each reading the same weight tile).
+    BLOCK_K takes the whole row in one step when K <= 2048, so all of a program's loads are
+    in flight at once (a small weight is below the GPU's bandwidth-delay
     product, and every serial K step costs a DRAM latency); longer rows go in steps of 1024.
     With several rows a one-step row that isn't a power of two is two tiles, both loaded up
     front (`tail_k`: K = 576 is 512 + 64 columns, not a 1024-wide tile with 448 masked).

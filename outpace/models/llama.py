@@ -324,19 +324,15 @@ class LlamaForCausalLM(nn.Module):
         residual = h
         # The captured layers write their residual stream side by side into one [T, n * H]
         # tensor, in the order asked: a head that concatenates them (EAGLE-3's fc) reads it
-        # as is, without a copy (`captured_side_by_side`). The next layer reads the strided
-        # view; the few-row kernels take any row stride.
-        side = h.new_empty(h.shape[0], len(capture_layers) * h.shape[1]) if capture_layers \
-            else None
-        for i, layer in enumerate(self.layers):
-            out = None
-            if i in capture_layers:
-                j = capture_layers.index(i)
-                out = side[:, j * h.shape[1]:(j + 1) * h.shape[1]]
-            residual = layer.forward_few_rows(residual, cos_sin, self.rotary, ctx, out=out)
+        # as is, without a copy (eagle3.side_by_side). The next layer reads the strided view;
+        # the few-row kernels take any row stride.
         hs = h.shape[1]
-        return self.norm(residual), [side[:, j * hs:(j + 1) * hs]
-                                     for j in range(len(capture_layers))]
+        side = h.new_empty(h.shape[0], len(capture_layers) * hs)
+        views = [side[:, j * hs:(j + 1) * hs] for j in range(len(capture_layers))]
+        for i, layer in enumerate(self.layers):
+            out = views[capture_layers.index(i)] if i in capture_layers else None
+            residual = layer.forward_few_rows(residual, cos_sin, self.rotary, ctx, out=out)
+        return self.norm(residual), views
 
     def add_cpu_weight_copies_(self) -> None:
         """CPU only: faster-to-read copies of the projection weights (cpu_fast_paths.py), in
