@@ -44,6 +44,13 @@ loop then replay a second graph, captured per prefill graph over that graph's st
 states (`prefill_drafts`). Eagerly that pass and loop were ~40 Triton launches from Python for
 microseconds of GPU work each: most of a head engine's batch-1 TTFT (5.6-15 ms against
 no-spec's 1.6, run 10).
+
+Where steps chain, a greedy prefill step that samples is launched like a decode step instead
+(`launch_prefill`): the prefill graph, then a tail graph that takes the token as the argmax of
+the prefill graph's logits, runs the head's pass and draft loop from it, and leaves token,
+drafts and position in the carry and in an output laid out as a one-token decode step's. So the
+first decode step chains from the prefill too, rather than waiting for the host to read the
+token (run 16: that unchained step took 1.0 / 1.2 ms against 0.55 / 0.77 chained).
 """
 
 from __future__ import annotations
@@ -57,6 +64,7 @@ import numpy as np
 import torch
 
 from outpace.attention.base import AttentionMetadata, ForwardContext
+from outpace.kernels.argmax import argmax_rows
 from outpace.kernels.step_glue import accept, chained_inputs, loop_inputs
 from outpace.runner.chained_tables import ChainedTables
 from outpace.spec.base import CommittedTokens, DraftBatch
@@ -82,6 +90,7 @@ class Launched:
     host: object  # where the output copy lands: pinned tensor (CUDA) or the output itself
     event: Optional[object]  # recorded after the output copy (CUDA)
     t_launch: float = 0.0  # host seconds spent launching (benchmarks)
+    prefill: bool = False  # a greedy prefill step's (launch_prefill), not a decode step's
 
     @property
     def kd(self) -> int:
@@ -121,6 +130,10 @@ class FusedStep:
         # Prefill: (q, kd) -> (graph, (drafts [1, kd],) or ()), and what the host fills in:
         # the token after every row, the row whose head output drafts (prefill_drafts).
         self._prefill_heads: dict = {}
+        # A greedy prefill's end where steps chain: (q, kd) -> (graph, packed [1, 2 + kd])
+        # (launch_prefill)
+        self._prefill_tails: dict = {}
+        self.prefill_launches = 0  # prefill steps launched that way (tests read it)
         self.prefill_next_ids = torch.zeros(max(runner.graphs.prefill_q, default=1),
                                             dtype=torch.long, device=dev)
         self.prefill_last_row = torch.zeros(1, dtype=torch.long, device=dev)
@@ -148,17 +161,19 @@ class FusedStep:
                 if key not in self._captured:
                     self._captured[key] = self._capture(*key)
 
-    def capture_prefill_heads(self) -> None:
-        """Capture the head's graphs for every prefill graph: its pass over the chunk alone
+    def capture_prefill_graphs(self) -> None:
+        """Capture, for every prefill graph, the head's graphs: its pass over the chunk alone
         (kd = 0: a chunk that samples nothing, or no drafts wanted) and with the batch-1 draft
-        loop. At start-up only: capturing fills the input buffers with a dummy batch, which
-        would clobber a prefill step's inputs in between its two graphs."""
-        if self.head is None:
-            return
+        loop; and where steps chain, the tail of a greedy prefill (launch_prefill). At
+        start-up only: capturing fills the input buffers with a dummy batch, which would
+        clobber a prefill step's inputs in between its two graphs."""
         for q in self.graphs.prefill_graphs:
-            for kd in sorted({0, self.draft_steps(1)}):
+            for kd in sorted({0, self.draft_steps(1)}) if self.head is not None else ():
                 if (q, kd) not in self._prefill_heads:
                     self._prefill_heads[(q, kd)] = self._capture_prefill_head(q, kd)
+            kd = self.draft_steps(1)
+            if self.chainable and (q, kd) not in self._prefill_tails:
+                self._prefill_tails[(q, kd)] = self._capture_prefill_head(q, kd, tail=True)
 
     @torch.inference_mode()
     def prefill_drafts(self, q: int, next_ids: np.ndarray, last_row: int, k: int,
@@ -184,8 +199,14 @@ class FusedStep:
             return []
         return outs[0][0, :k].tolist()  # sync-ok: the step's drafts, read once
 
-    def _capture_prefill_head(self, q: int, kd: int):
-        _, hidden, aux, _ = self.graphs.prefill_graphs[q]
+    def _capture_prefill_head(self, q: int, kd: int, tail: bool = False):
+        """The head's pass and kd drafts over prefill graph q's hidden states, from the
+        host's next ids (prefill_drafts). With `tail`, a greedy prefill's whole end
+        (launch_prefill): its token, the argmax of the graph's logits, follows the sampled
+        row; then the head (if any) drafts, and the token and drafts land in the output
+        [1, 2 + kd] laid out as a decode step's (token | 0 accepted | drafts) and, with the
+        token's position, in the carry that the next (chained) step starts from."""
+        _, hidden, aux, logits = self.graphs.prefill_graphs[q]
         buf = self.inputs
         self.graphs.fill_dummy(1, q)
         self.prefill_next_ids.zero_()
@@ -196,11 +217,22 @@ class FusedStep:
 
         def fn():
             first = pos.index_select(0, self.prefill_last_row)
-            drafts = torch.empty(1, kd, dtype=torch.long, device=pos.device)
-            self._draft(hidden, aux, self.prefill_next_ids[:q], pos,
-                        ForwardContext(self.backend, meta), self.prefill_last_row,
-                        first, buf.block_tables[:1], kd, (drafts,))
-            return (drafts,) if kd else ()
+            if tail:
+                packed = torch.zeros(1, 2 + kd, dtype=torch.long, device=pos.device)
+                tok = argmax_rows(logits, also=(packed[:, 0], self.carry_tokens[:1, 0]))
+                if self.head is not None:
+                    self.prefill_next_ids[:q].index_copy_(0, self.prefill_last_row, tok)
+                torch.add(first, 1, out=self.carry_pos[:1])
+                outs = (packed[:, 2:], self.carry_tokens[:1, 1:1 + kd])
+            else:
+                outs = (torch.empty(1, kd, dtype=torch.long, device=pos.device),)
+            if self.head is not None:
+                self._draft(hidden, aux, self.prefill_next_ids[:q], pos,
+                            ForwardContext(self.backend, meta), self.prefill_last_row,
+                            first, buf.block_tables[:1], kd, outs)
+            if tail:
+                return packed
+            return outs if kd else ()
         for _ in range(2):  # warm-up: Triton compiles, cuBLAS picks its kernels
             fn()
         return self.graphs.capture(fn)
@@ -245,6 +277,32 @@ class FusedStep:
         rows = [sr.request.request_id for sr in plan.scheduled]
         return self._replay(key, rows, t0)
 
+    def can_launch_prefill(self, plan, q: int) -> bool:
+        """Whether launch_prefill serves plan (one request's prefill chunk that samples,
+        padded to prefill graph q)."""
+        return (plan.scheduled[0].sample
+                and (q, self.draft_steps(plan.draft_batch_size)) in self._prefill_tails)
+
+    @torch.inference_mode()
+    def launch_prefill(self, plan, hb, q: int) -> Launched:
+        """A greedy prefill step launched like a decode step, so that the first decode step
+        chains from it on the device (LLMEngine._chain) instead of waiting for the host: the
+        prefill graph, then its tail graph (its token, the head's pass and drafts, the
+        carry). Its output reads as a decode step's of one token (collect)."""
+        t0 = time.perf_counter()
+        kd = self.draft_steps(plan.draft_batch_size)
+        n = plan.scheduled[0].num_new_tokens
+        self.graphs.run_prefill(hb)
+        if self.head is not None:  # the token after each row; the last one's is the sample
+            next_ids = np.zeros(q, np.int64)
+            next_ids[:n - 1] = hb.input_ids[1:n]
+            self.inputs.put(self.prefill_next_ids, next_ids)
+        self.inputs.put(self.prefill_last_row, np.array([n - 1], np.int64))
+        self.inputs.put(self.real, np.ones(1, bool))
+        self.prefill_launches += 1
+        return self._replay((1, 1, kd, False), [plan.scheduled[0].request.request_id], t0,
+                            entry=self._prefill_tails[(q, kd)], prefill=True)
+
     @torch.inference_mode()
     def chain(self, prev: Launched, block_tables: list) -> Optional[Launched]:
         """Launch the step after `prev` from its outputs on the device, before they are read.
@@ -262,11 +320,13 @@ class FusedStep:
         self.chained += 1
         return self._replay(key, prev.rows, t0)
 
-    def _replay(self, key, rows, t0) -> Launched:
-        graph, packed = self._captured[key]
+    def _replay(self, key, rows, t0, entry=None, prefill: bool = False) -> Launched:
+        """Replay the graph of `key` (or `entry`, a (graph, packed) pair) and queue the copy
+        of its output."""
+        graph, packed = entry or self._captured[key]
         graph.replay()
         if not self.is_cuda:  # CPU stand-in: the "graph" already ran
-            return Launched(key, rows, packed.clone(), None, time.perf_counter() - t0)
+            return Launched(key, rows, packed.clone(), None, time.perf_counter() - t0, prefill)
         host = self._host_out.get((packed.shape, self._parity))
         if host is None:
             host = self._host_out[(packed.shape, self._parity)] = torch.empty(
@@ -275,7 +335,7 @@ class FusedStep:
         host.copy_(packed, non_blocking=True)  # the step's one device -> host copy
         event = torch.cuda.Event()
         event.record()
-        return Launched(key, rows, host, event, time.perf_counter() - t0)
+        return Launched(key, rows, host, event, time.perf_counter() - t0, prefill)
 
     def collect(self, launched: Launched, plan) -> StepResult:
         """Wait for the step's output copy and turn it into the StepResult of `plan` (the
@@ -290,6 +350,8 @@ class FusedStep:
         out = out[[row_of[sr.request.request_id] for sr in plan.scheduled]]
         _, q, kd, _ = launched.key
         result = self._result(plan, out, q, kd)
+        if launched.prefill:  # the counters and timings below are decode steps'
+            return result
         self.replays += 1
         tm = self.timing
         tm["launch_s"] += launched.t_launch

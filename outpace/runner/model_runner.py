@@ -87,7 +87,7 @@ class ModelRunner:
         self.graphs.capture_all()
         from outpace.runner.fused_step import FusedStep
         self.fused = FusedStep(self)
-        self.fused.capture_prefill_heads()
+        self.fused.capture_prefill_graphs()
         if capture_fused:
             self.fused.capture_common()
 
@@ -122,13 +122,22 @@ class ModelRunner:
 
     # ---- overlap (see runner/fused_step.py and LLMEngine.step) -----------------------------
     def can_launch(self, plan: StepPlan) -> bool:
-        """Whether plan can run as a fused step launched now and collected later."""
-        return (self.fused is not None and self.fused.chainable
-                and self._graph_q(plan) is not None and self.fused.accepts(plan))
+        """Whether plan can run as a fused step launched now and collected later: a decode
+        step, or a greedy prefill step (FusedStep.launch_prefill) that the first decode step
+        then chains from."""
+        if self.fused is None or not self.fused.chainable or not self.fused.accepts(plan):
+            return False
+        if self._graph_q(plan) is not None:
+            return True
+        q = self._prefill_graph_q(plan)
+        return q is not None and self.fused.can_launch_prefill(plan, q)
 
     def launch(self, plan: StepPlan):
         q = self._graph_q(plan)
-        return self.fused.launch(plan, self._host_batch(plan, q), q)
+        if q is not None:
+            return self.fused.launch(plan, self._host_batch(plan, q), q)
+        q = self._prefill_graph_q(plan)
+        return self.fused.launch_prefill(plan, self._host_batch(plan, q), q)
 
     def chain(self, launched, block_tables: list):
         return self.fused.chain(launched, block_tables)
