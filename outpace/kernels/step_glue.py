@@ -22,7 +22,7 @@ from typing import Optional
 
 import torch
 
-from outpace.kernels import next_pow2, use_triton
+from outpace.kernels import next_pow2, pdl, use_triton
 from outpace.spec.verify import force_accept, greedy_verify_batched
 
 try:  # guarded: CPU machines may not have triton, and `import outpace` must still work
@@ -101,11 +101,18 @@ def loop_inputs_ref(first, block_tables, block_size: int, steps: int):
 # ----------------------------------------------------------------------------- kernels
 
 if triton is not None:
+    from outpace.kernels.pdl import wait_then_release
+
+    # All three are PDL kernels (kernels/pdl.py) with no prologue: each waits first. Launched
+    # that way, accept and the loop's inputs start while the argmax before them finishes, and
+    # the projection after them may start its weight loads early.
+
     @triton.jit
     def _chained_inputs_kernel(carry_pos_ptr, carry_tok_ptr, stride_ct, real_ptr, bt_ptr,
                                stride_bt, width, ids_ptr, pos_ptr, slot_ptr, lens_ptr, qsl_ptr,
                                nd_ptr, bucket, BS: tl.constexpr, Q: tl.constexpr,
-                               QP: tl.constexpr):
+                               QP: tl.constexpr, USE_PDL: tl.constexpr):
+        wait_then_release(USE_PDL)
         b = tl.program_id(0)
         j = tl.arange(0, QP)
         jm = j < Q
@@ -131,7 +138,9 @@ if triton is not None:
     def _accept_kernel(tgt_ptr, ids_ptr, nd_ptr, pos_ptr, u_ptr, force_base, packed_ptr,
                        stride_pk, next_ptr, last_rows_ptr, first_ptr, carry_pos_ptr,
                        carry_tok_ptr, stride_ct, FORCE: tl.constexpr, HEAD: tl.constexpr,
-                       CHAIN: tl.constexpr, Q: tl.constexpr, QP: tl.constexpr):
+                       CHAIN: tl.constexpr, Q: tl.constexpr, QP: tl.constexpr,
+                       USE_PDL: tl.constexpr):
+        wait_then_release(USE_PDL)
         b = tl.program_id(0)
         j = tl.arange(0, QP)
         jm = j < Q
@@ -162,7 +171,9 @@ if triton is not None:
 
     @triton.jit
     def _loop_inputs_kernel(first_ptr, bt_ptr, stride_bt, width, pos_ptr, slot_ptr, lens_ptr,
-                            bucket, BS: tl.constexpr, STEPS: tl.constexpr):
+                            bucket, BS: tl.constexpr, STEPS: tl.constexpr,
+                            USE_PDL: tl.constexpr):
+        wait_then_release(USE_PDL)
         b = tl.program_id(0)
         f = tl.load(first_ptr + b).to(tl.int64)
         for s in tl.static_range(STEPS):
@@ -184,7 +195,7 @@ def chained_inputs_triton(carry_pos, carry_tokens, real, block_tables, block_siz
         carry_pos, carry_tokens, carry_tokens.stride(0), real, block_tables,
         block_tables.stride(0), block_tables.shape[1], input_ids, positions, slot_mapping,
         seq_lens, query_start_loc, num_drafts, bucket, BS=block_size, Q=q, QP=next_pow2(q),
-        num_warps=1)
+        num_warps=1, **pdl.launch_options(carry_pos))
 
 
 def accept_triton(target, input_ids, num_drafts, positions, q: int, packed,
@@ -204,7 +215,7 @@ def accept_triton(target, input_ids, num_drafts, positions, q: int, packed,
         force_u if force_u is not None else packed, float(force_mean) - 1.0,
         packed, packed.stride(0), next_ids, last_rows, first, carry_pos, carry_tok,
         carry_tok.stride(0), FORCE=force_u is not None, HEAD=head, CHAIN=carry is not None,
-        Q=q, QP=next_pow2(q), num_warps=1)
+        Q=q, QP=next_pow2(q), num_warps=1, **pdl.launch_options(target))
     return (next_ids, last_rows, first) if head else (None, None, None)
 
 
@@ -215,7 +226,8 @@ def loop_inputs_triton(first, block_tables, block_size: int, steps: int):
     lens = torch.empty(steps, bucket, dtype=torch.int32, device=first.device)
     _loop_inputs_kernel[(bucket,)](first, block_tables, block_tables.stride(0),
                                    block_tables.shape[1], pos, slots, lens, bucket,
-                                   BS=block_size, STEPS=steps, num_warps=1)
+                                   BS=block_size, STEPS=steps, num_warps=1,
+                                   **pdl.launch_options(first))
     return pos, slots, lens
 
 

@@ -86,3 +86,31 @@ def test_small_linear_kernel_compiles(norm, silu, rope, residual, block_m, block
         "CACHE_BLOCK": 16, "USE_DOT": False, "BLOCK_M": block_m, "BLOCK_N": 2,
         "BLOCK_K": block_k, "TAIL_K": tail_k, "USE_PDL": True}, num_warps=warps)
     assert k.asm["cubin"]
+
+
+@pytest.mark.parametrize("kernel", ["chained_inputs", "accept", "loop_inputs"])
+def test_step_glue_kernels_compile_with_pdl(kernel):
+    """The fused step's bookkeeping kernels, launched with PDL (they wait first)."""
+    from outpace.kernels import step_glue as sg
+    i64 = "i64"
+    if kernel == "chained_inputs":
+        fn, ptrs = sg._chained_inputs_kernel, {n: i64 for n in (
+            "carry_pos_ptr", "carry_tok_ptr", "ids_ptr", "pos_ptr", "slot_ptr", "nd_ptr")}
+        ptrs.update({"real_ptr": "i1", "bt_ptr": "i32", "lens_ptr": "i32", "qsl_ptr": "i32"})
+        consts = {"BS": 16, "Q": 3, "QP": 4, "USE_PDL": True}
+        floats = ()
+    elif kernel == "accept":
+        fn, ptrs = sg._accept_kernel, {n: i64 for n in (
+            "tgt_ptr", "ids_ptr", "nd_ptr", "pos_ptr", "packed_ptr", "next_ptr",
+            "last_rows_ptr", "first_ptr", "carry_pos_ptr", "carry_tok_ptr")}
+        ptrs["u_ptr"] = "fp32"
+        consts = {"FORCE": True, "HEAD": True, "CHAIN": True, "Q": 3, "QP": 4, "USE_PDL": True}
+        floats = ("force_base",)
+    else:
+        fn, ptrs = sg._loop_inputs_kernel, {n: i64 for n in ("first_ptr", "pos_ptr",
+                                                             "slot_ptr")}
+        ptrs.update({"bt_ptr": "i32", "lens_ptr": "i32"})
+        consts = {"BS": 16, "STEPS": 3, "USE_PDL": True}
+        floats = ()
+    k = compile_for_h200(fn, ptrs, floats, consts, num_warps=1)
+    assert k.asm["cubin"] and "griddepcontrol.wait" in k.asm["ptx"]
