@@ -35,6 +35,13 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
     return weight * normed
 
 
+def gather_rms_norm_ref(x: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor,
+                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [N, H], rows [R] -> (rms_norm(x[rows]), x[rows])."""
+    gathered = x.index_select(0, rows)
+    return rms_norm_ref(gathered, weight, eps), gathered
+
+
 def fused_add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                            eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """x, residual [..., H] -> (rms_norm(x + residual), x + residual)."""
@@ -56,16 +63,23 @@ if triton is not None:
         return (xf * rstd).to(ACT).to(tl.float32) * w
 
     @triton.jit
-    def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr, H, stride_x, stride_r,
-                         stride_o, stride_ro, eps, HAS_RESIDUAL: tl.constexpr,
-                         BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
-        # One program per row; the whole row sits in registers, so x is read once.
+    def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr, rows_ptr, H, stride_x,
+                         stride_r, stride_o, stride_ro, eps, HAS_RESIDUAL: tl.constexpr,
+                         GATHER: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+        # One program per row; the whole row sits in registers, so x is read once. GATHER:
+        # the row is x[rows[row]], also copied to res_out (a head's hidden at each request's
+        # drafting row, and its norm for the LM head, in one kernel).
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < H
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)  # static: before the wait
         wait_then_release(USE_PDL)
-        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+        if GATHER:
+            src = tl.load(rows_ptr + row).to(tl.int64)
+            x = tl.load(x_ptr + src * stride_x + cols, mask=mask, other=0.0)
+            tl.store(res_out_ptr + row * stride_ro + cols, x, mask=mask)
+        else:
+            x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
         if HAS_RESIDUAL:
             r = tl.load(r_ptr + row * stride_r + cols, mask=mask, other=0.0)
             # Round the sum to the residual's dtype before the statistics, as HF does.
@@ -81,17 +95,18 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t2 if t2.stride(-1) == 1 else t2.contiguous()
 
 
-def _launch(x2, r2, weight, eps, out, res_out):
-    n, h = x2.shape
+def _launch(x2, r2, weight, eps, out, res_out, rows=None):
+    n, h = out.shape  # rows of the output (= of x2 unless gathering)
     if n == 0:
         return
     block = next_pow2(h)
     _rms_norm_kernel[(n,)](
         x2, r2 if r2 is not None else x2, weight, out, res_out if res_out is not None else out,
-        h, x2.stride(0), r2.stride(0) if r2 is not None else 0, out.stride(0),
+        rows if rows is not None else out, h, x2.stride(0),
+        r2.stride(0) if r2 is not None else 0, out.stride(0),
         res_out.stride(0) if res_out is not None else 0, float(eps),
-        HAS_RESIDUAL=r2 is not None, BLOCK=block, num_warps=min(max(block // 256, 1), 8),
-        **pdl.launch_options(x2))
+        HAS_RESIDUAL=r2 is not None, GATHER=rows is not None, BLOCK=block,
+        num_warps=min(max(block // 256, 1), 8), **pdl.launch_options(x2))
 
 
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -102,6 +117,17 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
                       device=x.device)
     _launch(x2, None, weight.contiguous(), eps, out, None)
     return out.view(*x.shape[:-1], h)
+
+
+def gather_rms_norm_triton(x: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor,
+                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton gather + RMSNorm in one pass. x [N, H] (unit last stride), rows [R] integers ->
+    (rms_norm(x[rows]), x[rows])."""
+    r, h = rows.shape[0], x.shape[1]
+    gathered = torch.empty((r, h), dtype=x.dtype, device=x.device)
+    out = torch.empty((r, h), dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    _launch(_rows(x), None, weight.contiguous(), eps, out, gathered, rows=rows.contiguous())
+    return out, gathered
 
 
 def fused_add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
@@ -127,6 +153,14 @@ def _triton_ok(x: torch.Tensor) -> bool:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Triton on CUDA when triton is importable, the reference otherwise."""
     return rms_norm_triton(x, weight, eps) if _triton_ok(x) else rms_norm_ref(x, weight, eps)
+
+
+def gather_rms_norm(x: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor,
+                    eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x[rows]), x[rows]); one Triton kernel on CUDA, the reference otherwise."""
+    if _triton_ok(x) and x.dim() == 2:
+        return gather_rms_norm_triton(x, rows, weight, eps)
+    return gather_rms_norm_ref(x, rows, weight, eps)
 
 
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,

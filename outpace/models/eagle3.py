@@ -216,8 +216,12 @@ class Eagle3Head(nn.Module):
         # [...] draft-vocab ids -> [...] target-vocab ids
         return draft_ids + self.d2t[draft_ids]
 
-    def greedy_target_ids(self, hidden: torch.Tensor, also: tuple = ()) -> torch.Tensor:
-        # [N, H] -> [N] target-vocab ids: draft_to_target(greedy_draft_ids(hidden)), with d2t
-        # added inside the argmax kernel (and the ids also written into `also`: argmax_rows)
-        return argmax_rows(upcast_linear(self.norm(hidden), self.lm_head_weight),
-                           offsets=self.d2t, also=also)
+    def greedy_target_ids(self, hidden: torch.Tensor) -> torch.Tensor:
+        # [N, H] -> [N] target-vocab ids: draft_to_target(greedy_draft_ids(hidden))
+        return self.greedy_target_ids_normed(self.norm(hidden))
+
+    def greedy_target_ids_normed(self, normed: torch.Tensor, also: tuple = ()) -> torch.Tensor:
+        # the same from norm(hidden), with d2t added inside the argmax kernel (and the ids
+        # also written into `also`: argmax_rows)
+        return argmax_rows(upcast_linear(normed, self.lm_head_weight), offsets=self.d2t,
+                           also=also)

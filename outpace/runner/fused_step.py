@@ -65,6 +65,7 @@ import torch
 
 from outpace.attention.base import AttentionMetadata, ForwardContext
 from outpace.kernels.argmax import argmax_rows
+from outpace.kernels.norm import gather_rms_norm
 from outpace.kernels.step_glue import accept, chained_inputs, loop_inputs
 from outpace.runner.chained_tables import ChainedTables
 from outpace.spec.base import CommittedTokens, DraftBatch
@@ -459,8 +460,10 @@ class FusedStep:
         h = head.step(head.first_hidden(batch), next_ids, pos, ctx)
         if kd == 0:
             return None
-        h = h.index_select(0, last_rows)  # [B, H] head output at each request's f - 2
-        tok = head.draft_ids(h, also=tuple(o[:, 0] for o in outs))
+        # [B, H] head output at each request's f - 2, and its norm for the LM head: one kernel
+        norm = head.draft_norm()
+        normed, h = gather_rms_norm(h, last_rows, norm.weight, norm.eps)
+        tok = head.draft_ids_normed(normed, also=tuple(o[:, 0] for o in outs))
         bucket = first.shape[0]
         if kd > 1:
             # Positions, slots and sequence lengths of every loop step at once ([kd-1, B], each

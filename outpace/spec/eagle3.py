@@ -27,6 +27,9 @@ class Eagle3Proposer(HeadProposer):
     def step(self, hidden, input_ids, positions, ctx):
         return self.head(hidden, input_ids, positions, ctx, **self.embed_args(hidden))
 
-    def draft_ids(self, hidden, also: tuple = ()):
+    def draft_norm(self):
+        return self.head.norm
+
+    def draft_ids_normed(self, normed, also: tuple = ()):
         # argmax and d2t in one kernel on CUDA
-        return self.head.greedy_target_ids(hidden, also=also)
+        return self.head.greedy_target_ids_normed(normed, also=also)

@@ -35,9 +35,12 @@ class MTPEagleProposer(HeadProposer):
     def step(self, hidden, input_ids, positions, ctx):
         return self.head(0, hidden, input_ids, positions, ctx, **self.embed_args(hidden))
 
-    def draft_ids(self, hidden, also: tuple = ()):
+    def draft_norm(self):
+        return self.target.norm
+
+    def draft_ids_normed(self, normed, also: tuple = ()):
         # = argmax of compute_logits
-        return self.target.greedy_tokens(self.target.norm(hidden), also=also)
+        return self.target.greedy_tokens(normed, also=also)
 
 
 def MTPProposer(spec, policy, target, model_cfg, runner_cfg):

@@ -195,6 +195,21 @@ def test_fused_add_rms_norm(dtype, shape):
     torch.testing.assert_close(normed, ref_normed, **TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n,rows", [(3, [2]), (12, [2, 5, 8, 11]), (40, [39, 0, 7, 7])])
+def test_gather_rms_norm(dtype, n, rows):
+    """A head's hidden at each request's drafting row and its norm, in one kernel."""
+    from outpace.kernels.norm import gather_rms_norm, gather_rms_norm_ref
+    g = torch.Generator(device=DEV).manual_seed(n)
+    x = (torch.randn(n, 576, device=DEV, generator=g) * 3).to(dtype)
+    w = (1 + 0.1 * torch.randn(576, device=DEV, generator=g)).to(dtype)
+    idx = torch.tensor(rows, device=DEV)
+    normed, gathered = gather_rms_norm(x, idx, w, 1e-5)
+    ref_normed, ref_gathered = gather_rms_norm_ref(x, idx, w, 1e-5)
+    assert torch.equal(gathered, ref_gathered)
+    torch.testing.assert_close(normed, ref_normed, **TOL[dtype])
+
+
 def test_rms_norm_promotes_like_hf():
     g = torch.Generator(device=DEV).manual_seed(3)
     x = torch.randn(7, 256, device=DEV, generator=g).bfloat16()

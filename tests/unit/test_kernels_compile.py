@@ -114,3 +114,14 @@ def test_step_glue_kernels_compile_with_pdl(kernel):
         floats = ()
     k = compile_for_h200(fn, ptrs, floats, consts, num_warps=1)
     assert k.asm["cubin"] and "griddepcontrol.wait" in k.asm["ptx"]
+
+
+@pytest.mark.parametrize("gather", [False, True])
+def test_rms_norm_kernel_compiles(gather):
+    """The RMSNorm kernel, and its gather variant (a head's drafting rows and their norm)."""
+    from outpace.kernels.norm import _rms_norm_kernel
+    ptrs = {n: "bf16" for n in ("x_ptr", "r_ptr", "w_ptr", "out_ptr", "res_out_ptr")}
+    ptrs["rows_ptr"] = "i64"
+    k = compile_for_h200(_rms_norm_kernel, ptrs, ("eps",), {
+        "HAS_RESIDUAL": False, "GATHER": gather, "BLOCK": 1024, "USE_PDL": True}, num_warps=4)
+    assert k.asm["cubin"]

@@ -171,6 +171,7 @@ if IN_CHILD:
     from outpace.attention.torch_ref import store_kv as store_kv_ref
     from outpace.attention.triton_paged import TritonPagedBackend, paged_attention
     from outpace.kernels.norm import (fused_add_rms_norm_ref, fused_add_rms_norm_triton,
+                                      gather_rms_norm_ref, gather_rms_norm_triton,
                                       rms_norm_ref, rms_norm_triton)
     from outpace.kernels.argmax import argmax_ref, argmax_triton
     from outpace.kernels.head_input import embed_norm_cat_ref, embed_norm_cat_triton
@@ -247,6 +248,20 @@ def check_fused_add_rms_norm(dtype, shape):
     torch.testing.assert_close(new_res, ref_res, **EXACT_TOL[dtype])
     torch.testing.assert_close(normed, ref_normed, **NORM_TOL[dtype])
     assert torch.equal(x, x_before) and torch.equal(r, r_before)  # inputs untouched
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def check_gather_rms_norm(dtype):
+    """Rows picked by index (repeats, any order, from a strided view), copied exactly and
+    normalized as rms_norm of the copies."""
+    g = torch.Generator().manual_seed(4)
+    x = (torch.randn(6, 100, generator=g) * 3).to(dtype)[:, :96]  # row stride 100
+    w = (1 + 0.1 * torch.randn(96, generator=g)).to(dtype)
+    rows = torch.tensor([5, 0, 5, 2])
+    normed, gathered = gather_rms_norm_triton(x, rows, w, 1e-6)
+    ref_normed, ref_gathered = gather_rms_norm_ref(x, rows, w, 1e-6)
+    assert torch.equal(gathered, ref_gathered)
+    torch.testing.assert_close(normed, ref_normed, **NORM_TOL[dtype])
 
 
 def check_rms_norm_promotes_like_hf():
