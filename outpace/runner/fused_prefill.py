@@ -1,0 +1,151 @@
+"""The fused step's prefill graphs (FusedPrefill, a base of runner/fused_step.FusedStep).
+
+Prefill (a head only): a step of one request's prefill chunk runs the target in a prefill graph
+(runner/cuda_graph.py) and samples on the host; the head's pass over the chunk and its draft
+loop then replay a second graph, captured per prefill graph over that graph's static hidden
+states (`prefill_drafts`). Eagerly that pass and loop were ~40 Triton launches from Python for
+microseconds of GPU work each: most of a head engine's batch-1 TTFT (5.6-15 ms against
+no-spec's 1.6, run 10).
+
+Where steps chain, a greedy prefill step that samples is launched like a decode step instead
+(`launch_prefill`): the prefill graph, then a tail graph that takes the token as the argmax of
+the prefill graph's logits, runs the head's pass and draft loop from it, and leaves token,
+drafts and position in the carry and in an output laid out as a one-token decode step's. So the
+first decode step chains from the prefill too, rather than waiting for the host to read the
+token (run 16: that unchained step took 1.0 / 1.2 ms against 0.55 / 0.77 chained).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Optional
+
+import numpy as np
+import torch
+
+from outpace.attention.base import ForwardContext
+from outpace.kernels.argmax import argmax_rows
+
+if TYPE_CHECKING:
+    from outpace.runner.fused_step import Launched
+
+
+class FusedPrefill:
+    """FusedStep's prefill methods; they use its buffers, carry, head draft loop (_draft) and
+    replay (_replay)."""
+
+    def _init_prefill(self, runner, dev) -> None:
+        # Prefill: (q, kd) -> (graph, (drafts [1, kd],) or ()), and what the host fills in:
+        # the token after every row, the row whose head output drafts (prefill_drafts).
+        self._prefill_heads: dict = {}
+        # A greedy prefill's end where steps chain: (q, kd) -> (graph, packed [1, 2 + kd])
+        # (launch_prefill)
+        self._prefill_tails: dict = {}
+        self.prefill_launches = 0  # prefill steps launched that way (tests read it)
+        self.prefill_next_ids = torch.zeros(max(runner.graphs.prefill_q, default=1),
+                                            dtype=torch.long, device=dev)
+        self.prefill_last_row = torch.zeros(1, dtype=torch.long, device=dev)
+        self.prefill_replays = 0  # prefill steps whose head ran from a graph (tests read it)
+
+    def capture_prefill_graphs(self) -> None:
+        """Capture, for every prefill graph, the head's graphs: its pass over the chunk alone
+        (kd = 0: a chunk that samples nothing, or no drafts wanted) and with the batch-1 draft
+        loop; and where steps chain, the tail of a greedy prefill (launch_prefill). At
+        start-up only: capturing fills the input buffers with a dummy batch, which would
+        clobber a prefill step's inputs in between its two graphs."""
+        for q in self.graphs.prefill_graphs:
+            for kd in sorted({0, self.draft_steps(1)}) if self.head is not None else ():
+                if (q, kd) not in self._prefill_heads:
+                    self._prefill_heads[(q, kd)] = self._capture_prefill_head(q, kd)
+            kd = self.draft_steps(1)
+            if self.chainable and (q, kd) not in self._prefill_tails:
+                self._prefill_tails[(q, kd)] = self._capture_prefill_head(q, kd, tail=True)
+
+    @torch.inference_mode()
+    def prefill_drafts(self, q: int, next_ids: np.ndarray, last_row: int, k: int,
+                       batch_size: int) -> Optional[list]:
+        """The head's pass and k drafts for a single-request prefill step that just ran in the
+        prefill graph of q rows (its hidden states and inputs still in the fixed buffers):
+        next_ids [q], the token after every row; last_row, the row of position f - 2 (f: the
+        committed length after this step's token); k, the request's draft length (0: the pass
+        alone). -> the drafts, or None when no graph fits (the caller runs the head eagerly).
+        The loop runs kd >= k steps; past k its positions may pass the context's end, which
+        the rope tables' margin covers (models/rotary.py)."""
+        kd = self.draft_steps(batch_size) if k > 0 else 0
+        entry = self._prefill_heads.get((q, kd))
+        if entry is None or kd < k:
+            return None
+        graph, outs = entry
+        self.inputs.put(self.prefill_next_ids, next_ids)
+        if kd:  # only the draft loop reads the row that drafts
+            self.inputs.put(self.prefill_last_row, np.array([last_row], np.int64))
+        graph.replay()
+        self.prefill_replays += 1
+        if kd == 0:
+            return []
+        return outs[0][0, :k].tolist()  # sync-ok: the step's drafts, read once
+
+    def _capture_prefill_head(self, q: int, kd: int, tail: bool = False):
+        """The head's pass and kd drafts over prefill graph q's hidden states, from the
+        host's next ids (prefill_drafts). With `tail`, a greedy prefill's whole end
+        (launch_prefill): its token, the argmax of the graph's logits, follows the sampled
+        row; then the head (if any) drafts, and the token and drafts land in the output
+        [1, 2 + kd] laid out as a decode step's (token | 0 accepted | drafts) and, with the
+        token's position, in the carry that the next (chained) step starts from."""
+        _, hidden, aux, logits = self.graphs.prefill_graphs[q]
+        buf = self.inputs
+        self.graphs.fill_dummy(1, q)
+        self.prefill_next_ids.zero_()
+        self.prefill_last_row.zero_()  # the loop then stays at positions 1 .. kd - 1
+        # the prefill graph's own metadata (full-width block table, static bounds)
+        meta = self.graphs._meta(1, q, buf.max_blocks * self.block_size)
+        pos = buf.positions[:q]
+
+        def fn():
+            first = pos.index_select(0, self.prefill_last_row)
+            if tail:
+                packed = torch.zeros(1, 2 + kd, dtype=torch.long, device=pos.device)
+                tok = argmax_rows(logits, also=(packed[:, 0], self.carry_tokens[:1, 0]))
+                if self.head is not None:
+                    self.prefill_next_ids[:q].index_copy_(0, self.prefill_last_row, tok)
+                torch.add(first, 1, out=self.carry_pos[:1])
+                outs = (packed[:, 2:], self.carry_tokens[:1, 1:1 + kd])
+            else:
+                outs = (torch.empty(1, kd, dtype=torch.long, device=pos.device),)
+            if self.head is not None:
+                self._draft(hidden, aux, self.prefill_next_ids[:q], pos,
+                            ForwardContext(self.backend, meta), self.prefill_last_row,
+                            first, buf.block_tables[:1], kd, outs)
+            if tail:
+                return packed
+            return outs if kd else ()
+        for _ in range(2):  # warm-up: Triton compiles, cuBLAS picks its kernels
+            fn()
+        return self.graphs.capture(fn)
+
+    def can_launch_prefill(self, plan, q: int) -> bool:
+        """Whether launch_prefill serves plan (one request's prefill chunk that samples,
+        padded to prefill graph q)."""
+        return (plan.scheduled[0].sample
+                and (q, self.draft_steps(plan.draft_batch_size)) in self._prefill_tails)
+
+    @torch.inference_mode()
+    def launch_prefill(self, plan, hb, q: int) -> Launched:
+        """A greedy prefill step launched like a decode step, so that the first decode step
+        chains from it on the device (LLMEngine._chain) instead of waiting for the host: the
+        prefill graph, then its tail graph (its token, the head's pass and drafts, the
+        carry). Its output reads as a decode step's of one token (collect)."""
+        t0 = time.perf_counter()
+        kd = self.draft_steps(plan.draft_batch_size)
+        n = plan.scheduled[0].num_new_tokens
+        self.graphs.run_prefill(hb)
+        if self.head is not None:  # the token after each row; the last one's is the sample
+            next_ids = np.zeros(q, np.int64)
+            next_ids[:n - 1] = hb.input_ids[1:n]
+            self.inputs.put(self.prefill_next_ids, next_ids)
+        self.inputs.put(self.prefill_last_row, np.array([n - 1], np.int64))
+        self.inputs.put(self.real, np.ones(1, bool))
+        self.prefill_launches += 1
+        return self._replay((1, 1, kd, False), [plan.scheduled[0].request.request_id], t0,
+                            entry=self._prefill_tails[(q, kd)], prefill=True)
+
