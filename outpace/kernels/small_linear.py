@@ -117,11 +117,10 @@ _SUM_MAX_N = 16384  # wider weights (LM heads) take the tl.dot path even at M = 
 # weight tile (an L2 hit). Two at most: in the k = 2 verify graph (3 rows) blocks of 2 beat
 # blocks of 4, 0.846 vs 0.864 ms a step (run 10, benchmarks/diag_few_rows.py).
 _SUM_ROWS = 2
-# ...and one at these row counts, whose one-warp programs (below) then each multiply one row
-# instead of two in turn. Whole step graphs on the H200 (run 18, diag_few_rows_run18c.json,
-# SmolLM2, rows = batch x query length): 2 rows (batch-2 decode) 0.667 -> 0.620 ms, 3 rows
-# (batch-1 k = 2 verify) 0.754 -> 0.727; but 4 rows 0.713 -> 0.785 (four reads of each
-# weight tile against two), so 4 keeps blocks of 2.
+# ...and one at these row counts (one-warp programs, below, multiply their rows in turn). Step
+# graphs on the H200 (run 18, diag_few_rows_run18c.json; rows = batch x query length): 2 rows
+# 0.667 -> 0.620 ms, 3 rows (k = 2 verify) 0.754 -> 0.727; 4 rows 0.713 -> 0.785 (each weight
+# tile read four times, not two), so 4 keeps blocks of 2.
 _ONE_ROW_M = (2, 3)
 # A broadcast-path program with more than one row runs one warp when its product has at most
 # this many values (256 a thread): it is reduced over K inside the warp (shuffles), with no
@@ -151,8 +150,8 @@ def choose_blocks(M: int, N: int, K: int, *, elem_bytes: int = 2, gate_up: bool 
     K <= 2048 and N <= 4096): a program takes at most _SUM_ROWS rows, one at _ONE_ROW_M rows
     (a forced config with more rows runs more programs, each reading the same weight tile).
     BLOCK_K takes the whole row in one step when K <= 2048, so all of a program's loads are
-    in flight at once (a small weight is below the GPU's bandwidth-delay
-    product, and every serial K step costs a DRAM latency); longer rows go in steps of 1024.
+    in flight at once (a small weight is below the GPU's bandwidth-delay product, and every
+    serial K step costs a DRAM latency); longer rows go in steps of 1024.
     With several rows a one-step row that isn't a power of two is two tiles, both loaded up
     front (`tail_k`: K = 576 is 512 + 64 columns, not a 1024-wide tile with 448 masked).
     BLOCK_N is as small as keeps >= 4 programs per SM (576 columns: 288 programs of 2) and grows
