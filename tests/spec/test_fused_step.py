@@ -304,3 +304,42 @@ def test_steps_chain_up_to_max_tokens(tiny_loaded, tiny_heads, fake_graph_captur
         if not force:
             assert got == run_batch(eager, [prompt], params)
             assert eng.stats()["spec"] == eager.stats()["spec"], max_tokens
+
+
+@pytest.mark.parametrize("method,k", [(None, 0), ("eagle3", 2), ("mtp", 2)])
+def test_prefill_launched_like_a_decode_step(tiny_loaded, tiny_heads, fake_graph_capture,
+                                             method, k):
+    """A greedy single-request prefill is launched like a decode step (FusedStep's
+    launch_prefill) and the first decode step chains from it: it is in flight when the step
+    that committed the first token returns. At the edges too: one token wanted (nothing to
+    chain), the first token a stop token (the chained step is launched, then drained), a
+    prefix-cache hit (the chunk starts past 0) and a prompt over the token budget (only its
+    last chunk samples). Token for token the eager engine's, and the same statistics."""
+    spec = spec_for(tiny_heads, method, k)
+    eng = make_engine(tiny_loaded, speculative_config=spec, overlap=True, **SMALL)
+    enable_graphs(eng, k)
+    eager = make_engine(tiny_loaded, speculative_config=spec, **SMALL)
+    fused = eng.runner.fused
+    short = repetitive_prompts(1, 11, period=4, repeats=2)[0]  # 8 tokens
+    long = repetitive_prompts(1, 12, period=6, repeats=4)[0]  # 24 > 16 (the token budget)
+    first = run_batch(eager, [short], SamplingParams(max_tokens=1, temperature=0.0))[0][0]
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    stop = SamplingParams(max_tokens=9, temperature=0.0, stop_token_ids=[first])
+    # (prompt, params, first decode step chained, still in flight after the prefill's step)
+    cases = [(short, one, 0, False), (short, stop, 1, False), (short, GREEDY, 1, True),
+             (short, GREEDY, 1, True), (long, GREEDY, 1, True)]  # 4th: a prefix hit
+    for n, (prompt, params, want_chained, want_inflight) in enumerate(cases):
+        eng.add_request(f"p{n}", prompt, params)
+        launches, chained = fused.prefill_launches, fused.chained
+        tokens, outs = None, []
+        while tokens is None:  # the prefill's steps, up to the one that samples
+            outs += eng.step()
+            tokens = next((o.token_ids for o in outs if o.token_ids), None)
+        assert fused.prefill_launches - launches == 1
+        assert (fused.chained - chained, eng._inflight is not None) == (want_chained,
+                                                                         want_inflight)
+        while eng.has_unfinished_requests():
+            outs += eng.step()
+        got = next(o.token_ids for o in reversed(outs) if o.finished)
+        assert got == run_batch(eager, [prompt], params)[0], n
+    assert eng.stats()["spec"] == eager.stats()["spec"]
