@@ -173,9 +173,10 @@ class GraphRunner:
         graph.replay()
         return hidden[:n], [a[:n] for a in aux], logits.index_select(0, li), self._meta_of(hb)
 
-    def run_prefill(self, hb: HostBatch):
+    def run_prefill(self, hb: HostBatch, extra: tuple = ()):
         """One request's prefill rows, padded to q = len(hb.input_ids) (a prefill_q), with at
-        most one sampled row. -> (hidden [q, H], aux, logits [0 or 1, V], AttentionMetadata)."""
+        most one sampled row; extra: more (device buffer, numpy array) pairs copied in with
+        them. -> (hidden [q, H], aux, logits [0 or 1, V], AttentionMetadata)."""
         q = len(hb.input_ids)
         if len(hb.seq_lens) != 1 or q not in self.prefill_graphs or len(hb.logits_indices) > 1:
             raise ValueError(f"no prefill graph for {len(hb.seq_lens)} sequences of {q} tokens "
@@ -185,7 +186,7 @@ class GraphRunner:
             hb = dataclasses.replace(hb, logits_indices=np.array([q - 1], np.int64))
         # Full-width block table: the padded rows' positions past the request's blocks read
         # the null block, not a stale entry from an earlier step.
-        self.load_padded(hb, full_width=True)
+        self.load_padded(hb, full_width=True, extra=extra)
         graph, hidden, aux, logits = self.prefill_graphs[q]
         graph.replay()
         # The padded rows' sequence length passes the request's blocks: the proposer's

@@ -138,13 +138,13 @@ class FusedPrefill:
         t0 = time.perf_counter()
         kd = self.draft_steps(plan.draft_batch_size)
         n = plan.scheduled[0].num_new_tokens
-        self.graphs.run_prefill(hb)
+        extra = [(self.prefill_last_row, np.array([n - 1], np.int64)),
+                 (self.real, np.ones(1, bool))]
         if self.head is not None:  # the token after each row; the last one's is the sample
             next_ids = np.zeros(q, np.int64)
             next_ids[:n - 1] = hb.input_ids[1:n]
-            self.inputs.put(self.prefill_next_ids, next_ids)
-        self.inputs.put(self.prefill_last_row, np.array([n - 1], np.int64))
-        self.inputs.put(self.real, np.ones(1, bool))
+            extra.append((self.prefill_next_ids, next_ids))
+        self.graphs.run_prefill(hb, extra=tuple(extra))  # one staged copy of all inputs
         self.prefill_launches += 1
         return self._replay((1, 1, kd, False), [plan.scheduled[0].request.request_id], t0,
                             entry=self._prefill_tails[(q, kd)], prefill=True)
