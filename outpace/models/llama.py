@@ -332,6 +332,10 @@ class LlamaForCausalLM(nn.Module):
         for i, layer in enumerate(self.layers):
             out = views[capture_layers.index(i)] if i in capture_layers else None
             residual = layer.forward_few_rows(residual, cos_sin, self.rotary, ctx, out=out)
+        for j, i in enumerate(capture_layers):
+            first = capture_layers.index(i)
+            if first != j:  # a layer asked for twice (a shallow model's default aux ids)
+                views[j].copy_(views[first])
         return self.norm(residual), views
 
     def add_cpu_weight_copies_(self) -> None:

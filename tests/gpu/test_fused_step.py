@@ -164,9 +164,9 @@ def test_prefill_graphs_equal_eager_and_cpu(cuda_loaded, cuda_heads, method, k):
     sizes = []  # (graph size, real tokens) of each prefill replay
     graphs = graphed.runner.graphs
     inner = graphs.run_prefill
-    graphs.run_prefill = lambda hb: (sizes.append((len(hb.input_ids),
-                                                   int((hb.slot_mapping >= 0).sum()))),
-                                     inner(hb))[1]
+    graphs.run_prefill = lambda hb, **kw: (sizes.append((len(hb.input_ids),
+                                                         int((hb.slot_mapping >= 0).sum()))),
+                                           inner(hb, **kw))[1]
     for p in prompts:
         want = run_batch(eager, [p], GREEDY)
         assert run_batch(graphed, [p], GREEDY) == want, len(p)

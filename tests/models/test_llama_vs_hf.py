@@ -88,7 +88,8 @@ def test_fused_norm_forward_matches(pair, monkeypatch, dtype, fused_qkv):
     model = copy.deepcopy(ours).to(dtype)
     ids = torch.randint(0, cfg.vocab_size, (24,), generator=torch.Generator().manual_seed(3))
     ids = ids.tolist()
-    capture = (0, cfg.num_hidden_layers - 2)
+    # out of order and one layer twice (EAGLE-3's default aux ids on a 4-layer model: 1, 1, 0)
+    capture = (cfg.num_hidden_layers - 2, 0, cfg.num_hidden_layers - 2)
 
     def run():
         runner = PagedRunner(model, num_seqs=1)
@@ -116,7 +117,7 @@ def test_fused_norm_forward_matches(pair, monkeypatch, dtype, fused_qkv):
     fused_ok = few_rows_ok and fused_qkv and family != "qwen3"  # (q/k norm sits before rope)
     assert len(fused_calls) == (cfg.num_hidden_layers * (len(ids) - 17) if fused_ok else 0)
     if few_rows_ok:  # a few-row step's captured layers come side by side (EAGLE-3 reads them
-        # as one [T, 2H] input, no concatenation)
+        # as one [T, 3H] input, no concatenation)
         from outpace.models.eagle3 import side_by_side
         runner = PagedRunner(model, num_seqs=1)
         runner.step({0: ids[:17]}, capture_layers=capture)

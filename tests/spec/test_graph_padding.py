@@ -33,7 +33,7 @@ def _count_prefill_replays(engine) -> list:
     sizes = []
     graphs = engine.runner.graphs
     inner = graphs.run_prefill
-    graphs.run_prefill = lambda hb: (sizes.append(len(hb.input_ids)), inner(hb))[1]
+    graphs.run_prefill = lambda hb, **kw: (sizes.append(len(hb.input_ids)), inner(hb, **kw))[1]
     return sizes
 
 
