@@ -134,28 +134,7 @@ def main():
               flush=True)
         print("  sequence", " ".join(reqs[0]["sequence"]), flush=True)
         engines.append((name, eng))
-    # The prefill step's GPU side: each prefill graph and its tail graph (launch_prefill)
-    # replayed alone, against the step's wall time above
-    for name, eng in engines:
-        fused, graphs = eng.runner.fused, eng.runner.graphs
-        report[name]["prefill_graph_us"] = {
-            q: round(1000 * gpu_ms(entry[0]), 1)
-            for q, entry in sorted(graphs.prefill_graphs.items()) if q <= 256}
-        report[name]["prefill_tail_graph_us"] = {
-            f"{q}_{kd}": round(1000 * gpu_ms(entry[0]), 1)
-            for (q, kd), entry in sorted(fused._prefill_tails.items()) if q <= 256}
-        print(name, "prefill graphs", report[name]["prefill_graph_us"], "tails",
-              report[name]["prefill_tail_graph_us"], flush=True)
     # profiled last (CUPTI stays attached and slows later launches)
-    from benchmarks.diag_step import kernel_listing
-    for name, eng in engines:
-        listing = kernel_listing(eng.runner.graphs.prefill_graphs[128][0])
-        tail = kernel_listing(eng.runner.fused._prefill_tails[
-            (128, eng.runner.fused.draft_steps(1))][0])
-        (Path(args.out) / f"diag_request_prefill128_{name}.txt").write_text(
-            f"== prefill graph, 128 rows\n{listing}\n== its tail graph\n{tail}\n")
-        print(name, "prefill 128:", listing.splitlines()[0], "| tail:", tail.splitlines()[0],
-              flush=True)
     for name, eng in engines:
         report[name]["device"] = gaps = device_gaps(eng, prompts[2], max_tokens)
         print(name, "device", json.dumps(gaps), flush=True)
