@@ -85,6 +85,17 @@ def policies(orig):
             return b
         return f
 
+    def tweak_for(names, rows=(2, 3), **fields):
+        # the current broadcast configuration of some kinds of projection with `fields`
+        # (block_n, num_warps, ...) replaced, at `rows`
+        def f(m, n, k, **kw):
+            b = orig(m, n, k, **kw)
+            if (b.use_dot or not rows[0] <= m <= rows[1] or n > 4096
+                    or not any(kinds[x](n, k, kw) for x in names)):
+                return b
+            return b._replace(**fields)
+        return f
+
     def no_tail(rows=(1, 16)):
         # K read as one padded power-of-two tile (before the tail_k split), rows in `rows`
         def f(m, n, k, **kw):
@@ -140,7 +151,12 @@ def policies(orig):
             "m2n2w1": bcast(2, 2, warps=1), "m2n2k512": bcast(2, 2, 512),
             "m2n4": bcast(2, 4), "m2n2": bcast(2, 2), "m4n1": bcast(4, 1),
             "m2n1": bcast(2, 1), "m4n2w8": bcast(4, 2, warps=8), "m4n1w8": bcast(4, 1, warps=8),
-            "m4n2k512": bcast(4, 2, 512), "m8n1": bcast(8, 1)}
+            "m4n2k512": bcast(4, 2, 512), "m8n1": bcast(8, 1),
+            # one kind of projection at 2-3 rows with twice the columns a program (half the
+            # programs: fewer CTAs to dispatch before the next kernel may start)
+            "qkv_n4": tweak_for(["qkv"], block_n=4), "o_n4": tweak_for(["o"], block_n=4),
+            "gu_n4": tweak_for(["gu"], block_n=4), "down_n4": tweak_for(["down"], block_n=4),
+            "gu_n1": tweak_for(["gu"], block_n=1), "down_n1": tweak_for(["down"], block_n=1)}
 
 
 def main():
