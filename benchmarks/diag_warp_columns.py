@@ -106,7 +106,7 @@ def main():
                 row[name + "_err"] = f"{err:.1e}"
             rows.append(row)
             print(row, flush=True)
-        del wts
+        wts = None  # the copies go before the next shape's
         torch.cuda.empty_cache()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
