@@ -108,7 +108,14 @@ class PhaseTimer:
 
 
 def main():
-    args, loaded, prompts = diag_setup(128)
+    args, loaded, prompts = diag_setup(128, extra=(
+        ("--configs", ""),  # a comma-separated subset of the configurations below
+        ("--batch1-only", "0"),  # 1: skip the batch-128 phases
+        ("--no-pdl", "0")))  # 1: kernels launched without PDL (each listed kernel's time is
+    # then its own, not overlapped with its neighbours')
+    if args.no_pdl == "1":
+        import outpace.kernels.pdl as pdl
+        pdl.ENABLED = False
     from outpace.engine.engine import LLMEngine
     from outpace.runner.fused_step import FusedStep
     from outpace.scheduler.scheduler import Scheduler
@@ -126,13 +133,15 @@ def main():
                ("eagle3-fa3.0", {"method": "eagle3", "model": str(eagle),
                                  "num_speculative_tokens": 4, "force_accept_mean": 3.0,
                                  "k_schedule": [[32, 4], [128, 1]]}, 4)]
+    if args.configs:
+        configs = [c for c in configs if c[0] in args.configs.split(",")]
     report, listings = [], []  # listings: (report line, graph, its engine kept alive)
     out = Path(args.out)
     for name, spec, k in configs:
         eng = LLMEngine.from_args(args.gguf, loaded=loaded, device="cuda", dtype="bfloat16",
                                   speculative_config=spec, max_num_seqs=128, num_kv_blocks=8192,
                                   quiet=True, enable_prefix_caching=False)
-        for b in (1, 128):
+        for b in (1,) if args.batch1_only == "1" else (1, 128):
             run_engine(eng, prompts[:max(b, 2)], b, 8)
         r1 = run_engine(eng, prompts[:4], 1, 128)
         fused = eng.runner.fused
@@ -142,7 +151,7 @@ def main():
                       f"{r1.get('wait_ms')} unpack {r1.get('unpack_ms')}; chained graph "
                       f"(1, {k + 1}, {k}): {gpu_ms(g1)} ms, launch {launch_cost(g1)}")
         listings.append((len(report), g1, eng))
-        if name.endswith("-k2"):
+        if name.endswith("-k2") or args.batch1_only == "1":
             continue
         # batch 128: phases of the host's step
         timer = PhaseTimer()

@@ -3,7 +3,7 @@
 # model, install the carried gguf wheel, then run what is asked:
 #   bash benchmarks/gpu_session.sh tests            pytest tests/gpu
 #   bash benchmarks/gpu_session.sh bench SECTIONS   bench_gpu.py --sections SECTIONS
-#   bash benchmarks/gpu_session.sh diag            diag_step.py (where a fused step's time goes)
+#   bash benchmarks/gpu_session.sh diag [ARGS]     diag_step.py (where a fused step's time goes)
 #   bash benchmarks/gpu_session.sh rows [ARGS]     diag_few_rows.py (few-row block policies in the step)
 #   bash benchmarks/gpu_session.sh request        diag_request.py (a batch-1 request's steps and idle GPU)
 #   bash benchmarks/gpu_session.sh launch          diag_launch.py (what makes a graph slow to launch)
@@ -38,7 +38,7 @@ case "$1" in
            | tee "${OUT:-/tmp/out}/gpu_tests.log" | tail -25 ;;
   bench) shift; python3 benchmarks/bench_gpu.py --gguf "$GGUF" \
            --out "${OUT:-/tmp/out}" --sections "$@" ;;
-  diag)  python3 benchmarks/diag_step.py --gguf "$GGUF" --out "${OUT:-/tmp/out}" ;;
+  diag)  shift; python3 benchmarks/diag_step.py --gguf "$GGUF" --out "${OUT:-/tmp/out}" "$@" ;;
   rows)  shift; python3 benchmarks/diag_few_rows.py --gguf "$GGUF" --out "${OUT:-/tmp/out}" "$@" ;;
   request) shift; python3 benchmarks/diag_request.py --gguf "$GGUF" --out "${OUT:-/tmp/out}" "$@" ;;
   cublas) shift; python3 benchmarks/diag_cublas_workspace.py --out "${OUT:-/tmp/out}" "$@" ;;
