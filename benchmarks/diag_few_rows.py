@@ -72,11 +72,14 @@ def policies(orig):
              "o": lambda n, k, kw: not kw.get("gate_up") and k < 1024,
              "down": lambda n, k, kw: not kw.get("gate_up") and k >= 1024}
 
+    def picks(names, rows, m, n, k, kw):
+        # whether a launch is one of these kinds of small projection at these rows
+        return rows[0] <= m <= rows[1] and n <= 4096 and any(kinds[x](n, k, kw) for x in names)
+
     def dot_for(names, rows=(2, 4), tile=None):
         # tile: (block_n, block_k, warps, stages) replacing choose_blocks' tl.dot choice
         def f(m, n, k, **kw):
-            if not (rows[0] <= m <= rows[1] and n <= 4096
-                    and any(kinds[x](n, k, kw) for x in names)):
+            if not picks(names, rows, m, n, k, kw):
                 return orig(m, n, k, **kw)
             kw.pop("use_dot", None)
             b = orig(m, n, k, use_dot=True, **kw)
@@ -90,8 +93,7 @@ def policies(orig):
         # (block_n, num_warps, ...) replaced, at `rows`
         def f(m, n, k, **kw):
             b = orig(m, n, k, **kw)
-            if (b.use_dot or not rows[0] <= m <= rows[1] or n > 4096
-                    or not any(kinds[x](n, k, kw) for x in names)):
+            if b.use_dot or not picks(names, rows, m, n, k, kw):
                 return b
             return b._replace(**fields)
         return f
