@@ -111,8 +111,13 @@ def main():
     args, loaded, prompts = diag_setup(128, extra=(
         ("--configs", ""),  # a comma-separated subset of the configurations below
         ("--batch1-only", "0"),  # 1: skip the batch-128 phases
-        ("--no-pdl", "0")))  # 1: kernels launched without PDL (each listed kernel's time is
-    # then its own, not overlapped with its neighbours')
+        ("--no-pdl", "0"),  # 1: kernels launched without PDL (each listed kernel's time is
+        # then its own, not overlapped with its neighbours')
+        ("--dtype", "bfloat16"),  # the engines' activation dtype ...
+        ("--weight-dtype", "auto")))  # ... and weights' (float32 + bfloat16: the mixed mode)
+    # The model diag_setup loaded (bf16) serves only the default precision.
+    if (args.dtype, args.weight_dtype) not in (("bfloat16", "auto"), ("bfloat16", "bfloat16")):
+        loaded = None
     if args.no_pdl == "1":
         import outpace.kernels.pdl as pdl
         pdl.ENABLED = False
@@ -138,7 +143,8 @@ def main():
     report, listings = [], []  # listings: (report line, graph, its engine kept alive)
     out = Path(args.out)
     for name, spec, k in configs:
-        eng = LLMEngine.from_args(args.gguf, loaded=loaded, device="cuda", dtype="bfloat16",
+        eng = LLMEngine.from_args(args.gguf, loaded=loaded, device="cuda", dtype=args.dtype,
+                                  weight_dtype=args.weight_dtype,
                                   speculative_config=spec, max_num_seqs=128, num_kv_blocks=8192,
                                   quiet=True, enable_prefix_caching=False)
         for b in (1,) if args.batch1_only == "1" else (1, 128):
