@@ -25,7 +25,7 @@ if triton is not None:
         # unmasked tiles are full tiles every row of the tile may see.
         k = k.to(q.dtype)
         if IS_FP32:
-            qk = tl.dot(q, k, input_precision="ieee")
+            qk = tl.dot(q, k, input_precision="tf32x3")
         else:
             qk = tl.dot(q, k)
         qk = qk * qk_scale  # [BLOCK_M, BLOCK_N], log2 domain
@@ -41,7 +41,7 @@ if triton is not None:
         l_i = l_i * alpha + tl.sum(p, 1)
         v = v.to(q.dtype)  # masked rows are 0 so garbage can't leak
         if IS_FP32:
-            pv = tl.dot(p, v, input_precision="ieee")
+            pv = tl.dot(p, v, input_precision="tf32x3")
         else:
             pv = tl.dot(p.to(v.dtype), v)
         acc = acc * alpha[:, None] + pv

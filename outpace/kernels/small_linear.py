@@ -136,15 +136,15 @@ _SUM_MAX_M = 4
 
 
 @functools.lru_cache(maxsize=4096)  # a pure function of its arguments, asked every launch
-def choose_blocks(M: int, N: int, K: int, *, elem_bytes: int = 2, gate_up: bool = False,
-                  norm: bool = False, use_dot: Optional[bool] = None) -> Blocks:
+def choose_blocks(M: int, N: int, K: int, *, elem_bytes: int = 2, x_bytes: int = 0,
+                  gate_up: bool = False, norm: bool = False,
+                  use_dot: Optional[bool] = None) -> Blocks:
     """Launch configuration of the few-row linear: a pure function of shapes and dtype size
     (never of values), so a captured graph and an eager call pick the same kernel.
 
     N is the number of output columns the programs split (I for the gate/up kernels, which
-    read two weight tiles a step: `gate_up`); elem_bytes is the wider operand's element size
-    (the weight's, or x's over a narrower weight); `norm`: the kernel computes the RMSNorm
-    statistics first.
+    read two weight tiles a step: `gate_up`); elem_bytes is the weight's element size and
+    x_bytes x's (0: the same); `norm`: the kernel computes the RMSNorm statistics first.
 
     Broadcast multiply + sum (M = 1 up to N = 16384, and M <= _SUM_MAX_M on a small weight,
     K <= 2048 and N <= 4096): a program takes at most _SUM_ROWS rows, one at _ONE_ROW_M rows
@@ -177,8 +177,9 @@ def choose_blocks(M: int, N: int, K: int, *, elem_bytes: int = 2, gate_up: bool 
         while block_n < 128 and _cdiv(N, block_n * 2) >= 2 * _NUM_SMS:
             block_n *= 2
         block_k = min(k_max, _DOT_K)
-        while (block_k > 32 and
-               _DOT_STAGES * (tiles * block_n + block_m) * block_k * elem_bytes > _DOT_SMEM):
+        x_bytes = x_bytes or elem_bytes
+        while (block_k > 32 and _DOT_STAGES * block_k
+               * (tiles * block_n * elem_bytes + block_m * x_bytes) > _DOT_SMEM):
             block_k //= 2
         return Blocks(block_m, block_n, block_k,
                       num_warps=4 if norm or block_n > 32 else 2,
@@ -233,10 +234,10 @@ def _launch(x, w, out, *, n_cols, norm_weight=None, eps=0.0, residual=None, silu
     if m == 0 or n_cols == 0:
         return out
     two = silu_mul or rope_store is not None
-    # fp32 x over a bf16 weight: tiles sized as for fp32 (its x tiles are fp32)
-    cfg = blocks or choose_blocks(m, n_cols, k, elem_bytes=max(w.element_size(),
-                                                               x.element_size()),
-                                  gate_up=two, norm=norm_weight is not None)
+    # fp32 x over a bf16 weight: a pipeline stage holds a 16-bit weight tile and an fp32 x tile
+    cfg = blocks or choose_blocks(m, n_cols, k, elem_bytes=w.element_size(),
+                                  x_bytes=x.element_size(), gate_up=two,
+                                  norm=norm_weight is not None)
     if cfg.use_dot and min(cfg.block_m, cfg.block_n, cfg.block_k) < 16:
         raise ValueError(f"{cfg}: tl.dot needs 16-wide tiles")
     if cfg.tail_k and not (cfg.block_k <= k and cfg.tail_k >= k % cfg.block_k > 0):

@@ -48,19 +48,24 @@ ATTN = [(True, 4, 64, 3), (False, 4, 64, 3), (False, 4, 128, 4), (True, 1, 64, 3
         (False, 1, 128, 4)]
 
 
+@pytest.mark.parametrize("fp32", [False, True], ids=["bf16", "fp32"])  # fp32: tf32x3 dots
 @pytest.mark.parametrize("prefetch,splits,head_dim,group", ATTN, ids=str)
-def test_attention_kernel_compiles(prefetch, splits, head_dim, group):
+def test_attention_kernel_compiles(prefetch, splits, head_dim, group, fp32):
     from outpace.attention.triton_paged_kernels import _paged_attn_kernel
-    bf16 = {n: "bf16" for n in ("q_ptr", "kc_ptr", "vc_ptr", "out_ptr")}
-    fp32 = {n: "fp32" for n in ("ws_acc_ptr", "ws_m_ptr", "ws_l_ptr")}
+    if fp32 and head_dim > 64:
+        pytest.skip("fp32 decode tiles of 64 columns are for heads of at most 64")
+    kind = "fp32" if fp32 else "bf16"
+    io = {n: kind for n in ("q_ptr", "kc_ptr", "vc_ptr", "out_ptr")}
+    ws = {n: "fp32" for n in ("ws_acc_ptr", "ws_m_ptr", "ws_l_ptr")}
     i32 = {n: "i32" for n in ("cnt_ptr", "qsl_ptr", "seq_lens_ptr", "bt_ptr")}
     gp = 1 << (group - 1).bit_length()
-    k = compile_for_h200(_paged_attn_kernel, {**bf16, **fp32, **i32}, ("qk_scale",), {
+    k = compile_for_h200(_paged_attn_kernel, {**io, **ws, **i32}, ("qk_scale",), {
         "BLOCK_SIZE": 16, "GROUP": group, "GROUP_PAD": gp, "BLOCK_Q": 16 // gp, "BLOCK_M": 16,
-        "BLOCK_N": 64, "BLOCK_D": head_dim, "NUM_SPLITS": splits, "IS_FP32": False,
+        "BLOCK_N": 64, "BLOCK_D": head_dim, "NUM_SPLITS": splits, "IS_FP32": fp32,
         "FUSED_MERGE": splits > 1, "PREFETCH": prefetch, "USE_PDL": True},
         num_warps=4)
     assert k.asm["cubin"]
+    assert "mma" in k.asm["ptx"]  # fp32 too: tensor cores (tf32x3), not an FMA loop
 
 
 # (HAS_NORM, SILU_MUL, ROPE_STORE, HAS_RESIDUAL, BLOCK_M, BLOCK_K, TAIL_K, warps): SmolLM2's
@@ -86,6 +91,27 @@ def test_small_linear_kernel_compiles(norm, silu, rope, residual, block_m, block
         "CACHE_BLOCK": 16, "USE_DOT": False, "BLOCK_M": block_m, "BLOCK_N": 2,
         "BLOCK_K": block_k, "TAIL_K": tail_k, "USE_PDL": True}, num_warps=warps)
     assert k.asm["cubin"]
+
+
+@pytest.mark.parametrize("norm,m", [(False, 1), (True, 3), (False, 16)])
+def test_small_linear_dot_over_bf16_weights_compiles(norm, m):
+    """fp32 x over a bf16 weight on the tl.dot path (x cut into three bf16 pieces), as
+    choose_blocks picks it for SmolLM2's LM head (49152 x 576)."""
+    from outpace.kernels.small_linear import choose_blocks
+    from outpace.kernels.small_linear_kernels import _small_linear_kernel
+    cfg = choose_blocks(m, 49152, 576, elem_bytes=2, x_bytes=4, norm=norm)
+    assert cfg.use_dot
+    ptrs = {n: "fp32" for n in ("x_ptr", "nw_ptr", "r_ptr", "out_ptr", "kc_ptr", "vc_ptr",
+                                "cos_ptr", "sin_ptr")}
+    ptrs.update({"w_ptr": "bf16", "pos_ptr": "i64", "slot_ptr": "i64"})
+    k = compile_for_h200(_small_linear_kernel, ptrs, ("eps",), {
+        "HAS_NORM": norm, "NORM_ROUND": norm, "HAS_RESIDUAL": False, "SILU_MUL": False,
+        "ROPE_STORE": False, "TWO_TILES": False, "HALF": 1, "HQ": 0, "HKV": 0,
+        "CACHE_BLOCK": 1, "USE_DOT": True, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
+        "BLOCK_K": cfg.block_k, "TAIL_K": 0, "USE_PDL": True}, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
+    assert k.asm["cubin"]
+    assert "mma" in k.asm["ptx"]  # tensor cores, not an fp32 FMA loop
 
 
 @pytest.mark.parametrize("kernel", ["chained_inputs", "accept", "loop_inputs"])

@@ -411,9 +411,10 @@ def _linear_inputs(m, n, k, dtype, seed, *, w_dtype=None, rows=1):
     return x, w, nw
 
 
-def _interp_blocks(m, n, k, dtype, use_dot=None):
-    """choose_blocks, off tl.dot for bf16 (the interpreter's bf16 tl.dot is wrong)."""
-    return choose_blocks(m, n, k, use_dot=False if dtype == torch.bfloat16 else use_dot)
+def _interp_blocks(m, n, k, w_dtype, use_dot=None):
+    """choose_blocks, off tl.dot for a bf16 weight (the interpreter's bf16 tl.dot is wrong; a
+    bf16 weight under fp32 activations meets bf16 pieces of x there too)."""
+    return choose_blocks(m, n, k, use_dot=False if w_dtype == torch.bfloat16 else use_dot)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -487,7 +488,7 @@ def check_small_linear_out_buffer():
 
 # (x dtype, weight dtype, RMSNorm weight dtype): the last two are fp32 activations over bf16
 # weights (RunnerConfig.weight_dtype), with a bf16 or an fp32 RMSNorm weight: fp32 results. Their
-# tl.dot runs on fp32 operands (the weight tile upcast), which the interpreter gets right.
+# tl.dot splits x into bf16 pieces, which the interpreter gets wrong: tests/gpu/test_weight_dtype.py.
 NORM_DTYPES = [(torch.float32,) * 3, (torch.bfloat16,) * 3,
                (torch.float32, torch.bfloat16, torch.bfloat16),
                (torch.float32, torch.bfloat16, torch.float32)]
@@ -500,7 +501,7 @@ def check_norm_small_linear(shape, dtypes):
     x_dtype, w_dtype, nw_dtype = dtypes
     x, w, nw = _linear_inputs(m, n, k, x_dtype, seed=70 + m, w_dtype=w_dtype)
     nw = nw.to(nw_dtype)
-    y = norm_small_linear_triton(x, nw, 1e-5, w, blocks=_interp_blocks(m, n, k, x_dtype))
+    y = norm_small_linear_triton(x, nw, 1e-5, w, blocks=_interp_blocks(m, n, k, w_dtype))
     assert y.dtype == x_dtype and y.shape == (m, n)
     torch.testing.assert_close(y, norm_small_linear_ref(x, nw, 1e-5, w), **FUSED_TOL[x_dtype])
 
@@ -513,18 +514,19 @@ def check_norm_small_linear_silu_mul(shape, dtypes):
     x, w, nw = _linear_inputs(m, inter, k, x_dtype, seed=80 + m, w_dtype=w_dtype, rows=2)
     nw = nw.to(nw_dtype)
     y = norm_small_linear_silu_mul_triton(x, nw, 1e-6, w,
-                                          blocks=_interp_blocks(m, inter, k, x_dtype))
+                                          blocks=_interp_blocks(m, inter, k, w_dtype))
     assert y.dtype == x_dtype and y.shape == (m, inter)
     torch.testing.assert_close(y, norm_small_linear_silu_mul_ref(x, nw, 1e-6, w),
                                **FUSED_TOL[x_dtype])
 
 
-@pytest.mark.parametrize("use_dot", [False, True])
+@pytest.mark.parametrize("use_dot", [False])  # the tl.dot path: tests/gpu/test_weight_dtype.py
 @pytest.mark.parametrize("shape", LINEAR_SHAPES)
 def check_fp32_activations_over_bf16_weights(shape, use_dot):
-    """weight_dtype: fp32 x (RMSNorm weight, residual) over a bf16 weight, on both paths: fp32
-    results matching the references (fp32 over the upcast weight) to fp32 tolerance; a kernel
-    that rounded the activations to bf16 (as all-bf16 does) would be ~1e-3 off and fail."""
+    """weight_dtype: fp32 x (RMSNorm weight, residual) over a bf16 weight, on the broadcast
+    path: fp32 results matching the references (fp32 over the upcast weight) to fp32
+    tolerance; a kernel that rounded the activations to bf16 (as all-bf16 does) would be ~1e-3
+    off and fail. (The tl.dot path's bf16 pieces of x are beyond the interpreter's tl.dot.)"""
     m, n, k = shape
     x, w, nw = _linear_inputs(m, n, k, torch.float32, seed=110 + m, w_dtype=torch.bfloat16,
                               rows=2)
@@ -724,7 +726,7 @@ def check_norm_qkv_rope_store(dtype, w_dtype, m, hq, hkv, d, k, with_norm):
     ref_cache = cache.clone()
     want = norm_qkv_rope_store_ref(x, nw, 1e-5, w, hq, hkv, d, cos, sin, pos, ref_cache, 1, slots)
     got = norm_qkv_rope_store_triton(x, nw, 1e-5, w, hq, hkv, d, cos, sin, pos, cache, 1, slots,
-                                     blocks=_interp_blocks(m, (hq + 2 * hkv) * d // 2, k, dtype))
+                                     blocks=_interp_blocks(m, (hq + 2 * hkv) * d // 2, k, w_dtype))
     assert got.dtype == dtype
     # fp32: summation order only. bf16: a projection output an ulp apart (summation order,
     # the interpreter's truncating cast) moves a rotated value by an ulp of the larger of the
