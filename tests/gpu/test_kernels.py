@@ -320,12 +320,17 @@ def test_norm_small_linear(name, m, x_dtype, dtype):
 def test_gate_up_silu_mul(name, m, x_dtype, dtype):
     n, k = (SMOL if name.startswith("smol") else BIG8B)[name.split("-")[1]]
     x, w, nw = _lin_inputs(m, n, k, dtype, seed=m + 5 * n, x_dtype=x_dtype)
+    tol = dict(FUSED_TOL[x_dtype])
+    if x_dtype != dtype:  # fp32 x in bf16 pieces on the tensor cores (tl.dot path, m > 4):
+        # their fp32 accumulation aligns products by truncation, so at 8B's K = 4096 the sum
+        # of silu(g) * u's unnormalized row is ~2e-4 off cuBLAS's fp32 (run 20), against the
+        # ~1e-2 of an input rounded to bf16; the bound grows with K, as a summation error does
+        tol["atol"] *= max(1, k // 1024)
     y = norm_small_linear_silu_mul(x, nw, 1e-6, w)
     assert y.dtype == x_dtype and y.shape == (m, n // 2)
-    torch.testing.assert_close(y, norm_small_linear_silu_mul_ref(x, nw, 1e-6, w),
-                               **FUSED_TOL[x_dtype])
+    torch.testing.assert_close(y, norm_small_linear_silu_mul_ref(x, nw, 1e-6, w), **tol)
     torch.testing.assert_close(small_linear_silu_mul(x, w), small_linear_silu_mul_ref(x, w),
-                               **FUSED_TOL[x_dtype])
+                               **tol)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
