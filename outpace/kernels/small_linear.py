@@ -234,7 +234,6 @@ def _launch(x, w, out, *, n_cols, norm_weight=None, eps=0.0, residual=None, silu
     if m == 0 or n_cols == 0:
         return out
     two = silu_mul or rope_store is not None
-    # fp32 x over a bf16 weight: a pipeline stage holds a 16-bit weight tile and an fp32 x tile
     cfg = blocks or choose_blocks(m, n_cols, k, elem_bytes=w.element_size(),
                                   x_bytes=x.element_size(), gate_up=two,
                                   norm=norm_weight is not None)
