@@ -1,0 +1,93 @@
+"""The attention kernel alone at batch 1, SmolLM2's heads (9 query, 3 KV, 64 wide): us a launch
+for a decode (1 query token), a verify (3) and a draft-loop step (1 token under a bound of 3),
+at several contexts, with the split-KV factor, the prefetch variant and the fused merge varied.
+Launched without PDL, 20 to a CUDA graph, so each time is the kernel's own (L2-warm KV).
+
+    python benchmarks/diag_attention.py [--out DIR]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+HQ, HKV, D, BS = 9, 3, 64, 16
+
+
+def case(ctx: int, q_len: int, bound: int, splits: int, prefetch: bool, fused: bool,
+         dtype=torch.bfloat16, reps: int = 20) -> float:
+    from outpace.attention.base import AttentionMetadata
+    from outpace.attention.triton_paged import paged_attention
+    dev = "cuda"
+    seq = ctx + q_len
+    blocks = -(-seq // BS) + 1
+    g = torch.Generator(device=dev).manual_seed(ctx + q_len)
+    kv = torch.randn(1, 2, blocks + 1, BS, HKV, D, device=dev, generator=g).to(dtype)
+    table = torch.randperm(blocks, device=dev, generator=g).add_(1).to(torch.int32)[None]
+    q = torch.randn(q_len, HQ, D, device=dev, generator=g).to(dtype)
+    meta = AttentionMetadata(
+        slot_mapping=torch.full((q_len,), -1, device=dev, dtype=torch.int64),
+        query_start_loc=torch.tensor([0, q_len], device=dev, dtype=torch.int32),
+        seq_lens=torch.tensor([seq], device=dev, dtype=torch.int32), block_tables=table,
+        query_start_loc_host=[0, q_len], seq_lens_host=[seq], max_query_len=bound,
+        max_seq_len=seq)
+    counters = torch.zeros(132, device=dev, dtype=torch.int32) if fused else None
+
+    def run():
+        return paged_attention(q, kv, 0, meta, D ** -0.5, splits, 64, counters, prefetch)
+    run()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            run()
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = float("inf")
+    for _ in range(5):
+        start.record()
+        for _ in range(10):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        best = min(best, 1000 * start.elapsed_time(end) / (10 * reps))
+    return round(best, 2)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="/tmp/out")
+    args = ap.parse_args()
+    import outpace.kernels.pdl as pdl
+    pdl.ENABLED = False
+    rows = []
+    for ctx in (100, 200, 400):
+        for name, q_len, bound in (("decode", 1, 1), ("verify", 3, 3), ("loop", 1, 3)):
+            for splits in (1, 4, 8):
+                for prefetch in (True, False):
+                    for fused in ((True, False) if splits > 1 else (False,)):
+                        us = case(ctx, q_len, bound, splits, prefetch, fused)
+                        rows.append(dict(ctx=ctx, kind=name, q_len=q_len, bound=bound,
+                                         splits=splits, prefetch=prefetch, fused_merge=fused,
+                                         us=us))
+                        print(rows[-1], flush=True)
+    for ctx in (200,):
+        for name, q_len in (("decode", 1), ("verify", 3)):
+            us = case(ctx, q_len, q_len, 8, True, True, dtype=torch.float32)
+            rows.append(dict(ctx=ctx, kind=name + "-fp32", q_len=q_len, bound=q_len, splits=8,
+                             prefetch=True, fused_merge=True, us=us))
+            print(rows[-1], flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "diag_attention.json").write_text(json.dumps(rows, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
