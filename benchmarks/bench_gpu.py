@@ -4,8 +4,9 @@ by side, in one run. Prints a table last and writes JSON.
     python benchmarks/bench_gpu.py --gguf PATH [--out DIR] [--sections check,smol,hf,big]
 
 Sections
-  check   greedy GPU output (bf16; fp32; bf16 weights + fp32 activations; HF bf16) vs CPU fp32 output
-          (first 64 tokens) on MT-bench/HumanEval prompts, and the mixed mode's batch-1 speed
+  check   greedy GPU output (bf16; fp32; bf16 weights + fp32 activations over an fp32 and a bf16
+          KV pool; HF bf16) vs CPU fp32 output (first 64 tokens) on MT-bench/HumanEval
+          prompts, and the mixed modes' batch-1 speed
   smol    SmolLM2-135M: outpace no-spec, ngram, suffix, EAGLE-3 and MTP random heads with
           force-accept at mean acceptance length 2/3/4; batch 1, 8, 32, 128
   hf      HF transformers eager and static cache + torch.compile (batch 1; eager also at 8)
@@ -206,14 +207,17 @@ def section_check(args, results):
     g_fp32 = [o.token_ids for o in g32.generate(prompts, sp)]
     del g32
     # bf16 weights, fp32 activations and KV cache (weight_dtype): the weights' memory and
-    # bandwidth of bf16 with fp32 arithmetic.
-    mixed = LLM(args.gguf, device="cuda", dtype="float32", weight_dtype="bfloat16", quiet=True,
-                enable_prefix_caching=PREFIX_CACHING)
-    g_mixed = [o.token_ids for o in mixed.generate(prompts, sp)]
-    # Its speed at batch 1 (the smol section's no-spec row is the bf16 one).
-    run_engine(mixed.engine, prompts[:args.batch1_requests], 1, 4)
-    speed = run_engine(mixed.engine, prompts[:args.batch1_requests], 1, args.max_tokens)
-    del mixed
+    # bandwidth of bf16 with fp32 arithmetic; then the same over a bf16 KV pool
+    # (kv_cache_dtype): bf16's memory for weights and cache alike.
+    g_mixed, speed = {}, {}
+    for kv in ("auto", "bfloat16"):
+        mixed = LLM(args.gguf, device="cuda", dtype="float32", weight_dtype="bfloat16",
+                    kv_cache_dtype=kv, quiet=True, enable_prefix_caching=PREFIX_CACHING)
+        g_mixed[kv] = [o.token_ids for o in mixed.generate(prompts, sp)]
+        # Its speed at batch 1 (the smol section's no-spec row is the bf16 one).
+        run_engine(mixed.engine, prompts[:args.batch1_requests], 1, 4)
+        speed[kv] = run_engine(mixed.engine, prompts[:args.batch1_requests], 1, args.max_tokens)
+        del mixed
     # The engines' KV pools go back to the device before HF runs (run 9c: HF's cuDNN attention
     # failed to run after them).
     import gc
@@ -237,10 +241,14 @@ def section_check(args, results):
 
     results["check"] = {"prompts": n, "reference": "outpace CPU fp32 (== HF fp32, tested in CI)",
                         "outpace_gpu_bf16": compare(g), "outpace_gpu_fp32": compare(g_fp32),
-                        "outpace_gpu_bf16_weights_fp32_activations": compare(g_mixed),
+                        "outpace_gpu_bf16_weights_fp32_activations": compare(g_mixed["auto"]),
+                        "outpace_gpu_bf16_weights_bf16_kv_fp32_activations":
+                            compare(g_mixed["bfloat16"]),
                         "hf_gpu_bf16_eager": compare(hf_bf16) if hf_bf16 else "failed",
                         "bf16_weights_fp32_activations_b1": {
-                            k: speed[k] for k in ("tok_s", "tpot_ms", "ttft_ms")}}
+                            k: speed["auto"][k] for k in ("tok_s", "tpot_ms", "ttft_ms")},
+                        "bf16_weights_bf16_kv_fp32_activations_b1": {
+                            k: speed["bfloat16"][k] for k in ("tok_s", "tpot_ms", "ttft_ms")}}
     print("check:", results["check"], flush=True)
 
 

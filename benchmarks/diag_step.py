@@ -114,7 +114,8 @@ def main():
         ("--no-pdl", "0"),  # 1: kernels launched without PDL (each listed kernel's time is
         # then its own, not overlapped with its neighbours')
         ("--dtype", "bfloat16"),  # the engines' activation dtype ...
-        ("--weight-dtype", "auto")))  # ... and weights' (float32 + bfloat16: the mixed mode)
+        ("--weight-dtype", "auto"),  # ... and weights' (float32 + bfloat16: the mixed mode)
+        ("--kv-cache-dtype", "auto")))  # ... and KV pool's
     # The model diag_setup loaded (bf16) serves only the default precision.
     if (args.dtype, args.weight_dtype) not in (("bfloat16", "auto"), ("bfloat16", "bfloat16")):
         loaded = None
@@ -145,6 +146,7 @@ def main():
     for name, spec, k in configs:
         eng = LLMEngine.from_args(args.gguf, loaded=loaded, device="cuda", dtype=args.dtype,
                                   weight_dtype=args.weight_dtype,
+                                  kv_cache_dtype=args.kv_cache_dtype,
                                   speculative_config=spec, max_num_seqs=128, num_kv_blocks=8192,
                                   quiet=True, enable_prefix_caching=False)
         for b in (1,) if args.batch1_only == "1" else (1, 128):

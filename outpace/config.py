@@ -162,13 +162,16 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 @dataclass(frozen=True)
 class RunnerConfig:
     device: str = "cpu"
-    dtype: str = "auto"  # activations, residual stream, KV cache, arithmetic; auto: float32 on
-    # CPU, bfloat16 on CUDA
+    dtype: str = "auto"  # activations, residual stream, arithmetic, and the KV cache unless
+    # kv_cache_dtype says otherwise; auto: float32 on CPU, bfloat16 on CUDA
     # How the projection matrices, the embedding and the LM head are stored (models/
     # weight_dtype.py); auto: in `dtype`. float32 activations over bfloat16 weights keep the
     # bf16 weight bytes (memory, bandwidth) with fp32 arithmetic: greedy output as close to
     # fp32 as bf16 weights allow (docs/decisions.md).
     weight_dtype: str = "auto"
+    # The KV pool's dtype; auto: `dtype`. float32 activations over a bfloat16 pool keep bf16's
+    # cache size and attention bytes; K and V are rounded to it once, when stored.
+    kv_cache_dtype: str = "auto"
     enforce_eager: bool = False  # True: no CUDA graphs
     seed: int = 0
     # Launch the next greedy decode step before reading this one's outputs (with CUDA graphs;
@@ -196,9 +199,19 @@ class RunnerConfig:
                    f"dtype float32 for float32 activations over {weight} weights")
             raise ConfigError(f"{what}: weights may be stored narrower than the activations, "
                               f"never wider; use weight_dtype auto (or {act}), or {fix}")
+        if self.kv_cache_dtype not in DTYPES:
+            raise ConfigError(f"kv_cache_dtype must be auto, float32, float16 or bfloat16, got "
+                              f"{self.kv_cache_dtype!r}")
+        kv = self._resolved(self.kv_cache_dtype)
+        if kv != act and act != "float32":  # the same rule as for weights
+            raise ConfigError(f"kv_cache_dtype {kv} with dtype {act} is not supported: the KV "
+                              f"cache may be narrower than the activations, never wider or "
+                              f"another 16-bit format; use kv_cache_dtype auto (or {act}), or "
+                              f"dtype float32 for float32 activations over a {kv} cache")
 
     def _resolved(self, name: str) -> str:
-        """A dtype option's value with auto resolved (weight_dtype auto: dtype's)."""
+        """A dtype option's value with auto resolved (weight_dtype / kv_cache_dtype auto:
+        dtype's)."""
         if name != "auto":
             return name
         if self.dtype != "auto":
@@ -210,6 +223,12 @@ class RunnerConfig:
         """The activation (and KV cache) dtype."""
         import torch
         return getattr(torch, self._resolved(self.dtype))
+
+    @property
+    def torch_kv_cache_dtype(self):
+        """The KV pool's dtype (== torch_dtype unless set)."""
+        import torch
+        return getattr(torch, self._resolved(self.kv_cache_dtype))
 
     @property
     def torch_weight_dtype(self):

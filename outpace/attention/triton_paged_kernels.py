@@ -16,6 +16,7 @@ except Exception:  # pragma: no cover - exercised only where triton is missing
 
 if triton is not None:
     from outpace.kernels.pdl import wait_then_release
+    from outpace.kernels.split_dot import dot_fp32_bf16
 
     @triton.jit
     def _attn_tile(acc, l_i, m_i, q, k, v, cols, cmask, qpos, qk_scale, MASKED: tl.constexpr,
@@ -23,11 +24,14 @@ if triton is not None:
         # One KV tile of the online softmax: k [BLOCK_D, BLOCK_N], v [BLOCK_N, BLOCK_D] as
         # loaded (columns outside cmask are 0). MASKED applies the causal mask (and cmask);
         # unmasked tiles are full tiles every row of the tile may see.
-        k = k.to(q.dtype)
-        if IS_FP32:
-            qk = tl.dot(q, k, input_precision="tf32x3")
+        # IS_FP32: fp32 q over an fp32 pool in three-pass TF32, over a bf16 pool (kv_cache_dtype)
+        # in three bf16 dots (kernels/split_dot.py); the same for p over v.
+        if IS_FP32 and k.dtype == tl.bfloat16:
+            qk = dot_fp32_bf16(q, k, tl.zeros([q.shape[0], k.shape[1]], dtype=tl.float32))
+        elif IS_FP32:
+            qk = tl.dot(q, k.to(q.dtype), input_precision="tf32x3")
         else:
-            qk = tl.dot(q, k)
+            qk = tl.dot(q, k.to(q.dtype))
         qk = qk * qk_scale  # [BLOCK_M, BLOCK_N], log2 domain
         if MASKED:
             vis = (cols[None, :] <= qpos[:, None]) & cmask[None, :]
@@ -39,10 +43,13 @@ if triton is not None:
         p = tl.exp2(qk - m_use[:, None])
         alpha = tl.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = v.to(q.dtype)  # masked rows are 0 so garbage can't leak
-        if IS_FP32:
-            pv = tl.dot(p, v, input_precision="tf32x3")
+        # (masked rows of v are 0, so garbage can't leak)
+        if IS_FP32 and v.dtype == tl.bfloat16:
+            pv = dot_fp32_bf16(p, v, tl.zeros_like(acc))
+        elif IS_FP32:
+            pv = tl.dot(p, v.to(q.dtype), input_precision="tf32x3")
         else:
+            v = v.to(q.dtype)
             pv = tl.dot(p.to(v.dtype), v)
         acc = acc * alpha[:, None] + pv
         return acc, l_i, m_new

@@ -33,8 +33,8 @@ def limit_host_threads(quiet: bool = False) -> None:
 
 
 def build_engine(cls, model: str, *, device: str = "auto", dtype: str = "auto",
-                 weight_dtype: str = "auto", speculative_config: Optional[dict] = None,
-                 max_model_len: Optional[int] = None, num_kv_blocks: Optional[int] = None,
+                 weight_dtype: str = "auto", kv_cache_dtype: str = "auto",
+                 speculative_config: Optional[dict] = None, max_model_len: Optional[int] = None, num_kv_blocks: Optional[int] = None,
                  block_size: int = 16,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  max_waiting_requests: Optional[int] = None, enable_prefix_caching: bool = True,
@@ -58,7 +58,7 @@ def build_engine(cls, model: str, *, device: str = "auto", dtype: str = "auto",
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ConfigError("device 'cuda' was asked for but CUDA is not available; use --device cpu")
     runner_cfg = RunnerConfig(device=device, dtype=dtype, weight_dtype=weight_dtype,
-                              enforce_eager=enforce_eager, seed=seed, overlap=overlap)
+                              kv_cache_dtype=kv_cache_dtype, enforce_eager=enforce_eager, seed=seed, overlap=overlap)
     spec_cfg = SpecConfig.from_dict(speculative_config)
     torch_device = torch.device(device)
     torch.manual_seed(seed)
@@ -92,7 +92,8 @@ def build_engine(cls, model: str, *, device: str = "auto", dtype: str = "auto",
 
     proposer = build_proposer(spec_cfg, target, model_cfg, runner_cfg) if spec_cfg.enabled else None
     num_slots = model_cfg.num_hidden_layers + (proposer.num_kv_layers if proposer else 0)
-    num_blocks = size_kv(cache_cfg, model_cfg, num_slots, runner_cfg.torch_dtype, torch_device)
+    num_blocks = size_kv(cache_cfg, model_cfg, num_slots, runner_cfg.torch_kv_cache_dtype,
+                         torch_device)
     lookahead = proposer.num_lookahead_tokens if proposer else 0
     kv = KVCacheManager(cache_cfg, num_blocks, config.max_model_len,
                         **({"trim_last_matched_block": True}
@@ -104,7 +105,8 @@ def build_engine(cls, model: str, *, device: str = "auto", dtype: str = "auto",
                          max_model_len=config.max_model_len,
                          max_num_tokens=max_num_batched_tokens + max_num_seqs * (max_k + 1),
                          max_num_seqs=max_num_seqs, device=torch_device,
-                         dtype=runner_cfg.torch_dtype, proposer=proposer, seed=seed)
+                         kv_dtype=runner_cfg.torch_kv_cache_dtype, proposer=proposer,
+                         seed=seed)
     if torch_device.type == "cuda" and not enforce_eager:
         # Graphs for plain decode (q = 1) and every verify length (q = 2 .. k + 1).
         runner.enable_cuda_graphs(tuple(range(1, max_k + 2)), capture_fused=True)
@@ -112,6 +114,8 @@ def build_engine(cls, model: str, *, device: str = "auto", dtype: str = "auto",
         dtypes = str(runner_cfg.torch_dtype)
         if runner_cfg.torch_weight_dtype != runner_cfg.torch_dtype:
             dtypes += f", weights {runner_cfg.torch_weight_dtype}"
+        if runner_cfg.torch_kv_cache_dtype != runner_cfg.torch_dtype:
+            dtypes += f", KV cache {runner_cfg.torch_kv_cache_dtype}"
         log.info("outpace: %s on %s (%s), %d KV blocks of %d tokens", model, device, dtypes,
                  num_blocks, block_size)
     engine = cls(config, tokenizer, scheduler, kv, runner, model_name=model)

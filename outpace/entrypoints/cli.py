@@ -15,12 +15,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="catalog name (smollm2-135m), HF folder or .gguf file")
     p.add_argument("--device", default="auto", help="cpu or cuda (auto: cuda when available)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
-                   help="activations, KV cache and arithmetic (auto: float32 on CPU, bfloat16 "
-                   "on CUDA)")
+                   help="activations, arithmetic and (unless --kv-cache-dtype) the KV cache "
+                   "(auto: float32 on CPU, bfloat16 on CUDA)")
     p.add_argument("--weight-dtype", default="auto",
                    choices=["auto", "float32", "float16", "bfloat16"],
                    help="storage of the weight matrices (auto: --dtype); --dtype float32 "
                    "--weight-dtype bfloat16: bf16 weight memory, fp32 arithmetic")
+    p.add_argument("--kv-cache-dtype", default="auto",
+                   choices=["auto", "float32", "float16", "bfloat16"],
+                   help="the KV cache's dtype (auto: --dtype); with --dtype float32, bfloat16 "
+                   "keeps bf16's cache size and attention bytes")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--num-kv-blocks", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=64)
@@ -60,6 +64,7 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
             key, val = kv.split("=", 1)
             spec[key] = _parse_value(val)
     return dict(device=a.device, dtype=a.dtype, weight_dtype=a.weight_dtype,
+                kv_cache_dtype=a.kv_cache_dtype,
                 max_model_len=a.max_model_len,
                 num_kv_blocks=a.num_kv_blocks, max_num_seqs=a.max_num_seqs,
                 max_num_batched_tokens=a.max_num_batched_tokens,

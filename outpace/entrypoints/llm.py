@@ -21,7 +21,8 @@ class LLM:
                  weight_dtype: str = "auto", speculative_config: Optional[dict] = None,
                  quiet: bool = False, **engine_args):
         # dtype: activations, KV cache, arithmetic; weight_dtype: how the large matrices are
-        # stored (auto: dtype; float32 + bfloat16: fp32 compute over bf16 weights)
+        # stored (auto: dtype; float32 + bfloat16: fp32 compute over bf16 weights);
+        # engine_args may hold kv_cache_dtype (auto: dtype), the KV pool's
         self.engine = LLMEngine.from_args(model, device=device, dtype=dtype,
                                           weight_dtype=weight_dtype,
                                           speculative_config=speculative_config, quiet=quiet,

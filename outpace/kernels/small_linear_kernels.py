@@ -15,6 +15,7 @@ except Exception:  # pragma: no cover - exercised only where triton is missing
 
 if triton is not None:
     from outpace.kernels.pdl import wait_then_release
+    from outpace.kernels.split_dot import dot_fp32_bf16
 
     @triton.jit
     def _dot_input(x, nw_ptr, offs_k, k_mask, rstd, A_DTYPE: tl.constexpr,
@@ -35,20 +36,9 @@ if triton is not None:
         # acc [BLOCK_M, BLOCK_N] += a [BLOCK_M, BLOCK_K] @ w [BLOCK_N, BLOCK_K].T
         if USE_DOT:
             if A_DTYPE == tl.float32 and w.dtype == tl.bfloat16:
-                # fp32 activations over a bf16 weight (weight_dtype): a is cut into three bf16
-                # pieces, hi + mid + lo, which hold all of its 24 significand bits; each
-                # piece's products with bf16 weights are exact in the fp32 accumulator. So
-                # three bf16 tensor-core dots give the fp32 product (up to summation order)
-                # from the weight tile as stored, where an IEEE fp32 dot runs on the CUDA
-                # cores (SmolLM2's LM head at one row: 147 us, run 20).
-                wt = tl.trans(w)
-                hi = a.to(tl.bfloat16)
-                rest = a - hi.to(tl.float32)
-                mid = rest.to(tl.bfloat16)
-                lo = (rest - mid.to(tl.float32)).to(tl.bfloat16)
-                acc = tl.dot(hi, wt, acc)
-                acc = tl.dot(mid, wt, acc)
-                acc = tl.dot(lo, wt, acc)
+                # fp32 activations over a bf16 weight (weight_dtype): three bf16 dots give the
+                # fp32 product from the weight tile as stored (kernels/split_dot.py)
+                acc = dot_fp32_bf16(a, tl.trans(w), acc)
             elif A_DTYPE == tl.float32:  # no tf32: fp32 layers must match fp32 torch; a
                 # weight stored in fp16 is upcast exactly, since tl.dot wants operands of
                 # one dtype

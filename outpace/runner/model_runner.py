@@ -41,7 +41,7 @@ def make_backend(kv_cache, model_cfg, device: torch.device):
 
 class ModelRunner:
     def __init__(self, model, model_cfg, num_blocks: int, block_size: int, max_model_len: int,
-                 max_num_tokens: int, max_num_seqs: int, device: torch.device, dtype,
+                 max_num_tokens: int, max_num_seqs: int, device: torch.device, kv_dtype,
                  proposer=None, seed: int = 0):
         self.model = model
         self.model_cfg = model_cfg
@@ -54,7 +54,7 @@ class ModelRunner:
         # [slots, K|V, blocks, block_size, Hkv, D]: draft layers sit after the target's.
         self.kv_cache = torch.zeros(self.num_layer_slots, 2, num_blocks, block_size,
                                     model_cfg.num_key_value_heads, model_cfg.head_dim,
-                                    dtype=dtype, device=device)
+                                    dtype=kv_dtype, device=device)
         self.backend = make_backend(self.kv_cache, model_cfg, device)
         # Block-table width: the context plus the largest verify block and draft lookahead
         # (k <= 16, SpecConfig), so a step near the end of the context still fits.

@@ -12,12 +12,14 @@ import random
 
 import pytest
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 triton = pytest.importorskip("triton")
 
 from outpace.attention.base import AttentionMetadata  # noqa: E402
+from outpace.attention.torch_ref import TorchRefBackend  # noqa: E402
 from outpace.attention.torch_ref import store_kv as store_kv_ref  # noqa: E402
 from outpace.attention.triton_paged import TritonPagedBackend, paged_attention  # noqa: E402
 from outpace.kernels.norm import (fused_add_rms_norm, fused_add_rms_norm_ref,  # noqa: E402
@@ -146,6 +148,33 @@ def test_attention_both_variants_at_any_batch(name, prefetch):
                           num_splits=4, min_split_tokens=16, prefetch=prefetch)
     torch.cuda.synchronize()
     check_attention(b, out, 0.125)
+
+
+@pytest.mark.parametrize("prefetch", [False, True], ids=["wait-first", "prefetch"])
+@pytest.mark.parametrize("name", ["decode", "verify", "mixed"])
+def test_attention_fp32_over_a_bf16_pool(name, prefetch):
+    """kv_cache_dtype bfloat16 under fp32 activations: K / V rounded once when stored, q and the
+    softmax weights in bf16 pieces on the tensor cores (kernels/split_dot.py). fp32 outputs equal
+    the reference's over the rounded K / V to fp32 tolerance, where a q rounded to bf16 would
+    be ~1e-2 off."""
+    b = make_batch(SMALL[name], 3, 3, 64, torch.float32, DEV, pad_seqs=1, pad_tokens=2,
+                   seed=len(name) + 7)
+    pool = b.kv_cache.bfloat16()
+    store_kv_triton(pool, b.layer, b.k, b.v, b.meta.slot_mapping)
+    meta = _no_host_mirrors(b.meta)
+    for splits in (1, 4):
+        out = paged_attention(b.q, pool, b.layer, meta, 0.125, num_splits=splits,
+                              min_split_tokens=16, prefetch=prefetch)
+        torch.cuda.synchronize()
+        assert out.dtype == torch.float32
+        ref = TorchRefBackend(pool.float(), 9, 3, 64, 0.125)
+        with sdpa_kernel(SDPBackend.MATH):
+            want = ref.attend_stored(b.layer, b.q, b.meta)
+        n = b.n_real
+        torch.testing.assert_close(out[:n], want[:n], atol=2e-5, rtol=2e-5)
+        with sdpa_kernel(SDPBackend.MATH):
+            rounded_q = ref.attend_stored(b.layer, b.q.bfloat16().float(), b.meta)
+        assert not torch.allclose(out[:n], rounded_q[:n], atol=2e-5, rtol=2e-5)
 
 
 def test_backend_picks_split_kv_for_small_decode():

@@ -5,8 +5,9 @@
   M = 1, 3 (broadcast-sum path), 5, 8, 16 (tl.dot path), where a kernel that rounded its
   input to bf16 would be far off;
 * the engine on CUDA with graphs (few-row kernels, cuBLAS over upcast weights above 16 rows,
-  Triton attention over an fp32 KV pool), with and without a draft head, gives the greedy
-  tokens of the CPU fp32 engine whose model had its matrices rounded to bf16.
+  Triton attention over an fp32 or a bf16 KV pool), with and without a draft head, gives the
+  greedy tokens of the CPU fp32 engine whose model had its matrices rounded to bf16 (over the
+  same pool dtype).
 """
 
 from __future__ import annotations
@@ -130,24 +131,31 @@ def _spec(heads, method):
     return spec
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "bfloat16"])
 @pytest.mark.parametrize("num_prompts", [1, 5])
 @pytest.mark.parametrize("method", [None, "eagle3", "mtp"])
-def test_cuda_engine_equals_cpu_fp32_with_rounded_weights(heads, method, num_prompts):
+def test_cuda_engine_equals_cpu_fp32_with_rounded_weights(heads, method, num_prompts,
+                                                          kv_cache_dtype):
+    """kv_cache_dtype bfloat16: the CPU engine over a bf16 pool is the reference (itself
+    checked against rounded K / V in tests/spec/test_kv_cache_dtype.py)."""
     model, cfg, tok = tiny_target(seed=0)
     ref = copy.deepcopy(model)
     for p in ref.parameters():
         if p.dim() == 2:
             p.data = p.data.bfloat16().float()
     prompts = repetitive_prompts(num_prompts, 11)
-    want = run_batch(make_engine((ref, cfg, tok), max_num_seqs=8), prompts, GREEDY)
+    want = run_batch(make_engine((ref, cfg, tok), max_num_seqs=8,
+                                 kv_cache_dtype=kv_cache_dtype), prompts, GREEDY)
     store_weights_in_(model, torch.bfloat16)
     fp32_bytes = weight_bytes(ref)
     model = model.to(DEV)
     assert weight_bytes(model) < 0.52 * fp32_bytes
     eng = make_engine((model, cfg, tok), device="cuda", dtype="float32",
-                      weight_dtype="bfloat16", speculative_config=_spec(heads, method),
+                      weight_dtype="bfloat16", kv_cache_dtype=kv_cache_dtype,
+                      speculative_config=_spec(heads, method),
                       max_num_seqs=8)  # CUDA graphs and overlap on (the defaults)
-    assert eng.runner.kv_cache.dtype == torch.float32
+    assert eng.runner.kv_cache.dtype == (torch.float32 if kv_cache_dtype == "auto"
+                                         else torch.bfloat16)
     if method is not None:  # the head's matrices are stored in bf16 too, its norms not
         for name, p in eng.runner.proposer.head.named_parameters():
             assert p.dtype == (torch.bfloat16 if p.dim() == 2 else torch.float32), name

@@ -41,3 +41,11 @@ def test_weight_dtype_flag():
     assert kw["dtype"] == "float32" and kw["weight_dtype"] == "bfloat16"
     with pytest.raises(SystemExit):  # argparse rejects an unknown choice
         _kwargs("--weight-dtype", "int8")
+
+
+def test_kv_cache_dtype_flag():
+    assert _kwargs()["kv_cache_dtype"] == "auto"
+    kw = _kwargs("--dtype", "float32", "--kv-cache-dtype", "bfloat16")
+    assert kw["dtype"] == "float32" and kw["kv_cache_dtype"] == "bfloat16"
+    with pytest.raises(SystemExit):  # argparse rejects an unknown choice
+        _kwargs("--kv-cache-dtype", "fp8")

@@ -48,14 +48,21 @@ ATTN = [(True, 4, 64, 3), (False, 4, 64, 3), (False, 4, 128, 4), (True, 1, 64, 3
         (False, 1, 128, 4)]
 
 
-@pytest.mark.parametrize("fp32", [False, True], ids=["bf16", "fp32"])  # fp32: tf32x3 dots
+# (q and out, the KV pool): bf16; fp32 (tf32x3 dots); fp32 over a bf16 pool (kv_cache_dtype:
+# bf16 pieces of q and p, kernels/split_dot.py)
+PRECISIONS = {"bf16": ("bf16", "bf16"), "fp32": ("fp32", "fp32"),
+              "fp32-over-bf16": ("fp32", "bf16")}
+
+
+@pytest.mark.parametrize("precision", sorted(PRECISIONS))
 @pytest.mark.parametrize("prefetch,splits,head_dim,group", ATTN, ids=str)
-def test_attention_kernel_compiles(prefetch, splits, head_dim, group, fp32):
+def test_attention_kernel_compiles(prefetch, splits, head_dim, group, precision):
     from outpace.attention.triton_paged_kernels import _paged_attn_kernel
+    act, pool = PRECISIONS[precision]
+    fp32 = act == "fp32"
     if fp32 and head_dim > 64:
         pytest.skip("fp32 decode tiles of 64 columns are for heads of at most 64")
-    kind = "fp32" if fp32 else "bf16"
-    io = {n: kind for n in ("q_ptr", "kc_ptr", "vc_ptr", "out_ptr")}
+    io = {"q_ptr": act, "out_ptr": act, "kc_ptr": pool, "vc_ptr": pool}
     ws = {n: "fp32" for n in ("ws_acc_ptr", "ws_m_ptr", "ws_l_ptr")}
     i32 = {n: "i32" for n in ("cnt_ptr", "qsl_ptr", "seq_lens_ptr", "bt_ptr")}
     gp = 1 << (group - 1).bit_length()
@@ -65,7 +72,9 @@ def test_attention_kernel_compiles(prefetch, splits, head_dim, group, fp32):
         "FUSED_MERGE": splits > 1, "PREFETCH": prefetch, "USE_PDL": True},
         num_warps=4)
     assert k.asm["cubin"]
-    assert "mma" in k.asm["ptx"]  # fp32 too: tensor cores (tf32x3), not an FMA loop
+    assert "mma" in k.asm["ptx"]  # fp32 too: tensor cores (tf32x3 / bf16 pieces), not FMA
+    if pool == "bf16":
+        assert "bf16" in k.asm["ptx"]  # the bf16 pieces: bf16 tensor-core instructions
 
 
 # (HAS_NORM, SILU_MUL, ROPE_STORE, HAS_RESIDUAL, BLOCK_M, BLOCK_K, TAIL_K, warps): SmolLM2's
