@@ -170,7 +170,7 @@ def test_attention_fp32_over_a_bf16_pool(name, prefetch):
         ref = TorchRefBackend(pool.float(), 9, 3, 64, 0.125)
         with sdpa_kernel(SDPBackend.MATH):
             want = ref.attend_stored(b.layer, b.q, b.meta)
-        n = b.n_real
+        n = b.num_real_tokens
         torch.testing.assert_close(out[:n], want[:n], atol=2e-5, rtol=2e-5)
         with sdpa_kernel(SDPBackend.MATH):
             rounded_q = ref.attend_stored(b.layer, b.q.bfloat16().float(), b.meta)
