@@ -34,7 +34,8 @@ def limit_host_threads(quiet: bool = False) -> None:
 
 def build_engine(cls, model: str, *, device: str = "auto", dtype: str = "auto",
                  weight_dtype: str = "auto", kv_cache_dtype: str = "auto",
-                 speculative_config: Optional[dict] = None, max_model_len: Optional[int] = None, num_kv_blocks: Optional[int] = None,
+                 speculative_config: Optional[dict] = None,
+                 max_model_len: Optional[int] = None, num_kv_blocks: Optional[int] = None,
                  block_size: int = 16,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  max_waiting_requests: Optional[int] = None, enable_prefix_caching: bool = True,
@@ -58,7 +59,8 @@ def build_engine(cls, model: str, *, device: str = "auto", dtype: str = "auto",
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ConfigError("device 'cuda' was asked for but CUDA is not available; use --device cpu")
     runner_cfg = RunnerConfig(device=device, dtype=dtype, weight_dtype=weight_dtype,
-                              kv_cache_dtype=kv_cache_dtype, enforce_eager=enforce_eager, seed=seed, overlap=overlap)
+                              kv_cache_dtype=kv_cache_dtype, enforce_eager=enforce_eager,
+                              seed=seed, overlap=overlap)
     spec_cfg = SpecConfig.from_dict(speculative_config)
     torch_device = torch.device(device)
     torch.manual_seed(seed)

@@ -72,6 +72,17 @@ def write_target_folder(cfg: ModelConfig, folder: Path) -> Path:
     return folder
 
 
+def head_spec(heads: dict, method: str, k: int = 3) -> dict:
+    """A speculative_config for one of the random heads (tiny_heads): EAGLE-3, or MTP run as a
+    chain. Random heads propose junk, so the suffix enhancer's matches (min 2) carry the
+    acceptance a test needs."""
+    cfg = {"method": method, "model": str(heads[method]), "num_speculative_tokens": k,
+           "enhancer_min_match": 2}
+    if method == "mtp":
+        cfg["mtp_mode"] = "eagle"
+    return cfg
+
+
 def random_tokens(rng: random.Random, length: int, vocab: int) -> list:
     return [rng.randrange(vocab) for _ in range(length)]
 

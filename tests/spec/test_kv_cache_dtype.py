@@ -16,7 +16,7 @@ import torch
 from outpace import SamplingParams
 from outpace.attention.torch_ref import TorchRefBackend, make_decode_plan
 from tests.engine_helpers import chat_ids, make_engine, run_batch
-from tests.spec.spec_helpers import repetitive_prompts
+from tests.spec.spec_helpers import head_spec, repetitive_prompts
 from tests.unit.kernel_cases import make_batch
 
 GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
@@ -69,19 +69,12 @@ def test_smollm2_greedy_equals_rounded_kv(loaded_default):
     assert run_batch(eng, prompts, GREEDY) == want
 
 
-def _spec(heads, method, k=3):
-    cfg = {"method": method, "model": str(heads[method]), "num_speculative_tokens": k,
-           "enhancer_min_match": 2}  # random heads propose junk; suffix matches get accepted
-    if method == "mtp":
-        cfg["mtp_mode"] = "eagle"
-    return cfg
-
-
 @pytest.mark.parametrize("method", ["eagle3", "mtp"])
 def test_spec_equals_no_spec_over_a_bf16_pool(tiny_loaded, tiny_heads, method):
     prompts = repetitive_prompts(4, 21)
     want = run_batch(make_engine(tiny_loaded, max_num_seqs=8, **KV_BF16), prompts, GREEDY)
-    eng = make_engine(tiny_loaded, max_num_seqs=8, speculative_config=_spec(tiny_heads, method),
+    eng = make_engine(tiny_loaded, max_num_seqs=8,
+                      speculative_config=head_spec(tiny_heads, method),
                       **KV_BF16)
     assert eng.runner.kv_cache.dtype == torch.bfloat16
     assert run_batch(eng, prompts, GREEDY) == want

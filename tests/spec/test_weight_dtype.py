@@ -18,7 +18,7 @@ import torch
 from outpace import SamplingParams
 from outpace.models.weight_dtype import store_weights_in_, weight_bytes
 from tests.engine_helpers import chat_ids, make_engine, run_batch
-from tests.spec.spec_helpers import dense_target, repetitive_prompts
+from tests.spec.spec_helpers import dense_target, head_spec, repetitive_prompts
 
 GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
 MIXED = dict(dtype="float32", weight_dtype="bfloat16")
@@ -88,20 +88,12 @@ def test_tiny_greedy_equals_rounded_fp32(tiny_loaded, tiny_pair):
         assert_logits_match(ref, mixed, tiny_loaded[0], cfg, ids)
 
 
-def _spec(heads, method, k=3):
-    cfg = {"method": method, "model": str(heads[method]), "num_speculative_tokens": k,
-           "enhancer_min_match": 2}  # random heads propose junk; suffix matches get accepted
-    if method == "mtp":
-        cfg["mtp_mode"] = "eagle"
-    return cfg
-
-
 @pytest.mark.parametrize("method", ["eagle3", "mtp"])
 def test_spec_equals_no_spec_with_bf16_weights(tiny_pair, tiny_heads, method):
     mixed = tiny_pair[1]
     prompts = repetitive_prompts(4, 21)
     want = run_batch(make_engine(mixed, max_num_seqs=8, **MIXED), prompts, GREEDY)
-    eng = make_engine(mixed, max_num_seqs=8, speculative_config=_spec(tiny_heads, method),
+    eng = make_engine(mixed, max_num_seqs=8, speculative_config=head_spec(tiny_heads, method),
                       **MIXED)
     assert_matrices_bf16(eng.runner.proposer.head)
     assert run_batch(eng, prompts, GREEDY) == want

@@ -488,7 +488,7 @@ def check_small_linear_out_buffer():
 
 # (x dtype, weight dtype, RMSNorm weight dtype): the last two are fp32 activations over bf16
 # weights (RunnerConfig.weight_dtype), with a bf16 or an fp32 RMSNorm weight: fp32 results. Their
-# tl.dot splits x into bf16 pieces, which the interpreter gets wrong: tests/gpu/test_weight_dtype.py.
+# tl.dot splits x into bf16 pieces, which the interpreter gets wrong (tests/gpu covers it).
 NORM_DTYPES = [(torch.float32,) * 3, (torch.bfloat16,) * 3,
                (torch.float32, torch.bfloat16, torch.bfloat16),
                (torch.float32, torch.bfloat16, torch.float32)]
