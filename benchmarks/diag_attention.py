@@ -1,6 +1,7 @@
 """The attention kernel alone at batch 1, SmolLM2's heads (9 query, 3 KV, 64 wide): us a launch
 for a decode (1 query token), a verify (3) and a draft-loop step (1 token under a bound of 3),
-at several contexts, with the split-KV factor, the prefetch variant and the fused merge varied.
+at several contexts, with the split-KV factor, the prefetch variant and the fused merge varied,
+and in an engine-sized pool.
 Launched without PDL, 20 to a CUDA graph, so each time is the kernel's own (L2-warm KV).
 
     python benchmarks/diag_attention.py [--out DIR]
@@ -20,15 +21,22 @@ HQ, HKV, D, BS = 9, 3, 64, 16
 
 
 def case(ctx: int, q_len: int, bound: int, splits: int, prefetch: bool, fused: bool,
-         dtype=torch.bfloat16, reps: int = 20) -> float:
+         dtype=torch.bfloat16, reps: int = 20, pool: tuple = ()) -> float:
+    """pool: (layer slots, blocks) of an engine-sized pool, the sequence in consecutive blocks
+    from block 1 of the last slot (as the pool hands them out); else a pool just big enough,
+    the blocks in random order."""
     from outpace.attention.base import AttentionMetadata
     from outpace.attention.triton_paged import paged_attention
     dev = "cuda"
     seq = ctx + q_len
     blocks = -(-seq // BS) + 1
     g = torch.Generator(device=dev).manual_seed(ctx + q_len)
-    kv = torch.randn(1, 2, blocks + 1, BS, HKV, D, device=dev, generator=g).to(dtype)
-    table = torch.randperm(blocks, device=dev, generator=g).add_(1).to(torch.int32)[None]
+    slots, pool_blocks = pool or (1, blocks + 1)
+    kv = torch.randn(slots, 2, pool_blocks, BS, HKV, D, device=dev, generator=g).to(dtype)
+    if pool:
+        table = torch.arange(1, blocks + 1, device=dev, dtype=torch.int32)[None]
+    else:
+        table = torch.randperm(blocks, device=dev, generator=g).add_(1).to(torch.int32)[None]
     q = torch.randn(q_len, HQ, D, device=dev, generator=g).to(dtype)
     meta = AttentionMetadata(
         slot_mapping=torch.full((q_len,), -1, device=dev, dtype=torch.int64),
@@ -39,7 +47,8 @@ def case(ctx: int, q_len: int, bound: int, splits: int, prefetch: bool, fused: b
     counters = torch.zeros(132, device=dev, dtype=torch.int32) if fused else None
 
     def run():
-        return paged_attention(q, kv, 0, meta, D ** -0.5, splits, 64, counters, prefetch)
+        return paged_attention(q, kv, slots - 1, meta, D ** -0.5, splits, 64, counters,
+                               prefetch)
     run()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -84,6 +93,13 @@ def main():
             rows.append(dict(ctx=ctx, kind=name + "-fp32", q_len=q_len, bound=q_len, splits=8,
                              prefetch=True, fused_merge=True, us=us))
             print(rows[-1], flush=True)
+    # An engine-sized pool (SmolLM2 + an EAGLE-3 head: 31 layer slots, the diagnostics' 8192
+    # blocks): does the KV's place in a 3 GB pool change the kernel's time?
+    for name, q_len in (("decode", 1), ("verify", 3)):
+        us = case(200, q_len, q_len, 8, True, True, pool=(31, 8192))
+        rows.append(dict(ctx=200, kind=name + "-pool31x8192", q_len=q_len, bound=q_len,
+                         splits=8, prefetch=True, fused_merge=True, us=us))
+        print(rows[-1], flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "diag_attention.json").write_text(json.dumps(rows, indent=1) + "\n")

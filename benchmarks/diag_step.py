@@ -62,6 +62,21 @@ def kernel_listing(graph, reps: int = 5) -> str:
     return head + "\n" + "\n".join(lines)
 
 
+def attention_inputs(eng) -> str:
+    """The first sequence's attention inputs as the last replay left them: query tokens, KV
+    length, the block table's used entries, and the split-KV factor the backend picks."""
+    import math
+    buf = eng.runner.fused.inputs
+    qsl = buf.query_start_loc[:2].tolist()
+    seq = int(buf.seq_lens[0])
+    bs = eng.runner.block_size
+    table = buf.block_tables[0, :math.ceil(seq / bs)].tolist()
+    meta = type("Meta", (), {"max_query_len": qsl[1] - qsl[0], "seq_lens": buf.seq_lens[:1]})
+    splits = eng.runner.backend.num_splits_for(meta, eng.runner.model_cfg.num_attention_heads)
+    return (f"  attention inputs: q_len {qsl[1] - qsl[0]}, seq_len {seq}, splits {splits}, "
+            f"pool {tuple(eng.runner.kv_cache.shape)}, blocks {table}")
+
+
 def launch_cost(graph, reps: int = 50) -> dict:
     """Host us per graph.replay(): back to back (the GPU busy, as when chained), and one at a
     time after a synchronize (the GPU idle)."""
@@ -187,8 +202,9 @@ def main():
         del eng
     # The kernel listings last: once torch.profiler has run, CUPTI stays attached and every
     # later launch costs more on the host (run 10's batch-128 and EAGLE-3 rows were timed so).
-    for at, graph, _ in reversed(listings):
-        report.insert(at, kernel_listing(graph))
+    # Each with what the listed replay's attention read (its last replay's inputs).
+    for at, graph, eng in reversed(listings):
+        report.insert(at, kernel_listing(graph) + "\n" + attention_inputs(eng))
     del listings
     text = "\n".join(report)
     print(text)
