@@ -66,12 +66,13 @@ def attention_inputs(eng) -> str:
     """The first sequence's attention inputs as the last replay left them: query tokens, KV
     length, the block table's used entries, and the split-KV factor the backend picks."""
     import math
+    import types
     buf = eng.runner.fused.inputs
     qsl = buf.query_start_loc[:2].tolist()
     seq = int(buf.seq_lens[0])
-    bs = eng.runner.block_size
-    table = buf.block_tables[0, :math.ceil(seq / bs)].tolist()
-    meta = type("Meta", (), {"max_query_len": qsl[1] - qsl[0], "seq_lens": buf.seq_lens[:1]})
+    table = buf.block_tables[0, :math.ceil(seq / eng.runner.block_size)].tolist()
+    # num_splits_for reads only these two fields of the metadata
+    meta = types.SimpleNamespace(max_query_len=qsl[1] - qsl[0], seq_lens=buf.seq_lens[:1])
     splits = eng.runner.backend.num_splits_for(meta, eng.runner.model_cfg.num_attention_heads)
     return (f"  attention inputs: q_len {qsl[1] - qsl[0]}, seq_len {seq}, splits {splits}, "
             f"pool {tuple(eng.runner.kv_cache.shape)}, blocks {table}")
