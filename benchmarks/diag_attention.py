@@ -2,7 +2,8 @@
 for a decode (1 query token), a verify (3) and a draft-loop step (1 token under a bound of 3),
 at several contexts, with the split-KV factor, the prefetch variant and the fused merge varied,
 and in an engine-sized pool.
-Launched without PDL, 20 to a CUDA graph, so each time is the kernel's own (L2-warm KV).
+Launched without PDL, 20 to a CUDA graph, so each time is the kernel's own (L2-warm KV, or
+from HBM where another buffer is read before each launch).
 
     python benchmarks/diag_attention.py [--out DIR]
 """
@@ -21,10 +22,12 @@ HQ, HKV, D, BS = 9, 3, 64, 16
 
 
 def case(ctx: int, q_len: int, bound: int, splits: int, prefetch: bool, fused: bool,
-         dtype=torch.bfloat16, reps: int = 20, pool: tuple = ()) -> float:
+         dtype=torch.bfloat16, reps: int = 20, pool: tuple = (), flush_mb: int = 0) -> float:
     """pool: (layer slots, blocks) of an engine-sized pool, the sequence in consecutive blocks
     from block 1 of the last slot (as the pool hands them out); else a pool just big enough,
-    the blocks in random order."""
+    the blocks in random order. flush_mb: before each launch read that many MB of another
+    buffer, so the KV comes from HBM (the time is then the graph's less a graph of the reads
+    alone)."""
     from outpace.attention.base import AttentionMetadata
     from outpace.attention.triton_paged import paged_attention
     dev = "cuda"
@@ -49,12 +52,27 @@ def case(ctx: int, q_len: int, bound: int, splits: int, prefetch: bool, fused: b
     def run():
         return paged_attention(q, kv, slots - 1, meta, D ** -0.5, splits, 64, counters,
                                prefetch)
+    flush = torch.ones(flush_mb << 19, dtype=torch.bfloat16, device=dev)
+
+    def flushed_run():
+        if flush_mb:
+            flush.sum(dtype=torch.float32)
+        return run()
+
+    def flush_only():
+        flush.sum(dtype=torch.float32)
     run()
     torch.cuda.synchronize()
+    us = graph_us(flushed_run, reps)
+    return round(us - (graph_us(flush_only, reps) if flush_mb else 0.0), 2)
+
+
+def graph_us(fn, reps: int) -> float:
+    """Best us a call of `fn`, captured `reps` times in one CUDA graph."""
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for _ in range(reps):
-            run()
+            fn()
     for _ in range(3):
         graph.replay()
     torch.cuda.synchronize()
@@ -67,7 +85,7 @@ def case(ctx: int, q_len: int, bound: int, splits: int, prefetch: bool, fused: b
         end.record()
         end.synchronize()
         best = min(best, 1000 * start.elapsed_time(end) / (10 * reps))
-    return round(best, 2)
+    return best
 
 
 def main():
@@ -100,6 +118,15 @@ def main():
         rows.append(dict(ctx=200, kind=name + "-pool31x8192", q_len=q_len, bound=q_len,
                          splits=8, prefetch=True, fused_merge=True, us=us))
         print(rows[-1], flush=True)
+    # KV from HBM: another buffer read before each launch (an L2 of 50 MB holds none of it
+    # after 64 MB; 256 MB as a step's weights), against the same with no read (0)
+    for flush_mb in (0, 64, 256):
+        for name, q_len, bound in (("decode", 1, 1), ("verify", 3, 3), ("loop", 1, 3)):
+            us = case(200, q_len, bound, 8, True, True, pool=(31, 8192), flush_mb=flush_mb)
+            rows.append(dict(ctx=200, kind=f"{name}-pool31x8192-flush{flush_mb}", q_len=q_len,
+                             bound=bound, splits=8, prefetch=True, fused_merge=True,
+                             flush_mb=flush_mb, us=us))
+            print(rows[-1], flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "diag_attention.json").write_text(json.dumps(rows, indent=1) + "\n")

@@ -28,14 +28,21 @@ from benchmarks.bench_gpu import diag_setup, make_eagle3_reduced, make_heads  # 
 from benchmarks.bench_gpu import run_engine  # noqa: E402
 
 
-def kernel_listing(graph, reps: int = 5) -> str:
-    """The kernels of the last of `reps` replays, in start order: name, us, gap before."""
+def kernel_listing(graph, reps: int = 5, flush_mb: int = 0) -> str:
+    """The kernels of the last of `reps` replays, in start order: name, us, gap before.
+    flush_mb: before each replay read that many MB of another buffer (then a pause), so the
+    replay starts with an L2 holding none of what the previous replay left there."""
     from torch.profiler import ProfilerActivity, profile
+    flush = torch.empty(flush_mb << 19, dtype=torch.bfloat16, device="cuda").fill_(1)
     for _ in range(3):
         graph.replay()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):
+            if flush_mb:
+                flush.sum(dtype=torch.float32)
+                torch.cuda.synchronize()
+                time.sleep(0.002)  # a gap the replay split below sees
             graph.replay()
             torch.cuda.synchronize()
     evs = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
@@ -131,7 +138,8 @@ def main():
         # then its own, not overlapped with its neighbours')
         ("--dtype", "bfloat16"),  # the engines' activation dtype ...
         ("--weight-dtype", "auto"),  # ... and weights' (float32 + bfloat16: the mixed mode)
-        ("--kv-cache-dtype", "auto")))  # ... and KV pool's
+        ("--kv-cache-dtype", "auto"),  # ... and KV pool's
+        ("--flush-mb", "0")))  # > 0: each listed replay starts L2-cold (kernel_listing)
     # The model diag_setup loaded (bf16) serves only the default precision.
     if (args.dtype, args.weight_dtype) not in (("bfloat16", "auto"), ("bfloat16", "bfloat16")):
         loaded = None
@@ -205,7 +213,8 @@ def main():
     # later launch costs more on the host (run 10's batch-128 and EAGLE-3 rows were timed so).
     # Each with what the listed replay's attention read (its last replay's inputs).
     for at, graph, eng in reversed(listings):
-        report.insert(at, kernel_listing(graph) + "\n" + attention_inputs(eng))
+        report.insert(at, kernel_listing(graph, flush_mb=int(args.flush_mb)) + "\n"
+                      + attention_inputs(eng))
     del listings
     text = "\n".join(report)
     print(text)
