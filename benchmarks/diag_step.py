@@ -1,13 +1,16 @@
 """Where a fused decode step's time goes, on the GPU machine (SmolLM2-135M, bf16):
 
-  * batch 1: the kernels of one replay of each engine's steady graph, in order, with durations
-    and the idle gaps between them (no-spec q=1, EAGLE-3 force-accept 3 at k=2 with the full
+  * batch 1: the kernels of one chained step in the middle of a real request, in order, with
+    durations and the idle gaps between them (no-spec q=1, EAGLE-3 force-accept 3 at k=2 with the full
     and a 32000-id draft vocabulary, and at k=4), and the host cost of launching each graph
     (cudaGraphLaunch, GPU busy and idle);
   * batch 128: host time per engine step split by phase (schedule, launch, chain, collect,
     commit with detokenization) for no-spec against EAGLE-3 (one draft there, the benchmark's
-    k schedule), chained vs launched steps, and the GPU time of the graph that steady
-    decoding there replays.
+    k schedule), chained vs launched steps, the GPU time of the graph that steady decoding
+    there replays, and the kernels of a step in the middle of 128 requests.
+The graph times (replays in a loop) move each sequence on past its blocks, EAGLE-3's three
+tokens a replay against no-spec's one, so they compare longer contexts for the spec graphs;
+the listings come from real requests.
 
     python benchmarks/diag_step.py --gguf PATH [--out DIR]
 """
@@ -28,61 +31,59 @@ from benchmarks.bench_gpu import diag_setup, make_eagle3_reduced, make_heads  # 
 from benchmarks.bench_gpu import run_engine  # noqa: E402
 
 
-def kernel_listing(graph, reps: int = 5, flush_mb: int = 0) -> str:
-    """The kernels of the last of `reps` replays, in start order: name, us, gap before.
-    flush_mb: before each replay read that many MB of another buffer (then a pause), so the
-    replay starts with an L2 holding none of what the previous replay left there."""
-    from torch.profiler import ProfilerActivity, profile
-    flush = torch.empty(flush_mb << 19, dtype=torch.bfloat16, device="cuda").fill_(1)
-    for _ in range(3):
-        graph.replay()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            if flush_mb:
-                flush.sum(dtype=torch.float32)
-                torch.cuda.synchronize()
-                time.sleep(0.002)  # a gap the replay split below sees
-            graph.replay()
-            torch.cuda.synchronize()
-    evs = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    evs.sort(key=lambda e: e.time_range.start)
-    # Split into replays at the big gaps the synchronizes leave; keep the last replay.
-    groups, cur = [], []
-    for e in evs:
-        if cur and e.time_range.start - cur[-1].time_range.end > 30:
-            groups.append(cur)
-            cur = []
-        cur.append(e)
-    groups.append(cur)
-    last = groups[-1]
+def format_listing(events) -> str:
+    """Device events in start order -> a listing: us, gap before, name; with a summary line."""
     lines, prev_end, busy = [], None, 0.0
-    for e in last:
+    for e in events:
         gap = 0.0 if prev_end is None else e.time_range.start - prev_end
         dur = e.time_range.end - e.time_range.start
         busy += dur
         lines.append(f"{dur:8.2f} {gap:6.2f}  {e.name[:90]}")
         prev_end = e.time_range.end
-    span = last[-1].time_range.end - last[0].time_range.start
-    head = (f"{len(last)} kernels, span {span:.1f} us, busy {busy:.1f} us, "
+    span = events[-1].time_range.end - events[0].time_range.start
+    head = (f"{len(events)} kernels, span {span:.1f} us, busy {busy:.1f} us, "
             f"gaps {span - busy:.1f} us (us: duration, gap before)")
     return head + "\n" + "\n".join(lines)
 
 
-def attention_inputs(eng) -> str:
-    """The first sequence's attention inputs as the last replay left them: query tokens, KV
-    length, the block table's used entries, and the split-KV factor the backend picks."""
-    import math
-    import types
-    buf = eng.runner.fused.inputs
-    qsl = buf.query_start_loc[:2].tolist()
-    seq = int(buf.seq_lens[0])
-    table = buf.block_tables[0, :math.ceil(seq / eng.runner.block_size)].tolist()
-    # num_splits_for reads only these two fields of the metadata
-    meta = types.SimpleNamespace(max_query_len=qsl[1] - qsl[0], seq_lens=buf.seq_lens[:1])
-    splits = eng.runner.backend.num_splits_for(meta, eng.runner.model_cfg.num_attention_heads)
-    return (f"  attention inputs: q_len {qsl[1] - qsl[0]}, seq_len {seq}, splits {splits}, "
-            f"pool {tuple(eng.runner.kv_cache.shape)}, blocks {table}")
+def request_listing(eng, prompts, max_tokens: int = 128) -> str:
+    """The kernels of one chained step in the middle of real requests, all submitted at once
+    (profiled; one prompt: batch 1).
+    Not the captured graph replayed in a loop: each replay moves the sequence on by its
+    accepted tokens past the blocks the request holds (up to run 20 the listings' EAGLE-3
+    attention read a 754-token context, 29 of its blocks the null block, against no-spec's
+    434), so replayed listings compare different contexts."""
+    from torch.profiler import ProfilerActivity, profile
+    from outpace import SamplingParams
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
+                        output_kind="final_only")
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i, p in enumerate(prompts):
+            eng.add_request(f"listing-{i}-{time.monotonic_ns()}", p, sp)
+        while eng.has_unfinished_requests():
+            eng.step()
+        torch.cuda.synchronize()
+    evs = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                 key=lambda e: e.time_range.start)
+    # A chained step starts with the kernel that makes its inputs from the carry.
+    steps, cur = [], []
+    for e in evs:
+        if e.name.startswith("_chained_inputs_kernel") and cur:
+            steps.append(cur)
+            cur = []
+        cur.append(e)
+    steps.append(cur)
+    mid = len(steps) // 2
+    # the first group: everything before the first chained step (the prefill and its tail)
+    by_name = collections.Counter()
+    for e in steps[0]:
+        by_name[e.name[:60]] += e.time_range.end - e.time_range.start
+    prefill = format_listing(steps[0]).splitlines()[0]
+    top = ", ".join(f"{n} {us:.1f}" for n, us in by_name.most_common(8))
+    return (f"  step {mid} of {len(steps)} ({len(prompts)} prompts, the first "
+            f"{len(prompts[0])} tokens, max_tokens {max_tokens})\n" + format_listing(steps[mid])
+            + f"\n  before the first chained step (prefill): {prefill}\n    by kernel (us): {top}")
 
 
 def launch_cost(graph, reps: int = 50) -> dict:
@@ -138,8 +139,7 @@ def main():
         # then its own, not overlapped with its neighbours')
         ("--dtype", "bfloat16"),  # the engines' activation dtype ...
         ("--weight-dtype", "auto"),  # ... and weights' (float32 + bfloat16: the mixed mode)
-        ("--kv-cache-dtype", "auto"),  # ... and KV pool's
-        ("--flush-mb", "0")))  # > 0: each listed replay starts L2-cold (kernel_listing)
+        ("--kv-cache-dtype", "auto")))  # ... and KV pool's
     # The model diag_setup loaded (bf16) serves only the default precision.
     if (args.dtype, args.weight_dtype) not in (("bfloat16", "auto"), ("bfloat16", "bfloat16")):
         loaded = None
@@ -165,7 +165,7 @@ def main():
                                  "k_schedule": [[32, 4], [128, 1]]}, 4)]
     if args.configs:
         configs = [c for c in configs if c[0] in args.configs.split(",")]
-    report, listings = [], []  # listings: (report line, graph, its engine kept alive)
+    report, listings = [], []  # listings: (report line, prompts, their engine kept alive)
     out = Path(args.out)
     for name, spec, k in configs:
         eng = LLMEngine.from_args(args.gguf, loaded=loaded, device="cuda", dtype=args.dtype,
@@ -182,7 +182,7 @@ def main():
                       f"step {r1.get('step_ms')} launch {r1.get('launch_ms')} wait "
                       f"{r1.get('wait_ms')} unpack {r1.get('unpack_ms')}; chained graph "
                       f"(1, {k + 1}, {k}): {gpu_ms(g1)} ms, launch {launch_cost(g1)}")
-        listings.append((len(report), g1, eng))
+        listings.append((len(report), prompts[:1], eng))
         if name.endswith("-k2") or args.batch1_only == "1":
             continue
         # batch 128: phases of the host's step
@@ -207,14 +207,12 @@ def main():
                       f"{gpu_ms(g128)} ms, launch {launch_cost(g128)}")
         report.append("  host ms per step: " + ", ".join(
             f"{key} {1000 * v / steps:.3f}" for key, v in sorted(timer.t.items())))
-        listings.append((len(report), g128, eng))
+        listings.append((len(report), prompts[:128], eng))
         del eng
     # The kernel listings last: once torch.profiler has run, CUPTI stays attached and every
     # later launch costs more on the host (run 10's batch-128 and EAGLE-3 rows were timed so).
-    # Each with what the listed replay's attention read (its last replay's inputs).
-    for at, graph, eng in reversed(listings):
-        report.insert(at, kernel_listing(graph, flush_mb=int(args.flush_mb)) + "\n"
-                      + attention_inputs(eng))
+    for at, listed, eng in reversed(listings):
+        report.insert(at, request_listing(eng, listed))
     del listings
     text = "\n".join(report)
     print(text)
