@@ -81,9 +81,31 @@ def request_listing(eng, prompts, max_tokens: int = 128) -> str:
         by_name[e.name[:60]] += e.time_range.end - e.time_range.start
     prefill = format_listing(steps[0]).splitlines()[0]
     top = ", ".join(f"{n} {us:.1f}" for n, us in by_name.most_common(8))
+    gaps = sorted(((b.time_range.start - a.time_range.end, a.name[:40], b.name[:40])
+                   for a, b in zip(steps[0], steps[0][1:])), reverse=True)[:10]
+    top += "\n    largest gaps (us, after, before): " + "; ".join(
+        f"{g:.0f} {a} | {b}" for g, a, b in gaps)
     return (f"  step {mid} of {len(steps)} ({len(prompts)} prompts, the first "
             f"{len(prompts[0])} tokens, max_tokens {max_tokens})\n" + format_listing(steps[mid])
             + f"\n  before the first chained step (prefill): {prefill}\n    by kernel (us): {top}")
+
+
+def prefill_trace(eng, prompt, path: Path) -> None:
+    """A Chrome trace (host and device) of a batch-1 request's first two engine steps: its
+    prefill, and the step that launches the first decode step from it; then the rest."""
+    from torch.profiler import ProfilerActivity, profile
+    from outpace import SamplingParams
+    sp = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True,
+                        output_kind="final_only")
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        eng.add_request(f"trace-{time.monotonic_ns()}", prompt, sp)
+        for _ in range(2):
+            eng.step()
+        torch.cuda.synchronize()
+    prof.export_chrome_trace(str(path))
+    while eng.has_unfinished_requests():
+        eng.step()
 
 
 def launch_cost(graph, reps: int = 50) -> dict:
@@ -165,7 +187,7 @@ def main():
                                  "k_schedule": [[32, 4], [128, 1]]}, 4)]
     if args.configs:
         configs = [c for c in configs if c[0] in args.configs.split(",")]
-    report, listings = [], []  # listings: (report line, prompts, their engine kept alive)
+    report, listings = [], []  # (report line, config, prompts, their engine kept alive)
     out = Path(args.out)
     for name, spec, k in configs:
         eng = LLMEngine.from_args(args.gguf, loaded=loaded, device="cuda", dtype=args.dtype,
@@ -182,7 +204,7 @@ def main():
                       f"step {r1.get('step_ms')} launch {r1.get('launch_ms')} wait "
                       f"{r1.get('wait_ms')} unpack {r1.get('unpack_ms')}; chained graph "
                       f"(1, {k + 1}, {k}): {gpu_ms(g1)} ms, launch {launch_cost(g1)}")
-        listings.append((len(report), prompts[:1], eng))
+        listings.append((len(report), name, prompts[:1], eng))
         if name.endswith("-k2") or args.batch1_only == "1":
             continue
         # batch 128: phases of the host's step
@@ -207,12 +229,14 @@ def main():
                       f"{gpu_ms(g128)} ms, launch {launch_cost(g128)}")
         report.append("  host ms per step: " + ", ".join(
             f"{key} {1000 * v / steps:.3f}" for key, v in sorted(timer.t.items())))
-        listings.append((len(report), prompts[:128], eng))
+        listings.append((len(report), name, prompts[:128], eng))
         del eng
     # The kernel listings last: once torch.profiler has run, CUPTI stays attached and every
     # later launch costs more on the host (run 10's batch-128 and EAGLE-3 rows were timed so).
-    for at, listed, eng in reversed(listings):
+    for at, name, listed, eng in reversed(listings):
         report.insert(at, request_listing(eng, listed))
+        if len(listed) == 1:
+            prefill_trace(eng, listed[0], out / f"prefill_trace_{name}.json")
     del listings
     text = "\n".join(report)
     print(text)
