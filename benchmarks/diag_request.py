@@ -106,6 +106,65 @@ def device_gaps(eng, prompt, max_tokens, top: int = 15):
                         for g, a, b, t in gaps[:top]]}
 
 
+def prefill_phases(eng, prompts, reps: int = 3) -> dict:
+    """Host us per phase of add_request and the engine step that runs a batch-1 prefill (no
+    profiler: wrapped methods, nested ones counted in their callers too), against the GPU time of the
+    prefill graph and its tail alone, and a prefill graph's host launch cost right after a
+    decode graph (the order a request meets them in) and back to back."""
+    from benchmarks.diag_step import PhaseTimer, launch_cost
+    from outpace import SamplingParams
+    from outpace.engine.engine import LLMEngine
+    from outpace.runner.cuda_graph import GraphRunner
+    from outpace.runner.fused_step import FusedStep
+    from outpace.runner.inputs import InputBuffers
+    from outpace.scheduler.scheduler import Scheduler
+    sp = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True,
+                        output_kind="final_only")
+    timer = PhaseTimer()
+    wrapped = [(LLMEngine, "add_request"), (Scheduler, "schedule"),
+               (type(eng.runner), "can_launch"), (type(eng.runner), "_host_batch"),
+               (FusedStep, "launch_prefill"), (GraphRunner, "load_padded"),
+               (InputBuffers, "load"), (FusedStep, "_replay"), (LLMEngine, "_chain"),
+               (FusedStep, "collect"), (LLMEngine, "_commit")]
+    n, first = 0, 0.0
+    for _ in range(reps):
+        for p in prompts:
+            torch.cuda.synchronize()
+            for cls, fn in wrapped:  # timed over the request's prefill step only
+                timer.wrap(cls, fn)
+            try:
+                eng.add_request(f"phases-{time.monotonic_ns()}", p, sp)
+                t = time.perf_counter()
+                eng.step()  # the prefill step (it chains the first decode step)
+                first += time.perf_counter() - t
+            finally:
+                timer.restore()
+            n += 1
+            while eng.has_unfinished_requests():
+                eng.step()
+    fused = eng.runner.fused
+    graphs = eng.runner.graphs
+    q = graphs.prefill_q_for(len(prompts[0]))
+    pg = graphs.prefill_graphs[q][0]
+    kd = fused.draft_steps(1)
+    tail = fused._prefill_tails[(q, kd)][0]
+    dec, _ = fused._captured[(1, kd + 1, kd, True)]
+    after_decode = 0.0
+    for _ in range(20):
+        dec.replay()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        pg.replay()
+        after_decode += time.perf_counter() - t
+        torch.cuda.synchronize()
+    return {"prefill_steps": n, "first_step_us": round(1e6 * first / n, 1),
+            "host_us_per_prefill": {k: round(1e6 * v / n, 1) for k, v in sorted(timer.t.items())},
+            "prefill_q": q, "prefill_graph_gpu_us": round(1000 * gpu_ms(pg), 1),
+            "tail_graph_gpu_us": round(1000 * gpu_ms(tail), 1),
+            "prefill_launch": launch_cost(pg),
+            "prefill_launch_after_decode_us": round(1e6 * after_decode / 20, 1)}
+
+
 def main():
     args, loaded, prompts = diag_setup(6, extra=(("--max-tokens", "128"),))
     from outpace.engine.engine import LLMEngine
@@ -133,6 +192,8 @@ def main():
         print(name, json.dumps({k_: v for k_, v in reqs[0].items() if k_ != "sequence"}),
               flush=True)
         print("  sequence", " ".join(reqs[0]["sequence"]), flush=True)
+        report[name]["prefill_phases"] = ph = prefill_phases(eng, prompts[2:6])
+        print(name, "prefill", json.dumps(ph), flush=True)
         engines.append((name, eng))
     # profiled last (CUPTI stays attached and slows later launches)
     for name, eng in engines:
