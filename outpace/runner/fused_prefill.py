@@ -42,9 +42,7 @@ class FusedPrefill:
         # (launch_prefill)
         self._prefill_tails: dict = {}
         self.prefill_launches = 0  # prefill steps launched that way (tests read it)
-        self.prefill_next_ids = torch.zeros(max(runner.graphs.prefill_q, default=1),
-                                            dtype=torch.long, device=dev)
-        self.prefill_last_row = torch.zeros(1, dtype=torch.long, device=dev)
+        # prefill_next_ids and prefill_last_row: staged buffers made in FusedStep.__init__
         self.prefill_replays = 0  # prefill steps whose head ran from a graph (tests read it)
 
     def capture_prefill_graphs(self) -> None:
@@ -76,9 +74,10 @@ class FusedPrefill:
         if entry is None or kd < k:
             return None
         graph, outs = entry
-        self.inputs.put(self.prefill_next_ids, next_ids)
+        staged = [(self.prefill_next_ids, next_ids)]
         if kd:  # only the draft loop reads the row that drafts
-            self.inputs.put(self.prefill_last_row, np.array([last_row], np.int64))
+            staged.append((self.prefill_last_row, np.array([last_row], np.int64)))
+        self.inputs.put_all(staged)
         graph.replay()
         self.prefill_replays += 1
         if kd == 0:
@@ -144,7 +143,7 @@ class FusedPrefill:
             next_ids = np.zeros(q, np.int64)
             next_ids[:n - 1] = hb.input_ids[1:n]
             extra.append((self.prefill_next_ids, next_ids))
-        self.graphs.run_prefill(hb, extra=tuple(extra))  # one staged copy of all inputs
+        self.graphs.run_prefill(hb, extra=tuple(extra))  # staged with the batch
         self.prefill_launches += 1
         return self._replay((1, 1, kd, False), [plan.scheduled[0].request.request_id], t0,
                             entry=self._prefill_tails[(q, kd)], prefill=True)

@@ -104,8 +104,12 @@ class FusedStep(FusedPrefill):
             else None
         dev = runner.device
         m = self.inputs.max_seqs
-        self.num_drafts = torch.zeros(m, dtype=torch.long, device=dev)
-        self.real = torch.zeros(m, dtype=torch.bool, device=dev)  # row is a request, not padding
+        # Staged with the batch (InputBuffers.load's extra): a row's drafts, and whether it is a
+        # request, not padding; the prefill's tail reads the last two.
+        (self.num_drafts, self.real, self.prefill_next_ids,
+         self.prefill_last_row) = self.inputs.add_buffers([
+             ((m,), torch.long), ((m,), torch.bool),
+             ((max(runner.graphs.prefill_q, default=1),), torch.long), ((1,), torch.long)])
         self.loop_query_start = torch.arange(m + 1, dtype=torch.int32, device=dev)
         # What chaining carries from a step to the next (see the module docstring).
         self.chainable = self.host_drafter is None

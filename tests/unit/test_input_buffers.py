@@ -1,5 +1,6 @@
-"""InputBuffers.put_if_changed (runner/inputs.py): a chained step skips re-uploading block tables
-that are already in the buffer, and never skips after anything else wrote the buffer."""
+"""InputBuffers (runner/inputs.py): put_if_changed skips re-uploading block tables that are already
+in the buffer, and never skips after anything else wrote the buffer; a load goes over in one copy
+per segment, landing every array in its buffer's leading part; the host batch builders agree."""
 
 import numpy as np
 import torch
@@ -11,7 +12,7 @@ def _buffers_counting_copies():
     buf = InputBuffers(max_tokens=32, max_seqs=4, max_blocks=8, device=torch.device("cpu"))
     staged = []
     inner = buf._stage
-    buf._stage = lambda dst, src: (staged.append(dst.data_ptr()), inner(dst, src))[1]
+    buf._stage = lambda pairs: (staged.extend(d.data_ptr() for d, _ in pairs), inner(pairs))[1]
     return buf, staged
 
 
@@ -47,6 +48,65 @@ def test_other_writes_drop_the_memo():
     assert len(staged) == n + 1
     assert torch.equal(buf.block_tables[:1], torch.from_numpy(a))
 
+
+
+def _counting_segment_copies(monkeypatch):
+    from outpace.runner.inputs import Segment
+    copies = []
+    inner = Segment._copy
+
+    def counted(self, start, end):
+        copies.append((start, end))
+        inner(self, start, end)
+    monkeypatch.setattr(Segment, "_copy", counted)
+    return copies
+
+
+def test_a_load_is_one_copy_and_lands_every_array(monkeypatch):
+    """A batch and extra buffers of another segment: one copy per segment; each array in its
+    buffer's leading part (block tables: the first rows and columns), what lies past it
+    untouched."""
+    copies = _counting_segment_copies(monkeypatch)
+    buf = InputBuffers(max_tokens=32, max_seqs=4, max_blocks=8, device=torch.device("cpu"))
+    nd, real = buf.add_buffers([((4,), torch.long), ((4,), torch.bool)])
+    buf.block_tables.fill_(-5)  # written on the device outside put / load
+    buf.forget(buf.block_tables)
+    rows = [([3, 4, 5], 0, [7], [2]), ([9], 20, [2, 6], [0])]
+    hb = build_host_batch(rows, block_size=16)
+    ids, pos, li, meta = buf.load(hb, extra=((nd, np.array([0, 2])),
+                                             (real, np.array([True, False, True]))))
+    assert len(copies) == 2
+    assert ids.tolist() == [3, 4, 5, 9] and pos.tolist() == [0, 1, 2, 20]
+    assert li.tolist() == [2, 3] and meta.slot_mapping.tolist() == [112, 113, 114, 100]
+    assert meta.query_start_loc.tolist() == [0, 3, 4] and meta.seq_lens.tolist() == [3, 21]
+    assert meta.block_tables.tolist() == [[7, 0], [2, 6]]
+    # past the last element written: untouched (between rows: the mirror's older values)
+    assert buf.block_tables[1, 2:].eq(-5).all() and buf.block_tables[2:].eq(-5).all()
+    assert nd.tolist() == [0, 2, 0, 0] and real.tolist() == [True, False, True, False]
+
+
+def test_parts_far_apart_go_over_in_two_copies(monkeypatch):
+    from outpace.runner.inputs import Segment
+    copies = _counting_segment_copies(monkeypatch)
+    buf = InputBuffers(max_tokens=32, max_seqs=4, max_blocks=8, device=torch.device("cpu"))
+    far, near = buf.add_buffers([((2 * Segment.GAP,), torch.uint8), ((4,), torch.long)])
+    buf.put_all([(far, np.ones(3, np.uint8)), (near, np.array([7, 8]))])
+    assert len(copies) == 2
+    assert far[:4].tolist() == [1, 1, 1, 0] and near.tolist() == [7, 8, 0, 0]
+    copies.clear()
+    buf.put_all([(near, np.array([1])), (far, np.ones(0, np.uint8))])  # nothing to copy there
+    assert len(copies) == 1 and near.tolist() == [1, 8, 0, 0]
+
+
+def test_only_whole_staged_buffers_are_accepted():
+    buf = InputBuffers(max_tokens=32, max_seqs=4, max_blocks=8, device=torch.device("cpu"))
+    for dst in (torch.zeros(4, dtype=torch.long), buf.input_ids[:8]):
+        try:
+            buf.put(dst, np.arange(2))
+        except ValueError as e:
+            assert "whole buffers" in str(e)
+        else:
+            raise AssertionError("staged a tensor that is not a buffer of add_buffers")
 
 
 def test_build_host_batch_equals_the_row_by_row_build():
