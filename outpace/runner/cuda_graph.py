@@ -144,8 +144,8 @@ class GraphRunner:
 
         full_width: write the whole width of the block tables (zeros past each request's
         blocks), for graphs that compute positions past the step's own tokens on the device.
-        extra: more (device buffer, numpy array) pairs to copy in (InputBuffers.load).
-        -> (bucket, q, logits indices on the device)."""
+        extra: more (device buffer, numpy array) pairs to copy in (InputBuffers.stage).
+        -> (bucket, q)."""
         q = int(hb.query_start_loc[1] - hb.query_start_loc[0])
         b = len(hb.seq_lens)
         bucket = self.bucket_for(b)
@@ -159,18 +159,19 @@ class GraphRunner:
         bt = np.zeros((bucket, width), np.int32)
         bt[:b, :hb.block_tables.shape[1]] = hb.block_tables
         padded = HostBatch(ids, pos, slots, qsl, seq_lens, bt, hb.logits_indices)
-        _, _, li, _ = self.inputs.load(padded, extra)
-        return bucket, q, li
+        self.inputs.stage(padded, extra)
+        return bucket, q
 
     def run(self, hb: HostBatch):
         """Pad hb to its bucket, copy into the fixed buffers, replay.
 
         -> (hidden [T, H], aux, logits [N, V] at hb.logits_indices, AttentionMetadata)."""
-        bucket, q, li = self.load_padded(hb)
+        bucket, q = self.load_padded(hb)
         b = len(hb.seq_lens)
         n = b * q
         graph, hidden, aux, logits = self.graphs[(bucket, q)]
         graph.replay()
+        li = self.inputs.logits_indices[:len(hb.logits_indices)]
         return hidden[:n], [a[:n] for a in aux], logits.index_select(0, li), self._meta_of(hb)
 
     def run_prefill(self, hb: HostBatch, extra: tuple = ()):

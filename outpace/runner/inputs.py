@@ -141,9 +141,10 @@ class InputBuffers:
         """dst was written outside put / load (e.g. a dummy batch): drop put_if_changed's memo."""
         self._uploaded.pop(dst.data_ptr(), None)
 
-    def _stage(self, pairs: list) -> list:
+    def _stage(self, pairs: list, views: bool = True) -> list:
         """Write each (buffer, array) pair's array into the leading part of the buffer's mirror,
-        then copy the written parts, one copy per segment (where they lie close) -> the views."""
+        then copy the written parts, one copy per segment (where they lie close) -> the views
+        (with `views`; making them costs ~2 us of host each)."""
         if self._pin:
             # The last copies out of the mirrors must have run before they are overwritten;
             # they were queued before the previous step's output copy, so this rarely waits
@@ -151,7 +152,7 @@ class InputBuffers:
             while not self._copied.query():
                 pass
         ranges: dict = {}  # segment -> [(start, end)] of bytes written
-        views = []
+        out = []
         for dst, src in pairs:
             where = self._where.get(dst.data_ptr())
             if where is None or where[0].tensors[where[1]].shape != dst.shape:
@@ -159,7 +160,8 @@ class InputBuffers:
             seg, i = where
             self._uploaded.pop(dst.data_ptr(), None)
             lead = tuple(slice(0, n) for n in src.shape)
-            views.append(dst[lead])
+            if views:
+                out.append(dst[lead])
             if src.size == 0:
                 continue
             seg.mirrors[i][lead] = src  # sync-ok: numpy into host memory
@@ -171,18 +173,22 @@ class InputBuffers:
             seg.copy(rs)
         if self._pin:
             self._copied.record()
-        return views
+        return out
 
-    def load(self, hb: HostBatch, extra: tuple = ()):
-        """-> (input_ids [T], positions [T], logits_indices [N], AttentionMetadata).
-
-        extra: more (buffer of add_buffers, numpy array) pairs to copy in with the batch."""
-        views = self._stage([
+    def stage(self, hb: HostBatch, extra: tuple = (), views: bool = False) -> list:
+        """Copy the batch in (and extra: more (buffer of add_buffers, numpy array) pairs),
+        for a graph that reads the buffers; with `views`, -> the batch's views (ids, positions,
+        slots, logits indices, query starts, lengths, tables)."""
+        return self._stage([
             (self.input_ids, hb.input_ids), (self.positions, hb.positions),
             (self.slot_mapping, hb.slot_mapping), (self.logits_indices, hb.logits_indices),
             (self.query_start_loc, hb.query_start_loc), (self.seq_lens, hb.seq_lens),
-            (self.block_tables, hb.block_tables), *extra])
-        ids, pos, slots, li, qsl, sl, bt = views[:7]
+            (self.block_tables, hb.block_tables), *extra], views)[:7]
+
+    def load(self, hb: HostBatch, extra: tuple = ()):
+        """stage, for an eager forward -> (input_ids [T], positions [T], logits_indices [N],
+        AttentionMetadata)."""
+        ids, pos, slots, li, qsl, sl, bt = self.stage(hb, extra, views=True)
         q_lens = np.diff(hb.query_start_loc)
         meta = AttentionMetadata(
             slot_mapping=slots, query_start_loc=qsl, seq_lens=sl, block_tables=bt,

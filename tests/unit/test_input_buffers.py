@@ -12,7 +12,8 @@ def _buffers_counting_copies():
     buf = InputBuffers(max_tokens=32, max_seqs=4, max_blocks=8, device=torch.device("cpu"))
     staged = []
     inner = buf._stage
-    buf._stage = lambda pairs: (staged.extend(d.data_ptr() for d, _ in pairs), inner(pairs))[1]
+    buf._stage = lambda pairs, *a: (staged.extend(d.data_ptr() for d, _ in pairs),
+                                    inner(pairs, *a))[1]
     return buf, staged
 
 
