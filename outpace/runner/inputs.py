@@ -94,7 +94,7 @@ class InputBuffers:
         pin = device.type == "cuda"
         self._pin = pin
         self._segments: list = []
-        # device buffer's data_ptr -> (its segment, its index there)
+        # device buffer's data_ptr -> (its segment, its index there, shape, row bytes, item size)
         self._where: dict = {}
         (self.query_start_loc, self.seq_lens, self.logits_indices, self.input_ids,
          self.positions, self.slot_mapping, self.block_tables) = self.add_buffers([
@@ -113,7 +113,10 @@ class InputBuffers:
         seg = Segment(specs, self.device, self._pin)
         self._segments.append(seg)
         for i, t in enumerate(seg.tensors):
-            self._where[t.data_ptr()] = (seg, i)
+            if t.dim() not in (1, 2):
+                raise ValueError(f"staged buffers are 1-D or 2-D, got shape {tuple(t.shape)}")
+            row_bytes = t.stride(0) * t.element_size() if t.dim() == 2 else 0
+            self._where[t.data_ptr()] = (seg, i, t.shape, row_bytes, t.element_size())
         return list(seg.tensors)
 
     def put(self, dst: torch.Tensor, src: np.ndarray) -> torch.Tensor:
@@ -153,22 +156,34 @@ class InputBuffers:
                 pass
         ranges: dict = {}  # segment -> [(start, end)] of bytes written
         out = []
+        uploaded = self._uploaded
         for dst, src in pairs:
-            where = self._where.get(dst.data_ptr())
-            if where is None or where[0].tensors[where[1]].shape != dst.shape:
+            ptr = dst.data_ptr()
+            where = self._where.get(ptr)
+            if where is None or where[2] != dst.shape:
                 raise ValueError("InputBuffers stages only whole buffers of add_buffers")
-            seg, i = where
-            self._uploaded.pop(dst.data_ptr(), None)
-            lead = tuple(slice(0, n) for n in src.shape)
-            if views:
-                out.append(dst[lead])
-            if src.size == 0:
-                continue
-            seg.mirrors[i][lead] = src  # sync-ok: numpy into host memory
-            # the bytes from the buffer's start to its last element written
-            last = sum((n - 1) * st for n, st in zip(src.shape, dst.stride()))
-            ranges.setdefault(seg, []).append(
-                (seg.offsets[i], seg.offsets[i] + (last + 1) * dst.element_size()))
+            seg, i, _, row_bytes, itemsize = where
+            if uploaded:
+                uploaded.pop(ptr, None)
+            shape = src.shape
+            if len(shape) == 1:  # (the batch's buffers are 1-D or 2-D)
+                n = shape[0]
+                if views:
+                    out.append(dst[:n])
+                if n == 0:
+                    continue
+                seg.mirrors[i][:n] = src  # sync-ok: numpy into host memory
+                end = n * itemsize
+            else:
+                r, c = shape
+                if views:
+                    out.append(dst[:r, :c])
+                if r == 0 or c == 0:
+                    continue
+                seg.mirrors[i][:r, :c] = src  # sync-ok: numpy into host memory
+                end = (r - 1) * row_bytes + c * itemsize  # to the last element written
+            start = seg.offsets[i]
+            ranges.setdefault(seg, []).append((start, start + end))
         for seg, rs in ranges.items():
             seg.copy(rs)
         if self._pin:
