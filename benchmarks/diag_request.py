@@ -74,18 +74,8 @@ def summarize(steps, total_us, graph_us):
 
 def device_gaps(eng, prompt, max_tokens, top: int = 15):
     """GPU idle gaps over one request (profiled): total busy / span, the largest gaps."""
-    from torch.profiler import ProfilerActivity, profile
-    from outpace import SamplingParams
-    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
-                        output_kind="final_only")
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        eng.add_request(f"prof-{time.monotonic_ns()}", prompt, sp)
-        while eng.has_unfinished_requests():
-            eng.step()
-        torch.cuda.synchronize()
-    evs = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
-                 key=lambda e: e.time_range.start)
+    from benchmarks.diag_step import profiled_requests
+    evs = profiled_requests(eng, [prompt], max_tokens)
     if not evs:
         return {"error": "no device events"}
     gaps, end, busy_end, idle = [], evs[0].time_range.end, evs[0].time_range.end, 0.0

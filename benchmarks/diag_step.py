@@ -46,13 +46,9 @@ def format_listing(events) -> str:
     return head + "\n" + "\n".join(lines)
 
 
-def request_listing(eng, prompts, max_tokens: int = 128) -> str:
-    """The kernels of one chained step in the middle of real requests, all submitted at once
-    (profiled; one prompt: batch 1).
-    Not the captured graph replayed in a loop: each replay moves the sequence on by its
-    accepted tokens past the blocks the request holds (up to run 20 the listings' EAGLE-3
-    attention read a 754-token context, 29 of its blocks the null block, against no-spec's
-    434), so replayed listings compare different contexts."""
+def profiled_requests(eng, prompts, max_tokens: int) -> list:
+    """Run greedy requests for prompts (submitted at once) to the end under torch.profiler
+    -> their device events in start order."""
     from torch.profiler import ProfilerActivity, profile
     from outpace import SamplingParams
     sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
@@ -60,12 +56,22 @@ def request_listing(eng, prompts, max_tokens: int = 128) -> str:
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for i, p in enumerate(prompts):
-            eng.add_request(f"listing-{i}-{time.monotonic_ns()}", p, sp)
+            eng.add_request(f"profiled-{i}-{time.monotonic_ns()}", p, sp)
         while eng.has_unfinished_requests():
             eng.step()
         torch.cuda.synchronize()
-    evs = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
-                 key=lambda e: e.time_range.start)
+    return sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                  key=lambda e: e.time_range.start)
+
+
+def request_listing(eng, prompts, max_tokens: int = 128) -> str:
+    """The kernels of one chained step in the middle of real requests, all submitted at once
+    (profiled; one prompt: batch 1).
+    Not the captured graph replayed in a loop: each replay moves the sequence on by its
+    accepted tokens past the blocks the request holds (up to run 20 the listings' EAGLE-3
+    attention read a 754-token context, 29 of its blocks the null block, against no-spec's
+    434), so replayed listings compare different contexts."""
+    evs = profiled_requests(eng, prompts, max_tokens)
     # A chained step starts with the kernel that makes its inputs from the carry.
     steps, cur = [], []
     for e in evs:
