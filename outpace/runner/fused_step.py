@@ -104,7 +104,7 @@ class FusedStep(FusedPrefill):
             else None
         dev = runner.device
         m = self.inputs.max_seqs
-        # Staged with the batch (InputBuffers.load's extra): a row's drafts, and whether it is a
+        # Staged with the batch (InputBuffers.stage's extra): a row's drafts, and whether it is a
         # request, not padding; the prefill's tail reads the last two.
         (self.num_drafts, self.real, self.prefill_next_ids,
          self.prefill_last_row) = self.inputs.add_buffers([

@@ -69,7 +69,7 @@ class Segment:
         for (shape, dtype), off in zip(specs, offsets):
             nbytes = math.prod(shape) * dtype.itemsize
             self.tensors.append(self.device_bytes[off:off + nbytes].view(dtype).view(shape))
-            np_dtype = torch.empty(0, dtype=dtype).numpy().dtype
+            np_dtype = torch.empty(0, dtype=dtype).numpy().dtype  # sync-ok: a CPU tensor
             self.mirrors.append(host[off:off + nbytes].view(np_dtype).reshape(shape))
 
     def copy(self, ranges: list) -> None:
@@ -93,7 +93,6 @@ class InputBuffers:
         self.max_tokens, self.max_seqs, self.max_blocks = max_tokens, max_seqs, max_blocks
         pin = device.type == "cuda"
         self._pin = pin
-        self._segments: list = []
         # device buffer's data_ptr -> (its segment, its index there, shape, row bytes, item size)
         self._where: dict = {}
         (self.query_start_loc, self.seq_lens, self.logits_indices, self.input_ids,
@@ -111,7 +110,6 @@ class InputBuffers:
         """New zeroed device buffers, one per (shape, dtype) of specs, that put / load can stage
         (copied with the batch when passed to load as extra)."""
         seg = Segment(specs, self.device, self._pin)
-        self._segments.append(seg)
         for i, t in enumerate(seg.tensors):
             if t.dim() not in (1, 2):
                 raise ValueError(f"staged buffers are 1-D or 2-D, got shape {tuple(t.shape)}")
