@@ -113,7 +113,7 @@ def prefill_phases(eng, prompts, reps: int = 3) -> dict:
     wrapped = [(LLMEngine, "add_request"), (Scheduler, "schedule"),
                (type(eng.runner), "can_launch"), (type(eng.runner), "_host_batch"),
                (FusedStep, "launch_prefill"), (GraphRunner, "load_padded"),
-               (InputBuffers, "load"), (FusedStep, "_replay"), (LLMEngine, "_chain"),
+               (InputBuffers, "stage"), (FusedStep, "_replay"), (LLMEngine, "_chain"),
                (FusedStep, "collect"), (LLMEngine, "_commit")]
     n, first = 0, 0.0
     for _ in range(reps):

@@ -35,17 +35,12 @@ def test_malformed_spec_option_is_a_clear_error():
         _kwargs("--spec", "ngram", "--spec-option", "oops")
 
 
-def test_weight_dtype_flag():
-    assert _kwargs()["weight_dtype"] == "auto"
-    kw = _kwargs("--dtype", "float32", "--weight-dtype", "bfloat16")
-    assert kw["dtype"] == "float32" and kw["weight_dtype"] == "bfloat16"
+@pytest.mark.parametrize("key,bad", [("weight_dtype", "int8"), ("kv_cache_dtype", "fp8")])
+def test_narrow_storage_dtype_flags(key, bad):
+    """--weight-dtype / --kv-cache-dtype: default auto, passed through, unknown choices rejected."""
+    flag = "--" + key.replace("_", "-")
+    assert _kwargs()[key] == "auto"
+    kw = _kwargs("--dtype", "float32", flag, "bfloat16")
+    assert kw["dtype"] == "float32" and kw[key] == "bfloat16"
     with pytest.raises(SystemExit):  # argparse rejects an unknown choice
-        _kwargs("--weight-dtype", "int8")
-
-
-def test_kv_cache_dtype_flag():
-    assert _kwargs()["kv_cache_dtype"] == "auto"
-    kw = _kwargs("--dtype", "float32", "--kv-cache-dtype", "bfloat16")
-    assert kw["dtype"] == "float32" and kw["kv_cache_dtype"] == "bfloat16"
-    with pytest.raises(SystemExit):  # argparse rejects an unknown choice
-        _kwargs("--kv-cache-dtype", "fp8")
+        _kwargs(flag, bad)
