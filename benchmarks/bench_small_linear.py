@@ -14,9 +14,6 @@ Sections, in this order (the sweep gets whatever is left of --total-s):
   fused   norm_small_linear vs rms_norm + F.linear; norm_small_linear_silu_mul vs rms_norm +
           F.linear + silu * mul; small_linear_silu_mul vs F.linear + silu * mul; small_linear
           with a residual vs F.linear + add; silu_mul vs F.silu(g) * u
-  greedy  lm_head_argmax (norm -> LM head -> argmax in one kernel) vs rms_norm + F.linear +
-          the two-pass Triton argmax, with and without the norm: SmolLM2's LM head, a 32000-id
-          draft head, Llama-8B's; M in 1, 3, 16
   sweep   BLOCK_N / BLOCK_K / num_warps / num_stages / tl.dot variants around choose_blocks for
           small_linear, most important shapes first; the best per shape, with its config
 Writes $OUT/small_linear.json (--out DIR) and prints the tables.
@@ -36,8 +33,6 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import device_name, print_table, write_result  # noqa: E402
-from outpace.kernels.argmax import argmax_triton  # noqa: E402
-from outpace.kernels.lm_head_argmax import lm_head_argmax  # noqa: E402
 from outpace.kernels.norm import rms_norm  # noqa: E402
 from outpace.kernels.small_linear import (  # noqa: E402
     choose_blocks, norm_small_linear_ref, norm_small_linear_silu_mul_ref,
@@ -224,67 +219,6 @@ def section_fused(weights):
     return rows
 
 
-def section_greedy(weights):
-    """Greedy tokens from a hidden state: the fused kernel against the unfused ops. err: the
-    number of rows whose tokens differ (bf16 logits may round differently on near-ties)."""
-    rows = []
-    heads = [("smol", "lm_head", SMOL["lm_head"]), ("smol", "draft_32k", (32000, 576)),
-             ("8b", "lm_head", L8B["lm_head"])]
-    for model, layer, (n, k) in heads:
-        ws = weights(n, k)
-        for m in (1, 3, 16):
-            x = x_of(m, k)
-            for norm in (True, False):
-                nw = ws.nw if norm else None
-
-                def unfused(i):
-                    h = rms_norm(x, ws.nw, EPS) if norm else x
-                    return argmax_triton(F.linear(h, ws.w[i]))
-
-                def fused(i):
-                    return lm_head_argmax(x, ws.w[i], norm_weight=nw, eps=EPS)
-
-                err = int((unfused(0) != fused(0)).sum())
-                t = time_graph(unfused, len(ws))
-                o = time_graph(fused, len(ws))
-                nbytes = 2 * (n * k + m * k)
-                rows.append(row("norm+lm_head+argmax" if norm else "lm_head+argmax", model,
-                                layer, n, k, m, nbytes, t, o, err,
-                                choose_blocks(m, n, k, norm=norm)))
-    return rows
-
-
-def section_greedy_sweep(weights):
-    """lm_head_argmax's tl.dot block configurations on SmolLM2's LM head and a 32000-id draft
-    head, M in 1 and 3, with and without the norm: each against choose_blocks' default."""
-    from outpace.kernels.small_linear import Blocks
-    rows = []
-    for layer, (n, k) in (("lm_head", SMOL["lm_head"]), ("draft_32k", (32000, 576))):
-        ws = weights(n, k)
-        for m in (1, 3):
-            x = x_of(m, k)
-            for norm in (True, False):
-                nw = ws.nw if norm else None
-                default = choose_blocks(m, n, k, norm=norm)
-                tried = {}
-                for bn in (64, 128):
-                    for bk in (64, 128, 256):
-                        for stages in (3, 4):
-                            if stages * bk * (bn + 16) * 2 > 160 * 1024:
-                                continue
-                            b = Blocks(16, bn, bk, 4, stages, True)
-                            tried[fmt_cfg(b)] = time_graph(
-                                lambda i: lm_head_argmax(x, ws.w[i], norm_weight=nw, eps=EPS,
-                                                         blocks=b), len(ws))
-                best = min(tried, key=tried.get)
-                rows.append(dict(op="norm+lm_head+argmax" if norm else "lm_head+argmax",
-                                 layer=layer, N=n, K=k, M=m, default=fmt_cfg(default),
-                                 default_us=round(tried.get(fmt_cfg(default), float("nan")), 2),
-                                 best=best, best_us=round(tried[best], 2),
-                                 tried={c: round(t, 2) for c, t in tried.items()}))
-    return rows
-
-
 def variants(m, n, k):
     """choose_blocks' config and its neighbours, the default first."""
     d = choose_blocks(m, n, k)
@@ -354,7 +288,7 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     ap.add_argument("--total-s", type=float, default=50.0,
                     help="wall-clock budget; the sweep stops when it is spent")
-    ap.add_argument("--sections", default="linear,fused,greedy,sweep")
+    ap.add_argument("--sections", default="linear,fused,sweep")
     ap.add_argument("--sweep-ms", default="1,4,16,8",
                     help="row counts the sweep tries, in this order (e.g. 5 for a k=4 verify)")
     ap.add_argument("--sweep-models", default="smol,8b")
@@ -387,16 +321,6 @@ def main():
         print(f"\n== fused ({time.perf_counter() - t0:.1f} s)")
         print_table(payload["fused"], ["op", "model", "layer", "N", "K", "M", "torch_us",
                                        "ours_us", "speedup", "ours_GBps", "max_err", "config"])
-    if "greedy" in sections:
-        payload["greedy"] = section_greedy(weights)
-        print(f"\n== greedy ({time.perf_counter() - t0:.1f} s)")
-        print_table(payload["greedy"], ["op", "model", "layer", "N", "K", "M", "torch_us",
-                                        "ours_us", "speedup", "ours_GBps", "max_err", "config"])
-    if "greedy_sweep" in sections:
-        payload["greedy_sweep"] = section_greedy_sweep(weights)
-        print(f"\n== greedy_sweep ({time.perf_counter() - t0:.1f} s)")
-        print_table(payload["greedy_sweep"], ["op", "layer", "M", "default", "default_us",
-                                              "best", "best_us"])
     if "sweep" in sections:
         payload["sweep"], complete = section_sweep(
             weights, deadline, ms=[int(m) for m in args.sweep_ms.split(",")],

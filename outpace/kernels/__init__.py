@@ -7,8 +7,6 @@
     small_linear.py  few-row (M <= 16) projections with the norm, residual add, silu * mul or
                  rope + KV store fused in, and silu_mul (kernels in small_linear_kernels.py)
     argmax.py    argmax_rows: two-pass row argmax of logits (+ offsets[idx]: EAGLE-3's d2t)
-    lm_head_argmax.py  greedy tokens from a hidden state: (norm ->) LM head -> argmax in one
-                 launch for few rows (greedy_ids dispatches; kernel in small_linear_kernels.py)
     head_input.py  embed_norm_cat: a draft head's [rms_norm(embedding), rms_norm(hidden)] input
     step_glue.py the fused decode step's bookkeeping: chained_inputs, accept, loop_inputs
     pdl.py       programmatic dependent launch: launch_options, wait_then_release

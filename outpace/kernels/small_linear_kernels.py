@@ -1,7 +1,6 @@
 """The Triton kernels behind kernels/small_linear.py (its docstring says what they compute and
 why): one few-row projection kernel with its optional prologue (RMSNorm) and epilogues (residual
-add, silu * mul, rope + KV store), the same projection with a greedy-token epilogue (an LM head's
-argmax: kernels/lm_head_argmax.py), and the plain silu * mul kernel. Launch them through
+add, silu * mul, rope + KV store), and the plain silu * mul kernel. Launch them through
 small_linear.py's functions, which choose the block sizes.
 """
 
@@ -84,76 +83,6 @@ if triton is not None:
         return acc, acc_u
 
     @triton.jit
-    def _project(x_rows, w_rows, u_rows, m_mask, n_mask, K, nw_ptr, eps, A_DTYPE: tl.constexpr,
-                 HAS_NORM: tl.constexpr, NORM_ROUND: tl.constexpr, TWO_TILES: tl.constexpr,
-                 USE_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, TAIL_K: tl.constexpr, USE_PDL: tl.constexpr,
-                 STATS_K: tl.constexpr, STATS_BLOCK: tl.constexpr):
-        # A program's product: acc [BLOCK_M, BLOCK_N] = (rms_norm(x) or x) @ w.T over the whole
-        # K loop (acc_u: the same over the up / rope-partner rows when TWO_TILES), after the
-        # PDL wait (x_rows, w_rows, u_rows: pointer tiles of the program's rows and columns).
-        # STATS_K > 0: K as a compile-time constant, for the norm statistics in unrolled steps
-        # of STATS_BLOCK columns.
-        # The first weight tile is loaded before anything else, so its DRAM latency overlaps
-        # the norm statistics; when K fits one step (a small model at M = 1) that is the
-        # program's whole weight read.
-        offs_k = tl.arange(0, BLOCK_K)
-        w, wu = _load_w(w_rows, u_rows, offs_k, n_mask, K, TWO_TILES)
-        k_main = K  # the columns read in BLOCK_K steps
-        if TAIL_K > 0:
-            k_main = K - K % BLOCK_K
-            offs_t = k_main + tl.arange(0, TAIL_K)
-            w_t, wu_t = _load_w(w_rows, u_rows, offs_t, n_mask, K, TWO_TILES)
-        # With PDL these loads are issued while the previous kernel still runs
-        # (kernels/pdl.py); everything below may read what earlier kernels wrote.
-        wait_then_release(USE_PDL)
-
-        rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
-        if HAS_NORM and STATS_K > 0:
-            # The statistics with K known at compile time: the loop is unrolled, so its loads
-            # are in flight together rather than one L2 round trip per step (the LM head's
-            # tl.dot path reads K = 576 in 5-9 steps of its weight tile).
-            sq = tl.zeros([BLOCK_M, STATS_BLOCK], dtype=tl.float32)
-            for k0 in tl.static_range(0, STATS_K, STATS_BLOCK):
-                offs_kk = k0 + tl.arange(0, STATS_BLOCK)
-                xk = tl.load(x_rows + offs_kk[None, :],
-                             mask=m_mask[:, None] & (offs_kk < STATS_K)[None, :], other=0.0)
-                xk = xk.to(tl.float32)
-                sq += xk * xk
-            rstd = 1.0 / tl.sqrt(tl.sum(sq, axis=1) / K + eps)
-        elif HAS_NORM:
-            # Every program recomputes the row statistics: x is a few KB and L2-resident, and
-            # this saves the separate norm kernel and its round trip through memory.
-            sq = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
-            for k0 in range(0, k_main, BLOCK_K):
-                offs_kk = k0 + tl.arange(0, BLOCK_K)
-                xk = tl.load(x_rows + offs_kk[None, :],
-                             mask=m_mask[:, None] & (offs_kk < K)[None, :], other=0.0)
-                xk = xk.to(tl.float32)
-                sq += xk * xk
-            ss = tl.sum(sq, axis=1)
-            if TAIL_K > 0:
-                xt = tl.load(x_rows + offs_t[None, :],
-                             mask=m_mask[:, None] & (offs_t < K)[None, :], other=0.0)
-                xt = xt.to(tl.float32)
-                ss += tl.sum(xt * xt, axis=1)
-            rstd = 1.0 / tl.sqrt(ss / K + eps)
-
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        acc, acc_u = _step(acc, acc, w, wu, x_rows, m_mask, offs_k, K, nw_ptr, rstd, A_DTYPE,
-                           HAS_NORM, NORM_ROUND, TWO_TILES, USE_DOT)
-        for k0 in range(BLOCK_K, k_main, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            w, wu = _load_w(w_rows, u_rows, offs_k, n_mask, K, TWO_TILES)
-            acc, acc_u = _step(acc, acc_u, w, wu, x_rows, m_mask, offs_k, K, nw_ptr, rstd,
-                               A_DTYPE, HAS_NORM, NORM_ROUND, TWO_TILES, USE_DOT)
-        if TAIL_K > 0:
-            acc, acc_u = _step(acc, acc_u, w_t, wu_t, x_rows, m_mask, offs_t, K, nw_ptr, rstd,
-                               A_DTYPE, HAS_NORM, NORM_ROUND, TWO_TILES, USE_DOT)
-
-        return acc, acc_u
-
-    @triton.jit
     def _small_linear_kernel(x_ptr, nw_ptr, w_ptr, r_ptr, out_ptr, M, N, K,
                              stride_xm, stride_rm, stride_om, eps,
                              cos_ptr, sin_ptr, pos_ptr, slot_ptr, kc_ptr, vc_ptr, stride_cos,
@@ -194,9 +123,50 @@ if triton is not None:
             w_rows = w_ptr + offs_n[:, None].to(tl.int64) * K
             u_rows = w_ptr + (offs_n[:, None].to(tl.int64) + N) * K  # the up half (SILU_MUL)
 
-        acc, acc_u = _project(x_rows, w_rows, u_rows, m_mask, n_mask, K, nw_ptr, eps, A_DTYPE,
-                              HAS_NORM, NORM_ROUND, TWO_TILES, USE_DOT, BLOCK_M, BLOCK_N, BLOCK_K,
-                              TAIL_K, USE_PDL, 0, 16)
+        # The first weight tile is loaded before anything else, so its DRAM latency overlaps
+        # the norm statistics; when K fits one step (a small model at M = 1) that is the
+        # program's whole weight read.
+        offs_k = tl.arange(0, BLOCK_K)
+        w, wu = _load_w(w_rows, u_rows, offs_k, n_mask, K, TWO_TILES)
+        k_main = K  # the columns read in BLOCK_K steps
+        if TAIL_K > 0:
+            k_main = K - K % BLOCK_K
+            offs_t = k_main + tl.arange(0, TAIL_K)
+            w_t, wu_t = _load_w(w_rows, u_rows, offs_t, n_mask, K, TWO_TILES)
+        # With PDL these loads are issued while the previous kernel still runs
+        # (kernels/pdl.py); everything below may read what earlier kernels wrote.
+        wait_then_release(USE_PDL)
+
+        rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
+        if HAS_NORM:
+            # Every program recomputes the row statistics: x is a few KB and L2-resident, and
+            # this saves the separate norm kernel and its round trip through memory.
+            sq = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+            for k0 in range(0, k_main, BLOCK_K):
+                offs_kk = k0 + tl.arange(0, BLOCK_K)
+                xk = tl.load(x_rows + offs_kk[None, :],
+                             mask=m_mask[:, None] & (offs_kk < K)[None, :], other=0.0)
+                xk = xk.to(tl.float32)
+                sq += xk * xk
+            ss = tl.sum(sq, axis=1)
+            if TAIL_K > 0:
+                xt = tl.load(x_rows + offs_t[None, :],
+                             mask=m_mask[:, None] & (offs_t < K)[None, :], other=0.0)
+                xt = xt.to(tl.float32)
+                ss += tl.sum(xt * xt, axis=1)
+            rstd = 1.0 / tl.sqrt(ss / K + eps)
+
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc, acc_u = _step(acc, acc, w, wu, x_rows, m_mask, offs_k, K, nw_ptr, rstd, A_DTYPE,
+                           HAS_NORM, NORM_ROUND, TWO_TILES, USE_DOT)
+        for k0 in range(BLOCK_K, k_main, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            w, wu = _load_w(w_rows, u_rows, offs_k, n_mask, K, TWO_TILES)
+            acc, acc_u = _step(acc, acc_u, w, wu, x_rows, m_mask, offs_k, K, nw_ptr, rstd,
+                               A_DTYPE, HAS_NORM, NORM_ROUND, TWO_TILES, USE_DOT)
+        if TAIL_K > 0:
+            acc, acc_u = _step(acc, acc_u, w_t, wu_t, x_rows, m_mask, offs_t, K, nw_ptr, rstd,
+                               A_DTYPE, HAS_NORM, NORM_ROUND, TWO_TILES, USE_DOT)
 
         out_mask = m_mask[:, None] & n_mask[None, :]
         out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
@@ -219,71 +189,6 @@ if triton is not None:
             y = acc.to(OUT_DTYPE)
         if not ROPE_STORE:
             tl.store(out_ptrs, y, mask=out_mask)
-
-    @triton.jit
-    def _lm_head_argmax_kernel(x_ptr, nw_ptr, w_ptr, off_ptr, vals_ptr, idx_ptr, cnt_ptr,
-                               out_ptr, also1_ptr, also2_ptr, M, N, K, stride_xm, stride_a1,
-                               stride_a2, eps, HAS_NORM: tl.constexpr, NORM_ROUND: tl.constexpr,
-                               HAS_OFFSETS: tl.constexpr, NUM_ALSO: tl.constexpr,
-                               USE_DOT: tl.constexpr, BLOCK_M: tl.constexpr,
-                               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                               TAIL_K: tl.constexpr, STATS_K: tl.constexpr,
-                               STATS_BLOCK: tl.constexpr, P_BLOCK: tl.constexpr,
-                               R_BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
-        # Greedy tokens of an LM head (kernels/lm_head_argmax.py): each program computes the
-        # logits of its BLOCK_N vocabulary columns for its rows (_project, as
-        # _small_linear_kernel does), rounds them to the activation dtype as the LM head's
-        # output would be, and stores each row's maximum and its first column; the launch's
-        # last program to finish (a ticket, as the attention's fused merge takes) reduces
-        # those partials to each row's argmax.
-        pid = tl.program_id(0)
-        num_cols = tl.num_programs(0)
-        offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        m_mask = offs_m < M
-        n_mask = offs_n < N
-        A_DTYPE: tl.constexpr = x_ptr.dtype.element_ty
-        x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
-        w_rows = w_ptr + offs_n[:, None].to(tl.int64) * K
-        acc, _ = _project(x_rows, w_rows, w_rows, m_mask, n_mask, K, nw_ptr, eps, A_DTYPE,
-                          HAS_NORM, NORM_ROUND, False, USE_DOT, BLOCK_M, BLOCK_N, BLOCK_K,
-                          TAIL_K, USE_PDL, STATS_K, STATS_BLOCK)
-        logits = acc.to(A_DTYPE).to(tl.float32)  # exact: the rounded value, widened
-        # NaN counts as the largest value, as in torch.argmax (and kernels/argmax.py)
-        logits = tl.where(logits == logits, logits, float("inf"))
-        logits = tl.where(n_mask[None, :], logits, float("-inf"))
-        best = tl.max(logits, axis=1)
-        first = tl.min(tl.where(logits == best[:, None], offs_n[None, :], N), axis=1)
-        part = offs_m * num_cols + pid  # partials [M, num_cols], in column order
-        tl.store(vals_ptr + part, best, mask=m_mask)
-        tl.store(idx_ptr + part, first, mask=m_mask)
-        # The acq_rel ticket orders every program's partial stores (each behind a barrier,
-        # before its own ticket) before the last program's loads.
-        tl.debug_barrier()
-        ticket = tl.atomic_add(cnt_ptr, 1, sem="acq_rel")
-        if ticket == num_cols * tl.num_programs(1) - 1:
-            tl.store(cnt_ptr, 0)  # zero again for the next launch (graphs)
-            for r0 in range(0, M, R_BLOCK):
-                rows = r0 + tl.arange(0, R_BLOCK)
-                cols = tl.arange(0, P_BLOCK)
-                live = (rows < M)[:, None] & (cols < num_cols)[None, :]
-                at = rows[:, None] * num_cols + cols[None, :]
-                # .cg: written by other programs of this launch, never through this L1
-                v = tl.load(vals_ptr + at, mask=live, other=float("-inf"), cache_modifier=".cg")
-                i = tl.load(idx_ptr + at, mask=live, other=N, cache_modifier=".cg")
-                m = tl.max(v, axis=1)
-                # partials are in column order: the smallest index among the maximal ones is
-                # the row's first maximum
-                tok = tl.min(tl.where(v == m[:, None], i, N), axis=1)
-                tok = tl.minimum(tok, N - 1).to(tl.int64)  # always in range
-                row_ok = rows < M
-                if HAS_OFFSETS:
-                    tok += tl.load(off_ptr + tok, mask=row_ok, other=0).to(tl.int64)
-                tl.store(out_ptr + rows, tok, mask=row_ok)
-                if NUM_ALSO >= 1:
-                    tl.store(also1_ptr + rows * stride_a1, tok, mask=row_ok)
-                if NUM_ALSO >= 2:
-                    tl.store(also2_ptr + rows * stride_a2, tok, mask=row_ok)
 
     @triton.jit
     def _rope_store_epilogue(acc, acc_u, offs_m, offs_n, m_mask, n_mask, q_ptr, stride_qm,

@@ -37,7 +37,7 @@ from outpace.attention.base import ForwardContext
 from outpace.config import ModelConfig
 from outpace.errors import ConfigError, ModelLoadError
 from outpace.kernels import head_input
-from outpace.kernels.lm_head_argmax import greedy_ids
+from outpace.kernels.argmax import argmax_rows
 from outpace.kernels.small_linear import small_linear
 from outpace.models.llama import LlamaDecoderLayer, RMSNorm
 from outpace.models.rotary import RotaryEmbedding
@@ -210,21 +210,18 @@ class Eagle3Head(nn.Module):
     def greedy_draft_ids(self, hidden: torch.Tensor) -> torch.Tensor:
         # [N, H] -> [N] draft-vocab ids, argmax of compute_draft_logits (in the model's dtype:
         # the same argmax without the fp32 conversion)
-        return self._greedy(hidden, None, (), self.norm)
+        return argmax_rows(upcast_linear(self.norm(hidden), self.lm_head_weight))
 
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         # [...] draft-vocab ids -> [...] target-vocab ids
         return draft_ids + self.d2t[draft_ids]
 
-    def greedy_target_ids(self, hidden: torch.Tensor, also: tuple = (),
-                          normed: bool = False) -> torch.Tensor:
-        # [N, H] -> [N] target-vocab ids: draft_to_target(greedy_draft_ids(hidden)), with d2t
-        # added inside the argmax (and the ids also written into `also`); `normed`: hidden is
-        # norm(hidden) already
-        return self._greedy(hidden, self.d2t, also, None if normed else self.norm)
+    def greedy_target_ids(self, hidden: torch.Tensor) -> torch.Tensor:
+        # [N, H] -> [N] target-vocab ids: draft_to_target(greedy_draft_ids(hidden))
+        return self.greedy_target_ids_normed(self.norm(hidden))
 
-    def _greedy(self, hidden, offsets, also, norm):
-        # norm, LM head and argmax (+ offsets): one kernel for few rows on CUDA
-        w = self.lm_head_weight
-        return greedy_ids(hidden, w, lambda h: upcast_linear(h, w), norm=norm,
-                          offsets=offsets, also=also)
+    def greedy_target_ids_normed(self, normed: torch.Tensor, also: tuple = ()) -> torch.Tensor:
+        # the same from norm(hidden), with d2t added inside the argmax kernel (and the ids
+        # also written into `also`: argmax_rows)
+        return argmax_rows(upcast_linear(normed, self.lm_head_weight), offsets=self.d2t,
+                           also=also)

@@ -29,7 +29,7 @@ from outpace.attention.base import ForwardContext
 from outpace.config import ModelConfig
 from outpace.errors import ModelLoadError
 from outpace.kernels import use_triton
-from outpace.kernels.lm_head_argmax import greedy_ids
+from outpace.kernels.argmax import argmax_rows
 from outpace.kernels.norm import fused_add_rms_norm, fused_add_rms_norm_triton, rms_norm_triton
 from outpace.kernels.small_linear import (SMALL_M_MAX, norm_qkv_rope_store, norm_small_linear,
                                           norm_small_linear_silu_mul, silu_mul, small_linear)
@@ -347,15 +347,12 @@ class LlamaForCausalLM(nn.Module):
         with cpu_threads_for(hidden):
             return linear(hidden, self, "lm_head_weight").float()
 
-    def greedy_tokens(self, hidden, also: tuple = (), norm: Optional[RMSNorm] = None):
-        # [N, H] -> [N] int64: argmax of compute_logits (of norm(hidden) when a norm is given),
-        # also written into `also` ([N] int64 views). The argmax of the logits in the model's
-        # dtype is the argmax of their fp32 copy (the conversion is exact), so the conversion
-        # is skipped; for few rows on CUDA norm, LM head and argmax are one kernel
-        # (kernels/lm_head_argmax.py).
+    def greedy_tokens(self, hidden, also: tuple = ()):  # [N, H] -> [N] int64
+        # argmax of compute_logits, also written into `also` ([N] int64 views; argmax_rows).
+        # The argmax of the logits in the model's dtype is the argmax of their fp32 copy (the
+        # conversion is exact), so the conversion kernel is skipped.
         with cpu_threads_for(hidden):
-            return greedy_ids(hidden, self.lm_head_weight,
-                              lambda h: linear(h, self, "lm_head_weight"), norm=norm, also=also)
+            return argmax_rows(linear(hidden, self, "lm_head_weight"), also=also)
 
     # ---- loading -------------------------------------------------------------------------
 

@@ -344,7 +344,7 @@ class FusedStep(FusedPrefill):
         # [B, H] head output at each request's f - 2, and its norm for the LM head: one kernel
         norm = head.draft_norm()
         normed, h = gather_rms_norm(h, last_rows, norm.weight, norm.eps)
-        tok = head.draft_ids(normed, also=tuple(o[:, 0] for o in outs), normed=True)
+        tok = head.draft_ids_normed(normed, also=tuple(o[:, 0] for o in outs))
         bucket = first.shape[0]
         if kd > 1:
             # Positions, slots and sequence lengths of every loop step at once ([kd-1, B], each

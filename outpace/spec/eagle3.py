@@ -30,6 +30,6 @@ class Eagle3Proposer(HeadProposer):
     def draft_norm(self):
         return self.head.norm
 
-    def draft_ids(self, hidden, also: tuple = (), normed: bool = False):
-        # the argmax adds d2t
-        return self.head.greedy_target_ids(hidden, also=also, normed=normed)
+    def draft_ids_normed(self, normed, also: tuple = ()):
+        # argmax and d2t in one kernel on CUDA
+        return self.head.greedy_target_ids_normed(normed, also=also)

@@ -83,12 +83,14 @@ class HeadProposer(Proposer):
         """The RMSNorm (weight, eps) before the head's LM head."""
         raise NotImplementedError
 
-    def draft_ids(self, hidden, also: tuple = (), normed: bool = False) -> torch.Tensor:
-        """[N, H] head output (`normed`: its draft_norm already) -> [N] target token ids
-        (greedy), also written into `also` (at most two [N] int64 views: the fused step's
-        output and carry columns). On CUDA the norm, the LM head and the argmax are one
-        kernel for few rows."""
+    def draft_ids_normed(self, normed, also: tuple = ()) -> torch.Tensor:
+        """[N, H] draft_norm'ed hidden -> [N] target token ids (greedy), also written into
+        `also` (at most two [N] int64 views: the fused step's output and carry columns)."""
         raise NotImplementedError
+
+    def draft_ids(self, hidden, also: tuple = ()) -> torch.Tensor:
+        """[N, H] head output -> [N] target token ids (greedy; `also`: draft_ids_normed)."""
+        return self.draft_ids_normed(self.draft_norm()(hidden), also)
 
     def embed_args(self, hidden: torch.Tensor) -> dict:
         """The target's embedding for the head's step on `hidden`: embed_tokens, and its table

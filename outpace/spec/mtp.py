@@ -38,10 +38,9 @@ class MTPEagleProposer(HeadProposer):
     def draft_norm(self):
         return self.target.norm
 
-    def draft_ids(self, hidden, also: tuple = (), normed: bool = False):
-        # the target's LM head: argmax of compute_logits of the target's final norm
-        return self.target.greedy_tokens(hidden, also=also,
-                                         norm=None if normed else self.draft_norm())
+    def draft_ids_normed(self, normed, also: tuple = ()):
+        # = argmax of compute_logits
+        return self.target.greedy_tokens(normed, also=also)
 
 
 def MTPProposer(spec, policy, target, model_cfg, runner_cfg):

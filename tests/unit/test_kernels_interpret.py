@@ -69,27 +69,6 @@ def test_attention_prefetches_only_where_it_was_measured_faster():
     assert not prefetches(17, 1, 64) and not prefetches(512, 1, 64)  # prefill chunks
 
 
-def test_lm_head_tiles_fill_one_wave():
-    """lm_head_argmax's tiles: 128 vocabulary columns a program and the deepest K pipeline
-    that keeps every program resident at once (shared memory per SM), a shape-only choice;
-    heads too large for one wave keep choose_blocks' tiles; few columns keep the broadcast
-    path."""
-    from outpace.kernels.lm_head_argmax import _SMEM_PER_SM, _blocks
-    from outpace.kernels.small_linear import choose_blocks
-    smol = _blocks(1, 49152, 576, 2, 2, True)
-    assert (smol.block_n, smol.block_k, smol.num_stages) == (128, 64, 4)
-    assert _blocks(3, 49152, 576, 2, 2, False) == smol
-    draft = _blocks(1, 32000, 576, 2, 2, True)
-    assert (draft.block_n, draft.block_k, draft.num_stages) == (128, 128, 3)
-    for v, x_bytes in ((49152, 2), (32000, 2), (49152, 4), (32000, 4)):
-        b = _blocks(3, v, 576, 2, x_bytes, False)
-        per_sm = -(-(-(-v // b.block_n)) // 132)
-        smem = b.num_stages * b.block_k * (b.block_n * 2 + b.block_m * x_bytes)
-        assert b.use_dot and per_sm * smem <= _SMEM_PER_SM
-    assert _blocks(1, 128256, 4096, 2, 2, True) == choose_blocks(1, 128256, 4096, norm=True)
-    assert not _blocks(1, 300, 64, 2, 2, False).use_dot
-
-
 def test_import_and_fallback_without_triton():
     """With triton unimportable: modules import, dispatchers use the references, and the Triton
     backend raises ImportError (the runner's cue to fall back) saying what to install."""
@@ -196,7 +175,6 @@ if IN_CHILD:
                                       rms_norm_ref, rms_norm_triton)
     from outpace.kernels.argmax import argmax_ref, argmax_triton
     from outpace.kernels.head_input import embed_norm_cat_ref, embed_norm_cat_triton
-    from outpace.kernels.lm_head_argmax import _counters, lm_head_argmax, lm_head_argmax_ref
     from outpace.kernels.rope import (apply_rope_and_store_ref, apply_rope_and_store_triton,
                                       apply_rope_ref, apply_rope_triton)
     from outpace.kernels.small_linear import (Blocks, choose_blocks, norm_qkv_rope_store_ref,
@@ -645,74 +623,6 @@ def check_argmax_also_writes_strided_columns(num_also):
     for o in outs:
         assert torch.equal(o[:, 2], want)
         assert (o[:, [0, 1, 3, 4]] == -7).all()
-
-
-def _lm_head_case(m, v, k, dtype, w_dtype, seed):
-    """x [m, k] (a strided view), w [v, k], an RMSNorm weight and d2t-like offsets; row r's
-    largest logit sits at two columns, r + 1 and v - 1 - 2 r, whose weight rows are equal (an
-    exact tie, whatever the rounding, in different programs: the first column must win)."""
-    g = torch.Generator().manual_seed(seed)
-    x = (torch.randn(m, k + 8, generator=g) * 2).to(dtype)[:, 3:3 + k]
-    w = torch.randn(v, k, generator=g) / k ** 0.5
-    for r in range(m):
-        w[r + 1] = w[v - 1 - 2 * r] = x[r].float().sign() * 4 / k ** 0.5
-    nw = 1 + 0.2 * torch.rand(k, generator=g)  # positive: the tie stays the maximum
-    off = torch.randint(-3, 4, (v,), generator=g)
-    return x, w.to(w_dtype), nw.to(w_dtype), off
-
-
-# (activation dtype, weight dtype, tl.dot path): the interpreter's bf16 tl.dot is wrong, so bf16
-# weights take the broadcast path here (tests/gpu/test_lm_head_argmax.py covers the other)
-LM_HEAD_DTYPES = [(torch.float32, torch.float32, False), (torch.float32, torch.float32, True),
-                  (torch.float16, torch.float16, True), (torch.bfloat16, torch.bfloat16, False),
-                  (torch.float32, torch.bfloat16, False)]
-
-
-@pytest.mark.parametrize("dtype,w_dtype,use_dot", LM_HEAD_DTYPES, ids=str)
-@pytest.mark.parametrize("m,v,k,norm", [(1, 200, 64, False), (3, 333, 96, True),
-                                         (5, 130, 48, False)])
-def check_lm_head_argmax(dtype, w_dtype, use_dot, m, v, k, norm):
-    """The fused (norm ->) LM head -> argmax against the unfused reference: the same tokens (with
-    d2t offsets and `also` columns), the first of tied columns, the ticket counter zero again
-    after each launch. Half-precision logits may differ by a rounding from the reference's
-    (the interpreter truncates), so there the winner's reference logit must be within an ulp
-    of the row's maximum, and the constructed ties decide exactly."""
-    x, w, nw, off = _lm_head_case(m, v, k, dtype, w_dtype, seed=m * v + k + norm)
-    kw = dict(norm_weight=nw if norm else None, eps=1e-6)
-    blocks = choose_blocks(m, v, k, use_dot=use_dot, norm=norm)
-    outs = [torch.full((m, 3), -9, dtype=torch.long) for _ in range(2)]
-    got = lm_head_argmax(x, w, offsets=off, also=tuple(o[:, 1] for o in outs), blocks=blocks,
-                         **kw)
-    plain = lm_head_argmax(x, w, blocks=blocks, **kw)
-    assert torch.equal(got, plain + off[plain])
-    for o in outs:
-        assert torch.equal(o[:, 1], got) and (o[:, [0, 2]] == -9).all()
-    assert int(_counters[x.device]) == 0
-    # the first of each row's tied pair (a CPU GEMM may round equal columns differently, so
-    # the reference does not decide these)
-    assert torch.equal(plain, torch.arange(1, m + 1))
-    g = torch.Generator().manual_seed(k)  # random rows, no ties
-    x[:, :] = torch.randn(m, k, generator=g).to(dtype)
-    w = (torch.randn(v, k, generator=g) / k ** 0.5).to(w_dtype)
-    got = lm_head_argmax(x, w, blocks=blocks, **kw)
-    h = rms_norm_ref(x, nw, 1e-6).to(dtype) if norm else x
-    logits = F.linear(h, w.to(dtype)).float()
-    best = logits.max(-1).values
-    if dtype == torch.float32:
-        assert torch.equal(got, logits.argmax(-1))
-        assert torch.equal(lm_head_argmax(x, w, offsets=off, blocks=blocks, **kw),
-                           lm_head_argmax_ref(x, w, offsets=off, **kw))
-    else:
-        ulp = best.abs() * (2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -10)
-        assert (logits.gather(1, got[:, None])[:, 0] >= best - ulp).all(), (got, logits)
-
-
-def check_lm_head_argmax_nan_rows():
-    """NaN counts as the maximum (torch.argmax): a NaN input row gives index 0, in range."""
-    x, w, _, _ = _lm_head_case(3, 300, 64, torch.float32, torch.float32, seed=1)
-    x[1, 5] = float("nan")
-    got = lm_head_argmax(x, w, blocks=choose_blocks(3, 300, 64, use_dot=False))
-    assert got.tolist() == [1, 0, 3]
 
 
 def _head_input_case(t, h, dtype, table_dtype, seed, ids_dtype=torch.long):
