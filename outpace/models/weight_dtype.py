@@ -11,7 +11,8 @@ prompts, all-bf16 on 7-8/20).
 Where such a weight meets an activation the weight is upcast (exactly) to the activation dtype
 and the product is computed there: `upcast_linear` and `upcast_embedding` here, the few-row
 Triton kernels (kernels/small_linear.py) on CUDA, and fp32 CPU weight copies
-(cpu_fast_paths.add_weight_copies_).
+(cpu_fast_paths.add_weight_copies_). Many rows of fp32 over a bf16 weight on CUDA skip the
+upcast: kernels/split_dot.split_mm multiplies three bf16 pieces of x on the tensor cores.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from outpace.kernels.small_linear import small_linear
+from outpace.kernels.small_linear import SMALL_M_MAX, small_linear
+from outpace.kernels.split_dot import split_mm, split_mm_ok
 
 # Attribute names of the parameters stored in the weight dtype, on any module of a target model
 # or draft head (llama.py, eagle3.py, mtp.py).
@@ -68,6 +70,10 @@ def upcast_linear(x: torch.Tensor, w: torch.Tensor,
     and elsewhere falls back to exactly that upcast F.linear."""
     if w.dtype == x.dtype:
         return F.linear(x, w, bias)
+    if x.dim() == 2 and x.shape[0] > SMALL_M_MAX and split_mm_ok(x, w):
+        # many rows of fp32 over bf16 on CUDA: bf16 tensor cores on x's pieces, no upcast
+        y = split_mm(x, w)
+        return y if bias is None else y.add_(bias)
     if bias is None and x.dim() == 2:
         return small_linear(x, w)
     return F.linear(x, w.to(x.dtype), bias)

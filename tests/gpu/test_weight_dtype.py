@@ -4,7 +4,9 @@
   compute in fp32: fp32 results matching the references (fp32 over the upcast weight) at
   M = 1, 3 (broadcast-sum path), 5, 8, 16 (tl.dot path), where a kernel that rounded its
   input to bf16 would be far off;
-* the engine on CUDA with graphs (few-row kernels, cuBLAS over upcast weights above 16 rows,
+* above 16 rows, kernels/split_dot.split_mm (three bf16 pieces of x in one cuBLAS GEMM with
+  fp32 output) matches the fp64 product to fp32 tolerance, and upcast_linear takes it;
+* the engine on CUDA with graphs (few-row kernels, split_mm above 16 rows,
   Triton attention over an fp32 or a bf16 KV pool), with and without a draft head, gives the
   greedy tokens of the CPU fp32 engine whose model had its matrices rounded to bf16 (over the
   same pool dtype).
@@ -25,7 +27,8 @@ pytest.importorskip("triton")
 from outpace import SamplingParams  # noqa: E402
 from outpace.kernels import small_linear as sl  # noqa: E402
 from outpace.kernels.norm import rms_norm_ref  # noqa: E402
-from outpace.models.weight_dtype import store_weights_in_, weight_bytes  # noqa: E402
+from outpace.kernels.split_dot import split_mm, split_pieces_ref, split_pieces_triton  # noqa: E402
+from outpace.models.weight_dtype import store_weights_in_, upcast_linear, weight_bytes  # noqa: E402
 from tests.engine_helpers import make_engine, run_batch  # noqa: E402
 from tests.spec.spec_helpers import repetitive_prompts, tiny_target  # noqa: E402
 
@@ -106,6 +109,25 @@ def test_norm_qkv_rope_store(m):
     torch.testing.assert_close(got, want, **tol)
     torch.testing.assert_close(cache[:, :, 1:], ref_cache[:, :, 1:], equal_nan=True, **tol)
     assert torch.isnan(cache[:, :, 0]).all(), "a padded row was written"
+
+
+@pytest.mark.parametrize("m", [17, 96, 512])
+@pytest.mark.parametrize("name", sorted(SMOL))
+def test_split_mm_many_rows(name, m):
+    """fp32 x over a bf16 weight for prefill chunks and wide batches: the fp64 product to fp32
+    tolerance, with a bias through upcast_linear, and far from a product whose input was
+    rounded to bf16 (what a plain bf16 GEMM would compute)."""
+    n, k = SMOL[name]
+    x, w, _ = _inputs(m, n, k, seed=m * n)
+    assert torch.equal(split_pieces_triton(x), split_pieces_ref(x))
+    want = F.linear(x.double(), w.double()).float()
+    got = split_mm(x, w)
+    _check(got, want)
+    assert torch.equal(upcast_linear(x, w), got)
+    bias = torch.randn(n, device=DEV)
+    _check(upcast_linear(x, w, bias), want + bias)
+    rounded = F.linear(x.bfloat16(), w).float()
+    assert not torch.allclose(rounded, want, **TOL)
 
 
 # ----------------------------------------------------------------------------- engine

@@ -175,6 +175,7 @@ if IN_CHILD:
                                       rms_norm_ref, rms_norm_triton)
     from outpace.kernels.argmax import argmax_ref, argmax_triton
     from outpace.kernels.head_input import embed_norm_cat_ref, embed_norm_cat_triton
+    from outpace.kernels.split_dot import split_pieces_ref, split_pieces_triton
     from outpace.kernels.rope import (apply_rope_and_store_ref, apply_rope_and_store_triton,
                                       apply_rope_ref, apply_rope_triton)
     from outpace.kernels.small_linear import (Blocks, choose_blocks, norm_qkv_rope_store_ref,
@@ -623,6 +624,20 @@ def check_argmax_also_writes_strided_columns(num_also):
     for o in outs:
         assert torch.equal(o[:, 2], want)
         assert (o[:, [0, 1, 3, 4]] == -7).all()
+
+
+@pytest.mark.parametrize("m,k", [(1, 40), (5, 576), (3, 2100)])
+def check_split_pieces(m, k):
+    """x -> three bf16 pieces (split_dot.split_mm's first step) that add up to x exactly, the
+    first within a bf16 rounding of x; a strided x, magnitudes from 1e-6 to 1e6."""
+    g = torch.Generator().manual_seed(m * k)
+    x = (torch.randn(m, k + 8, generator=g) * 10.0 ** torch.randint(-6, 7, (m, k + 8),
+                                                                    generator=g))[:, 4:4 + k]
+    got = split_pieces_triton(x)
+    assert got.dtype == torch.bfloat16 and got.shape == (3, m, k)
+    for pieces in (got, split_pieces_ref(x)):
+        assert torch.equal(pieces.double().sum(0), x.double())
+        assert ((pieces[0].float() - x).abs() <= x.abs() * ULP_BF16).all()
 
 
 def _head_input_case(t, h, dtype, table_dtype, seed, ids_dtype=torch.long):
