@@ -62,6 +62,9 @@ if triton is not None:
         tl.store(at + 2 * plane, lo, mask=mask)
 
 
+_MM_OUT_DTYPE = "dtype" in torch.ops.aten.mm.overloads()  # torch.mm(..., out_dtype=)
+
+
 def split_pieces_ref(x: torch.Tensor) -> torch.Tensor:
     """x [M, K] fp32 -> [3, M, K] bf16 pieces hi, mid, lo with hi + mid + lo == x exactly."""
     hi = x.to(torch.bfloat16)
@@ -81,9 +84,10 @@ def split_pieces_triton(x: torch.Tensor) -> torch.Tensor:
 
 
 def split_mm_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether split_mm serves x @ w.T: fp32 x [M, K] over a bf16 w [N, K], on CUDA."""
+    """Whether split_mm serves x @ w.T: fp32 x [M, K] over a bf16 w [N, K], on CUDA, with a
+    torch whose mm takes out_dtype (2.8 and later)."""
     return (x.dtype == torch.float32 and w.dtype == torch.bfloat16 and x.dim() == 2
-            and w.dim() == 2 and x.stride(-1) == 1 and use_triton(x))
+            and w.dim() == 2 and x.stride(-1) == 1 and use_triton(x) and _MM_OUT_DTYPE)
 
 
 def split_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
