@@ -113,15 +113,21 @@ class LLMEngine:
                 return self._commit(plan, self.runner.execute(plan))
             launched = self.runner.launch(plan)
         following = self._chain(plan, launched)
-        outputs = self._commit(plan, self.runner.collect(launched, plan))
+        result = self.runner.collect(launched, plan)
+        if following is None:
+            following = self._relaunch(plan, launched, result)
+        outputs = self._commit(plan, result)
         if following is not None:
             nxt = self.scheduler.schedule_chained(plan)
+            row_of = {rid: i for i, rid in enumerate(following.rows)}
             for sr in nxt.scheduled:
                 sr.block_ids = self.kv.block_ids(sr.request.request_id)
-                if len(sr.draft_token_ids) != following.kd:  # the preconditions make it equal
+                want = (following.kd if following.drafts is None
+                        else following.drafts[row_of[sr.request.request_id]])
+                if len(sr.draft_token_ids) != want:  # the preconditions make it equal
                     raise RuntimeError(f"chained step of {sr.request.request_id}: "
                                        f"{len(sr.draft_token_ids)} drafts on the host, "
-                                       f"{following.kd} on the device")
+                                       f"{want} on the device")
             if nxt.scheduled:
                 self._inflight = (nxt, following)
             else:  # everyone finished: drain it (its outputs belong to nobody)
@@ -141,7 +147,7 @@ class LLMEngine:
         have become output, Scheduler.counted_drafts). The output is the same, and the last
         steps of every request don't wait for the host (run 15: ~0.6 ms each)."""
         sched, proposer = self.scheduler, self.runner.proposer
-        if sched.num_waiting:
+        if sched.num_waiting or not self.runner.fused.chainable:
             return None
         kd = launched.kd
         if proposer is not None and (proposer.policy.adaptive or
@@ -163,6 +169,41 @@ class LLMEngine:
         if not all(sched.reserve_chained(sr.request, kd) for sr in plan.scheduled):
             return None
         return self.runner.chain(launched, [self.kv.block_ids(rid) for rid in launched.rows])
+
+    def _relaunch(self, plan, launched, result):
+        """A host drafter's next step, launched from `launched`'s carry on the device with the
+        drafts `result` proposes (FusedStep.relaunch), before `result` is committed; or None
+        under _chain's conditions, which here know each request's tokens: a request waits,
+        may reach the end of its context, nobody wants more tokens, or blocks can't be
+        reserved. The step verifies every staged draft; tokens past max_tokens are dropped
+        at commit, as for a chained step."""
+        sched, fused = self.scheduler, self.runner.fused
+        if not fused.relaunchable or sched.num_waiting:
+            return None
+        drafts = {}
+        needed = False
+        for sr in plan.scheduled:
+            req = sr.request
+            out = result.outputs.get(req.request_id)
+            if req.request_id not in self._requests or out is None:
+                return None
+            n = len(out.token_ids)
+            # the drafts the scheduler would plan after this commit (none past max_tokens)
+            d = sched.drafts_after(req, n, out.next_draft_token_ids or [])
+            if not sched.context_has_room(req, n + len(d) + 2):
+                return None
+            needed = needed or sched.wants_more_than(req, n)
+            drafts[req.request_id] = d
+        q = fused.relaunch_q(max(len(d) for d in drafts.values()))
+        if not needed or q is None or \
+                len(launched.rows) * q > self.config.scheduler.max_num_batched_tokens:
+            return None
+        if not all(sched.reserve_chained(sr.request, q - 1) for sr in plan.scheduled):
+            return None
+        for rid, d in drafts.items():  # the commit makes them the requests' next drafts
+            result.outputs[rid].next_draft_token_ids = d
+        return self.runner.relaunch(launched, [drafts.get(rid, []) for rid in launched.rows],
+                                    [self.kv.block_ids(rid) for rid in launched.rows])
 
     def _commit(self, plan, result) -> list:
         for sr in plan.scheduled:

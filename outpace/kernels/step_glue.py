@@ -3,7 +3,8 @@
 
     chained_inputs   a chained step's inputs from the previous step's carry: token ids,
                      positions, KV slots through the block tables (-1 for padding rows),
-                     sequence lengths, query starts, draft counts
+                     sequence lengths, query starts, draft counts (or, for drafts a host
+                     drafter staged, its drafts and counts as staged)
     accept           greedy verification (longest draft prefix the target agrees with) or the
                      benchmarks' force-accept, written straight into the step's packed output,
                      with what the head's draft loop and the next chained step read: the token
@@ -46,22 +47,29 @@ def slots_for(positions: torch.Tensor, block_tables: torch.Tensor, block_size: i
 
 def chained_inputs_ref(carry_pos, carry_tokens, real, block_tables, block_size: int, q: int,
                        input_ids, positions, slot_mapping, seq_lens, query_start_loc,
-                       num_drafts) -> None:
+                       num_drafts, host_drafts: Optional[torch.Tensor] = None) -> None:
     """Row j of request b is the token carry_tokens[b, j] at position carry_pos[b] + j.
     carry_pos, real, num_drafts: [B]; carry_tokens [B, >= q]; block_tables [B, W]; the outputs
-    are the first B * q (B, B + 1) entries of the input buffers."""
+    are the first B * q (B, B + 1) entries of the input buffers. With host_drafts ([B, >= q - 1],
+    a host drafter's drafts, staged with num_drafts): rows 1 .. q - 1 are host_drafts[b] and
+    num_drafts is left as staged."""
     bucket = carry_pos.shape[0]
     n = bucket * q
     pos = carry_pos.unsqueeze(1) + torch.arange(q, device=carry_pos.device)  # [B, q]
     slots = slots_for(pos.T, block_tables, block_size).T
     slots = torch.where(real.unsqueeze(1), slots, torch.full_like(slots, -1))
-    input_ids[:n].copy_(carry_tokens[:, :q].reshape(n))
+    if host_drafts is not None:
+        ids = torch.cat([carry_tokens[:, :1], host_drafts[:, :q - 1]], dim=1)
+        input_ids[:n].copy_(ids.reshape(n))
+    else:
+        input_ids[:n].copy_(carry_tokens[:, :q].reshape(n))
     positions[:n].copy_(pos.reshape(n))
     slot_mapping[:n].copy_(slots.reshape(n))
     seq_lens[:bucket].copy_(pos[:, -1] + 1)
     query_start_loc[:bucket + 1].copy_(
         torch.arange(bucket + 1, dtype=torch.int32, device=carry_pos.device) * q)
-    num_drafts[:bucket].copy_(torch.where(real, q - 1, 0))
+    if host_drafts is None:
+        num_drafts[:bucket].copy_(torch.where(real, q - 1, 0))
 
 
 def accept_ref(target, input_ids, num_drafts, positions, q: int, packed,
@@ -110,15 +118,20 @@ if triton is not None:
     @triton.jit
     def _chained_inputs_kernel(carry_pos_ptr, carry_tok_ptr, stride_ct, real_ptr, bt_ptr,
                                stride_bt, width, ids_ptr, pos_ptr, slot_ptr, lens_ptr, qsl_ptr,
-                               nd_ptr, bucket, BS: tl.constexpr, Q: tl.constexpr,
-                               QP: tl.constexpr, USE_PDL: tl.constexpr):
+                               nd_ptr, hd_ptr, stride_hd, bucket, BS: tl.constexpr,
+                               Q: tl.constexpr, QP: tl.constexpr, HOST_DRAFTS: tl.constexpr,
+                               USE_PDL: tl.constexpr):
         wait_then_release(USE_PDL)
         b = tl.program_id(0)
         j = tl.arange(0, QP)
         jm = j < Q
         p0 = tl.load(carry_pos_ptr + b).to(tl.int64)
         pos = p0 + j
-        tok = tl.load(carry_tok_ptr + b * stride_ct + j, mask=jm, other=0)
+        if HOST_DRAFTS:  # the bonus token from the carry, the drafts as the host staged them
+            tok = tl.load(carry_tok_ptr + b * stride_ct + j, mask=j == 0, other=0)
+            tok += tl.load(hd_ptr + b * stride_hd + j - 1, mask=jm & (j > 0), other=0)
+        else:
+            tok = tl.load(carry_tok_ptr + b * stride_ct + j, mask=jm, other=0)
         is_real = tl.load(real_ptr + b).to(tl.int1)
         idx = tl.minimum(pos // BS, width - 1)
         blk = tl.load(bt_ptr + b.to(tl.int64) * stride_bt + idx, mask=jm, other=0).to(tl.int64)
@@ -132,7 +145,8 @@ if triton is not None:
         if b == bucket - 1:  # (b + 1, not bucket: an argument equal to 1 arrives as a Python
             # int, which has no .to)
             tl.store(qsl_ptr + b + 1, ((b + 1) * Q).to(tl.int32))
-        tl.store(nd_ptr + b, tl.where(is_real, Q - 1, 0).to(tl.int64))
+        if not HOST_DRAFTS:
+            tl.store(nd_ptr + b, tl.where(is_real, Q - 1, 0).to(tl.int64))
 
     @triton.jit
     def _accept_kernel(tgt_ptr, ids_ptr, nd_ptr, pos_ptr, u_ptr, force_base, packed_ptr,
@@ -189,13 +203,15 @@ if triton is not None:
 
 def chained_inputs_triton(carry_pos, carry_tokens, real, block_tables, block_size: int, q: int,
                           input_ids, positions, slot_mapping, seq_lens, query_start_loc,
-                          num_drafts) -> None:
+                          num_drafts, host_drafts: Optional[torch.Tensor] = None) -> None:
     bucket = carry_pos.shape[0]
+    hd = host_drafts if host_drafts is not None else carry_tokens
     _chained_inputs_kernel[(bucket,)](
         carry_pos, carry_tokens, carry_tokens.stride(0), real, block_tables,
         block_tables.stride(0), block_tables.shape[1], input_ids, positions, slot_mapping,
-        seq_lens, query_start_loc, num_drafts, bucket, BS=block_size, Q=q, QP=next_pow2(q),
-        num_warps=1, **pdl.launch_options(carry_pos))
+        seq_lens, query_start_loc, num_drafts, hd, hd.stride(0), bucket, BS=block_size, Q=q,
+        QP=next_pow2(q), HOST_DRAFTS=host_drafts is not None, num_warps=1,
+        **pdl.launch_options(carry_pos))
 
 
 def accept_triton(target, input_ids, num_drafts, positions, q: int, packed,
@@ -233,9 +249,10 @@ def loop_inputs_triton(first, block_tables, block_size: int, steps: int):
 
 # ----------------------------------------------------------------------------- dispatchers
 
-def chained_inputs(*args) -> None:
+def chained_inputs(*args, host_drafts: Optional[torch.Tensor] = None) -> None:
     """chained_inputs_ref's writes (same arguments), in one kernel on CUDA."""
-    (chained_inputs_triton if use_triton(args[0]) else chained_inputs_ref)(*args)
+    (chained_inputs_triton if use_triton(args[0]) else chained_inputs_ref)(
+        *args, host_drafts=host_drafts)
 
 
 def accept(target, input_ids, num_drafts, positions, q: int, packed,

@@ -124,8 +124,11 @@ class ModelRunner:
     def can_launch(self, plan: StepPlan) -> bool:
         """Whether plan can run as a fused step launched now and collected later: a decode
         step, or a greedy prefill step (FusedStep.launch_prefill) that the first decode step
-        then chains from."""
-        if self.fused is None or not self.fused.chainable or not self.fused.accepts(plan):
+        then chains from. A host drafter's decode steps too: they are relaunched, not chained
+        (FusedStep.relaunch)."""
+        fused = self.fused
+        if fused is None or not (fused.chainable or fused.relaunchable) \
+                or not fused.accepts(plan):
             return False
         if self._graph_q(plan) is not None:
             return True
@@ -141,6 +144,9 @@ class ModelRunner:
 
     def chain(self, launched, block_tables: list):
         return self.fused.chain(launched, block_tables)
+
+    def relaunch(self, launched, drafts: list, block_tables: list):
+        return self.fused.relaunch(launched, drafts, block_tables)
 
     def collect(self, launched, plan: StepPlan) -> StepResult:
         return self.fused.collect(launched, plan)

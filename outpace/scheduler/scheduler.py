@@ -171,6 +171,12 @@ class Scheduler:
             left = min(left, max_tokens - len(req.output_token_ids))
         return left
 
+    def drafts_after(self, req: Request, num_new: int, drafts: list) -> list:
+        """drafts trimmed as _drafts_for will trim them once num_new more tokens of req are
+        committed (a relaunched step's drafts, LLMEngine._relaunch: the budget holds them)."""
+        left = self._tokens_left(req) - num_new
+        return list(drafts[:left - 1]) if left > 1 else []
+
     def _drafts_for(self, req: Request, budget: int) -> list:
         """The request's drafts, trimmed so this step emits no token past its limits."""
         spec = req.spec_token_ids

@@ -91,6 +91,8 @@ def test_graph_replay_equals_eager(cuda_loaded, cuda_heads, method, k, overlap):
     assert graphed.stats()["spec"] == eager.stats()["spec"]
     chained = graphed.runner.fused.chained
     assert chained > 10 if overlap and method != "ngram" else chained == 0
+    relaunched = graphed.runner.fused.relaunched  # a host drafter's steps, from the carry
+    assert relaunched > 10 if overlap and method == "ngram" else relaunched == 0
 
 
 @pytest.mark.parametrize("fused_qkv", [False, True], ids=["rope-kernel", "qkv-rope-store"])

@@ -79,10 +79,15 @@ def test_fused_step_equals_eager(tiny_loaded, tiny_heads, fake_graph_capture, me
     assert got_drafts == want_drafts, "the proposed drafts differ from the eager path's"
     runner = fused.engine.runner
     assert runner.fused.replays > 20, "the fused step served too few steps"
-    if overlap and method not in ("ngram", "suffix"):  # host drafters never chain
+    host_drafter = method in ("ngram", "suffix")
+    if overlap and not host_drafter:
         assert runner.fused.chained > 10, "no step was launched from its predecessor's outputs"
-    else:
+    else:  # host drafters never chain: their steps are relaunched from the previous carry
         assert runner.fused.chained == 0
+    if overlap and host_drafter:
+        assert runner.fused.relaunched > 10, "no step was relaunched from the carry"
+    else:
+        assert runner.fused.relaunched == 0
     assert {key[0] for key in runner.fused._captured} >= {4}, "no batch padded to a bucket"
     if k:
         assert sum(len(d) for step in got_drafts for d in step.values()) > 50

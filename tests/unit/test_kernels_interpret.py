@@ -762,24 +762,34 @@ def _tables(g, bucket, width=5, blocks=40):
 
 
 @pytest.mark.parametrize("bucket,q", [(1, 1), (3, 3), (8, 5), (4, 2)])
-def check_chained_inputs(bucket, q):
+@pytest.mark.parametrize("host", [False, True], ids=["device-drafts", "host-drafts"])
+def check_chained_inputs(bucket, q, host):
+    """host: a host drafter's staged drafts (a strided view) make rows 1 .. q - 1, and the
+    staged draft counts stay as they are."""
     g = torch.Generator().manual_seed(bucket * 10 + q)
     bs, kmax = 4, 6
     real = torch.rand(bucket, generator=g) < 0.7
     real[0] = True
     carry_pos = torch.where(real, torch.randint(0, 30, (bucket,), generator=g), 0)
     carry_tokens = torch.randint(0, 1000, (bucket, kmax), generator=g)
+    drafts = torch.randint(1000, 2000, (bucket, kmax + 2), generator=g)[:, 1:kmax] if host \
+        else None
     tables = _tables(g, bucket)
     outs = []
     for fn in (chained_inputs_ref, chained_inputs_triton):
         bufs = [torch.full((bucket * q + 7,), -9, dtype=torch.long) for _ in range(3)] + [
             torch.full((bucket + 2,), -9, dtype=torch.int32) for _ in range(2)] + [
             torch.full((bucket + 2,), -9, dtype=torch.long)]
-        fn(carry_pos, carry_tokens, real, tables, bs, q, *bufs)
+        fn(carry_pos, carry_tokens, real, tables, bs, q, *bufs, host_drafts=drafts)
         outs.append(bufs)
     for want, got in zip(*outs):
         assert torch.equal(got, want), (got, want)
     assert (outs[0][2][:bucket * q].view(bucket, q)[~real] == -1).all()  # padding: no slot
+    ids = outs[0][0][:bucket * q].view(bucket, q)
+    assert torch.equal(ids[:, 0], carry_tokens[:, 0])
+    assert torch.equal(ids[:, 1:], (drafts if host else carry_tokens[:, 1:])[:, :q - 1])
+    assert (outs[0][5][:bucket] == -9).all() if host else \
+        torch.equal(outs[0][5][:bucket], torch.where(real, q - 1, 0))
 
 
 @pytest.mark.parametrize("force", [False, True])
