@@ -123,16 +123,20 @@ def test_small_linear_dot_over_bf16_weights_compiles(norm, m):
     assert "mma" in k.asm["ptx"]  # tensor cores, not an fp32 FMA loop
 
 
-@pytest.mark.parametrize("kernel", ["chained_inputs", "accept", "loop_inputs"])
+@pytest.mark.parametrize("kernel", ["chained_inputs", "chained_inputs_host_drafts", "accept",
+                                    "loop_inputs"])
 def test_step_glue_kernels_compile_with_pdl(kernel):
-    """The fused step's bookkeeping kernels, launched with PDL (they wait first)."""
+    """The fused step's bookkeeping kernels, launched with PDL (they wait first); the chained
+    inputs also in their host-drafts variant (a relaunched n-gram / suffix step)."""
     from outpace.kernels import step_glue as sg
     i64 = "i64"
-    if kernel == "chained_inputs":
+    if kernel.startswith("chained_inputs"):
         fn, ptrs = sg._chained_inputs_kernel, {n: i64 for n in (
-            "carry_pos_ptr", "carry_tok_ptr", "ids_ptr", "pos_ptr", "slot_ptr", "nd_ptr")}
+            "carry_pos_ptr", "carry_tok_ptr", "ids_ptr", "pos_ptr", "slot_ptr", "nd_ptr",
+            "hd_ptr")}
         ptrs.update({"real_ptr": "i1", "bt_ptr": "i32", "lens_ptr": "i32", "qsl_ptr": "i32"})
-        consts = {"BS": 16, "Q": 3, "QP": 4, "USE_PDL": True}
+        consts = {"BS": 16, "Q": 3, "QP": 4, "HOST_DRAFTS": kernel.endswith("drafts"),
+                  "USE_PDL": True}
         floats = ()
     elif kernel == "accept":
         fn, ptrs = sg._accept_kernel, {n: i64 for n in (
@@ -160,3 +164,11 @@ def test_rms_norm_kernel_compiles(gather):
     k = compile_for_h200(_rms_norm_kernel, ptrs, ("eps",), {
         "HAS_RESIDUAL": False, "GATHER": gather, "BLOCK": 1024, "USE_PDL": True}, num_warps=4)
     assert k.asm["cubin"]
+
+
+def test_split_pieces_kernel_compiles():
+    """split_mm's first step: fp32 rows cut into three bf16 pieces (cvt to bf16 three times)."""
+    from outpace.kernels.split_dot import _split_pieces_kernel
+    k = compile_for_h200(_split_pieces_kernel, {"x_ptr": "fp32", "out_ptr": "bf16"}, (),
+                         {"BLOCK": 1024}, num_warps=4)
+    assert k.asm["cubin"] and "bf16" in k.asm["ptx"]
