@@ -233,7 +233,9 @@ class ScheduledRequest:
     num_new_tokens: int  # tokens computed this step, drafts included
     draft_token_ids: list = field(default_factory=list)  # verified this step
     sample: bool = True  # False for a prefill chunk that doesn't reach the end of the prompt
-    block_ids: list = field(default_factory=list)  # the request's block table (filled by the engine)
+    # the request's block table, filled by the engine for the plans the runner builds a batch
+    # from (a chained step's plan, launched from the device, has none)
+    block_ids: list = field(default_factory=list)
 
 
 @dataclass

@@ -118,16 +118,17 @@ class LLMEngine:
             following = self._relaunch(plan, launched, result)
         outputs = self._commit(plan, result)
         if following is not None:
+            # (its block_ids stay unset: the device launched it, no batch is built from it)
             nxt = self.scheduler.schedule_chained(plan)
-            row_of = {rid: i for i, rid in enumerate(following.rows)}
+            drafts = following.drafts
+            row_of = ({rid: i for i, rid in enumerate(following.rows)} if drafts is not None
+                      else None)
             for sr in nxt.scheduled:
-                sr.block_ids = self.kv.block_ids(sr.request.request_id)
-                want = (following.kd if following.drafts is None
-                        else following.drafts[row_of[sr.request.request_id]])
+                rid = sr.request.request_id
+                want = following.kd if drafts is None else drafts[row_of[rid]]
                 if len(sr.draft_token_ids) != want:  # the preconditions make it equal
-                    raise RuntimeError(f"chained step of {sr.request.request_id}: "
-                                       f"{len(sr.draft_token_ids)} drafts on the host, "
-                                       f"{want} on the device")
+                    raise RuntimeError(f"chained step of {rid}: {len(sr.draft_token_ids)} "
+                                       f"drafts on the host, {want} on the device")
             if nxt.scheduled:
                 self._inflight = (nxt, following)
             else:  # everyone finished: drain it (its outputs belong to nobody)
@@ -156,19 +157,20 @@ class LLMEngine:
         if len(launched.rows) * (kd + 1) > self.config.scheduler.max_num_batched_tokens:
             return None
         needed = False
+        alive, has_room, wants = self._requests, sched.context_has_room, sched.wants_more_than
         for sr in plan.scheduled:
             req = sr.request
             d = len(sr.draft_token_ids)
             # N emits up to d + 1 tokens, N+1 up to kd + 1; one more keeps N+1's drafts whole
-            if req.request_id not in self._requests or not sched.context_has_room(
-                    req, d + kd + 3):
+            if req.request_id not in alive or not has_room(req, d + kd + 3):
                 return None
-            needed = needed or sched.wants_more_than(req, d + 1)  # left after N's tokens
+            needed = needed or wants(req, d + 1)  # left after N's tokens
         if not needed:
             return None
         if not all(sched.reserve_chained(sr.request, kd) for sr in plan.scheduled):
             return None
-        return self.runner.chain(launched, [self.kv.block_ids(rid) for rid in launched.rows])
+        table = self.kv.block_table  # read before anything changes them (ChainedTables)
+        return self.runner.chain(launched, [table(rid) for rid in launched.rows])
 
     def _relaunch(self, plan, launched, result):
         """A host drafter's next step, launched from `launched`'s carry on the device with the
@@ -203,15 +205,10 @@ class LLMEngine:
         for rid, d in drafts.items():  # the commit makes them the requests' next drafts
             result.outputs[rid].next_draft_token_ids = d
         return self.runner.relaunch(launched, [drafts.get(rid, []) for rid in launched.rows],
-                                    [self.kv.block_ids(rid) for rid in launched.rows])
+                                    [self.kv.block_table(rid) for rid in launched.rows])
 
     def _commit(self, plan, result) -> list:
-        for sr in plan.scheduled:
-            out = result.outputs.get(sr.request.request_id)
-            if out is not None:
-                self.spec_stats.record(*self.scheduler.counted_drafts(
-                    sr.request, out.num_draft_tokens, out.num_accepted_tokens))
-        progressed = self.scheduler.update(plan, result)
+        progressed = self.scheduler.update(plan, result, totals=self.spec_stats)
         outs = (self._output_of(req) for req in progressed if req.request_id in self._requests)
         return [out for out in outs if out is not None]
 
@@ -219,23 +216,23 @@ class LLMEngine:
         rid = req.request_id
         detok = self._detok[rid]
         done = self._emitted[rid]
-        new = req.output_token_ids[done:]
-        if done == 0 and new:
+        ids = req.output_token_ids
+        if done == 0 and ids:
             self.prompt_tokens_total += req.num_prompt_tokens
-        for i, t in enumerate(new):
-            stop = detok.add_token(t)
+        add_token = detok.add_token
+        for i in range(done, len(ids)):
+            stop = add_token(ids[i])
             if stop is not None:
                 # Everything after the token that completed the stop string is dropped.
-                cut = done + i + 1
-                del req.output_token_ids[cut:]
-                del req.output_logprobs[cut:]
+                del ids[i + 1:]
+                del req.output_logprobs[i + 1:]
                 if not req.is_finished:
                     self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED, stop)
                 else:
                     req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop
                 break
-        self.generation_tokens_total += len(req.output_token_ids) - done
-        self._emitted[rid] = len(req.output_token_ids)
+        self.generation_tokens_total += len(ids) - done
+        self._emitted[rid] = len(ids)
         finished = req.is_finished
         if not finished and req.sampling_params.output_kind == "final_only":
             return None  # detokenized (stop strings) and counted; nobody reads this output

@@ -99,6 +99,12 @@ class KVCacheManager:
         """The request's block table (a copy): block i holds positions i*bs .. i*bs+bs-1."""
         return list(self._blocks.get(request_id, ()))
 
+    def block_table(self, request_id: str) -> list:
+        """The request's block table itself, not a copy (empty for an unknown request): for
+        readers that finish with it before the table changes. A running request's table only
+        grows, so what was read stays its prefix."""
+        return self._blocks.get(request_id) or []
+
     def has_blocks(self, request_id: str) -> bool:
         return bool(self._blocks.get(request_id))
 
@@ -151,13 +157,15 @@ class KVCacheManager:
             blocks = self._blocks[rid] = []
             self._hashes[rid], self._num_cached[rid] = [], 0
         tokens = request.num_computed_tokens + num_new_tokens
-        tokens += min(num_lookahead_tokens, max(0, self.max_model_len - tokens))
-        need = _cdiv(tokens, self.block_size) - len(blocks)
+        if num_lookahead_tokens > 0 and tokens < self.max_model_len:
+            tokens += min(num_lookahead_tokens, self.max_model_len - tokens)
+        need = -(-tokens // self.block_size) - len(blocks)
         if need > 0:
             if need > self.pool.num_free_blocks:
                 return False
             blocks.extend(self.pool.allocate(need))
-        pending = self._pending_stats.pop(rid, None)
+        # (a decode step's call, every step for every request, skips the pop when none waits)
+        pending = self._pending_stats.pop(rid, None) if self._pending_stats else None
         if pending is not None:
             self.stats.num_queries += 1
             self.stats.num_query_tokens += pending[0]

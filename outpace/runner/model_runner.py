@@ -12,6 +12,7 @@ With CUDA graphs, a greedy decode step runs as one graph instead (runner/fused_s
 from __future__ import annotations
 
 import logging
+from typing import Optional
 
 import numpy as np
 import torch
@@ -250,12 +251,15 @@ class ModelRunner:
             if k > 0 and d:
                 result.outputs[sr.request.request_id].next_draft_token_ids = list(d[:k])
 
-    def draft_length(self, req, batch_size: int, num_committed: int) -> int:
-        """Drafts to propose for req: the policy's k, never past the context (the next step
-        emits up to k + 1 tokens, so k <= context left - 1).
+    def draft_length(self, req, batch_size: int, num_committed: int,
+                     k: Optional[int] = None) -> int:
+        """Drafts to propose for req: the policy's k (or `k`, the policy's answer already
+        asked), never past the context (the next step emits up to k + 1 tokens, so
+        k <= context left - 1).
 
         Not trimmed to max_tokens: a step launched ahead on the device (LLMEngine._chain)
         verifies all of them, so the host's plan must hold them all; a step scheduled on the
         host trims them there (Scheduler._drafts_for)."""
-        k = self.proposer.draft_length(req, batch_size)
+        if k is None:
+            k = self.proposer.draft_length(req, batch_size)
         return max(0, min(k, req.max_model_len - num_committed - 1))

@@ -32,7 +32,8 @@ from typing import Optional
 from outpace.config import SchedulerConfig
 from outpace.errors import ConfigError, InvalidRequestError, QueueFullError
 from outpace.kvcache.manager import KVCacheManager
-from outpace.types import (Request, RequestStatus, ScheduledRequest, StepPlan, StepResult)
+from outpace.types import (Request, RequestStatus, ScheduledRequest, SpecStats, StepPlan,
+                           StepResult)
 
 log = logging.getLogger(__name__)
 
@@ -289,29 +290,40 @@ class Scheduler:
         after prev's update: every request of prev still running decodes its last token and
         its drafts, in prev's order; nobody is admitted. Its blocks were reserved at launch."""
         step = _Step(budget=self.cfg.max_num_batched_tokens)
+        requests, running = self._requests, RequestStatus.RUNNING
+        allocate, lookahead, add = self.kv.allocate_slots, self.num_lookahead_tokens, self._add
         for s in prev.scheduled:
             req = s.request
-            if self._requests.get(req.request_id) is not req or \
-                    req.status is not RequestStatus.RUNNING:
+            if requests.get(req.request_id) is not req or req.status is not running:
                 continue  # finished or aborted meanwhile: its device row is dropped
             drafts = list(req.spec_token_ids)
-            if not self.kv.allocate_slots(req, 1 + len(drafts), self.num_lookahead_tokens):
+            if not allocate(req, 1 + len(drafts), lookahead):
                 raise RuntimeError(f"the blocks reserved for {req.request_id}'s chained step "
                                    f"are missing")
-            self._add(req, 1 + len(drafts), drafts, True, step)
+            add(req, 1 + len(drafts), drafts, True, step)
         return StepPlan(scheduled=list(step.scheduled.values()), preempted_ids=[],
                         load=self.num_running + self.num_waiting)
 
     # ---- update ---------------------------------------------------------------------------
-    def update(self, plan: StepPlan, result: StepResult) -> list:
-        """Commit one step's results; returns the requests that got tokens or finished."""
+    def update(self, plan: StepPlan, result: StepResult,
+               totals: Optional[SpecStats] = None) -> list:
+        """Commit one step's results; returns the requests that got tokens or finished. Each
+        request's verified drafts are recorded in its spec_stats (as counted_drafts counts
+        them) and in `totals` (the engine's), where an ended request's count too."""
         progressed, self._finished_pending = self._finished_pending, []
+        # Local names: at batch 128 this loop is on the host's critical path every step.
+        requests, outputs, running = self._requests, result.outputs, RequestStatus.RUNNING
+        cache = self.kv.cache_committed if self.kv.enable_caching else None
         for s in plan.scheduled:
             req = s.request
             rid = req.request_id
-            if self._requests.get(rid) is not req or req.status is not RequestStatus.RUNNING:
-                continue  # aborted or finished (stop string) since schedule()
-            out = result.outputs.get(rid)
+            out = outputs.get(rid)
+            if requests.get(rid) is not req or req.status is not running:
+                # aborted or finished (stop string) since schedule(): nothing is committed
+                if totals is not None and out is not None and out.num_draft_tokens:
+                    totals.record(*self.counted_drafts(req, out.num_draft_tokens,
+                                                       out.num_accepted_tokens))
+                continue
             tokens = out.token_ids if out is not None else []
             num_draft = len(s.draft_token_ids)
             num_accepted = out.num_accepted_tokens if out is not None else 0
@@ -320,16 +332,22 @@ class Scheduler:
                 raise RuntimeError(
                     f"runner output for {rid} is inconsistent: {len(tokens)} tokens, "
                     f"{num_accepted} of {num_draft} drafts accepted, sample={s.sample}")
-            req.num_computed_tokens -= num_draft - num_accepted  # rejected drafts' KV is dead
-            req.spec_stats.record(*self.counted_drafts(req, num_draft, num_accepted))
-            self._append(req, tokens, out.logprobs if out is not None else None)
-            # Tokens after a stop token were dropped, so cache only what is still the sequence.
-            self.kv.cache_committed(req, min(req.num_computed_tokens, req.num_tokens))
-            if req.is_finished:
+            if num_draft:
+                req.num_computed_tokens -= num_draft - num_accepted  # rejected drafts' KV
+                counted = self.counted_drafts(req, num_draft, num_accepted)
+                req.spec_stats.record(*counted)
+                if totals is not None:
+                    totals.record(*counted)
+            if tokens:
+                self._append(req, tokens, out.logprobs)
+            if cache is not None:
+                # Tokens after a stop token were dropped: cache only what is still the sequence.
+                cache(req, min(req.num_computed_tokens, req.num_tokens))
+            if req.status is not running:  # _append ended it
                 self.running.remove(req)
                 self.kv.free(req)
                 req.spec_token_ids = []
-                del self._requests[rid]
+                del requests[rid]
                 del self._order[rid]
                 progressed.append(req)
             else:
@@ -339,22 +357,28 @@ class Scheduler:
         return progressed
 
     def _append(self, req: Request, tokens: list, logprobs: Optional[list]) -> None:
-        """Append tokens one by one, stopping at the first that ends the request."""
+        """Append tokens one by one, stopping at the first that ends the request (a stop token,
+        EOS, max_tokens or the end of the context, checked in that order)."""
         sp = req.sampling_params
-        max_len = self._max_len(req)
+        out = req.output_token_ids
+        if req.first_token_time is None:
+            req.first_token_time = time.monotonic()
+        stop_ids = sp.stop_token_ids
+        eos = () if sp.ignore_eos else req.eos_token_ids
+        max_tokens = sp.max_tokens
+        # the output length at which the context is full
+        out_cap = self._max_len(req) - len(req.prompt_token_ids)
+        n = len(out)
         for i, t in enumerate(tokens):
-            req.output_token_ids.append(t)
+            out.append(t)
+            n += 1
             if logprobs is not None and i < len(logprobs):
                 req.output_logprobs.append(logprobs[i])
-            if req.first_token_time is None:
-                req.first_token_time = time.monotonic()
-            if t in sp.stop_token_ids:
+            if t in stop_ids:
                 req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, t
-            elif not sp.ignore_eos and t in req.eos_token_ids:
+            elif t in eos:
                 req.status = RequestStatus.FINISHED_STOPPED  # stop_reason None: EOS (as vLLM)
-            elif sp.max_tokens is not None and len(req.output_token_ids) >= sp.max_tokens:
-                req.status = RequestStatus.FINISHED_LENGTH
-            elif req.num_tokens >= max_len:
+            elif (max_tokens is not None and n >= max_tokens) or n >= out_cap:
                 req.status = RequestStatus.FINISHED_LENGTH
             else:
                 continue

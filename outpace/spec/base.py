@@ -30,7 +30,7 @@ class CommittedTokens(Sequence):
 
     def __init__(self, *parts: list):
         self._parts = parts
-        self._len = sum(len(p) for p in parts)
+        self._len = sum(map(len, parts))
 
     def __len__(self) -> int:
         return self._len
@@ -40,6 +40,12 @@ class CommittedTokens(Sequence):
             start, stop, step = index.indices(self._len)
             if step != 1:
                 return list(self)[index]
+            last = self._parts[-1] if self._parts else ()
+            begin = self._len - len(last)
+            if stop <= start:
+                return []
+            if start >= begin:  # within the last part: a drafter reading a step's new tokens
+                return list(last[start - begin:stop - begin])
             out: list = []
             for part in self._parts:  # each part's share of [start, stop)
                 n = len(part)

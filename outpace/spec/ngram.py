@@ -122,7 +122,7 @@ class NgramState:
 
     def extend(self, new_tokens: Sequence[int]) -> None:
         """Append committed tokens (the engine calls this with the 1..k+1 tokens of a step)."""
-        self.tokens.extend(int(t) for t in new_tokens)
+        self.tokens.extend(map(int, new_tokens))
 
     def update(self, token_ids: Sequence[int]) -> None:
         """Sync with the request's full token list, which must extend what this state has seen."""
