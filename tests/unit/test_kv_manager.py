@@ -168,6 +168,21 @@ def test_allocate_grows_incrementally_and_lookahead_is_capped():
     assert_all_free(kv)
 
 
+def test_block_table_is_the_live_table_and_block_ids_a_copy():
+    kv = make(num_blocks=20, max_model_len=40)
+    r = req("r", range(5))
+    assert kv.block_table("r") == [] and kv.block_ids("r") == []
+    assert kv.allocate_slots(r, 5)
+    live, copy = kv.block_table("r"), kv.block_ids("r")
+    r.num_computed_tokens = 5
+    assert kv.allocate_slots(r, 4)  # 9 tokens: a third block, appended to the same list
+    assert live is kv.block_table("r") and len(live) == 3 and live[:2] == copy
+    assert len(copy) == 2
+    kv.free(r)
+    assert kv.block_table("r") == []
+    assert_all_free(kv)
+
+
 def test_cache_committed_only_full_committed_blocks():
     kv = make()
     r = req("r", range(6))

@@ -8,8 +8,8 @@ import random
 import pytest
 
 from outpace.errors import InvalidRequestError
-from outpace.types import RequestStatus
-from tests.unit.scheduler_harness import (BS, FakeRunner, StubResult, drive, new_req, planned,
+from outpace.types import RequestStatus, RequestStepOutput, SpecStats, StepResult
+from tests.unit.scheduler_harness import (BS, EOS, FakeRunner, StubResult, drive, new_req, planned,
                                           prompt_of, reference,
                                           track)  # noqa: F401 (track: fixture)
 
@@ -131,6 +131,60 @@ def test_draft_accept_reject_bookkeeping_and_lookahead(track):
     sched.update(plan, StubResult.of(plan, [31, 32, 33], accepted=2))
     assert r.num_computed_tokens == 10 and r.num_tokens == 11 and r.spec_token_ids == []
     assert r.spec_stats.mean_acceptance_length == 2.5
+    sched.abort_request("r")
+
+
+def _result_of(plan, *per_request):
+    """A StepResult with, per scheduled request in order, (tokens, accepted, drafts_next)."""
+    return StepResult(outputs={s.request.request_id: RequestStepOutput(
+        token_ids=list(toks), num_draft_tokens=len(s.draft_token_ids),
+        num_accepted_tokens=acc, next_draft_token_ids=list(nxt))
+        for s, (toks, acc, nxt) in zip(plan.scheduled, per_request)})
+
+
+def test_update_records_drafts_in_totals_also_for_a_request_ended_meanwhile(track):
+    sched = track(lookahead=3)
+    a = new_req("a", [10, 11, 12], max_tokens=20, ignore_eos=True)
+    b = new_req("b", [13, 14, 15], max_tokens=20, ignore_eos=True)
+    for r in (a, b):
+        sched.add_request(r)
+    plan = sched.schedule()
+    sched.update(plan, _result_of(plan, ([20], 0, [21, 22]), ([30], 0, [31])))
+    plan = sched.schedule()
+    assert [s.draft_token_ids for s in plan.scheduled] == [[21, 22], [31]]
+    result = _result_of(plan, ([21, 40], 1, []), ([31, 50], 1, []))
+    sched.abort_request("b")  # ended after its step was planned: its tokens are not committed
+    totals = SpecStats()
+    sched.update(plan, result, totals=totals)
+    assert a.output_token_ids == [20, 21, 40] and b.output_token_ids == [30]
+    assert (a.spec_stats.num_draft_tokens, a.spec_stats.num_accepted_tokens) == (2, 1)
+    assert b.spec_stats.num_drafts == 0
+    # the engine's totals count both requests' drafts, as they were verified
+    assert (totals.num_drafts, totals.num_draft_tokens, totals.num_accepted_tokens) == (2, 3, 2)
+    assert totals.accepted_per_position == [2, 0]
+    sched.abort_request("a")
+
+
+@pytest.mark.parametrize("tokens,params,status,reason,kept", [
+    ([5, EOS, 8], dict(stop_token_ids=[5]), RequestStatus.FINISHED_STOPPED, 5, [5]),
+    ([6, EOS, 8], {}, RequestStatus.FINISHED_STOPPED, None, [6, EOS]),
+    ([6, 8, 9], dict(max_tokens=2), RequestStatus.FINISHED_LENGTH, None, [6, 8]),
+    ([6, 8, 9], dict(max_tokens=None), RequestStatus.FINISHED_LENGTH, None, [6, 8]),
+    ([6, EOS, 8], dict(max_tokens=None, ignore_eos=True), RequestStatus.FINISHED_LENGTH, None,
+     [6, EOS]),
+    ([6], dict(max_tokens=None), RequestStatus.RUNNING, None, [6]),
+])
+def test_a_step_ends_at_its_first_ending_token(track, tokens, params, status, reason, kept):
+    """A stop token is checked before EOS, EOS before max_tokens and the context's end; the
+    tokens after the one that ends the request are dropped."""
+    sched = track()
+    r = new_req("r", range(10, 10 + sched.max_len - 2), **params)  # room for 2 outputs
+    sched.add_request(r)
+    sched.schedule()
+    sched._append(r, tokens, None)
+    assert (r.status, r.stop_reason, r.output_token_ids) == (status, reason, kept)
+    assert r.first_token_time is not None
+    r.status = RequestStatus.RUNNING  # (update() would retire it; abort does here)
     sched.abort_request("r")
 
 
