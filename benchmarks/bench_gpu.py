@@ -318,6 +318,17 @@ def smol_configs(k, force_means, eagle, mtp, eagle_reduced=None) -> list:
     return configs
 
 
+def model_free_variants(k) -> list:
+    """The model-free drafters at k = 2 and with the adaptive per-request k (up to k): run only
+    when named in --configs (how much of their slowdown on chat prompts the draft length is)."""
+    out = []
+    for method in ("ngram", "suffix"):
+        out.append((f"{method}-k2", {"method": method, "num_speculative_tokens": 2}))
+        out.append((f"{method}-adaptive", {"method": method, "num_speculative_tokens": k,
+                                           "adaptive": True}))
+    return out
+
+
 def section_b128(args, results):
     """Batch 128, paired: no speculation and the force-accept 3 head configurations, built
     once and timed in turns, round by round (the order rotating), so that the host's slow and
@@ -373,7 +384,8 @@ def section_smol(args, results):
     configs = smol_configs(args.k, args.force_means, eagle, mtp,
                            make_eagle3_reduced(args.gguf, tmp))
     if args.configs:
-        configs = [c for c in configs if c[0] in args.configs.split(",")]
+        configs = [c for c in configs + model_free_variants(args.k)
+                   if c[0] in args.configs.split(",")]
     # Process warm-up: the first engine of a process otherwise pays CUDA's lazy module loading
     # and first-use kernel selection inside its timed runs (seen as slow batch-1 prefill). Full
     # length: Triton compiles a kernel variant per new integer specialization (a length that
