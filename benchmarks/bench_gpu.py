@@ -391,9 +391,11 @@ def section_smol(args, results):
     # length: Triton compiles a kernel variant per new integer specialization (a length that
     # becomes a multiple of 16): in run 10 a batch-128 step that compiled one took 0.77 s (the
     # whole timed run takes ~0.6 s), in whichever engine met the shape first.
+    budget = ({} if args.max_num_batched_tokens is None
+              else {"max_num_batched_tokens": args.max_num_batched_tokens})
     eng = LLMEngine.from_args(args.gguf, loaded=loaded, device="cuda", dtype="bfloat16",
                               max_num_seqs=max(args.batches), num_kv_blocks=args.kv_blocks,
-                              quiet=True, enable_prefix_caching=PREFIX_CACHING)
+                              quiet=True, enable_prefix_caching=PREFIX_CACHING, **budget)
     for b in args.batches:
         run_engine(eng, prompts[:b if b > 1 else args.batch1_requests], b, args.max_tokens)
     del eng
@@ -402,7 +404,7 @@ def section_smol(args, results):
         eng = LLMEngine.from_args(args.gguf, loaded=loaded, device="cuda", dtype="bfloat16",
                                   speculative_config=spec, max_num_seqs=max(args.batches),
                                   num_kv_blocks=args.kv_blocks, quiet=True,
-                                  enable_prefix_caching=PREFIX_CACHING)
+                                  enable_prefix_caching=PREFIX_CACHING, **budget)
         spec_k = 0 if spec is None else spec["num_speculative_tokens"]
         # Warm-up at every batch size: Triton compiles a kernel per new tile configuration;
         # the largest batch at full length (a compile there would dwarf its short timed run).
@@ -678,6 +680,8 @@ def main():
                     help="smol: only these configurations (comma-separated names), e.g. "
                          "no-spec,eagle3-fa3.0")
     ap.add_argument("--kv-blocks", type=int, default=8192)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None,
+                    help="the smol section's step token budget (default: the engine's)")
     ap.add_argument("--b128-rounds", type=int, default=5,
                     help="b128: rounds of the paired batch-128 comparison")
     ap.add_argument("--reps", type=int, default=3,
