@@ -28,7 +28,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--num-kv-blocks", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="tokens a step may hold, prefill chunks and decodes (default: 8192 on a "
+                   "GPU of 70 GiB or more, else 2048)")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--no-overlap", action="store_true",
