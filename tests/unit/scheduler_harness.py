@@ -161,9 +161,14 @@ class StubResult:
 
     @staticmethod
     def of(plan, tokens, accepted=0, drafts_next=()):
-        s = plan.scheduled[0]
+        return StubResult.each(plan, (tokens, accepted, drafts_next))
+
+    @staticmethod
+    def each(plan, *per_request):
+        """Per scheduled request, in order: (tokens, accepted, drafts_next)."""
         return StepResult(outputs={s.request.request_id: RequestStepOutput(
-            token_ids=list(tokens), num_draft_tokens=len(s.draft_token_ids),
-            num_accepted_tokens=accepted, next_draft_token_ids=list(drafts_next))})
+            token_ids=list(toks), num_draft_tokens=len(s.draft_token_ids),
+            num_accepted_tokens=acc, next_draft_token_ids=list(nxt))
+            for s, (toks, acc, nxt) in zip(plan.scheduled, per_request)})
 
 

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from outpace.errors import InvalidRequestError
-from outpace.types import RequestStatus, RequestStepOutput, SpecStats, StepResult
+from outpace.types import RequestStatus, SpecStats
 from tests.unit.scheduler_harness import (BS, EOS, FakeRunner, StubResult, drive, new_req, planned,
                                           prompt_of, reference,
                                           track)  # noqa: F401 (track: fixture)
@@ -134,14 +134,6 @@ def test_draft_accept_reject_bookkeeping_and_lookahead(track):
     sched.abort_request("r")
 
 
-def _result_of(plan, *per_request):
-    """A StepResult with, per scheduled request in order, (tokens, accepted, drafts_next)."""
-    return StepResult(outputs={s.request.request_id: RequestStepOutput(
-        token_ids=list(toks), num_draft_tokens=len(s.draft_token_ids),
-        num_accepted_tokens=acc, next_draft_token_ids=list(nxt))
-        for s, (toks, acc, nxt) in zip(plan.scheduled, per_request)})
-
-
 def test_update_records_drafts_in_totals_also_for_a_request_ended_meanwhile(track):
     sched = track(lookahead=3)
     a = new_req("a", [10, 11, 12], max_tokens=20, ignore_eos=True)
@@ -149,10 +141,10 @@ def test_update_records_drafts_in_totals_also_for_a_request_ended_meanwhile(trac
     for r in (a, b):
         sched.add_request(r)
     plan = sched.schedule()
-    sched.update(plan, _result_of(plan, ([20], 0, [21, 22]), ([30], 0, [31])))
+    sched.update(plan, StubResult.each(plan, ([20], 0, [21, 22]), ([30], 0, [31])))
     plan = sched.schedule()
     assert [s.draft_token_ids for s in plan.scheduled] == [[21, 22], [31]]
-    result = _result_of(plan, ([21, 40], 1, []), ([31, 50], 1, []))
+    result = StubResult.each(plan, ([21, 40], 1, []), ([31, 50], 1, []))
     sched.abort_request("b")  # ended after its step was planned: its tokens are not committed
     totals = SpecStats()
     sched.update(plan, result, totals=totals)
