@@ -315,6 +315,10 @@ def smol_configs(k, force_means, eagle, mtp, eagle_reduced=None) -> list:
                                                 "num_speculative_tokens": 2,
                                                 "force_accept_mean": 3.0,
                                                 "k_schedule": [[32, 2], [128, 1]]}))
+    # The same heads drafting from an int8 copy of their LM head (draft_lm_head_dtype): the
+    # largest read of a draft step at half the bytes
+    for name, cfg in list(configs[-2:] if eagle_reduced is not None else configs[-1:]):
+        configs.append((f"{name}-int8lm", {**cfg, "draft_lm_head_dtype": "int8"}))
     return configs
 
 

@@ -73,6 +73,23 @@ def small_linear_ref(x: torch.Tensor, w: torch.Tensor, *,
     return (residual.float() + F.linear(x.float(), w.float())).to(residual.dtype)
 
 
+def quantize_int8_rows(w: torch.Tensor) -> tuple:
+    """w [N, K] -> (int8 [N, K], fp32 scale [N]): symmetric per-row (per output column)
+    weight-only quantization, w ~ q * scale with q = round(w / scale), scale = max|w_row| / 127
+    (an all-zero row gets scale 1)."""
+    wf = w.float()
+    scale = wf.abs().amax(dim=1) / 127.0
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round(wf / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def int8_linear_ref(x: torch.Tensor, w_q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ (w_q [N, K] int8 * scale [N]).T: products of x and the integers summed in
+    fp32, times the column's scale, one rounding to x's dtype."""
+    return ((x.float() @ w_q.float().T) * scale.float()).to(x.dtype)
+
+
 def norm_small_linear_ref(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                           w: torch.Tensor) -> torch.Tensor:
     """rms_norm(x) rounded to x.dtype, @ w.T -> [M, N] of x.dtype."""
@@ -110,6 +127,10 @@ _PRODUCT_BUDGET = 16384
 _SUM_ONE_STEP_K = 2048  # up to this K the broadcast path reads a row in one step...
 _SUM_K = 1024  # ...beyond it in steps of this (faster than 2048 or 512 on Llama-8B shapes)
 _DOT_K = 256  # K step of the tl.dot path
+# ...over an int8 weight (a draft LM head): SmolLM2's 49152 x 576 head read twice in a step
+# shaped like EAGLE-3 k = 2's took 11.6 + 9.0 us with 64-column steps, 11.9 + 10.5 with 128 and
+# 15-18 + 13-16 with 256 (H200, benchmarks/diag_draft_lm_head.py, 128-column tiles, 3 stages)
+_DOT_K_INT8 = 64
 _DOT_STAGES = 3  # its software pipeline (3 beat 2 by ~20% on every shape, 4 was no better)
 _DOT_SMEM = 64 * 1024  # its pipeline buffers: wide tiles get shorter K steps (LM head: 128 x 64)
 _SUM_MAX_N = 16384  # wider weights (LM heads) take the tl.dot path even at M = 1
@@ -176,7 +197,7 @@ def choose_blocks(M: int, N: int, K: int, *, elem_bytes: int = 2, x_bytes: int =
         block_n = 16  # tl.dot's minimum tile
         while block_n < 128 and _cdiv(N, block_n * 2) >= 2 * _NUM_SMS:
             block_n *= 2
-        block_k = min(k_max, _DOT_K)
+        block_k = min(k_max, _DOT_K if elem_bytes > 1 else _DOT_K_INT8)
         x_bytes = x_bytes or elem_bytes
         while (block_k > 32 and _DOT_STAGES * block_k
                * (tiles * block_n * elem_bytes + block_m * x_bytes) > _DOT_SMEM):
@@ -228,8 +249,10 @@ def _out(out: Optional[torch.Tensor], m: int, n: int, dtype: torch.dtype,
 
 
 def _launch(x, w, out, *, n_cols, norm_weight=None, eps=0.0, residual=None, silu_mul=False,
-            rope_store: Optional["_RopeStore"] = None, blocks: Optional[Blocks] = None):
-    """Shared launcher; `blocks` overrides choose_blocks (benchmark sweeps)."""
+            rope_store: Optional["_RopeStore"] = None, scale: Optional[torch.Tensor] = None,
+            blocks: Optional[Blocks] = None):
+    """Shared launcher; `blocks` overrides choose_blocks (benchmark sweeps); `scale` [N] fp32
+    with an int8 weight (per output column, applied before the output's one rounding)."""
     m, k = x.shape
     if m == 0 or n_cols == 0:
         return out
@@ -250,12 +273,13 @@ def _launch(x, w, out, *, n_cols, norm_weight=None, eps=0.0, residual=None, silu
                                   stride_cb=0, stride_co=0, stride_ch=0, half=1, hq=0, hkv=0,
                                   cache_block=1)
     _small_linear_kernel[grid](
-        x, nw, w, res, out, m, n_cols, k, x.stride(0), res.stride(0), out.stride(0),
+        x, nw, w, scale if scale is not None else nw, res, out, m, n_cols, k, x.stride(0),
+        res.stride(0), out.stride(0),
         float(eps), rs.cos, rs.sin, rs.positions, rs.slots, rs.k_cache, rs.v_cache,
         rs.stride_cos, rs.table_off, rs.stride_cb, rs.stride_co, rs.stride_ch,
         HAS_NORM=norm_weight is not None,
         NORM_ROUND=norm_weight is not None and norm_weight.dtype == x.dtype,
-        HAS_RESIDUAL=residual is not None, SILU_MUL=silu_mul,
+        HAS_RESIDUAL=residual is not None, SILU_MUL=silu_mul, W_SCALE=scale is not None,
         ROPE_STORE=rope_store is not None, TWO_TILES=two, HALF=rs.half, HQ=rs.hq, HKV=rs.hkv,
         CACHE_BLOCK=rs.cache_block, USE_DOT=cfg.use_dot,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, TAIL_K=cfg.tail_k,
@@ -334,6 +358,17 @@ def small_linear_triton(x: torch.Tensor, w: torch.Tensor, *,
     return _launch(x, w, out, n_cols=w.shape[0], residual=residual, blocks=blocks)
 
 
+def int8_linear_triton(x: torch.Tensor, w_q: torch.Tensor, scale: torch.Tensor, *,
+                       out: Optional[torch.Tensor] = None,
+                       blocks: Optional[Blocks] = None) -> torch.Tensor:
+    """int8_linear_ref's product in one few-row launch: the int8 tile is converted to the
+    activation dtype in registers (exact) and the scale applied in the epilogue, so the weight
+    read is half of a bf16 weight's."""
+    x = _unit_last(x)
+    out = _out(out, x.shape[0], w_q.shape[0], x.dtype, x.device)
+    return _launch(x, w_q, out, n_cols=w_q.shape[0], scale=scale, blocks=blocks)
+
+
 def norm_small_linear_triton(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                              w: torch.Tensor, *, out: Optional[torch.Tensor] = None,
                              blocks: Optional[Blocks] = None) -> torch.Tensor:
@@ -404,6 +439,17 @@ def small_linear(x: torch.Tensor, w: torch.Tensor, *, residual: Optional[torch.T
     if _fast(x, w):
         return small_linear_triton(x, w, residual=residual, out=out)
     return _copy_to(out, small_linear_ref(x, w, residual=residual))
+
+
+def int8_linear(x: torch.Tensor, w_q: torch.Tensor, scale: torch.Tensor, *,
+                out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """y [M, N] = x [M, K] @ (w_q [N, K] int8 * scale [N] fp32).T in x's dtype. Triton for CUDA
+    inputs of at most SMALL_M_MAX rows, the reference otherwise."""
+    if (x.dim() == 2 and 1 <= x.shape[0] <= SMALL_M_MAX and w_q.dim() == 2
+            and w_q.is_contiguous() and w_q.dtype == torch.int8 and x.shape[1] == w_q.shape[1]
+            and scale.is_contiguous() and use_triton(x)):
+        return int8_linear_triton(x, w_q, scale, out=out)
+    return _copy_to(out, int8_linear_ref(x, w_q, scale))
 
 
 def norm_small_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, w: torch.Tensor,

@@ -35,6 +35,10 @@ if triton is not None:
     def _accumulate(acc, a, w, A_DTYPE: tl.constexpr, USE_DOT: tl.constexpr):
         # acc [BLOCK_M, BLOCK_N] += a [BLOCK_M, BLOCK_K] @ w [BLOCK_N, BLOCK_K].T
         if USE_DOT:
+            if w.dtype == tl.int8:
+                # an int8 weight (its per-column scale is applied in the epilogue): every
+                # value |v| <= 127 is exact in bf16 / fp16, so the dots below take it as is
+                w = w.to(tl.bfloat16 if A_DTYPE == tl.float32 else A_DTYPE)
             if A_DTYPE == tl.float32 and w.dtype == tl.bfloat16:
                 # fp32 activations over a bf16 weight (weight_dtype): three bf16 dots give the
                 # fp32 product from the weight tile as stored (kernels/split_dot.py)
@@ -83,12 +87,13 @@ if triton is not None:
         return acc, acc_u
 
     @triton.jit
-    def _small_linear_kernel(x_ptr, nw_ptr, w_ptr, r_ptr, out_ptr, M, N, K,
+    def _small_linear_kernel(x_ptr, nw_ptr, w_ptr, scale_ptr, r_ptr, out_ptr, M, N, K,
                              stride_xm, stride_rm, stride_om, eps,
                              cos_ptr, sin_ptr, pos_ptr, slot_ptr, kc_ptr, vc_ptr, stride_cos,
                              table_off, stride_cb, stride_co, stride_ch,
                              HAS_NORM: tl.constexpr, NORM_ROUND: tl.constexpr,
                              HAS_RESIDUAL: tl.constexpr, SILU_MUL: tl.constexpr,
+                             W_SCALE: tl.constexpr,
                              ROPE_STORE: tl.constexpr, TWO_TILES: tl.constexpr,
                              HALF: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr,
                              CACHE_BLOCK: tl.constexpr,
@@ -168,6 +173,8 @@ if triton is not None:
             acc, acc_u = _step(acc, acc_u, w_t, wu_t, x_rows, m_mask, offs_t, K, nw_ptr, rstd,
                                A_DTYPE, HAS_NORM, NORM_ROUND, TWO_TILES, USE_DOT)
 
+        if W_SCALE:  # an int8 weight's per-column scale, in fp32 before the one rounding
+            acc *= tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
         out_mask = m_mask[:, None] & n_mask[None, :]
         out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
         OUT_DTYPE: tl.constexpr = out_ptr.dtype.element_ty

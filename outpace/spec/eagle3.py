@@ -30,6 +30,9 @@ class Eagle3Proposer(HeadProposer):
     def draft_norm(self):
         return self.head.norm
 
-    def draft_ids_normed(self, normed, also: tuple = ()):
+    def draft_lm_head(self):
+        return self.head.lm_head_weight, self.head.d2t
+
+    def draft_ids_from_lm_head(self, normed, also: tuple = ()):
         # argmax and d2t in one kernel on CUDA
         return self.head.greedy_target_ids_normed(normed, also=also)

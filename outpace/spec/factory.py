@@ -14,6 +14,7 @@ KNOWN_OPTIONS = {
     "enhancer_min_match",  # heads: suffix drafts replace the head's when the match is this long
     "relaxed_top_k", "relaxed_delta", "think_begin_ids", "think_end_ids",  # relaxed acceptance
     "mtp_mode",  # "eagle" (one module applied k times) or "depths" (D modules)
+    "draft_lm_head_dtype",  # heads: "int8" drafts from an int8 copy of the draft LM head
 }
 
 

@@ -30,6 +30,9 @@ import weakref
 import torch
 
 from outpace.attention.base import ForwardContext
+from outpace.errors import ConfigError
+from outpace.kernels.argmax import argmax_rows
+from outpace.kernels.small_linear import int8_linear, quantize_int8_rows
 from outpace.runner.inputs import InputBuffers, build_host_batch
 from outpace.spec.base import DraftBatch, Proposer
 from outpace.spec.draft_length import DraftLengthPolicy
@@ -46,6 +49,14 @@ class HeadProposer(Proposer):
         self.target = target
         self.runner = None
         self.enhancer = None
+        # "int8": the drafts' LM head reads an int8 copy of its weight (quantized at bind; see
+        # draft_ids_normed). Output is unaffected (the target verifies every draft); a draft
+        # may differ where two logits are within the quantization error.
+        self.draft_lm_head_dtype = options.get("draft_lm_head_dtype", "auto")
+        if self.draft_lm_head_dtype not in ("auto", "int8"):
+            raise ConfigError(f"draft_lm_head_dtype must be 'auto' (the head's dtype) or "
+                              f"'int8', got {self.draft_lm_head_dtype!r}")
+        self._int8_lm_head = None  # (int8 weight or its exact float copy on CPU, scale, d2t)
         min_match = options.get("enhancer_min_match")
         if min_match:
             from outpace.spec.model_free import SuffixProposer
@@ -59,6 +70,15 @@ class HeadProposer(Proposer):
         self.block_size = runner.block_size
         self.loop_inputs = InputBuffers(runner.inputs.max_seqs, runner.inputs.max_seqs,
                                         runner.inputs.max_blocks, runner.device)
+        if self.draft_lm_head_dtype == "int8" and self._int8_lm_head is None:
+            weight, offsets = self.draft_lm_head()
+            with torch.no_grad():
+                q, scale = quantize_int8_rows(weight)
+            if q.device.type != "cuda":
+                # the reference path multiplies in fp32: keep the integers as fp32 once
+                # instead of converting the whole matrix every draft step
+                q = q.float()
+            self._int8_lm_head = (q, scale, offsets)
 
     def draft_length(self, req, batch_size: int) -> int:
         return self.policy(req.request_id, batch_size)
@@ -83,10 +103,24 @@ class HeadProposer(Proposer):
         """The RMSNorm (weight, eps) before the head's LM head."""
         raise NotImplementedError
 
+    def draft_lm_head(self) -> tuple:
+        """(weight [V, H], offsets [V] or None): the LM head the drafts come from, and what
+        turns its ids into target ids (EAGLE-3's d2t)."""
+        raise NotImplementedError
+
+    def draft_ids_from_lm_head(self, normed, also: tuple = ()) -> torch.Tensor:
+        """draft_ids_normed through the head's own LM head, in its dtype."""
+        raise NotImplementedError
+
     def draft_ids_normed(self, normed, also: tuple = ()) -> torch.Tensor:
         """[N, H] draft_norm'ed hidden -> [N] target token ids (greedy), also written into
-        `also` (at most two [N] int64 views: the fused step's output and carry columns)."""
-        raise NotImplementedError
+        `also` (at most two [N] int64 views: the fused step's output and carry columns).
+        With draft_lm_head_dtype "int8" the logits come from the int8 copy (half the bytes of
+        a bf16 LM head, the largest read of a small model's draft step)."""
+        if self._int8_lm_head is None:
+            return self.draft_ids_from_lm_head(normed, also)
+        q, scale, offsets = self._int8_lm_head
+        return argmax_rows(int8_linear(normed, q, scale), offsets=offsets, also=also)
 
     def draft_ids(self, hidden, also: tuple = ()) -> torch.Tensor:
         """[N, H] head output -> [N] target token ids (greedy; `also`: draft_ids_normed)."""

@@ -38,7 +38,10 @@ class MTPEagleProposer(HeadProposer):
     def draft_norm(self):
         return self.target.norm
 
-    def draft_ids_normed(self, normed, also: tuple = ()):
+    def draft_lm_head(self):
+        return self.target.lm_head_weight, None  # shared with the target
+
+    def draft_ids_from_lm_head(self, normed, also: tuple = ()):
         # = argmax of compute_logits
         return self.target.greedy_tokens(normed, also=also)
 

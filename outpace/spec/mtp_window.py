@@ -94,6 +94,10 @@ class MTPWindowProposer(HeadProposer):
 
     def __init__(self, spec, policy, target, head):
         super().__init__(policy, target, spec.options)
+        if self.draft_lm_head_dtype != "auto":
+            raise ConfigError("draft_lm_head_dtype applies to EAGLE-3 heads and MTP's 'eagle' "
+                              "mode; mtp_mode 'depths' drafts from each module's logits "
+                              "(leave draft_lm_head_dtype unset or use mtp_mode 'eagle')")
         self.head = head
         self.depth = int(spec.num_speculative_tokens)  # K: modules run = drafts at most
         if not 1 <= self.depth <= head.num_modules:

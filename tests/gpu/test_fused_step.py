@@ -72,12 +72,15 @@ def record_drafts(engine) -> list:
 
 
 CASES = [(None, 0), ("ngram", 3), ("eagle3", 3), ("mtp", 2)]
+INT8 = {"draft_lm_head_dtype": "int8"}  # drafts from an int8 copy of the draft LM head
+REPLAY_CASES = [(m, k, {}) for m, k in CASES] + [("eagle3", 3, INT8), ("mtp", 2, INT8)]
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
-@pytest.mark.parametrize("method,k", CASES, ids=[f"{m}-k{k}" for m, k in CASES])
-def test_graph_replay_equals_eager(cuda_loaded, cuda_heads, method, k, overlap):
-    spec = spec_for(cuda_heads, method, k)
+@pytest.mark.parametrize("method,k,opts", REPLAY_CASES,
+                         ids=[f"{m}-k{k}{'-int8' if o else ''}" for m, k, o in REPLAY_CASES])
+def test_graph_replay_equals_eager(cuda_loaded, cuda_heads, method, k, opts, overlap):
+    spec = spec_for(cuda_heads, method, k, **opts)
     prompts = repetitive_prompts(5, 11)  # 5 requests: bucket 8, 3 padded rows
     eager = gpu_engine(cuda_loaded, spec, eager=True)
     want_drafts = record_drafts(eager)
@@ -116,8 +119,8 @@ def test_cuda_engine_equals_cpu_engine(cuda_loaded, cuda_heads, method, k, num_p
 
 @pytest.mark.parametrize("method,k,opts", [(None, 0, {}), ("ngram", 3, {}),
                                            ("eagle3", 3, {"force_accept_mean": 3.0}),
-                                           ("eagle3", 3, {})],
-                         ids=["plain", "ngram", "eagle3-fa3", "eagle3"])
+                                           ("eagle3", 3, {}), ("eagle3", 3, INT8)],
+                         ids=["plain", "ngram", "eagle3-fa3", "eagle3", "eagle3-int8"])
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
 def test_decode_steps_do_not_sync_with_host(cuda_loaded, cuda_heads, method, k, opts, overlap):
     eng = gpu_engine(cuda_loaded, spec_for(cuda_heads, method, k, **opts), eager=False,

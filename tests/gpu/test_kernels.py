@@ -371,6 +371,31 @@ def test_silu_mul(m, inter, dtype):
     torch.testing.assert_close(silu_mul(gu), silu_mul_ref(gu), **TOL[dtype])
 
 
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("use_dot", [None, False, True], ids=["auto", "sum", "dot"])
+@pytest.mark.parametrize("m", [1, 3, 5, 16])
+@pytest.mark.parametrize("n,k", [(49152, 576), (32000, 576), (1000, 4096)],
+                         ids=["smol-lm-head", "dv32k", "8b-k"])
+def test_int8_linear(n, k, m, use_dot, x_dtype):
+    """An int8 draft LM head (HeadProposer's draft_lm_head_dtype): the tile converted exactly
+    to the activation dtype (bf16 tensor cores, or the three bf16 pieces of fp32 x), the scale
+    in the epilogue; against the reference's fp32 sum on fresh random inputs."""
+    from outpace.kernels.small_linear import (choose_blocks, int8_linear, int8_linear_ref,
+                                              int8_linear_triton, quantize_int8_rows)
+    x, w, _ = _lin_inputs(m, n, k, torch.float32, seed=m + n + k, x_dtype=x_dtype)
+    q, scale = quantize_int8_rows(w)
+    blocks = choose_blocks(m, n, k, elem_bytes=1, x_bytes=x.element_size(), use_dot=use_dot)
+    y = int8_linear_triton(x, q, scale, blocks=blocks)
+    want = int8_linear_ref(x, q, scale)
+    assert y.dtype == x_dtype and y.shape == (m, n)
+    # fp32: the tensor cores' truncating alignment grows with K (split_dot.py)
+    tol = LIN_TOL[x_dtype] if x_dtype != torch.float32 else dict(atol=1e-4 * k / 576,
+                                                                  rtol=1e-4)
+    torch.testing.assert_close(y, want, **tol)
+    if use_dot is None:
+        assert torch.equal(int8_linear(x, q, scale), y)  # the dispatcher takes the kernel
+
+
 def test_small_linear_falls_back_above_small_m():
     x, w, _ = _lin_inputs(17, 960, 576, torch.bfloat16, seed=0)
     assert torch.equal(small_linear(x, w), small_linear_ref(x, w))  # cuBLAS, the same call

@@ -39,7 +39,10 @@ def spec_for(tiny_heads, method, k, **opts):
 # k_schedule [[2, 3]]: no drafting above 2 requests, so the graph runs only the head's first
 # pass for a while; the plane must stay exact for when drafting resumes.
 CASES = [(None, 0, {}), ("ngram", 3, {}), ("suffix", 2, {}), ("eagle3", 1, {}),
-         ("eagle3", 3, {}), ("mtp", 3, {}), ("eagle3", 3, {"k_schedule": [[2, 3]]})]
+         ("eagle3", 3, {}), ("mtp", 3, {}), ("eagle3", 3, {"k_schedule": [[2, 3]]}),
+         ("eagle3", 3, {"draft_lm_head_dtype": "int8"}),
+         ("mtp", 3, {"draft_lm_head_dtype": "int8"})]
+CASE_IDS = [f"{m}-k{k}" + "".join(f"-{o}" for o in opts) for m, k, opts in CASES]
 
 
 def record_drafts(engine, into: list, graphs_k=None):
@@ -63,8 +66,7 @@ def record_drafts(engine, into: list, graphs_k=None):
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
-@pytest.mark.parametrize("method,k,opts", CASES,
-                         ids=[f"{m}-k{k}{'-sched' if o else ''}" for m, k, o in CASES])
+@pytest.mark.parametrize("method,k,opts", CASES, ids=CASE_IDS)
 def test_fused_step_equals_eager(tiny_loaded, tiny_heads, fake_graph_capture, method, k, opts,
                                  overlap):
     spec = spec_for(tiny_heads, method, k, **opts)

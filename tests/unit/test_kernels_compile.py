@@ -93,10 +93,11 @@ def test_small_linear_kernel_compiles(norm, silu, rope, residual, block_m, block
     from outpace.kernels.small_linear_kernels import _small_linear_kernel
     ptrs = {n: "bf16" for n in ("x_ptr", "nw_ptr", "w_ptr", "r_ptr", "out_ptr", "kc_ptr",
                                 "vc_ptr")}
-    ptrs.update({"cos_ptr": "fp32", "sin_ptr": "fp32", "pos_ptr": "i64", "slot_ptr": "i64"})
+    ptrs.update({"cos_ptr": "fp32", "sin_ptr": "fp32", "pos_ptr": "i64", "slot_ptr": "i64",
+                 "scale_ptr": "fp32"})
     k = compile_for_h200(_small_linear_kernel, ptrs, ("eps",), {
         "HAS_NORM": norm, "NORM_ROUND": norm, "HAS_RESIDUAL": residual, "SILU_MUL": silu,
-        "ROPE_STORE": rope, "TWO_TILES": silu or rope, "HALF": 32, "HQ": 9, "HKV": 3,
+        "W_SCALE": False, "ROPE_STORE": rope, "TWO_TILES": silu or rope, "HALF": 32, "HQ": 9, "HKV": 3,
         "CACHE_BLOCK": 16, "USE_DOT": False, "BLOCK_M": block_m, "BLOCK_N": 2,
         "BLOCK_K": block_k, "TAIL_K": tail_k, "USE_PDL": True}, num_warps=warps)
     assert k.asm["cubin"]
@@ -112,15 +113,37 @@ def test_small_linear_dot_over_bf16_weights_compiles(norm, m):
     assert cfg.use_dot
     ptrs = {n: "fp32" for n in ("x_ptr", "nw_ptr", "r_ptr", "out_ptr", "kc_ptr", "vc_ptr",
                                 "cos_ptr", "sin_ptr")}
-    ptrs.update({"w_ptr": "bf16", "pos_ptr": "i64", "slot_ptr": "i64"})
+    ptrs.update({"w_ptr": "bf16", "pos_ptr": "i64", "slot_ptr": "i64", "scale_ptr": "fp32"})
     k = compile_for_h200(_small_linear_kernel, ptrs, ("eps",), {
         "HAS_NORM": norm, "NORM_ROUND": norm, "HAS_RESIDUAL": False, "SILU_MUL": False,
-        "ROPE_STORE": False, "TWO_TILES": False, "HALF": 1, "HQ": 0, "HKV": 0,
+        "W_SCALE": False, "ROPE_STORE": False, "TWO_TILES": False, "HALF": 1, "HQ": 0, "HKV": 0,
         "CACHE_BLOCK": 1, "USE_DOT": True, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
         "BLOCK_K": cfg.block_k, "TAIL_K": 0, "USE_PDL": True}, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages)
     assert k.asm["cubin"]
     assert "mma" in k.asm["ptx"]  # tensor cores, not an fp32 FMA loop
+
+
+@pytest.mark.parametrize("x_dtype", ["bf16", "fp32"])
+def test_small_linear_dot_over_int8_weights_compiles(x_dtype):
+    """An int8 draft LM head (draft_lm_head_dtype) on the tl.dot path as choose_blocks picks it
+    for SmolLM2's 49152 x 576 head at one row: the int8 tile converted in registers still
+    feeds the tensor cores, with the per-column scale in the epilogue."""
+    from outpace.kernels.small_linear import choose_blocks
+    from outpace.kernels.small_linear_kernels import _small_linear_kernel
+    cfg = choose_blocks(1, 49152, 576, elem_bytes=1, x_bytes=2 if x_dtype == "bf16" else 4)
+    assert cfg.use_dot
+    ptrs = {n: x_dtype for n in ("x_ptr", "nw_ptr", "r_ptr", "out_ptr", "kc_ptr", "vc_ptr",
+                                 "cos_ptr", "sin_ptr")}
+    ptrs.update({"w_ptr": "i8", "scale_ptr": "fp32", "pos_ptr": "i64", "slot_ptr": "i64"})
+    k = compile_for_h200(_small_linear_kernel, ptrs, ("eps",), {
+        "HAS_NORM": False, "NORM_ROUND": False, "HAS_RESIDUAL": False, "SILU_MUL": False,
+        "W_SCALE": True, "ROPE_STORE": False, "TWO_TILES": False, "HALF": 1, "HQ": 0,
+        "HKV": 0, "CACHE_BLOCK": 1, "USE_DOT": True, "BLOCK_M": cfg.block_m,
+        "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "TAIL_K": 0, "USE_PDL": True},
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    assert k.asm["cubin"]
+    assert "mma" in k.asm["ptx"]
 
 
 @pytest.mark.parametrize("kernel", ["chained_inputs", "chained_inputs_host_drafts", "accept",

@@ -178,14 +178,16 @@ if IN_CHILD:
     from outpace.kernels.split_dot import split_pieces_ref, split_pieces_triton
     from outpace.kernels.rope import (apply_rope_and_store_ref, apply_rope_and_store_triton,
                                       apply_rope_ref, apply_rope_triton)
-    from outpace.kernels.small_linear import (Blocks, choose_blocks, norm_qkv_rope_store_ref,
+    from outpace.kernels.small_linear import (Blocks, choose_blocks, int8_linear_ref,
+                                              int8_linear_triton, norm_qkv_rope_store_ref,
                                               norm_qkv_rope_store_triton, norm_small_linear_ref,
                                               norm_small_linear_silu_mul_ref,
                                               norm_small_linear_silu_mul_triton,
                                               norm_small_linear_triton, silu_mul_ref,
                                               silu_mul_triton, small_linear_ref,
                                               small_linear_silu_mul_ref,
-                                              small_linear_silu_mul_triton, small_linear_triton)
+                                              small_linear_silu_mul_triton, small_linear_triton,
+                                              quantize_int8_rows)
     from outpace.kernels.step_glue import (accept_ref, accept_triton, chained_inputs_ref,
                                            chained_inputs_triton, loop_inputs_ref,
                                            loop_inputs_triton)
@@ -453,6 +455,21 @@ def check_small_linear_explicit_blocks(shape, cfg):
                                **NORM_TOL[torch.float32])
     torch.testing.assert_close(norm_small_linear_triton(x, nw, 1e-6, w, blocks=blocks),
                                norm_small_linear_ref(x, nw, 1e-6, w), **NORM_TOL[torch.float32])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", [(1, 300, 576), (3, 70, 96), (2, 40, 600)])
+def check_int8_linear(shape, dtype):
+    """An int8 weight with a per-column scale (the broadcast path: the interpreter's bf16 tl.dot,
+    which the tensor-core path uses for int8 tiles, is wrong; tests/gpu covers that path)."""
+    m, n, k = shape
+    x, w, _ = _linear_inputs(m, n, k, torch.float32, seed=50 + m)
+    q, scale = quantize_int8_rows(w)
+    x = x.to(dtype)
+    y = int8_linear_triton(x, q, scale, blocks=choose_blocks(m, n, k, elem_bytes=1,
+                                                             use_dot=False))
+    assert y.dtype == dtype and y.shape == (m, n)
+    torch.testing.assert_close(y, int8_linear_ref(x, q, scale), **NORM_TOL[dtype])
 
 
 def check_small_linear_rejects_a_short_tail():

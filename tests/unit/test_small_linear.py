@@ -188,3 +188,40 @@ def test_several_row_broadcast_programs_run_one_warp():
         assert choose_blocks(1, n, k, gate_up=gate_up).num_warps == 4
     big = choose_blocks(4, 3072, 2048)  # a [2, 4, 2048] product
     assert not big.use_dot and big.num_warps == 4
+
+
+# ---- int8 weights (a draft LM head, HeadProposer's draft_lm_head_dtype) ----------------------
+
+
+def test_quantize_int8_rows_round_trip_and_scales():
+    """Per row: the largest |w| maps to +-127, every value to the nearest integer step (error at
+    most half a step), an all-zero row to zeros with scale 1."""
+    from outpace.kernels.small_linear import quantize_int8_rows
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(40, 96, generator=g) * torch.linspace(0.01, 3.0, 40)[:, None]
+    w[7] = 0.0
+    q, scale = quantize_int8_rows(w)
+    assert q.dtype == torch.int8 and scale.dtype == torch.float32 and scale.shape == (40,)
+    assert torch.equal(scale[7], torch.tensor(1.0)) and not q[7].any()
+    nonzero = [i for i in range(40) if i != 7]
+    assert (q[nonzero].abs().amax(dim=1) == 127).all()
+    err = (q.float() * scale[:, None] - w).abs()
+    assert (err <= scale[:, None] / 2 + 1e-7).all()
+    torch.testing.assert_close(scale[nonzero], w[nonzero].abs().amax(dim=1) / 127)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_int8_linear_ref_and_dispatcher(dtype):
+    """(x @ q.T) * scale summed in fp32, one rounding to x's dtype; off CUDA the dispatcher is the
+    reference, and it also takes the integers held as fp32 (what HeadProposer keeps on CPU)."""
+    from outpace.kernels.small_linear import int8_linear, int8_linear_ref, quantize_int8_rows
+    x, w, _ = _inputs(3, 50, 64, dtype, seed=4, w_dtype=torch.float32)
+    q, scale = quantize_int8_rows(w)
+    y = int8_linear_ref(x, q, scale)
+    assert y.dtype == dtype and y.shape == (3, 50)
+    want = ((x.double() @ q.double().T) * scale.double()).to(dtype)
+    torch.testing.assert_close(y, want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(int8_linear(x, q, scale), y)
+    assert torch.equal(int8_linear(x, q.float(), scale), y)
+    # close to the unquantized product: the error is the rounding of the weights
+    torch.testing.assert_close(y.float(), (x.float() @ w.T), atol=0.1, rtol=0.05)
