@@ -288,6 +288,9 @@ def make_eagle3_reduced(gguf, tmp, draft_vocab_size: int = 32000) -> Path:
     return out
 
 
+EAGER_MIXED = "@eager-mixed"
+
+
 def smol_configs(k, force_means, eagle, mtp, eagle_reduced=None) -> list:
     """The SmolLM2 section's (name, speculative_config) pairs; eagle_reduced (a head from
     make_eagle3_reduced) adds its force-accept 3, k = 2 row."""
@@ -388,8 +391,12 @@ def section_smol(args, results):
     configs = smol_configs(args.k, args.force_means, eagle, mtp,
                            make_eagle3_reduced(args.gguf, tmp))
     if args.configs:
-        configs = [c for c in configs + model_free_variants(args.k)
-                   if c[0] in args.configs.split(",")]
+        named = args.configs.split(",")
+        pool = configs + model_free_variants(args.k)
+        # "<config>@eager-mixed": that configuration with its varlen graphs dropped, so steps
+        # of several prefill chunks (or chunks beside decodes) run eagerly, as before run 24
+        pool += [(f"{n}{EAGER_MIXED}", c) for n, c in pool if f"{n}{EAGER_MIXED}" in named]
+        configs = [c for c in pool if c[0] in named]
     # Process warm-up: the first engine of a process otherwise pays CUDA's lazy module loading
     # and first-use kernel selection inside its timed runs (seen as slow batch-1 prefill). Full
     # length: Triton compiles a kernel variant per new integer specialization (a length that
@@ -409,6 +416,8 @@ def section_smol(args, results):
                                   speculative_config=spec, max_num_seqs=max(args.batches),
                                   num_kv_blocks=args.kv_blocks, quiet=True,
                                   enable_prefix_caching=PREFIX_CACHING, **budget)
+        if name.endswith(EAGER_MIXED) and eng.runner.graphs is not None:
+            eng.runner.graphs.varlen_graphs.clear()
         spec_k = 0 if spec is None else spec["num_speculative_tokens"]
         # Warm-up at every batch size: Triton compiles a kernel per new tile configuration;
         # the largest batch at full length (a compile there would dwarf its short timed run).

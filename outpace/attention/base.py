@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 
@@ -35,6 +36,10 @@ class AttentionMetadata:
     seq_lens_host: list = field(default_factory=list)  # [B]
     max_query_len: int = 1
     max_seq_len: int = 1
+    # [n, 2] int32 (sequence, query block) pairs for the Triton attention's programs (a graph
+    # of many prefill sequences, triton_paged.tile_map_for); None: every sequence x every block
+    # of the longest query
+    tile_map: Optional[torch.Tensor] = None
 
     @property
     def num_seqs(self) -> int:

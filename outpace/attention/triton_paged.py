@@ -50,6 +50,7 @@ import functools
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from outpace.attention.base import AttentionBackend, AttentionMetadata
@@ -101,6 +102,24 @@ def choose_tiles(max_query_len: int, group: int, head_dim: int, dtype: torch.dty
     return TileConfig(block_m // gp, block_m, block_n, warps, 2)
 
 
+def tile_map_for(query_lens: np.ndarray, max_tiles: int, block_q: int) -> np.ndarray:
+    """[max_tiles, 2] int32 (sequence, query block) pairs, one per block_q query tokens of each
+    sequence, then spare entries (0, a block past any sequence) that do nothing. Raises when
+    the sequences need more than max_tiles."""
+    blocks = -(-query_lens.astype(np.int64) // block_q)
+    n = int(blocks.sum())
+    if n > max_tiles:
+        raise ValueError(f"{n} query tiles do not fit a map of {max_tiles}")
+    out = np.empty((max_tiles, 2), np.int32)
+    seqs = np.repeat(np.arange(len(query_lens), dtype=np.int32), blocks)
+    out[:n, 0] = seqs
+    starts = np.cumsum(blocks) - blocks  # each sequence's first entry
+    out[:n, 1] = np.arange(n, dtype=np.int64) - np.repeat(starts, blocks)
+    out[n:, 0] = 0
+    out[n:, 1] = 1 << 30  # past any sequence's queries: inactive
+    return out
+
+
 def choose_splits(num_tiles: int, sm_count: int, max_splits: int) -> int:
     """Split-KV factor (power of two) so that roughly every SM gets a program."""
     if num_tiles >= sm_count or max_splits <= 1:
@@ -149,13 +168,20 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, meta: A
         ws_l = torch.empty_like(ws_m)
     else:
         ws_acc = ws_m = ws_l = out  # unused by the kernel; any pointer will do
-    grid = (max(1, -(-meta.max_query_len // cfg.block_q)), num_seqs, hkv * num_splits)
+    tiles = meta.tile_map
+    if tiles is not None:  # (sequence, query block) pairs: see tile_map_for
+        if num_splits > 1 or tiles.shape[1] != 2:
+            raise ValueError("a tile map needs one split and [n, 2] (sequence, block) pairs")
+        grid = (tiles.shape[0], 1, hkv)
+    else:
+        grid = (max(1, -(-meta.max_query_len // cfg.block_q)), num_seqs, hkv * num_splits)
     opts = pdl.launch_options(q)
     fused_merge = (num_splits > 1 and split_counters is not None
                    and split_counters.numel() >= grid[0] * grid[1] * hkv)
     _paged_attn_kernel[grid](
         q, kc, vc, out, ws_acc, ws_m, ws_l, split_counters if fused_merge else out,
         meta.query_start_loc, meta.seq_lens, meta.block_tables,
+        tiles if tiles is not None else meta.seq_lens,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kc.stride(0), kc.stride(1), kc.stride(2), meta.block_tables.stride(0),
         t, hq, float(scale) * LOG2E, min_chunk, d, kc.shape[1],
@@ -163,7 +189,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, meta: A
         BLOCK_N=cfg.block_n, BLOCK_D=block_d, NUM_SPLITS=num_splits,
         IS_FP32=q.dtype == torch.float32, FUSED_MERGE=fused_merge,
         PREFETCH=prefetches(meta.max_query_len, num_seqs, d) if prefetch is None else prefetch,
-        num_warps=cfg.num_warps,
+        TILE_MAP=tiles is not None, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **opts)
     if num_splits > 1 and not fused_merge:
         _merge_splits_kernel[(t, hq)](
@@ -216,6 +242,12 @@ class TritonPagedBackend(AttentionBackend):
         tiles = math.ceil(meta.max_query_len / cfg.block_q) * meta.seq_lens.shape[0] \
             * self.num_kv_heads
         return choose_splits(tiles, self.sm_count, self.max_kv_splits)
+
+    def varlen_block_q(self, dtype: torch.dtype) -> int:
+        """Query tokens per tile of a launch with more than 16 query rows and q of `dtype`: the
+        unit of a tile map (AttentionMetadata.tile_map) for such launches."""
+        return choose_tiles(17, self.num_heads // self.num_kv_heads, self.head_dim,
+                            dtype).block_q
 
     def forward(self, layer, q, k, v, meta: AttentionMetadata):
         """q [T, Hq, D], k/v [T, Hkv, D] -> out [T, Hq, D]; writes k/v at meta.slot_mapping."""

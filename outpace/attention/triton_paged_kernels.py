@@ -90,14 +90,14 @@ if triton is not None:
     @triton.jit
     def _paged_attn_kernel(
             q_ptr, kc_ptr, vc_ptr, out_ptr, ws_acc_ptr, ws_m_ptr, ws_l_ptr, cnt_ptr,
-            qsl_ptr, seq_lens_ptr, bt_ptr,
+            qsl_ptr, seq_lens_ptr, bt_ptr, tile_ptr,
             stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_co, stride_ch,
             stride_bt, num_tokens, num_q_heads, qk_scale, min_chunk, HEAD_DIM,
             BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
             BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
             BLOCK_D: tl.constexpr,
             NUM_SPLITS: tl.constexpr, IS_FP32: tl.constexpr, FUSED_MERGE: tl.constexpr,
-            PREFETCH: tl.constexpr, USE_PDL: tl.constexpr):
+            PREFETCH: tl.constexpr, TILE_MAP: tl.constexpr, USE_PDL: tl.constexpr):
         # PREFETCH: before the PDL wait (kernels/pdl.py) the kernel reads what only kernels at
         # least two launches back wrote, which have finished once it runs (its predecessor
         # launched it after its own wait): the step's query layout, lengths and block tables,
@@ -108,8 +108,16 @@ if triton is not None:
         # PREFETCH the kernel waits before its first load (see paged_attention for when).
         if not PREFETCH:
             wait_then_release(USE_PDL)
-        qb = tl.program_id(0)
-        seq = tl.program_id(1)
+        if TILE_MAP:
+            # program_id(0) indexes a list of (sequence, query block) pairs staged with the
+            # batch (a graph of many prefill sequences: a grid of every sequence x the longest
+            # one's blocks would be mostly empty programs); a spare entry is (0, a block past
+            # any sequence), which the `active` test below turns away
+            seq = tl.load(tile_ptr + 2 * tl.program_id(0))
+            qb = tl.load(tile_ptr + 2 * tl.program_id(0) + 1)
+        else:
+            qb = tl.program_id(0)
+            seq = tl.program_id(1)
         kvh = tl.program_id(2) // NUM_SPLITS
         split = tl.program_id(2) % NUM_SPLITS
         q_start = tl.load(qsl_ptr + seq, cache_modifier=".cg")

@@ -167,7 +167,7 @@ class LLMEngine:
             needed = needed or wants(req, d + 1)  # left after N's tokens
         if not needed:
             return None
-        if not all(sched.reserve_chained(sr.request, kd) for sr in plan.scheduled):
+        if not sched.reserve_chained([sr.request for sr in plan.scheduled], kd):
             return None
         table = self.kv.block_table  # read before anything changes them (ChainedTables)
         return self.runner.chain(launched, [table(rid) for rid in launched.rows])
@@ -200,7 +200,7 @@ class LLMEngine:
         if not needed or q is None or \
                 len(launched.rows) * q > self.config.scheduler.max_num_batched_tokens:
             return None
-        if not all(sched.reserve_chained(sr.request, q - 1) for sr in plan.scheduled):
+        if not sched.reserve_chained([sr.request for sr in plan.scheduled], q - 1):
             return None
         for rid, d in drafts.items():  # the commit makes them the requests' next drafts
             result.outputs[rid].next_draft_token_ids = d

@@ -156,10 +156,7 @@ class KVCacheManager:
         if blocks is None:
             blocks = self._blocks[rid] = []
             self._hashes[rid], self._num_cached[rid] = [], 0
-        tokens = request.num_computed_tokens + num_new_tokens
-        if num_lookahead_tokens > 0 and tokens < self.max_model_len:
-            tokens += min(num_lookahead_tokens, self.max_model_len - tokens)
-        need = -(-tokens // self.block_size) - len(blocks)
+        need = self._blocks_short(request, blocks, num_new_tokens, num_lookahead_tokens)
         if need > 0:
             if need > self.pool.num_free_blocks:
                 return False
@@ -171,6 +168,23 @@ class KVCacheManager:
             self.stats.num_query_tokens += pending[0]
             self.stats.num_hit_tokens += pending[1]
         return True
+
+    def _blocks_short(self, request, blocks, num_new_tokens: int,
+                      num_lookahead_tokens: int) -> int:
+        """Blocks allocate_slots would have to add to `blocks` (the request's table)."""
+        tokens = request.num_computed_tokens + num_new_tokens
+        if num_lookahead_tokens > 0 and tokens < self.max_model_len:
+            tokens += min(num_lookahead_tokens, self.max_model_len - tokens)
+        return -(-tokens // self.block_size) - len(blocks)
+
+    def can_allocate_all(self, requests, num_new_tokens: int, num_lookahead_tokens: int) -> bool:
+        """Whether allocate_slots(r, num_new_tokens, num_lookahead_tokens) would succeed for
+        every one of `requests` in turn: their missing blocks together fit in the free pool."""
+        need = 0
+        for r in requests:
+            need += max(0, self._blocks_short(r, self._blocks.get(r.request_id, ()),
+                                              num_new_tokens, num_lookahead_tokens))
+        return need <= self.pool.num_free_blocks
 
     def cache_committed(self, request, num_committed_tokens: int) -> None:
         """Register the hashes of blocks that became full of committed tokens (KV written)."""

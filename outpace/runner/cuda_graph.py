@@ -19,6 +19,19 @@ model whose GPU time is ~1 ms (benchmarks/diag_prefill.py): the whole of TTFT.
 
     prefill graph(q): input_ids/positions/slot_mapping[:q], one sequence (full-width table)
                       -> hidden [q, H], aux [q, H] each, logits [1, V]
+
+Any other batch (several requests' prefill chunks, prefill chunks beside decodes: the first
+steps of a batch, every step that admits a request while others decode) is replayed from a
+varlen graph of T >= its tokens (VARLEN_TOKENS) over every sequence slot of the buffers: the
+real sequences, then the padding rows as sequences of their own (slot -1, the null block's
+table, positions from 0), then empty sequences. The attention's programs follow a tile map
+staged with the batch (one per 32 or so query tokens of a sequence; triton_paged.tile_map_for),
+so empty sequences cost nothing. The graph stops at the hidden states; the few rows that get
+logits go through the LM head after it. Eagerly such a step was ~300 kernel launches, 20-26 ms
+of host time on the H200 machine for a batch of 32 prompts (run 23: batch-32 TTFT 26 ms).
+
+    varlen graph(T): input_ids/positions/slot_mapping[:T], max_seqs sequences, tile map
+                     -> hidden [T, H], aux [T, H] each
 """
 
 from __future__ import annotations
@@ -37,12 +50,15 @@ log = logging.getLogger(__name__)
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 # Prefill graph sizes: padding wastes at most a third of a prefill's rows past 32 tokens.
 PREFILL_TOKENS = (16, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+# Varlen graph sizes (up to the step's token budget, which is always one of them too).
+VARLEN_TOKENS = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 
 class GraphRunner:
     def __init__(self, model, backend, inputs, capture_layers: tuple, max_num_seqs: int,
-                 q_lens: tuple, max_tokens: int):
+                 q_lens: tuple, max_tokens: int, max_model_len: int):
         self.model = model
+        self.max_model_len = max_model_len  # positions stay below it (the rope tables)
         self.backend = backend
         self.inputs = inputs
         self.capture_layers = capture_layers
@@ -52,6 +68,21 @@ class GraphRunner:
         self.graphs: dict = {}  # (bucket, q) -> (graph, hidden, aux, logits)
         self.prefill_q = tuple(q for q in PREFILL_TOKENS if q <= max_tokens)
         self.prefill_graphs: dict = {}  # q -> (graph, hidden, aux, logits [1, V])
+        # (above 16 tokens: the attention's prefill tiles, whatever the batch's longest query;
+        # at most what the sequence slots can hold, each sequence below max_model_len)
+        limit = min(max_tokens, inputs.max_seqs * max_model_len)
+        self.varlen_t = tuple(sorted({t for t in VARLEN_TOKENS if 16 < t < limit}
+                                     | ({limit} if limit > 16 else set())))
+        self.varlen_graphs: dict = {}  # T -> (graph, hidden, aux)
+        self.varlen_replays = 0  # steps served by them (tests read it)
+        # The attention's (sequence, query block) pairs for varlen graphs: a tile per block_q
+        # tokens, and per sequence at most one partial tile (backends without tiles: none).
+        block_q = getattr(backend, "varlen_block_q", None)
+        self.tile_block_q = block_q(model.dtype) if block_q is not None else None
+        self.tile_map = None
+        if self.tile_block_q is not None:
+            self.max_tiles = -(-max_tokens // self.tile_block_q) + inputs.max_seqs
+            (self.tile_map,) = inputs.add_buffers([((self.max_tiles, 2), torch.int32)])
         self.pool = None
 
     def bucket_for(self, num_seqs: int):
@@ -87,9 +118,12 @@ class GraphRunner:
         for q in reversed(self.prefill_q):
             self.inputs.logits_indices[:1].fill_(q - 1)
             self.prefill_graphs[q] = self._capture_over_dummy(1, q, self._prefill_forward)
-        log.info("captured %d CUDA graphs (buckets %s, q %s) and %d prefill graphs (up to %s "
-                 "tokens)", len(self.graphs), self.buckets, self.q_lens, len(self.prefill_graphs),
-                 max(self.prefill_q, default=0))
+        for t in reversed(self.varlen_t):
+            self.varlen_graphs[t] = self._capture_varlen(t)
+        log.info("captured %d CUDA graphs (buckets %s, q %s), %d prefill graphs (up to %s "
+                 "tokens) and %d varlen graphs (up to %s)", len(self.graphs), self.buckets,
+                 self.q_lens, len(self.prefill_graphs), max(self.prefill_q, default=0),
+                 len(self.varlen_graphs), max(self.varlen_t, default=0))
 
     def _capture_over_dummy(self, bucket: int, q: int, forward) -> tuple:
         """forward(ids, pos, ctx) over a dummy batch of `bucket` sequences of q tokens, warmed up
@@ -104,6 +138,83 @@ class GraphRunner:
             forward(ids, pos, ctx)
         graph, outs = self.capture(lambda: forward(ids, pos, ctx))
         return (graph, *outs)
+
+    def _varlen_meta(self, t: int) -> AttentionMetadata:
+        buf = self.inputs
+        m = buf.max_seqs
+        return AttentionMetadata(
+            slot_mapping=buf.slot_mapping[:t], query_start_loc=buf.query_start_loc[:m + 1],
+            seq_lens=buf.seq_lens[:m], block_tables=buf.block_tables[:m], max_query_len=t,
+            max_seq_len=buf.max_blocks * self.backend.block_size, tile_map=self.tile_map)
+
+    def _capture_varlen(self, t: int) -> tuple:
+        """The varlen graph of t tokens, warmed up and captured over a batch of padding."""
+        buf = self.inputs
+        self.load_varlen(HostBatch(*(np.zeros(0, np.int64),) * 3, np.zeros(1, np.int32),
+                                   np.zeros(0, np.int32), np.zeros((0, 1), np.int32),
+                                   np.zeros(0, np.int64)), t)
+        ctx = ForwardContext(self.backend, self._varlen_meta(t))
+        ids, pos = buf.input_ids[:t], buf.positions[:t]
+
+        def forward():
+            return self.model(ids, pos, ctx, capture_layers=self.capture_layers)
+        for _ in range(2):  # warm-up: Triton compiles, cuBLAS picks its kernels
+            forward()
+        graph, (hidden, aux) = self.capture(forward)
+        return graph, hidden, aux
+
+    def varlen_t_for(self, num_tokens: int, num_seqs: int):
+        """The varlen graph a batch of num_tokens over num_seqs sequences pads to, or None (no
+        such graph, or no sequence slots left for its padding rows)."""
+        t = next((t for t in self.varlen_t if t >= num_tokens), None)
+        if t is None or not self.varlen_graphs:
+            return None
+        pad_seqs = -(-(t - num_tokens) // self.max_model_len)
+        return t if num_seqs + pad_seqs <= self.inputs.max_seqs else None
+
+    def load_varlen(self, hb: HostBatch, t: int) -> None:
+        """hb padded to t tokens over every sequence slot (see the module docstring), staged.
+        The padding rows form sequences of at most max_model_len tokens."""
+        buf = self.inputs
+        n, b, m = len(hb.input_ids), len(hb.seq_lens), buf.max_seqs
+        pad = t - n
+        span = self.max_model_len
+        lens = [min(span, pad - i) for i in range(0, pad, span)]  # the padding's sequences
+        if b + len(lens) > m:
+            raise ValueError(f"{b} sequences and {len(lens)} of padding exceed {m} slots")
+        pos = np.concatenate([hb.positions] + [np.arange(k, dtype=np.int64) for k in lens])
+        q_lens = np.zeros(m, np.int64)
+        q_lens[:b] = np.diff(hb.query_start_loc)
+        q_lens[b:b + len(lens)] = lens
+        qsl = np.zeros(m + 1, np.int32)
+        np.cumsum(q_lens, out=qsl[1:])
+        seq_lens = np.zeros(m, np.int32)
+        seq_lens[:b] = hb.seq_lens
+        seq_lens[b:b + len(lens)] = lens
+        bt = np.zeros((m, buf.max_blocks), np.int32)  # the padding reads the null block
+        bt[:b, :hb.block_tables.shape[1]] = hb.block_tables
+        padded = HostBatch(np.concatenate([hb.input_ids, np.zeros(pad, np.int64)]), pos,
+                           np.concatenate([hb.slot_mapping, np.full(pad, -1, np.int64)]),
+                           qsl, seq_lens, bt, hb.logits_indices)
+        extra = ()
+        if self.tile_map is not None:
+            extra = ((self.tile_map, self._tiles(q_lens)),)
+        buf.stage(padded, extra)
+
+    def _tiles(self, q_lens: np.ndarray) -> np.ndarray:
+        from outpace.attention.triton_paged import tile_map_for
+        return tile_map_for(q_lens, self.max_tiles, self.tile_block_q)
+
+    def run_varlen(self, hb: HostBatch, t: int, logits_fn):
+        """hb padded to the varlen graph of t tokens, replayed; logits_fn(hidden rows) -> the
+        logits of hb.logits_indices' rows. -> (hidden [n, H], aux, logits [N, V], metadata)."""
+        n, num = len(hb.input_ids), len(hb.logits_indices)
+        self.load_varlen(hb, t)
+        graph, hidden, aux = self.varlen_graphs[t]
+        graph.replay()
+        self.varlen_replays += 1
+        rows = hidden.index_select(0, self.inputs.logits_indices[:num])
+        return hidden[:n], [a[:n] for a in aux], logits_fn(rows), self._meta_of(hb)
 
     def fill_dummy(self, bucket: int, q: int) -> None:
         """A valid batch that writes nowhere (slot -1): each sequence attends to its own q
@@ -195,14 +306,17 @@ class GraphRunner:
         return hidden, aux, logits[:num_sampled], self._meta_of(hb, full_width=True)
 
     def _meta_of(self, hb: HostBatch, full_width: bool = False) -> AttentionMetadata:
-        """Metadata of the real (unpadded) batch in the fixed buffers, for the proposer."""
+        """Metadata of the real (unpadded) batch in the fixed buffers, for the proposer: its
+        sequences come first there, each with its own rows (padded to a uniform length in a
+        bucket's graph, then the staged batch's query starts are hb's)."""
         buf = self.inputs
         b = len(hb.seq_lens)
-        q = int(hb.query_start_loc[1] - hb.query_start_loc[0])
         width = buf.max_blocks if full_width else hb.block_tables.shape[1]
         return AttentionMetadata(
-            slot_mapping=buf.slot_mapping[:b * q], query_start_loc=buf.query_start_loc[:b + 1],
+            slot_mapping=buf.slot_mapping[:int(hb.query_start_loc[-1])],
+            query_start_loc=buf.query_start_loc[:b + 1],
             seq_lens=buf.seq_lens[:b], block_tables=buf.block_tables[:b, :width],
             query_start_loc_host=hb.query_start_loc.tolist(),  # sync-ok: numpy
             seq_lens_host=hb.seq_lens.tolist(),  # sync-ok: numpy
-            max_query_len=q, max_seq_len=int(hb.seq_lens.max()))
+            max_query_len=int(np.diff(hb.query_start_loc).max()),
+            max_seq_len=int(hb.seq_lens.max()))

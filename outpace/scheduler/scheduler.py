@@ -278,12 +278,24 @@ class Scheduler:
         max_tokens = req.sampling_params.max_tokens
         return max_tokens is None or max_tokens - len(req.output_token_ids) > num_tokens
 
-    def reserve_chained(self, req: Request, kd: int) -> bool:
+    def reserve_chained(self, requests: list, kd: int) -> bool:
         """Blocks, now, for the step a device will launch after the one just scheduled, whose
-        outcome isn't known yet (all or nothing). Worst case every draft of this step is
-        accepted: the next one then holds 1 + kd tokens past these, its draft loop writes up
-        to kd - 1 further, and schedule_chained asks for our usual lookahead past its tokens."""
-        return self.kv.allocate_slots(req, 0, 1 + kd + max(kd, self.num_lookahead_tokens))
+        outcome isn't known yet: for every request of `requests` or for none (a chain given up
+        must not leave some of them holding blocks early, which could preempt another request
+        an unchained engine would have kept). Worst case every draft of this step is accepted:
+        the next one then holds 1 + kd tokens past these, its draft loop writes up to kd - 1
+        further, and schedule_chained asks for our usual lookahead past its tokens."""
+        ahead = 1 + kd + max(kd, self.num_lookahead_tokens)
+        kv = self.kv
+        # Counting every request's missing blocks first costs a loop over the batch; skip it
+        # when the pool holds the most each reservation can add (the common case)
+        if kv.num_free_blocks < len(requests) * (-(-ahead // kv.block_size) + 1) \
+                and not kv.can_allocate_all(requests, 0, ahead):
+            return False
+        for req in requests:
+            if not kv.allocate_slots(req, 0, ahead):  # pragma: no cover - checked above
+                raise RuntimeError(f"blocks for {req.request_id}'s chained step vanished")
+        return True
 
     def schedule_chained(self, prev: StepPlan) -> StepPlan:
         """The plan of the step the device launched from prev's outputs (LLMEngine.step), made

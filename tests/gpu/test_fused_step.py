@@ -91,6 +91,8 @@ def test_graph_replay_equals_eager(cuda_loaded, cuda_heads, method, k, opts, ove
     assert got == want
     assert got_drafts == want_drafts
     assert graphed.runner.fused.replays > 20
+    # the five prompts' prefill step: several requests, a varlen graph
+    assert graphed.runner.graphs.varlen_replays >= 1
     assert graphed.stats()["spec"] == eager.stats()["spec"]
     chained = graphed.runner.fused.chained
     assert chained > 10 if overlap and method != "ngram" else chained == 0
@@ -115,6 +117,40 @@ def test_cuda_engine_equals_cpu_engine(cuda_loaded, cuda_heads, method, k, num_p
     want = run_batch(cpu, prompts, GREEDY)
     got = run_batch(gpu_engine(cuda_loaded, spec, eager=False), prompts, GREEDY)
     assert got == want
+
+
+@pytest.mark.parametrize("method,k", [(None, 0), ("eagle3", 3), ("ngram", 3)])
+def test_varlen_graphs_with_arrivals_equal_eager(cuda_loaded, cuda_heads, method, k):
+    """Requests arriving while others decode, prompts in chunks of a small budget: the steps
+    that mix chunks and decodes replay varlen graphs (tile-mapped attention over padded
+    sequences); tokens and drafts equal the eager engine's."""
+    spec = spec_for(cuda_heads, method, k)
+    prompts = repetitive_prompts(7, 5)
+
+    def run(eager):
+        # (no overlap: the steps, and so the arrivals between them, line up with eager's)
+        eng = make_engine(cuda_loaded, device="cuda", dtype="float32", speculative_config=spec,
+                          max_num_seqs=8, enforce_eager=eager, max_num_batched_tokens=40,
+                          overlap=False)
+        drafts = record_drafts(eng)
+        outs, n = {}, 0
+        while n < len(prompts) or eng.has_unfinished_requests():
+            if n < len(prompts):  # one arrival every other step
+                eng.add_request(f"r{n}", prompts[n], GREEDY)
+                n += 1
+            for o in eng.step():
+                if o.finished:
+                    outs[o.request_id] = o.token_ids
+            if n < len(prompts):
+                for o in eng.step():
+                    if o.finished:
+                        outs[o.request_id] = o.token_ids
+        return eng, outs, drafts
+    _, want, want_drafts = run(True)
+    eng, got, got_drafts = run(False)
+    assert got == want and len(got) == len(prompts)
+    assert got_drafts == want_drafts
+    assert eng.runner.graphs.varlen_replays >= 5
 
 
 @pytest.mark.parametrize("method,k,opts", [(None, 0, {}), ("ngram", 3, {}),

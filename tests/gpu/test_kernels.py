@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import random
 
+import numpy as np
 import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -135,6 +136,30 @@ def test_attention_prefetch_sees_this_steps_kv(seqs):
         graph.replay()
         torch.cuda.synchronize()
         check_attention(b, static_out, scale)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("name", ["mixed", "prefill", "chunk", "chunk_after_ctx", "mixed_big"])
+def test_attention_tile_map(name, dtype):
+    """A varlen graph's launch (runner/cuda_graph.py): programs from a (sequence, query block)
+    map with spare entries, the longest query bound at the whole batch, padded sequences with
+    nothing to do; equal to the reference, and bit for bit to the launch over the full grid."""
+    from outpace.attention.triton_paged import choose_tiles, tile_map_for
+    seqs = SMALL.get(name) or BIG[name]
+    b = make_batch(seqs, 3, 3, 64, dtype, DEV, pad_seqs=3, pad_tokens=0, seed=len(name))
+    t = b.q.shape[0]
+    store_kv_triton(b.kv_cache, b.layer, b.k, b.v, b.meta.slot_mapping)
+    meta = dataclasses.replace(_no_host_mirrors(b.meta), max_query_len=max(t, 17))
+    block_q = choose_tiles(meta.max_query_len, 3, 64, dtype).block_q
+    q_lens = np.diff(b.meta.query_start_loc.cpu().numpy())
+    tiles = torch.from_numpy(tile_map_for(q_lens, -(-t // block_q) + len(q_lens) + 5,
+                                          block_q)).to(DEV)
+    out = paged_attention(b.q, b.kv_cache, b.layer, dataclasses.replace(meta, tile_map=tiles),
+                          0.125)
+    full = paged_attention(b.q, b.kv_cache, b.layer, meta, 0.125)
+    torch.cuda.synchronize()
+    check_attention(b, out, 0.125)
+    assert torch.equal(out, full)
 
 
 @pytest.mark.parametrize("prefetch", [False, True], ids=["wait-first", "prefetch"])

@@ -40,6 +40,9 @@ def spec_for(tiny_heads, method, k, **opts):
 # pass for a while; the plane must stay exact for when drafting resumes.
 CASES = [(None, 0, {}), ("ngram", 3, {}), ("suffix", 2, {}), ("eagle3", 1, {}),
          ("eagle3", 3, {}), ("mtp", 3, {}), ("eagle3", 3, {"k_schedule": [[2, 3]]}),
+         # k = 2 under the small pool: a chain given up must not leave blocks reserved
+         # (Scheduler.reserve_chained), or overlap preempts where eager doesn't
+         ("mtp", 2, {}),
          ("eagle3", 3, {"draft_lm_head_dtype": "int8"}),
          ("mtp", 3, {"draft_lm_head_dtype": "int8"})]
 CASE_IDS = [f"{m}-k{k}" + "".join(f"-{o}" for o in opts) for m, k, opts in CASES]

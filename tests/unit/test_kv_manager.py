@@ -168,6 +168,23 @@ def test_allocate_grows_incrementally_and_lookahead_is_capped():
     assert_all_free(kv)
 
 
+def test_can_allocate_all_counts_every_request_together():
+    """The chain's reservation (Scheduler.reserve_chained) asks for several requests at once:
+    each one alone may fit while all of them together don't."""
+    kv = make(num_blocks=9)  # block 0 is the null block: 8 usable
+    a, b = req("a", range(6)), req("b", range(100, 106))
+    for r in (a, b):
+        run_prefill(kv, r)  # 2 blocks each: 4 left
+    assert kv.num_free_blocks == 4
+    # 6 tokens + 6 ahead = 12 -> 3 blocks each, one more than held: 2 together
+    assert kv.can_allocate_all([a, b], 0, 6)
+    # 6 + 10 = 16 -> 4 blocks each, two more each: 4 together, exactly what is free
+    assert kv.can_allocate_all([a, b], 0, 10)
+    # 6 + 11 = 17 -> 5 blocks each: 3 more each, 6 together > 4, though one alone fits
+    assert kv.can_allocate_all([a], 0, 11) and not kv.can_allocate_all([a, b], 0, 11)
+    assert kv.num_free_blocks == 4  # asking takes nothing
+
+
 def test_block_table_is_the_live_table_and_block_ids_a_copy():
     kv = make(num_blocks=20, max_model_len=40)
     r = req("r", range(5))
