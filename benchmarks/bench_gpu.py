@@ -433,7 +433,8 @@ def section_smol(args, results):
                            for _ in range(args.reps)), key=lambda r: r["tok_s"])
             r = runs[len(runs) // 2]
             r.update(system="outpace", config=name, batch=b, k=spec_k,
-                     tok_s_runs=[x["tok_s"] for x in runs])
+                     tok_s_runs=[x["tok_s"] for x in runs],
+                     graph_capture_s=round(getattr(eng.runner.graphs, "capture_s", 0.0), 2))
             rows.append(r)
             print(r, flush=True)
         # Last (it replays over finished requests' freed blocks): the fused step's graph alone.

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 
 import numpy as np
 import torch
@@ -112,6 +113,7 @@ class GraphRunner:
     @torch.inference_mode()
     def capture_all(self) -> None:
         """Capture every (bucket, q), largest first so smaller graphs share its memory pool."""
+        t0 = time.perf_counter()
         for q in self.q_lens:
             for bucket in reversed(self.buckets):
                 self.graphs[(bucket, q)] = self._capture_over_dummy(bucket, q, self._forward)
@@ -120,10 +122,12 @@ class GraphRunner:
             self.prefill_graphs[q] = self._capture_over_dummy(1, q, self._prefill_forward)
         for t in reversed(self.varlen_t):
             self.varlen_graphs[t] = self._capture_varlen(t)
+        self.capture_s = time.perf_counter() - t0
         log.info("captured %d CUDA graphs (buckets %s, q %s), %d prefill graphs (up to %s "
-                 "tokens) and %d varlen graphs (up to %s)", len(self.graphs), self.buckets,
-                 self.q_lens, len(self.prefill_graphs), max(self.prefill_q, default=0),
-                 len(self.varlen_graphs), max(self.varlen_t, default=0))
+                 "tokens) and %d varlen graphs (up to %s) in %.1f s", len(self.graphs),
+                 self.buckets, self.q_lens, len(self.prefill_graphs),
+                 max(self.prefill_q, default=0), len(self.varlen_graphs),
+                 max(self.varlen_t, default=0), self.capture_s)
 
     def _capture_over_dummy(self, bucket: int, q: int, forward) -> tuple:
         """forward(ids, pos, ctx) over a dummy batch of `bucket` sequences of q tokens, warmed up

@@ -32,7 +32,7 @@ import torch
 from outpace.attention.base import ForwardContext
 from outpace.errors import ConfigError
 from outpace.kernels.argmax import argmax_rows
-from outpace.kernels.small_linear import int8_linear, quantize_int8_rows
+from outpace.kernels.small_linear import SMALL_M_MAX, int8_linear, quantize_int8_rows
 from outpace.runner.inputs import InputBuffers, build_host_batch
 from outpace.spec.base import DraftBatch, Proposer
 from outpace.spec.draft_length import DraftLengthPolicy
@@ -115,9 +115,11 @@ class HeadProposer(Proposer):
     def draft_ids_normed(self, normed, also: tuple = ()) -> torch.Tensor:
         """[N, H] draft_norm'ed hidden -> [N] target token ids (greedy), also written into
         `also` (at most two [N] int64 views: the fused step's output and carry columns).
-        With draft_lm_head_dtype "int8" the logits come from the int8 copy (half the bytes of
-        a bf16 LM head, the largest read of a small model's draft step)."""
-        if self._int8_lm_head is None:
+        With draft_lm_head_dtype "int8" the logits of up to SMALL_M_MAX rows come from the
+        int8 copy (half the bytes of a bf16 LM head, the largest read of a small model's draft
+        step at small batch). More rows share one read of the head's own LM head in a GEMM,
+        where the int8 copy has no kernel (its reference would convert the whole matrix)."""
+        if self._int8_lm_head is None or normed.shape[0] > SMALL_M_MAX:
             return self.draft_ids_from_lm_head(normed, also)
         q, scale, offsets = self._int8_lm_head
         return argmax_rows(int8_linear(normed, q, scale), offsets=offsets, also=also)

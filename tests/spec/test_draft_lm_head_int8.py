@@ -73,3 +73,21 @@ def test_int8_draft_lm_head_settings_are_checked(tiny_loaded, tiny_heads):
         make_engine(tiny_loaded, speculative_config=spec)
     eng = make_engine(tiny_loaded, speculative_config=head_spec(tiny_heads, "eagle3", 2))
     assert eng.runner.proposer._int8_lm_head is None  # off unless asked for
+
+
+def test_int8_draft_lm_head_serves_few_rows_only(tiny_loaded, tiny_heads):
+    """Up to SMALL_M_MAX rows (a draft step at small batch) the int8 copy gives the logits; more
+    rows take the head's own LM head, whose one read they share (no int8 kernel for them)."""
+    from outpace.kernels.small_linear import SMALL_M_MAX
+    eng = make_engine(tiny_loaded, speculative_config=head_spec(
+        tiny_heads, "eagle3", 2, draft_lm_head_dtype="int8"))
+    proposer = eng.runner.proposer
+    weight, offsets = proposer.draft_lm_head()
+    deq = dequantized_lm_head(weight)
+    g = torch.Generator().manual_seed(5)
+    many = torch.randn(SMALL_M_MAX + 4, weight.shape[1], generator=g)
+    assert torch.equal(proposer.draft_ids_normed(many), proposer.draft_ids_from_lm_head(many))
+    few = many[:SMALL_M_MAX]
+    want = (few @ deq.T).argmax(-1)
+    got = proposer.draft_ids_normed(few)
+    assert torch.equal(got, want + offsets[want])
