@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks import diag_l2_persist  # noqa: E402
+from benchmarks.diag_l2_persist import step_fn, step_weights  # noqa: E402
 from outpace.kernels.small_linear import (  # noqa: E402
     Blocks, choose_blocks, int8_linear_ref, int8_linear_triton, quantize_int8_rows,
     small_linear_triton)
@@ -33,38 +35,8 @@ DEV = "cuda"
 H = 576
 
 
-def step_fn(layers, target_head, head_layer, draft, x):
-    def fn():
-        h = x
-        for w in layers:
-            h = F.linear(x, w)[:, :H]
-        F.linear(x, target_head)
-        for _ in range(2):
-            for w in head_layer:
-                h = F.linear(x, w)[:, :H]
-            draft(x)
-        return h
-    return fn
-
-
 def time_graph(fn, reps=200):
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, stream=stream):
-        fn()
-    for _ in range(10):
-        g.replay()
-    torch.cuda.synchronize()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    for _ in range(reps):
-        g.replay()
-    e.record()
-    e.synchronize()
-    return s.elapsed_time(e) * 1000 / reps, g
+    return diag_l2_persist.time_graph(fn, torch.cuda.Stream(), reps)
 
 
 def kernel_means(graph, reps=5):
@@ -121,14 +93,7 @@ def main():
     g = torch.Generator(device=DEV).manual_seed(0)
     res = {"device": torch.cuda.get_device_properties(0).name, "check": check_int8(g)}
     print(res["check"], flush=True)
-
-    def w(n, k=H):
-        return (torch.randn(n, k, device=DEV, generator=g) / k ** 0.5).bfloat16()
-
-    layers = [w(6144) for _ in range(30)]
-    target_head = w(49152)
-    head_layer = [w(1920), w(576), w(3072), w(1536)]  # EAGLE-3 qkv, o, gate_up, down sizes
-    x = torch.randn(1, H, device=DEV, generator=g).bfloat16()
+    w, layers, target_head, head_layer, x = step_weights(g)
     rows = []
     for vocab in (32000, 49152):
         dw = w(vocab)

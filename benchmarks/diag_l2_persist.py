@@ -72,7 +72,22 @@ def set_window(lib, stream: torch.cuda.Stream, t: torch.Tensor | None, hit_ratio
     return int(rc)
 
 
-def step_fn(layers, target_head, head_layer, draft_head, x):
+def step_weights(g):
+    """-> (w(n): a random bf16 [n, H] weight, the 30 layers' stand-ins, the target's LM head,
+    the head's layer, the one-row input)."""
+    def w(n, k=H):
+        return (torch.randn(n, k, device=DEV, generator=g) / k ** 0.5).bfloat16()
+
+    layers = [w(6144) for _ in range(30)]  # a SmolLM2 layer's 3.5M weights (7.1 MB) each
+    target_head = w(49152)
+    head_layer = [w(1920), w(576), w(3072), w(1536)]  # EAGLE-3 qkv, o, gate_up, down sizes
+    return w, layers, target_head, head_layer, torch.randn(1, H, device=DEV,
+                                                           generator=g).bfloat16()
+
+
+def step_fn(layers, target_head, head_layer, draft, x):
+    """A step-shaped sequence: the target's layers and LM head, then twice [the head's layer,
+    draft(x)] (draft: the draft LM head's product; diag_draft_lm_head.py varies it)."""
     def fn():
         h = x
         for w in layers:
@@ -81,7 +96,7 @@ def step_fn(layers, target_head, head_layer, draft_head, x):
         for _ in range(2):
             for w in head_layer:
                 h = F.linear(x, w)[:, :H]
-            F.linear(x, draft_head)
+            draft(x)
         return h
     return fn
 
@@ -119,21 +134,15 @@ def main():
     rc = lib.cudaDeviceSetLimit(6, ctypes.c_size_t(max_persist.value))  # PersistingL2CacheSize
     res["set_limit_rc"] = int(rc)
     g = torch.Generator(device=DEV).manual_seed(0)
-
-    def w(n, k=H):
-        return (torch.randn(n, k, device=DEV, generator=g) / k ** 0.5).bfloat16()
-
-    layers = [w(6144) for _ in range(30)]  # a SmolLM2 layer's 3.5M weights (7.1 MB) each
-    target_head = w(49152)
-    head_layer = [w(1920), w(576), w(3072), w(1536)]  # EAGLE-3 qkv, o, gate_up, down sizes
-    x = torch.randn(1, H, device=DEV, generator=g).bfloat16()
+    w, layers, target_head, head_layer, x = step_weights(g)
     rows = []
     for vocab in (32000, 49152):
         draft_head = w(vocab)
         for persist in (False, True, False):
             stream = torch.cuda.Stream()
             rc = set_window(lib, stream, draft_head if persist else None)
-            fn = step_fn(layers, target_head, head_layer, draft_head, x)
+            fn = step_fn(layers, target_head, head_layer,
+                         lambda x, w=draft_head: F.linear(x, w), x)
             us, graph = time_graph(fn, stream)
             # the draft LM heads alone, profiled in the graph
             from torch.profiler import ProfilerActivity, profile
