@@ -7,7 +7,7 @@ SmolLM2's 49152 x 576 bf16 that is 56.6 MB, ~16 us a read, ~5% of the step (run 
 This times a graph shaped like that step (diag_l2_persist.py's: 30 one-row GEMVs over a layer's
 7.1 MB each, the target's LM head, then twice [the head's layer, the draft LM head]) with the
 draft LM head as cuBLAS over bf16 (today's path), the few-row Triton kernel over bf16, and the
-same kernel over an int8 copy with a per-row scale (kernels/small_linear.int8_linear), for
+same kernel over an int8 copy with a per-row scale (kernels/int8_linear.py), for
 draft vocabularies of 32000 and 49152 ids; it also checks the int8 kernel against its
 reference on the tensor-core path. Writes $OUT/diag_draft_lm_head.json.
 """
@@ -27,9 +27,9 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks import diag_l2_persist  # noqa: E402
 from benchmarks.diag_l2_persist import step_fn, step_weights  # noqa: E402
-from outpace.kernels.small_linear import (  # noqa: E402
-    Blocks, choose_blocks, int8_linear_ref, int8_linear_triton, quantize_int8_rows,
-    small_linear_triton)
+from outpace.kernels.int8_linear import (  # noqa: E402
+    int8_linear_ref, int8_linear_triton, quantize_int8_rows)
+from outpace.kernels.small_linear import Blocks, choose_blocks, small_linear_triton  # noqa: E402
 
 DEV = "cuda"
 H = 576

@@ -3,7 +3,7 @@
     python benchmarks/int8_lm_head_agreement.py [--prompts 20] [--tokens 64]
 
 The speculative option draft_lm_head_dtype="int8" has a head draft from an int8 copy of its LM
-head (per-row scale, kernels/small_linear.quantize_int8_rows). The output does not change (the
+head (per-row scale, kernels/int8_linear.quantize_int8_rows). The output does not change (the
 target verifies every draft), but a draft the bf16 head would have proposed can be replaced
 where two logits lie within the quantization error, which costs acceptance. No trained head
 exists for SmolLM2, so this measures the nearest thing: the target's own LM head (an MTP head
@@ -28,7 +28,7 @@ from benchmarks.bench_gpu import prompt_set  # noqa: E402
 def main():
     import outpace.models.llama as llama
     from outpace import LLM, SamplingParams
-    from outpace.kernels.small_linear import int8_linear_ref, quantize_int8_rows
+    from outpace.kernels.int8_linear import int8_linear_ref, quantize_int8_rows
     ap = argparse.ArgumentParser()
     ap.add_argument("--prompts", type=int, default=20)
     ap.add_argument("--tokens", type=int, default=64)

@@ -73,23 +73,6 @@ def small_linear_ref(x: torch.Tensor, w: torch.Tensor, *,
     return (residual.float() + F.linear(x.float(), w.float())).to(residual.dtype)
 
 
-def quantize_int8_rows(w: torch.Tensor) -> tuple:
-    """w [N, K] -> (int8 [N, K], fp32 scale [N]): symmetric per-row (per output column)
-    weight-only quantization, w ~ q * scale with q = round(w / scale), scale = max|w_row| / 127
-    (an all-zero row gets scale 1)."""
-    wf = w.float()
-    scale = wf.abs().amax(dim=1) / 127.0
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = torch.round(wf / scale[:, None]).clamp_(-127, 127).to(torch.int8)
-    return q, scale
-
-
-def int8_linear_ref(x: torch.Tensor, w_q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x [M, K] @ (w_q [N, K] int8 * scale [N]).T: products of x and the integers summed in
-    fp32, times the column's scale, one rounding to x's dtype."""
-    return ((x.float() @ w_q.float().T) * scale.float()).to(x.dtype)
-
-
 def norm_small_linear_ref(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                           w: torch.Tensor) -> torch.Tensor:
     """rms_norm(x) rounded to x.dtype, @ w.T -> [M, N] of x.dtype."""
@@ -358,17 +341,6 @@ def small_linear_triton(x: torch.Tensor, w: torch.Tensor, *,
     return _launch(x, w, out, n_cols=w.shape[0], residual=residual, blocks=blocks)
 
 
-def int8_linear_triton(x: torch.Tensor, w_q: torch.Tensor, scale: torch.Tensor, *,
-                       out: Optional[torch.Tensor] = None,
-                       blocks: Optional[Blocks] = None) -> torch.Tensor:
-    """int8_linear_ref's product in one few-row launch: the int8 tile is converted to the
-    activation dtype in registers (exact) and the scale applied in the epilogue, so the weight
-    read is half of a bf16 weight's."""
-    x = _unit_last(x)
-    out = _out(out, x.shape[0], w_q.shape[0], x.dtype, x.device)
-    return _launch(x, w_q, out, n_cols=w_q.shape[0], scale=scale, blocks=blocks)
-
-
 def norm_small_linear_triton(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                              w: torch.Tensor, *, out: Optional[torch.Tensor] = None,
                              blocks: Optional[Blocks] = None) -> torch.Tensor:
@@ -439,17 +411,6 @@ def small_linear(x: torch.Tensor, w: torch.Tensor, *, residual: Optional[torch.T
     if _fast(x, w):
         return small_linear_triton(x, w, residual=residual, out=out)
     return _copy_to(out, small_linear_ref(x, w, residual=residual))
-
-
-def int8_linear(x: torch.Tensor, w_q: torch.Tensor, scale: torch.Tensor, *,
-                out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """y [M, N] = x [M, K] @ (w_q [N, K] int8 * scale [N] fp32).T in x's dtype. Triton for CUDA
-    inputs of at most SMALL_M_MAX rows, the reference otherwise."""
-    if (x.dim() == 2 and 1 <= x.shape[0] <= SMALL_M_MAX and w_q.dim() == 2
-            and w_q.is_contiguous() and w_q.dtype == torch.int8 and x.shape[1] == w_q.shape[1]
-            and scale.is_contiguous() and use_triton(x)):
-        return int8_linear_triton(x, w_q, scale, out=out)
-    return _copy_to(out, int8_linear_ref(x, w_q, scale))
 
 
 def norm_small_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, w: torch.Tensor,

@@ -32,7 +32,8 @@ import torch
 from outpace.attention.base import ForwardContext
 from outpace.errors import ConfigError
 from outpace.kernels.argmax import argmax_rows
-from outpace.kernels.small_linear import SMALL_M_MAX, int8_linear, quantize_int8_rows
+from outpace.kernels.int8_linear import int8_linear, quantize_int8_rows
+from outpace.kernels.small_linear import SMALL_M_MAX
 from outpace.runner.inputs import InputBuffers, build_host_batch
 from outpace.spec.base import DraftBatch, Proposer
 from outpace.spec.draft_length import DraftLengthPolicy

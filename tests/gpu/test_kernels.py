@@ -405,8 +405,9 @@ def test_int8_linear(n, k, m, use_dot, x_dtype):
     """An int8 draft LM head (HeadProposer's draft_lm_head_dtype): the tile converted exactly
     to the activation dtype (bf16 tensor cores, or the three bf16 pieces of fp32 x), the scale
     in the epilogue; against the reference's fp32 sum on fresh random inputs."""
-    from outpace.kernels.small_linear import (choose_blocks, int8_linear, int8_linear_ref,
-                                              int8_linear_triton, quantize_int8_rows)
+    from outpace.kernels.int8_linear import (int8_linear, int8_linear_ref, int8_linear_triton,
+                                             quantize_int8_rows)
+    from outpace.kernels.small_linear import choose_blocks
     x, w, _ = _lin_inputs(m, n, k, torch.float32, seed=m + n + k, x_dtype=x_dtype)
     q, scale = quantize_int8_rows(w)
     blocks = choose_blocks(m, n, k, elem_bytes=1, x_bytes=x.element_size(), use_dot=use_dot)

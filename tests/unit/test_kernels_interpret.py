@@ -178,16 +178,16 @@ if IN_CHILD:
     from outpace.kernels.split_dot import split_pieces_ref, split_pieces_triton
     from outpace.kernels.rope import (apply_rope_and_store_ref, apply_rope_and_store_triton,
                                       apply_rope_ref, apply_rope_triton)
-    from outpace.kernels.small_linear import (Blocks, choose_blocks, int8_linear_ref,
-                                              int8_linear_triton, norm_qkv_rope_store_ref,
+    from outpace.kernels.int8_linear import (int8_linear_ref, int8_linear_triton,
+                                             quantize_int8_rows)
+    from outpace.kernels.small_linear import (Blocks, choose_blocks, norm_qkv_rope_store_ref,
                                               norm_qkv_rope_store_triton, norm_small_linear_ref,
                                               norm_small_linear_silu_mul_ref,
                                               norm_small_linear_silu_mul_triton,
                                               norm_small_linear_triton, silu_mul_ref,
                                               silu_mul_triton, small_linear_ref,
                                               small_linear_silu_mul_ref,
-                                              small_linear_silu_mul_triton, small_linear_triton,
-                                              quantize_int8_rows)
+                                              small_linear_silu_mul_triton, small_linear_triton)
     from outpace.kernels.step_glue import (accept_ref, accept_triton, chained_inputs_ref,
                                            chained_inputs_triton, loop_inputs_ref,
                                            loop_inputs_triton)

@@ -196,7 +196,7 @@ def test_several_row_broadcast_programs_run_one_warp():
 def test_quantize_int8_rows_round_trip_and_scales():
     """Per row: the largest |w| maps to +-127, every value to the nearest integer step (error at
     most half a step), an all-zero row to zeros with scale 1."""
-    from outpace.kernels.small_linear import quantize_int8_rows
+    from outpace.kernels.int8_linear import quantize_int8_rows
     g = torch.Generator().manual_seed(3)
     w = torch.randn(40, 96, generator=g) * torch.linspace(0.01, 3.0, 40)[:, None]
     w[7] = 0.0
@@ -214,7 +214,7 @@ def test_quantize_int8_rows_round_trip_and_scales():
 def test_int8_linear_ref_and_dispatcher(dtype):
     """(x @ q.T) * scale summed in fp32, one rounding to x's dtype; off CUDA the dispatcher is the
     reference, and it also takes the integers held as fp32 (what HeadProposer keeps on CPU)."""
-    from outpace.kernels.small_linear import int8_linear, int8_linear_ref, quantize_int8_rows
+    from outpace.kernels.int8_linear import int8_linear, int8_linear_ref, quantize_int8_rows
     x, w, _ = _inputs(3, 50, 64, dtype, seed=4, w_dtype=torch.float32)
     q, scale = quantize_int8_rows(w)
     y = int8_linear_ref(x, q, scale)
