@@ -177,16 +177,18 @@ class ModelRunner:
         hb = self._host_batch(plan, q_graph or q_prefill)
         if q_graph is not None and self.fused is not None and self.fused.accepts(plan):
             return self.fused.execute(plan, hb, q_graph)
-        t_varlen = None
-        if q_graph is None and q_prefill is None and self.graphs is not None:
-            t_varlen = self.graphs.varlen_t_for(len(hb.input_ids), len(hb.seq_lens))
+        # Any other step (several prefill chunks, chunks beside decodes): a varlen graph
+        t_varlen = (self.graphs.varlen_t_for(len(hb.input_ids), len(hb.seq_lens))
+                    if q_graph is None and q_prefill is None and self.graphs is not None
+                    else None)
+        if q_graph is not None:
+            hidden, aux, logits, meta = self.graphs.run(hb)
+        elif q_prefill is not None:
+            hidden, aux, logits, meta = self.graphs.run_prefill(hb)
+        elif t_varlen is not None:
+            hidden, aux, logits, meta = self.graphs.run_varlen(hb, t_varlen,
+                                                               self.model.compute_logits)
         if q_graph is not None or q_prefill is not None or t_varlen is not None:
-            if t_varlen is not None:
-                hidden, aux, logits, meta = self.graphs.run_varlen(hb, t_varlen,
-                                                                   self.model.compute_logits)
-            else:
-                run = self.graphs.run if q_graph is not None else self.graphs.run_prefill
-                hidden, aux, logits, meta = run(hb)
             t = len(hb.input_ids)
             ids, pos = self.inputs.input_ids[:t], self.inputs.positions[:t]
         else:
