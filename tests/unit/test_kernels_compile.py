@@ -6,6 +6,7 @@ would reject is caught here first. Each case is a configuration the launchers pi
 from __future__ import annotations
 
 import pytest
+import torch
 
 triton = pytest.importorskip("triton")
 
@@ -64,17 +65,36 @@ def test_attention_kernel_compiles(prefetch, splits, head_dim, group, precision)
         pytest.skip("fp32 decode tiles of 64 columns are for heads of at most 64")
     io = {"q_ptr": act, "out_ptr": act, "kc_ptr": pool, "vc_ptr": pool}
     ws = {n: "fp32" for n in ("ws_acc_ptr", "ws_m_ptr", "ws_l_ptr")}
-    i32 = {n: "i32" for n in ("cnt_ptr", "qsl_ptr", "seq_lens_ptr", "bt_ptr")}
+    i32 = {n: "i32" for n in ("cnt_ptr", "qsl_ptr", "seq_lens_ptr", "bt_ptr", "tile_ptr")}
     gp = 1 << (group - 1).bit_length()
     k = compile_for_h200(_paged_attn_kernel, {**io, **ws, **i32}, ("qk_scale",), {
         "BLOCK_SIZE": 16, "GROUP": group, "GROUP_PAD": gp, "BLOCK_Q": 16 // gp, "BLOCK_M": 16,
         "BLOCK_N": 64, "BLOCK_D": head_dim, "NUM_SPLITS": splits, "IS_FP32": fp32,
-        "FUSED_MERGE": splits > 1, "PREFETCH": prefetch, "USE_PDL": True},
+        "FUSED_MERGE": splits > 1, "PREFETCH": prefetch, "TILE_MAP": False, "USE_PDL": True},
         num_warps=4)
     assert k.asm["cubin"]
     assert "mma" in k.asm["ptx"]  # fp32 too: tensor cores (tf32x3 / bf16 pieces), not FMA
     if pool == "bf16":
         assert "bf16" in k.asm["ptx"]  # the bf16 pieces: bf16 tensor-core instructions
+
+
+@pytest.mark.parametrize("act", ["bf16", "fp32"])
+def test_attention_kernel_compiles_with_a_tile_map(act):
+    """A varlen graph's launch: prefill tiles (SmolLM2's group of 3, heads of 64), programs
+    from a (sequence, query block) map, one split."""
+    from outpace.attention.triton_paged import choose_tiles
+    from outpace.attention.triton_paged_kernels import _paged_attn_kernel
+    cfg = choose_tiles(64, 3, 64, torch.bfloat16 if act == "bf16" else torch.float32)
+    io = {"q_ptr": act, "out_ptr": act, "kc_ptr": act, "vc_ptr": act}
+    ws = {n: "fp32" for n in ("ws_acc_ptr", "ws_m_ptr", "ws_l_ptr")}
+    i32 = {n: "i32" for n in ("cnt_ptr", "qsl_ptr", "seq_lens_ptr", "bt_ptr", "tile_ptr")}
+    k = compile_for_h200(_paged_attn_kernel, {**io, **ws, **i32}, ("qk_scale",), {
+        "BLOCK_SIZE": 16, "GROUP": 3, "GROUP_PAD": 4, "BLOCK_Q": cfg.block_q,
+        "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_D": 64, "NUM_SPLITS": 1,
+        "IS_FP32": act == "fp32", "FUSED_MERGE": False, "PREFETCH": False, "TILE_MAP": True,
+        "USE_PDL": True}, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    assert k.asm["cubin"]
+    assert "mma" in k.asm["ptx"]
 
 
 # (HAS_NORM, SILU_MUL, ROPE_STORE, HAS_RESIDUAL, BLOCK_M, BLOCK_K, TAIL_K, warps): SmolLM2's
