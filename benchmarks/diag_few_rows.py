@@ -67,7 +67,7 @@ def policies(orig):
     # SmolLM2's norm + gate_up + silu (gate_up, norm, N = I = 1536), norm + qkv + rope + store
     # (gate_up, N = 480), o (576 x 576, residual) and down (K = 1536); the EAGLE-3 head's
     # projections have the same shapes except its qkv (K = 1152) and fc (K = 1728).
-    kinds = {"gu": lambda n, k, kw: kw.get("gate_up") and n >= 1024,
+    kinds = kinds_of = {"gu": lambda n, k, kw: kw.get("gate_up") and n >= 1024,
              "qkv": lambda n, k, kw: kw.get("gate_up") and n < 1024,
              "o": lambda n, k, kw: not kw.get("gate_up") and k < 1024,
              "down": lambda n, k, kw: not kw.get("gate_up") and k >= 1024}
@@ -122,6 +122,20 @@ def policies(orig):
                     setattr(sl, name, v)
         return f
 
+    def row_warps(rows=(2, 3, 4), block_n=2, block_m=0, k_max=2048, kinds=None):
+        # a warp a row (small_linear.row_warps_blocks) at these row counts, for rows of at most
+        # k_max columns and these kinds of projection (None: all); block_m: rows a program
+        # (0: all of them)
+        from outpace.kernels.small_linear import row_warps_blocks
+
+        def f(m, n, k, **kw):
+            b = orig(m, n, k, **kw)
+            if (m in rows and not b.use_dot and k <= k_max
+                    and (kinds is None or any(kinds_of[x](n, k, kw) for x in kinds))):
+                return row_warps_blocks(k, block_m or (1 << (m - 1).bit_length()), block_n)
+            return b
+        return f
+
     def as_one_row(m, n, k, **kw):
         # every row its own program, configured as a one-row launch (4 warps, one padded tile)
         if not few(m, n, k):
@@ -129,6 +143,14 @@ def policies(orig):
         return orig(1, n, k, **kw)
 
     return {"current": orig, "dot": dot, "as_m1": as_one_row,
+            "rw": row_warps(), "rw3": row_warps((3,)), "rw_n4": row_warps(block_n=4),
+            "rw_n1": row_warps(block_n=1),
+            "rw2": row_warps((2,)), "rw_m2": row_warps(block_m=2),
+            "rw_m2n4": row_warps(block_m=2, block_n=4), "rw2_m2n4": row_warps((2, 3), 4, 2),
+            "rw3_k1536": row_warps((3,), k_max=1536), "rw3_k576": row_warps((3,), k_max=576),
+            "no_rw": constants(_ROW_WARPS={}),
+            "rw3_gu": row_warps((3,), kinds=["gu"]), "rw3_down": row_warps((3,), kinds=["down"]),
+            "rw3_qkv": row_warps((3,), kinds=["qkv"]), "rw3_o": row_warps((3,), kinds=["o"]),
             "rows1": constants(_SUM_ROWS=1), "rows1_m8": constants(_SUM_ROWS=1, _SUM_MAX_M=8),
             "rows1_m16": constants(_SUM_ROWS=1, _SUM_MAX_M=16),
             "rows2_m8": constants(_SUM_MAX_M=8),

@@ -100,6 +100,10 @@ class Blocks(NamedTuple):
     num_stages: int
     use_dot: bool
     tail_k: int = 0  # > 0: K is whole block_k steps plus a remainder read as a tile this wide
+    # > 0: a warp a row (num_warps = block_m), the row read as rw_steps 256-column steps and
+    # rw_rest more (row_warps_blocks)
+    rw_steps: int = 0
+    rw_rest: int = 0
 
 
 # Numbers below are from benchmarks/bench_small_linear.py on an H200 (SmolLM2-135M and Llama-8B
@@ -137,6 +141,16 @@ _ONE_WARP_PRODUCT = 8192
 # row blocks of 4 lost to tl.dot on every SmolLM2 projection (qkv 3.8 vs 2.7 us, gate/up 7.2
 # vs 3.1; run 8 sweep, with PDL), so beyond 4 rows tl.dot it is.
 _SUM_MAX_M = 4
+# Row counts whose programs give each row a warp (`row_warps_blocks`): rows -> (rows a program,
+# columns a program). One program's warps read the same weight tile (the first from L2, the
+# others from L1) with the whole row loaded at once, each multiplying its own row. Step graphs
+# on the H200 (run 25, diag_few_rows_run25b/c/d.json; no-spec batch 2 / 4 decode, rows = batch):
+# 2 rows 0.597 -> 0.547 ms, 4 rows 0.675 -> 0.648 (2 rows, 4 columns a program; all 4 rows in
+# one program of 4 warps: 0.733). 3 rows (k = 2 verify at batch 1) lost in every form: one
+# program of 4 warps 0.635 -> 0.787 ms, two of 2 warps 0.795, any one projection alone
+# 0.646-0.712, so 3 keeps a one-warp program a row.
+_ROW_WARPS = {2: (2, 2), 4: (2, 4)}
+_ROW_WARPS_MAX_K = 1536  # measured up to down's 1536; wider rows would hold more registers
 
 
 @functools.lru_cache(maxsize=4096)  # a pure function of its arguments, asked every launch
@@ -152,7 +166,8 @@ def choose_blocks(M: int, N: int, K: int, *, elem_bytes: int = 2, x_bytes: int =
 
     Broadcast multiply + sum (M = 1 up to N = 16384, and M <= _SUM_MAX_M on a small weight,
     K <= 2048 and N <= 4096): a program takes at most _SUM_ROWS rows, one at _ONE_ROW_M rows
-    (a forced config with more rows runs more programs, each reading the same weight tile).
+    (a forced config with more rows runs more programs, each reading the same weight tile);
+    at _ROW_WARPS rows (K <= _ROW_WARPS_MAX_K) a warp a row instead (row_warps_blocks).
     BLOCK_K takes the whole row in one step when K <= 2048, so all of a program's loads are
     in flight at once (a small weight is below the GPU's bandwidth-delay product, and every
     serial K step costs a DRAM latency); longer rows go in steps of 1024.
@@ -188,6 +203,8 @@ def choose_blocks(M: int, N: int, K: int, *, elem_bytes: int = 2, x_bytes: int =
         return Blocks(block_m, block_n, block_k,
                       num_warps=4 if norm or block_n > 32 else 2,
                       num_stages=_DOT_STAGES, use_dot=True)
+    if M in _ROW_WARPS and K <= _ROW_WARPS_MAX_K:
+        return row_warps_blocks(K, *_ROW_WARPS[M])
     block_m = 1 if M in _ONE_ROW_M else min(next_pow2(M), _SUM_ROWS)
     block_k = k_max if k_max <= _SUM_ONE_STEP_K else _SUM_K
     block_k = min(block_k, max(_PRODUCT_BUDGET // (block_m * 2 * tiles), 16))
@@ -211,6 +228,20 @@ def choose_blocks(M: int, N: int, K: int, *, elem_bytes: int = 2, x_bytes: int =
     one_warp = M > 1 and block_m * block_n * tiles * (block_k + tail_k) <= _ONE_WARP_PRODUCT
     return Blocks(block_m, block_n, block_k, num_warps=1 if one_warp else 4, num_stages=2,
                   use_dot=False, tail_k=tail_k)
+
+
+def row_warps_blocks(K: int, block_m: int, block_n: int) -> Blocks:
+    """A broadcast-path launch with a warp a row (block_m warps): the row read as one tile of
+    rw_steps 256-column steps (32 lanes x 8 values each: wider steps would put warps on K)
+    and one of rw_rest more, masked past K, both loaded before the PDL wait. block_k (256)
+    serves the norm statistics' loop."""
+    steps = 1
+    while steps * 2 * 256 <= K:
+        steps *= 2
+    rest = K - steps * 256
+    rest_steps = next_pow2(_cdiv(rest, 256)) if rest > 0 else 0
+    return Blocks(block_m, block_n, 256, num_warps=block_m, num_stages=2, use_dot=False,
+                  rw_steps=steps, rw_rest=rest_steps)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -266,7 +297,8 @@ def _launch(x, w, out, *, n_cols, norm_weight=None, eps=0.0, residual=None, silu
         ROPE_STORE=rope_store is not None, TWO_TILES=two, HALF=rs.half, HQ=rs.hq, HKV=rs.hkv,
         CACHE_BLOCK=rs.cache_block, USE_DOT=cfg.use_dot,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, TAIL_K=cfg.tail_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_options(x))
+        RW_STEPS=cfg.rw_steps, RW_REST=cfg.rw_rest, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **pdl.launch_options(x))
     return out
 
 

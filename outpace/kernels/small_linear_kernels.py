@@ -87,6 +87,45 @@ if triton is not None:
         return acc, acc_u
 
     @triton.jit
+    def _load_w_row_warps(w_rows, u_rows, k0, n_mask, K, SILU_MUL: tl.constexpr,
+                          BLOCK_M: tl.constexpr, STEPS: tl.constexpr):
+        # Columns [k0, k0 + STEPS * 256) of the weight as [STEPS, BLOCK_N, BLOCK_M, 256], the
+        # same addresses for every row: with the rows on the axis before the lanes' 256 (32
+        # lanes x 8 values) Triton gives each warp a row, and every step of K is loaded at once.
+        offs = k0 + tl.arange(0, STEPS)[:, None, None, None] * 256 \
+            + tl.arange(0, 256)[None, None, None, :] \
+            + tl.zeros([1, 1, BLOCK_M, 1], dtype=tl.int32)
+        mask = n_mask[None, :, None, None] & (offs < K)
+        w = tl.load(w_rows[None, :, :, None] + offs, mask=mask, other=0.0)
+        wu = w
+        if SILU_MUL:
+            wu = tl.load(u_rows[None, :, :, None] + offs, mask=mask, other=0.0)
+        return w, wu
+
+    @triton.jit
+    def _product_row_warps(acc, acc_u, w, wu, x_rows, m_mask, k0, K, nw_ptr, rstd,
+                           A_DTYPE: tl.constexpr, HAS_NORM: tl.constexpr,
+                           NORM_ROUND: tl.constexpr, SILU_MUL: tl.constexpr,
+                           STEPS: tl.constexpr):
+        # acc [BLOCK_N, BLOCK_M] += the product of _load_w_row_warps' tile with x's columns
+        offs = k0 + tl.arange(0, STEPS)[:, None] * 256 + tl.arange(0, 256)[None, :]  # [S, 256]
+        k_mask = offs < K
+        x = tl.load(x_rows[None, :, :] + offs[:, None, :],
+                    mask=m_mask[None, :, None] & k_mask[:, None, :], other=0.0)  # [S, M, 256]
+        if HAS_NORM:
+            n = (x.to(tl.float32) * rstd[None, :, None]).to(x.dtype)
+            nw = tl.load(nw_ptr + offs, mask=k_mask, other=0.0)
+            n = nw.to(tl.float32)[:, None, :] * n.to(tl.float32)
+            if NORM_ROUND:
+                n = n.to(x.dtype)
+            x = n
+        a = x.to(A_DTYPE).to(tl.float32)[:, None, :, :]  # [S, 1, M, 256]
+        acc += tl.sum(tl.sum(a * w.to(tl.float32), axis=3), axis=0)
+        if SILU_MUL:
+            acc_u += tl.sum(tl.sum(a * wu.to(tl.float32), axis=3), axis=0)
+        return acc, acc_u
+
+    @triton.jit
     def _small_linear_kernel(x_ptr, nw_ptr, w_ptr, scale_ptr, r_ptr, out_ptr, M, N, K,
                              stride_xm, stride_rm, stride_om, eps,
                              cos_ptr, sin_ptr, pos_ptr, slot_ptr, kc_ptr, vc_ptr, stride_cos,
@@ -99,7 +138,8 @@ if triton is not None:
                              CACHE_BLOCK: tl.constexpr,
                              USE_DOT: tl.constexpr, BLOCK_M: tl.constexpr,
                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                             TAIL_K: tl.constexpr, USE_PDL: tl.constexpr):
+                             TAIL_K: tl.constexpr, RW_STEPS: tl.constexpr,
+                             RW_REST: tl.constexpr, USE_PDL: tl.constexpr):
         # One program: output columns [pid * BLOCK_N, +BLOCK_N) for rows
         # [program_id(1) * BLOCK_M, +BLOCK_M) (one row block unless the broadcast path splits
         # the rows; each program then reads the same weight tile, an L2 hit for all but one),
@@ -132,7 +172,14 @@ if triton is not None:
         # the norm statistics; when K fits one step (a small model at M = 1) that is the
         # program's whole weight read.
         offs_k = tl.arange(0, BLOCK_K)
-        w, wu = _load_w(w_rows, u_rows, offs_k, n_mask, K, TWO_TILES)
+        if RW_STEPS > 0:
+            w, wu = _load_w_row_warps(w_rows, u_rows, 0, n_mask, K, TWO_TILES, BLOCK_M,
+                                      RW_STEPS)
+            if RW_REST > 0:
+                w_r, wu_r = _load_w_row_warps(w_rows, u_rows, RW_STEPS * 256, n_mask, K,
+                                              TWO_TILES, BLOCK_M, RW_REST)
+        else:
+            w, wu = _load_w(w_rows, u_rows, offs_k, n_mask, K, TWO_TILES)
         k_main = K  # the columns read in BLOCK_K steps
         if TAIL_K > 0:
             k_main = K - K % BLOCK_K
@@ -161,17 +208,29 @@ if triton is not None:
                 ss += tl.sum(xt * xt, axis=1)
             rstd = 1.0 / tl.sqrt(ss / K + eps)
 
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        acc, acc_u = _step(acc, acc, w, wu, x_rows, m_mask, offs_k, K, nw_ptr, rstd, A_DTYPE,
-                           HAS_NORM, NORM_ROUND, TWO_TILES, USE_DOT)
-        for k0 in range(BLOCK_K, k_main, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            w, wu = _load_w(w_rows, u_rows, offs_k, n_mask, K, TWO_TILES)
-            acc, acc_u = _step(acc, acc_u, w, wu, x_rows, m_mask, offs_k, K, nw_ptr, rstd,
+        if RW_STEPS > 0:  # the whole row in at most two tiles; accumulators [N, M]
+            acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+            acc, acc_u = _product_row_warps(acc, acc, w, wu, x_rows, m_mask, 0, K, nw_ptr,
+                                            rstd, A_DTYPE, HAS_NORM, NORM_ROUND, TWO_TILES,
+                                            RW_STEPS)
+            if RW_REST > 0:
+                acc, acc_u = _product_row_warps(acc, acc_u, w_r, wu_r, x_rows, m_mask,
+                                                RW_STEPS * 256, K, nw_ptr, rstd, A_DTYPE,
+                                                HAS_NORM, NORM_ROUND, TWO_TILES, RW_REST)
+            acc = tl.trans(acc)
+            acc_u = tl.trans(acc_u)
+        else:
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            acc, acc_u = _step(acc, acc, w, wu, x_rows, m_mask, offs_k, K, nw_ptr, rstd,
                                A_DTYPE, HAS_NORM, NORM_ROUND, TWO_TILES, USE_DOT)
-        if TAIL_K > 0:
-            acc, acc_u = _step(acc, acc_u, w_t, wu_t, x_rows, m_mask, offs_t, K, nw_ptr, rstd,
-                               A_DTYPE, HAS_NORM, NORM_ROUND, TWO_TILES, USE_DOT)
+            for k0 in range(BLOCK_K, k_main, BLOCK_K):
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                w, wu = _load_w(w_rows, u_rows, offs_k, n_mask, K, TWO_TILES)
+                acc, acc_u = _step(acc, acc_u, w, wu, x_rows, m_mask, offs_k, K, nw_ptr,
+                                   rstd, A_DTYPE, HAS_NORM, NORM_ROUND, TWO_TILES, USE_DOT)
+            if TAIL_K > 0:
+                acc, acc_u = _step(acc, acc_u, w_t, wu_t, x_rows, m_mask, offs_t, K, nw_ptr,
+                                   rstd, A_DTYPE, HAS_NORM, NORM_ROUND, TWO_TILES, USE_DOT)
 
         if W_SCALE:  # an int8 weight's per-column scale, in fp32 before the one rounding
             acc *= tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]

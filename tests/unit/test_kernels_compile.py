@@ -5,6 +5,8 @@ would reject is caught here first. Each case is a configuration the launchers pi
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -20,19 +22,23 @@ H200 = GPUTarget("cuda", 90, 32)
 
 
 def compile_for_h200(fn, pointers: dict, floats: tuple, constexprs: dict, num_warps: int,
-                     num_stages: int = 2):
+                     num_stages: int = 2, aligned: tuple = ()):
     """fn's arguments: pointers (name -> element type), float scalars, constexprs; the rest are
-    i32 scalars. -> the compiled kernel."""
-    sig = {}
-    for name in fn.arg_names:
+    i32 scalars. `aligned`: i32 arguments divisible by 16, as a launch specializes them (and
+    then every pointer 16-byte aligned): the loads' vector width, and so their layouts,
+    depend on it. -> the compiled kernel."""
+    sig, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
         if name in constexprs:
             sig[name] = "constexpr"
         elif name in pointers:
             sig[name] = "*" + pointers[name]
         else:
             sig[name] = "fp32" if name in floats else "i32"
+        if aligned and (name in pointers or name in aligned):
+            attrs[(i,)] = [["tt.divisibility", 16]]
     try:
-        src = ASTSource(fn=fn, signature=sig,
+        src = ASTSource(fn=fn, signature=sig, attrs=attrs or None,
                         constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()})
     except TypeError as e:  # pragma: no cover - another triton's ASTSource signature
         pytest.skip(f"this triton's ASTSource takes other arguments: {e}")
@@ -105,22 +111,60 @@ LINEAR = [(True, True, False, False, 1, 512, 64, 1), (True, False, True, False, 
           (False, False, False, True, 1, 512, 64, 1), (False, False, False, True, 1, 1024, 512, 1),
           (True, True, False, False, 2, 512, 64, 1), (False, False, False, True, 2, 1024, 512, 1),
           (True, True, False, False, 1, 1024, 0, 4)]
+_ALIGNED = ("N", "K", "stride_xm", "stride_rm", "stride_om")
+
+
+def _linear_constexprs(norm, silu, rope, residual, block_m, block_n, block_k, tail_k,
+                       rw_steps=0, rw_rest=0):
+    return {"HAS_NORM": norm, "NORM_ROUND": norm, "HAS_RESIDUAL": residual, "SILU_MUL": silu,
+            "W_SCALE": False, "ROPE_STORE": rope, "TWO_TILES": silu or rope, "HALF": 32,
+            "HQ": 9, "HKV": 3, "CACHE_BLOCK": 16, "USE_DOT": False, "BLOCK_M": block_m,
+            "BLOCK_N": block_n, "BLOCK_K": block_k, "TAIL_K": tail_k, "RW_STEPS": rw_steps,
+            "RW_REST": rw_rest, "USE_PDL": True}
+
+
+_LINEAR_PTRS = {**{n: "bf16" for n in ("x_ptr", "nw_ptr", "w_ptr", "r_ptr", "out_ptr", "kc_ptr",
+                                       "vc_ptr")},
+                "cos_ptr": "fp32", "sin_ptr": "fp32", "pos_ptr": "i64", "slot_ptr": "i64",
+                "scale_ptr": "fp32"}
 
 
 @pytest.mark.parametrize("norm,silu,rope,residual,block_m,block_k,tail_k,warps", LINEAR, ids=str)
 def test_small_linear_kernel_compiles(norm, silu, rope, residual, block_m, block_k, tail_k,
                                       warps):
     from outpace.kernels.small_linear_kernels import _small_linear_kernel
-    ptrs = {n: "bf16" for n in ("x_ptr", "nw_ptr", "w_ptr", "r_ptr", "out_ptr", "kc_ptr",
-                                "vc_ptr")}
-    ptrs.update({"cos_ptr": "fp32", "sin_ptr": "fp32", "pos_ptr": "i64", "slot_ptr": "i64",
-                 "scale_ptr": "fp32"})
-    k = compile_for_h200(_small_linear_kernel, ptrs, ("eps",), {
-        "HAS_NORM": norm, "NORM_ROUND": norm, "HAS_RESIDUAL": residual, "SILU_MUL": silu,
-        "W_SCALE": False, "ROPE_STORE": rope, "TWO_TILES": silu or rope, "HALF": 32, "HQ": 9, "HKV": 3,
-        "CACHE_BLOCK": 16, "USE_DOT": False, "BLOCK_M": block_m, "BLOCK_N": 2,
-        "BLOCK_K": block_k, "TAIL_K": tail_k, "USE_PDL": True}, num_warps=warps)
+    k = compile_for_h200(_small_linear_kernel, _LINEAR_PTRS, ("eps",), _linear_constexprs(
+        norm, silu, rope, residual, block_m, 2, block_k, tail_k), num_warps=warps)
     assert k.asm["cubin"]
+
+
+# (HAS_NORM, SILU_MUL, ROPE_STORE, HAS_RESIDUAL, rows, K): choose_blocks' warp-a-row launches
+# (2 and 4 rows: programs of 2 warps) for SmolLM2's norm + gate_up + silu, norm + qkv + rope +
+# store, o and down (K = 1536: 4 + 2 steps)
+ROW_WARPS = [(True, True, False, False, 2, 576), (True, False, True, False, 4, 576),
+             (False, False, False, True, 2, 576), (False, False, False, True, 4, 1536)]
+
+
+@pytest.mark.parametrize("norm,silu,rope,residual,m,k", ROW_WARPS, ids=str)
+def test_small_linear_row_warps_layout(norm, silu, rope, residual, m, k):
+    """The warp-a-row launch compiles to what it is for: the weight tile [steps, BLOCK_N,
+    BLOCK_M, 256] with 8 bf16 a lane, the lanes along K and one warp a row (were the warps on
+    K, each would hold a slice of every row and the sums would meet in shared memory)."""
+    from outpace.kernels.small_linear import choose_blocks
+    from outpace.kernels.small_linear_kernels import _small_linear_kernel
+    cfg = choose_blocks(m, 1536 if silu else 576, k, gate_up=silu or rope, norm=norm)
+    assert cfg.rw_steps and cfg.num_warps == cfg.block_m == 2
+    kern = compile_for_h200(_small_linear_kernel, _LINEAR_PTRS, ("eps",), _linear_constexprs(
+        norm, silu, rope, residual, cfg.block_m, cfg.block_n, cfg.block_k, 0, cfg.rw_steps,
+        cfg.rw_rest), num_warps=cfg.num_warps, aligned=_ALIGNED)
+    ttgir = kern.asm["ttgir"]
+    layouts = dict(re.findall(r"^(#blocked\d*) = #ttg\.blocked<(.*)>$", ttgir, re.M))
+    tiles = re.findall(rf"tt\.load .*: tensor<(\d+)x{cfg.block_n}x{cfg.block_m}x256x"
+                       rf"!tt\.ptr<bf16>, (#blocked\d*)>", ttgir)
+    assert {int(s) for s, _ in tiles} == {cfg.rw_steps, cfg.rw_rest}
+    for _, name in tiles:
+        assert ("sizePerThread = [1, 1, 1, 8], threadsPerWarp = [1, 1, 1, 32], "
+                f"warpsPerCTA = [1, 1, {cfg.num_warps}, 1]") in layouts[name], layouts[name]
 
 
 @pytest.mark.parametrize("norm,m", [(False, 1), (True, 3), (False, 16)])
@@ -138,7 +182,8 @@ def test_small_linear_dot_over_bf16_weights_compiles(norm, m):
         "HAS_NORM": norm, "NORM_ROUND": norm, "HAS_RESIDUAL": False, "SILU_MUL": False,
         "W_SCALE": False, "ROPE_STORE": False, "TWO_TILES": False, "HALF": 1, "HQ": 0, "HKV": 0,
         "CACHE_BLOCK": 1, "USE_DOT": True, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
-        "BLOCK_K": cfg.block_k, "TAIL_K": 0, "USE_PDL": True}, num_warps=cfg.num_warps,
+        "BLOCK_K": cfg.block_k, "TAIL_K": 0, "RW_STEPS": 0, "RW_REST": 0,
+        "USE_PDL": True}, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages)
     assert k.asm["cubin"]
     assert "mma" in k.asm["ptx"]  # tensor cores, not an fp32 FMA loop
@@ -160,7 +205,8 @@ def test_small_linear_dot_over_int8_weights_compiles(x_dtype):
         "HAS_NORM": False, "NORM_ROUND": False, "HAS_RESIDUAL": False, "SILU_MUL": False,
         "W_SCALE": True, "ROPE_STORE": False, "TWO_TILES": False, "HALF": 1, "HQ": 0,
         "HKV": 0, "CACHE_BLOCK": 1, "USE_DOT": True, "BLOCK_M": cfg.block_m,
-        "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "TAIL_K": 0, "USE_PDL": True},
+        "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "TAIL_K": 0, "RW_STEPS": 0, "RW_REST": 0,
+        "USE_PDL": True},
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     assert k.asm["cubin"]
     assert "mma" in k.asm["ptx"]

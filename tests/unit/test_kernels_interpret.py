@@ -472,6 +472,47 @@ def check_int8_linear(shape, dtype):
     torch.testing.assert_close(y, int8_linear_ref(x, q, scale), **NORM_TOL[dtype])
 
 
+# (M, N, K, rows a program, columns a program): K = 576 is 2 steps of 256 and a masked one, 1536
+# 4 + 2 steps, 1728 4 + 4 (masked past K), 64 one step; 3 rows in a program of 4
+ROW_WARPS_CASES = [(2, 24, 576, 2, 2), (4, 20, 1536, 2, 4), (3, 12, 1728, 4, 2),
+                   (4, 8, 64, 2, 4)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", ROW_WARPS_CASES, ids=str)
+def check_small_linear_row_warps(case, dtype):
+    """A warp a row (row_warps_blocks) for every variant the projections fuse: plain,
+    residual, norm, norm + gate_up + silu, an int8 weight, norm + qkv + rope + store."""
+    from outpace.kernels.small_linear import row_warps_blocks
+    m, n, k, block_m, block_n = case
+    blocks = row_warps_blocks(k, block_m, block_n)
+    x, w, nw = _linear_inputs(m, n, k, dtype, seed=60 + m, rows=2)
+    res = torch.randn(m, n, generator=torch.Generator().manual_seed(m)).to(dtype)
+    q, scale = quantize_int8_rows(w[:n].float())
+    pairs = [(small_linear_triton(x, w[:n], blocks=blocks), small_linear_ref(x, w[:n]),
+              NORM_TOL),
+             (small_linear_triton(x, w[:n], residual=res, blocks=blocks),
+              small_linear_ref(x, w[:n], residual=res), NORM_TOL),
+             (norm_small_linear_triton(x, nw, 1e-5, w[:n], blocks=blocks),
+              norm_small_linear_ref(x, nw, 1e-5, w[:n]), FUSED_TOL),
+             (norm_small_linear_silu_mul_triton(x, nw, 1e-6, w, blocks=blocks),
+              norm_small_linear_silu_mul_ref(x, nw, 1e-6, w), FUSED_TOL),
+             (int8_linear_triton(x, q, scale, blocks=blocks), int8_linear_ref(x, q, scale),
+              NORM_TOL)]
+    for got, want, tol in pairs:
+        assert got.dtype == dtype
+        torch.testing.assert_close(got, want, **tol[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("m,k", [(2, 576), (4, 1536)])
+def check_norm_qkv_rope_store_row_warps(dtype, m, k):
+    """The rope + store epilogue after a warp-a-row product (choose_blocks' own pick)."""
+    import outpace.kernels.small_linear as sl
+    assert sl.choose_blocks(m, 60, k, gate_up=True).rw_steps  # (3 + 2) x 24 / 2 columns
+    check_norm_qkv_rope_store(dtype, dtype, m, 3, 1, 24, k, True)
+
+
 def check_small_linear_rejects_a_short_tail():
     """A forced tail narrower than K's remainder would skip columns: refused."""
     x, w, _ = _linear_inputs(3, 50, 72, torch.float32, seed=41)
