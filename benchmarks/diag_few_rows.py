@@ -122,17 +122,18 @@ def policies(orig):
                     setattr(sl, name, v)
         return f
 
-    def row_warps(rows=(2, 3, 4), block_n=2, block_m=0, k_max=2048, kinds=None):
+    def row_warps(rows=(2, 3, 4), block_n=2, block_m=0, k_max=2048, kinds=None, warps=0):
         # a warp a row (small_linear.row_warps_blocks) at these row counts, for rows of at most
         # k_max columns and these kinds of projection (None: all); block_m: rows a program
-        # (0: all of them)
+        # (0: all of them); warps: fewer warps than rows (each then multiplies several rows)
         from outpace.kernels.small_linear import row_warps_blocks
 
         def f(m, n, k, **kw):
             b = orig(m, n, k, **kw)
             if (m in rows and not b.use_dot and k <= k_max
                     and (kinds is None or any(kinds_of[x](n, k, kw) for x in kinds))):
-                return row_warps_blocks(k, block_m or (1 << (m - 1).bit_length()), block_n)
+                rw = row_warps_blocks(k, block_m or (1 << (m - 1).bit_length()), block_n)
+                return rw._replace(num_warps=warps) if warps else rw
             return b
         return f
 
@@ -143,17 +144,12 @@ def policies(orig):
         return orig(1, n, k, **kw)
 
     return {"current": orig, "dot": dot, "as_m1": as_one_row,
-            "rw": row_warps(), "rw3": row_warps((3,)), "rw_n4": row_warps(block_n=4),
-            "rw_n1": row_warps(block_n=1),
-            "rw2": row_warps((2,)), "rw_m2": row_warps(block_m=2),
-            "rw_m2n4": row_warps(block_m=2, block_n=4), "rw2_m2n4": row_warps((2, 3), 4, 2),
-            "rw3_k1536": row_warps((3,), k_max=1536), "rw3_k576": row_warps((3,), k_max=576),
-            "no_rw": constants(_ROW_WARPS={}),
+            # a warp a row (the default at 2 and 4 rows), in other shapes and at 3 rows
+            "no_rw": constants(_ROW_WARPS={}), "rw": row_warps(), "rw_n4": row_warps(block_n=4),
+            "rw_m2": row_warps(block_m=2), "rw3_m2n4": row_warps((3,), 4, 2, 1536),
+            "rw3_m1": row_warps((3,), 2, 1, 1536), "rw3_m4w2": row_warps((3,), 2, 4, 1536, warps=2),
             "rw3_gu": row_warps((3,), kinds=["gu"]), "rw3_down": row_warps((3,), kinds=["down"]),
             "rw3_qkv": row_warps((3,), kinds=["qkv"]), "rw3_o": row_warps((3,), kinds=["o"]),
-            "rows1": constants(_SUM_ROWS=1), "rows1_m8": constants(_SUM_ROWS=1, _SUM_MAX_M=8),
-            "rows1_m16": constants(_SUM_ROWS=1, _SUM_MAX_M=16),
-            "rows2_m8": constants(_SUM_MAX_M=8),
             "m1n2w1t": bcast(1, 2, warps=1, tail=True), "m1n4w1t": bcast(1, 4, warps=1, tail=True),
             "m1n2w2t": bcast(1, 2, warps=2, tail=True), "m1n1w1t": bcast(1, 1, warps=1, tail=True),
             "m1n2w1": bcast(1, 2, warps=1), "notail": no_tail(), "notail_m1": no_tail((1, 1)),

@@ -104,6 +104,7 @@ class Blocks(NamedTuple):
     # rw_rest more (row_warps_blocks)
     rw_steps: int = 0
     rw_rest: int = 0
+    rw_rest_w: int = 256  # ...of this many columns each
 
 
 # Numbers below are from benchmarks/bench_small_linear.py on an H200 (SmolLM2-135M and Llama-8B
@@ -144,11 +145,12 @@ _SUM_MAX_M = 4
 # Row counts whose programs give each row a warp (`row_warps_blocks`): rows -> (rows a program,
 # columns a program). One program's warps read the same weight tile (the first from L2, the
 # others from L1) with the whole row loaded at once, each multiplying its own row. Step graphs
-# on the H200 (run 25, diag_few_rows_run25b/c/d.json; no-spec batch 2 / 4 decode, rows = batch):
-# 2 rows 0.597 -> 0.547 ms, 4 rows 0.675 -> 0.648 (2 rows, 4 columns a program; all 4 rows in
-# one program of 4 warps: 0.733). 3 rows (k = 2 verify at batch 1) lost in every form: one
-# program of 4 warps 0.635 -> 0.787 ms, two of 2 warps 0.795, any one projection alone
-# 0.646-0.712, so 3 keeps a one-warp program a row.
+# on the H200 (run 25, diag_few_rows_run25b-g.json; no-spec batch 2 / 4 decode, rows = batch):
+# 2 rows 0.596 -> 0.528 ms, 4 rows 0.675 -> 0.604 (2 rows, 4 columns a program; all 4 rows in
+# one program of 4 warps: 0.733; the rest of K = 576 as a masked 256-wide step instead of 64
+# columns: 0.548 / 0.648). 3 rows (k = 2 verify at batch 1) lost in every form: one program of
+# 4 warps 0.636 -> 0.787 ms, two of 2 warps 0.679-0.795, one row a program 0.702, any one
+# projection alone 0.646-0.712; so 3 rows keep the one-warp programs.
 _ROW_WARPS = {2: (2, 2), 4: (2, 4)}
 _ROW_WARPS_MAX_K = 1536  # measured up to down's 1536; wider rows would hold more registers
 
@@ -233,15 +235,18 @@ def choose_blocks(M: int, N: int, K: int, *, elem_bytes: int = 2, x_bytes: int =
 def row_warps_blocks(K: int, block_m: int, block_n: int) -> Blocks:
     """A broadcast-path launch with a warp a row (block_m warps): the row read as one tile of
     rw_steps 256-column steps (32 lanes x 8 values each: wider steps would put warps on K)
-    and one of rw_rest more, masked past K, both loaded before the PDL wait. block_k (256)
-    serves the norm statistics' loop."""
+    and one of the rest, rw_rest steps of rw_rest_w columns (the rest's own power of two when
+    it is narrower than a step: K = 576 is 2 x 256 + 64), both loaded before the PDL wait and
+    masked past K. block_k (256) serves the norm statistics' loop."""
     steps = 1
     while steps * 2 * 256 <= K:
         steps *= 2
     rest = K - steps * 256
-    rest_steps = next_pow2(_cdiv(rest, 256)) if rest > 0 else 0
+    rest_steps, rest_w = (next_pow2(_cdiv(rest, 256)), 256) if rest > 0 else (0, 256)
+    if 0 < rest < 256:
+        rest_w = max(next_pow2(rest), 16)
     return Blocks(block_m, block_n, 256, num_warps=block_m, num_stages=2, use_dot=False,
-                  rw_steps=steps, rw_rest=rest_steps)
+                  rw_steps=steps, rw_rest=rest_steps, rw_rest_w=rest_w)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -297,7 +302,8 @@ def _launch(x, w, out, *, n_cols, norm_weight=None, eps=0.0, residual=None, silu
         ROPE_STORE=rope_store is not None, TWO_TILES=two, HALF=rs.half, HQ=rs.hq, HKV=rs.hkv,
         CACHE_BLOCK=rs.cache_block, USE_DOT=cfg.use_dot,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, TAIL_K=cfg.tail_k,
-        RW_STEPS=cfg.rw_steps, RW_REST=cfg.rw_rest, num_warps=cfg.num_warps,
+        RW_STEPS=cfg.rw_steps, RW_REST=cfg.rw_rest, RW_REST_W=cfg.rw_rest_w,
+        num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **pdl.launch_options(x))
     return out
 

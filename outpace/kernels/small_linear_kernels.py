@@ -88,12 +88,12 @@ if triton is not None:
 
     @triton.jit
     def _load_w_row_warps(w_rows, u_rows, k0, n_mask, K, SILU_MUL: tl.constexpr,
-                          BLOCK_M: tl.constexpr, STEPS: tl.constexpr):
-        # Columns [k0, k0 + STEPS * 256) of the weight as [STEPS, BLOCK_N, BLOCK_M, 256], the
-        # same addresses for every row: with the rows on the axis before the lanes' 256 (32
-        # lanes x 8 values) Triton gives each warp a row, and every step of K is loaded at once.
-        offs = k0 + tl.arange(0, STEPS)[:, None, None, None] * 256 \
-            + tl.arange(0, 256)[None, None, None, :] \
+                          BLOCK_M: tl.constexpr, STEPS: tl.constexpr, WIDTH: tl.constexpr):
+        # Columns [k0, k0 + STEPS * WIDTH) of the weight as [STEPS, BLOCK_N, BLOCK_M, WIDTH],
+        # the same addresses for every row: with the rows on the axis before the lanes' 256
+        # (32 lanes x 8 values) Triton gives each warp a row, and every step is loaded at once.
+        offs = k0 + tl.arange(0, STEPS)[:, None, None, None] * WIDTH \
+            + tl.arange(0, WIDTH)[None, None, None, :] \
             + tl.zeros([1, 1, BLOCK_M, 1], dtype=tl.int32)
         mask = n_mask[None, :, None, None] & (offs < K)
         w = tl.load(w_rows[None, :, :, None] + offs, mask=mask, other=0.0)
@@ -106,12 +106,12 @@ if triton is not None:
     def _product_row_warps(acc, acc_u, w, wu, x_rows, m_mask, k0, K, nw_ptr, rstd,
                            A_DTYPE: tl.constexpr, HAS_NORM: tl.constexpr,
                            NORM_ROUND: tl.constexpr, SILU_MUL: tl.constexpr,
-                           STEPS: tl.constexpr):
+                           STEPS: tl.constexpr, WIDTH: tl.constexpr):
         # acc [BLOCK_N, BLOCK_M] += the product of _load_w_row_warps' tile with x's columns
-        offs = k0 + tl.arange(0, STEPS)[:, None] * 256 + tl.arange(0, 256)[None, :]  # [S, 256]
+        offs = k0 + tl.arange(0, STEPS)[:, None] * WIDTH + tl.arange(0, WIDTH)[None, :]
         k_mask = offs < K
         x = tl.load(x_rows[None, :, :] + offs[:, None, :],
-                    mask=m_mask[None, :, None] & k_mask[:, None, :], other=0.0)  # [S, M, 256]
+                    mask=m_mask[None, :, None] & k_mask[:, None, :], other=0.0)  # [S, M, W]
         if HAS_NORM:
             n = (x.to(tl.float32) * rstd[None, :, None]).to(x.dtype)
             nw = tl.load(nw_ptr + offs, mask=k_mask, other=0.0)
@@ -119,7 +119,7 @@ if triton is not None:
             if NORM_ROUND:
                 n = n.to(x.dtype)
             x = n
-        a = x.to(A_DTYPE).to(tl.float32)[:, None, :, :]  # [S, 1, M, 256]
+        a = x.to(A_DTYPE).to(tl.float32)[:, None, :, :]  # [S, 1, M, W]
         acc += tl.sum(tl.sum(a * w.to(tl.float32), axis=3), axis=0)
         if SILU_MUL:
             acc_u += tl.sum(tl.sum(a * wu.to(tl.float32), axis=3), axis=0)
@@ -139,7 +139,8 @@ if triton is not None:
                              USE_DOT: tl.constexpr, BLOCK_M: tl.constexpr,
                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                              TAIL_K: tl.constexpr, RW_STEPS: tl.constexpr,
-                             RW_REST: tl.constexpr, USE_PDL: tl.constexpr):
+                             RW_REST: tl.constexpr, RW_REST_W: tl.constexpr,
+                             USE_PDL: tl.constexpr):
         # One program: output columns [pid * BLOCK_N, +BLOCK_N) for rows
         # [program_id(1) * BLOCK_M, +BLOCK_M) (one row block unless the broadcast path splits
         # the rows; each program then reads the same weight tile, an L2 hit for all but one),
@@ -174,10 +175,10 @@ if triton is not None:
         offs_k = tl.arange(0, BLOCK_K)
         if RW_STEPS > 0:
             w, wu = _load_w_row_warps(w_rows, u_rows, 0, n_mask, K, TWO_TILES, BLOCK_M,
-                                      RW_STEPS)
+                                      RW_STEPS, 256)
             if RW_REST > 0:
                 w_r, wu_r = _load_w_row_warps(w_rows, u_rows, RW_STEPS * 256, n_mask, K,
-                                              TWO_TILES, BLOCK_M, RW_REST)
+                                              TWO_TILES, BLOCK_M, RW_REST, RW_REST_W)
         else:
             w, wu = _load_w(w_rows, u_rows, offs_k, n_mask, K, TWO_TILES)
         k_main = K  # the columns read in BLOCK_K steps
@@ -212,11 +213,12 @@ if triton is not None:
             acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
             acc, acc_u = _product_row_warps(acc, acc, w, wu, x_rows, m_mask, 0, K, nw_ptr,
                                             rstd, A_DTYPE, HAS_NORM, NORM_ROUND, TWO_TILES,
-                                            RW_STEPS)
+                                            RW_STEPS, 256)
             if RW_REST > 0:
                 acc, acc_u = _product_row_warps(acc, acc_u, w_r, wu_r, x_rows, m_mask,
                                                 RW_STEPS * 256, K, nw_ptr, rstd, A_DTYPE,
-                                                HAS_NORM, NORM_ROUND, TWO_TILES, RW_REST)
+                                                HAS_NORM, NORM_ROUND, TWO_TILES, RW_REST,
+                                                RW_REST_W)
             acc = tl.trans(acc)
             acc_u = tl.trans(acc_u)
         else:

@@ -115,12 +115,12 @@ _ALIGNED = ("N", "K", "stride_xm", "stride_rm", "stride_om")
 
 
 def _linear_constexprs(norm, silu, rope, residual, block_m, block_n, block_k, tail_k,
-                       rw_steps=0, rw_rest=0):
+                       rw_steps=0, rw_rest=0, rw_rest_w=256):
     return {"HAS_NORM": norm, "NORM_ROUND": norm, "HAS_RESIDUAL": residual, "SILU_MUL": silu,
             "W_SCALE": False, "ROPE_STORE": rope, "TWO_TILES": silu or rope, "HALF": 32,
             "HQ": 9, "HKV": 3, "CACHE_BLOCK": 16, "USE_DOT": False, "BLOCK_M": block_m,
             "BLOCK_N": block_n, "BLOCK_K": block_k, "TAIL_K": tail_k, "RW_STEPS": rw_steps,
-            "RW_REST": rw_rest, "USE_PDL": True}
+            "RW_REST": rw_rest, "RW_REST_W": rw_rest_w, "USE_PDL": True}
 
 
 _LINEAR_PTRS = {**{n: "bf16" for n in ("x_ptr", "nw_ptr", "w_ptr", "r_ptr", "out_ptr", "kc_ptr",
@@ -156,12 +156,14 @@ def test_small_linear_row_warps_layout(norm, silu, rope, residual, m, k):
     assert cfg.rw_steps and cfg.num_warps == cfg.block_m == 2
     kern = compile_for_h200(_small_linear_kernel, _LINEAR_PTRS, ("eps",), _linear_constexprs(
         norm, silu, rope, residual, cfg.block_m, cfg.block_n, cfg.block_k, 0, cfg.rw_steps,
-        cfg.rw_rest), num_warps=cfg.num_warps, aligned=_ALIGNED)
+        cfg.rw_rest, cfg.rw_rest_w), num_warps=cfg.num_warps, aligned=_ALIGNED)
     ttgir = kern.asm["ttgir"]
     layouts = dict(re.findall(r"^(#blocked\d*) = #ttg\.blocked<(.*)>$", ttgir, re.M))
     tiles = re.findall(rf"tt\.load .*: tensor<(\d+)x{cfg.block_n}x{cfg.block_m}x256x"
                        rf"!tt\.ptr<bf16>, (#blocked\d*)>", ttgir)
-    assert {int(s) for s, _ in tiles} == {cfg.rw_steps, cfg.rw_rest}
+    # the steps' tile, and the rest's when it is whole steps too (K = 576's 64 columns are not)
+    assert {int(s) for s, _ in tiles} == {cfg.rw_steps} | (
+        {cfg.rw_rest} if cfg.rw_rest_w == 256 else set())
     for _, name in tiles:
         assert ("sizePerThread = [1, 1, 1, 8], threadsPerWarp = [1, 1, 1, 32], "
                 f"warpsPerCTA = [1, 1, {cfg.num_warps}, 1]") in layouts[name], layouts[name]
@@ -182,7 +184,7 @@ def test_small_linear_dot_over_bf16_weights_compiles(norm, m):
         "HAS_NORM": norm, "NORM_ROUND": norm, "HAS_RESIDUAL": False, "SILU_MUL": False,
         "W_SCALE": False, "ROPE_STORE": False, "TWO_TILES": False, "HALF": 1, "HQ": 0, "HKV": 0,
         "CACHE_BLOCK": 1, "USE_DOT": True, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
-        "BLOCK_K": cfg.block_k, "TAIL_K": 0, "RW_STEPS": 0, "RW_REST": 0,
+        "BLOCK_K": cfg.block_k, "TAIL_K": 0, "RW_STEPS": 0, "RW_REST": 0, "RW_REST_W": 256,
         "USE_PDL": True}, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages)
     assert k.asm["cubin"]
@@ -206,7 +208,7 @@ def test_small_linear_dot_over_int8_weights_compiles(x_dtype):
         "W_SCALE": True, "ROPE_STORE": False, "TWO_TILES": False, "HALF": 1, "HQ": 0,
         "HKV": 0, "CACHE_BLOCK": 1, "USE_DOT": True, "BLOCK_M": cfg.block_m,
         "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "TAIL_K": 0, "RW_STEPS": 0, "RW_REST": 0,
-        "USE_PDL": True},
+        "RW_REST_W": 256, "USE_PDL": True},
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     assert k.asm["cubin"]
     assert "mma" in k.asm["ptx"]

@@ -143,8 +143,10 @@ def test_choose_blocks_is_a_valid_shape_policy(m):
             assert (b.block_m, b.block_n) == _ROW_WARPS[m] and b.num_warps == b.block_m
             assert b.block_k == 256 and not b.tail_k
             assert (b.rw_steps * 256 <= k or b.rw_steps == 1)  # one masked step: K < 256
-            assert k <= (b.rw_steps + b.rw_rest) * 256
-            assert b.rw_rest == 0 or b.rw_rest // 2 * 256 < k - b.rw_steps * 256  # no wider
+            assert k <= b.rw_steps * 256 + b.rw_rest * b.rw_rest_w
+            assert b.rw_rest_w == 256 or (b.rw_rest == 1 and b.rw_rest_w < 256)
+            rest = k - b.rw_steps * 256  # covered by the narrowest power of two of steps
+            assert b.rw_rest == 0 or (b.rw_rest * b.rw_rest_w) // 2 < rest
         else:  # rows in blocks of at most _SUM_ROWS, of one at _ONE_ROW_M (more programs);
             # the product tile stays within the register budget
             assert b.block_m == (1 if m in _ONE_ROW_M else min(next_pow2(m), _SUM_ROWS))
@@ -187,18 +189,20 @@ def test_three_rows_take_one_row_a_program():
 
 
 def test_two_and_four_rows_take_a_warp_a_row():
-    """Batch-2 and batch-4 decode (run 25, step graphs: 0.597 -> 0.547 and 0.675 -> 0.648 ms):
-    programs of two rows in two warps, each row read as whole 256-column steps (576 = 2 + 1
-    masked, 1536 = 4 + 2); rows wider than measured keep the other path."""
+    """Batch-2 and batch-4 decode (run 25, step graphs: 0.596 -> 0.528 and 0.675 -> 0.604 ms):
+    programs of two rows in two warps, each row read as 256-column steps and a rest (576 =
+    2 x 256 + 64, 1536 = 4 x 256 + 2 x 256); rows wider than measured keep the other path."""
     for n, k, gate_up in [(480, 576, True), (576, 576, False), (1536, 576, True),
                           (576, 1536, False)]:
         for m, block_n in ((2, 2), (4, 4)):
             b = choose_blocks(m, n, k, gate_up=gate_up)
             assert (b.block_m, b.block_n, b.num_warps) == (2, block_n, 2)
-            assert (b.rw_steps, b.rw_rest) == ((2, 1) if k == 576 else (4, 2))
+            assert (b.rw_steps, b.rw_rest, b.rw_rest_w) == ((2, 1, 64) if k == 576
+                                                            else (4, 2, 256))
     assert not choose_blocks(2, 576, 1728).rw_steps  # EAGLE-3's fc
-    assert row_warps_blocks(64, 2, 2)[-2:] == (1, 0)
-    assert row_warps_blocks(1728, 2, 2)[-2:] == (4, 4)
+    assert row_warps_blocks(64, 2, 2)[-3:] == (1, 0, 256)
+    assert row_warps_blocks(1728, 2, 2)[-3:] == (4, 4, 256)
+    assert row_warps_blocks(1152, 2, 2)[-3:] == (4, 1, 128)
 
 
 def test_several_row_broadcast_programs_run_one_warp():
