@@ -148,6 +148,7 @@ def policies(orig):
             "no_rw": constants(_ROW_WARPS={}), "rw": row_warps(), "rw_n4": row_warps(block_n=4),
             "rw_m2": row_warps(block_m=2), "rw3_m2n4": row_warps((3,), 4, 2, 1536),
             "rw3_m1": row_warps((3,), 2, 1, 1536), "rw3_m4w2": row_warps((3,), 2, 4, 1536, warps=2),
+            "rw3_m4": row_warps((3,), 2, 4, 1536), "rw3_m4n4": row_warps((3,), 4, 4, 1536),
             "rw3_gu": row_warps((3,), kinds=["gu"]), "rw3_down": row_warps((3,), kinds=["down"]),
             "rw3_qkv": row_warps((3,), kinds=["qkv"]), "rw3_o": row_warps((3,), kinds=["o"]),
             "m1n2w1t": bcast(1, 2, warps=1, tail=True), "m1n4w1t": bcast(1, 4, warps=1, tail=True),

@@ -87,15 +87,16 @@ if triton is not None:
         return acc, acc_u
 
     @triton.jit
-    def _load_w_row_warps(w_rows, u_rows, k0, n_mask, K, SILU_MUL: tl.constexpr,
+    def _load_w_row_warps(w_rows, u_rows, k0, n_mask, m_mask, K, SILU_MUL: tl.constexpr,
                           BLOCK_M: tl.constexpr, STEPS: tl.constexpr, WIDTH: tl.constexpr):
         # Columns [k0, k0 + STEPS * WIDTH) of the weight as [STEPS, BLOCK_N, BLOCK_M, WIDTH],
         # the same addresses for every row: with the rows on the axis before the lanes' 256
         # (32 lanes x 8 values) Triton gives each warp a row, and every step is loaded at once.
+        # A padding row's warp (3 rows in 4) loads nothing.
         offs = k0 + tl.arange(0, STEPS)[:, None, None, None] * WIDTH \
             + tl.arange(0, WIDTH)[None, None, None, :] \
             + tl.zeros([1, 1, BLOCK_M, 1], dtype=tl.int32)
-        mask = n_mask[None, :, None, None] & (offs < K)
+        mask = n_mask[None, :, None, None] & (offs < K) & m_mask[None, None, :, None]
         w = tl.load(w_rows[None, :, :, None] + offs, mask=mask, other=0.0)
         wu = w
         if SILU_MUL:
@@ -174,11 +175,11 @@ if triton is not None:
         # program's whole weight read.
         offs_k = tl.arange(0, BLOCK_K)
         if RW_STEPS > 0:
-            w, wu = _load_w_row_warps(w_rows, u_rows, 0, n_mask, K, TWO_TILES, BLOCK_M,
-                                      RW_STEPS, 256)
+            w, wu = _load_w_row_warps(w_rows, u_rows, 0, n_mask, m_mask, K, TWO_TILES,
+                                      BLOCK_M, RW_STEPS, 256)
             if RW_REST > 0:
-                w_r, wu_r = _load_w_row_warps(w_rows, u_rows, RW_STEPS * 256, n_mask, K,
-                                              TWO_TILES, BLOCK_M, RW_REST, RW_REST_W)
+                w_r, wu_r = _load_w_row_warps(w_rows, u_rows, RW_STEPS * 256, n_mask, m_mask,
+                                              K, TWO_TILES, BLOCK_M, RW_REST, RW_REST_W)
         else:
             w, wu = _load_w(w_rows, u_rows, offs_k, n_mask, K, TWO_TILES)
         k_main = K  # the columns read in BLOCK_K steps
