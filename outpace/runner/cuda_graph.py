@@ -151,12 +151,16 @@ class GraphRunner:
             seq_lens=buf.seq_lens[:m], block_tables=buf.block_tables[:m], max_query_len=t,
             max_seq_len=buf.max_blocks * self.backend.block_size, tile_map=self.tile_map)
 
-    def _capture_varlen(self, t: int) -> tuple:
-        """The varlen graph of t tokens, warmed up and captured over a batch of padding."""
-        buf = self.inputs
+    def load_varlen_padding(self, t: int) -> None:
+        """A varlen batch of t tokens that is all padding (graphs are captured over it)."""
         self.load_varlen(HostBatch(*(np.zeros(0, np.int64),) * 3, np.zeros(1, np.int32),
                                    np.zeros(0, np.int32), np.zeros((0, 1), np.int32),
                                    np.zeros(0, np.int64)), t)
+
+    def _capture_varlen(self, t: int) -> tuple:
+        """The varlen graph of t tokens, warmed up and captured over a batch of padding."""
+        buf = self.inputs
+        self.load_varlen_padding(t)
         ctx = ForwardContext(self.backend, self._varlen_meta(t))
         ids, pos = buf.input_ids[:t], buf.positions[:t]
 

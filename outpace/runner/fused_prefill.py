@@ -13,6 +13,14 @@ the prefill graph's logits, runs the head's pass and draft loop from it, and lea
 drafts and position in the carry and in an output laid out as a one-token decode step's. So the
 first decode step chains from the prefill too, rather than waiting for the host to read the
 token (run 16: that unchained step took 1.0 / 1.2 ms against 0.55 / 0.77 chained).
+
+Varlen (a head only): a step that replays a varlen graph of T tokens (several prompts' chunks,
+chunks beside decodes) samples on the host, then replays the head's graph for T
+(`varlen_drafts`): the head's pass over the T rows and its draft loop over every sequence
+slot, a row per slot in the varlen batch's order, reading the block tables that batch staged.
+A slot that drafts nothing (a chunk that samples nothing, padding) drafts from its own last
+row: its loop writes only at positions its next chunk rewrites, or into the null block.
+Eagerly that pass and loop took ~3.6 ms of launches at batch 8 on the device host (run 25).
 """
 
 from __future__ import annotations
@@ -44,6 +52,9 @@ class FusedPrefill:
         self.prefill_launches = 0  # prefill steps launched that way (tests read it)
         # prefill_next_ids and prefill_last_row: staged buffers made in FusedStep.__init__
         self.prefill_replays = 0  # prefill steps whose head ran from a graph (tests read it)
+        # A varlen step's head: (T, kd) -> (graph, (drafts [max_seqs, kd],) or ()) (varlen_drafts)
+        self._varlen_heads: dict = {}
+        self.varlen_head_replays = 0  # varlen steps whose head ran from a graph (tests read it)
 
     def capture_prefill_graphs(self) -> None:
         """Capture, for every prefill graph, the head's graphs: its pass over the chunk alone
@@ -58,6 +69,16 @@ class FusedPrefill:
             kd = self.draft_steps(1)
             if self.chainable and (q, kd) not in self._prefill_tails:
                 self._prefill_tails[(q, kd)] = self._capture_prefill_head(q, kd, tail=True)
+        for t in self.graphs.varlen_graphs if self.head is not None else ():
+            for kd in sorted({0, self.varlen_kd}):
+                if (t, kd) not in self._varlen_heads:
+                    self._varlen_heads[(t, kd)] = self._capture_varlen_head(t, kd)
+
+    @property
+    def varlen_kd(self) -> int:
+        """The varlen head graphs' draft-loop length: the most any batch size drafts (a
+        request's own k is a prefix of it)."""
+        return max(self.draft_steps(b) for b in (1, *self.graphs.buckets))
 
     @torch.inference_mode()
     def prefill_drafts(self, q: int, next_ids: np.ndarray, last_row: int, k: int,
@@ -83,6 +104,63 @@ class FusedPrefill:
         if kd == 0:
             return []
         return outs[0][0, :k].tolist()  # sync-ok: the step's drafts, read once
+
+    @torch.inference_mode()
+    def varlen_drafts(self, t: int, next_ids: np.ndarray, last_rows: list, ends: list,
+                      ks: list) -> Optional[list]:
+        """The head's pass and drafts for a step that just ran in the varlen graph of t
+        tokens (its hidden states and staged batch still in the fixed buffers): next_ids [n],
+        the token after every real row; per scheduled request (the batch's sequences, in
+        order) the row of its position f - 2 (-1: it drafts nothing), the end of its rows and
+        its draft length. -> each request's drafts, or None when no graph fits (the caller
+        runs the head eagerly)."""
+        if self.head is None:
+            return None
+        kd = self.varlen_kd if max(ks, default=0) > 0 else 0
+        entry = self._varlen_heads.get((t, kd))
+        if entry is None or max(ks, default=0) > kd:
+            return None
+        m = self.inputs.max_seqs
+        own = [k for last, k in zip(last_rows, ks) if last >= 0]
+        if any(self.head.int8_lm_head_for(m) != self.head.int8_lm_head_for(
+                sum(k > j for k in own)) for j in range(max(ks, default=0))):
+            return None  # the eager loop's rows (those still drafting) read the other LM head
+        graph, outs = entry
+        n = len(next_ids)
+        rows = np.full(m, n if n < t else 0, np.int64)  # padding: row n
+        for i, (last, end) in enumerate(zip(last_rows, ends)):
+            rows[i] = last if last >= 0 else end - 1
+        self.inputs.put_all([(self.varlen_next_ids, next_ids), (self.varlen_last_rows, rows)])
+        graph.replay()
+        self.varlen_head_replays += 1
+        if kd == 0:
+            return [[] for _ in ks]
+        drafts = outs[0][:len(ks)].tolist()  # sync-ok: the step's drafts, read once
+        return [d[:k] for d, k in zip(drafts, ks)]
+
+    def _capture_varlen_head(self, t: int, kd: int):
+        """The head's pass over varlen graph t's rows and kd drafts for every sequence slot
+        (varlen_drafts), captured over a batch of padding."""
+        _, hidden, aux = self.graphs.varlen_graphs[t]
+        buf = self.inputs
+        m = buf.max_seqs
+        self.graphs.load_varlen_padding(t)
+        self.varlen_next_ids.zero_()
+        self.varlen_last_rows.zero_()
+        meta = self.graphs._varlen_meta(t)
+        pos = buf.positions[:t]
+
+        def fn():
+            last = self.varlen_last_rows[:m]
+            first = pos.index_select(0, last)
+            outs = (torch.empty(m, kd, dtype=torch.long, device=pos.device),)
+            self._draft(hidden, aux, self.varlen_next_ids[:t], pos,
+                        ForwardContext(self.backend, meta), last, first, buf.block_tables[:m],
+                        kd, outs)
+            return outs if kd else ()
+        for _ in range(2):  # warm-up: Triton compiles, cuBLAS picks its kernels
+            fn()
+        return self.graphs.capture(fn)
 
     def _capture_prefill_head(self, q: int, kd: int, tail: bool = False):
         """The head's pass and kd drafts over prefill graph q's hidden states, from the

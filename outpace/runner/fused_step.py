@@ -117,11 +117,13 @@ class FusedStep(FusedPrefill):
         # Staged with the batch (InputBuffers.stage's extra): a row's drafts, and whether it is a
         # request, not padding; the prefill's tail reads the next two; a relaunched step
         # (host drafter) the host's drafts.
+        # A varlen step's head graph (FusedPrefill.varlen_drafts) the last two.
         (self.num_drafts, self.real, self.prefill_next_ids, self.prefill_last_row,
-         self.host_drafts) = self.inputs.add_buffers([
+         self.host_drafts, self.varlen_next_ids, self.varlen_last_rows) = self.inputs.add_buffers([
              ((m,), torch.long), ((m,), torch.bool),
              ((max(runner.graphs.prefill_q, default=1),), torch.long), ((1,), torch.long),
-             ((m, kmax), torch.long)])
+             ((m, kmax), torch.long), ((max(runner.graphs.varlen_t, default=1),), torch.long),
+             ((m,), torch.long)])
         self.loop_query_start = torch.arange(m + 1, dtype=torch.int32, device=dev)
         # What chaining carries from a step to the next (see the module docstring); a host
         # drafter's steps relaunch from the same carry instead.

@@ -207,13 +207,15 @@ class ModelRunner:
                 if out is not None:
                     self.proposer.policy.observe(sr.request.request_id, out.num_draft_tokens,
                                                  out.num_accepted_tokens)
-            self._propose(plan, per_req, hb, ids, pos, hidden, aux, meta, result, q_prefill)
+            self._propose(plan, per_req, hb, ids, pos, hidden, aux, meta, result, q_prefill,
+                          t_varlen)
         return result
 
     def _propose(self, plan, per_req, hb, ids, pos, hidden, aux, meta, result,
-                 q_prefill=None) -> None:
+                 q_prefill=None, t_varlen=None) -> None:
         """Ask the proposer for the next drafts of every request that committed a token (from
-        the fused step's head graph after a prefill graph's step, where one was captured)."""
+        the fused step's head graph after a prefill or varlen graph's step, where one was
+        captured)."""
         qsl = hb.query_start_loc
         reqs, committed, starts, ends, last_rows, ks = [], [], [], [], [], []
         next_ids = np.empty_like(hb.input_ids)
@@ -244,6 +246,8 @@ class ModelRunner:
                 one = self.fused.prefill_drafts(q_prefill, next_ids, last_rows[0], ks[0],
                                                 plan.draft_batch_size)
                 drafts = None if one is None else [one]
+            elif t_varlen is not None and self.fused is not None:
+                drafts = self.fused.varlen_drafts(t_varlen, next_ids, last_rows, ends, ks)
             if drafts is None:
                 batch = DraftBatch(
                     requests=reqs, committed=committed, row_start=starts, row_end=ends,

@@ -120,10 +120,14 @@ class HeadProposer(Proposer):
         int8 copy (half the bytes of a bf16 LM head, the largest read of a small model's draft
         step at small batch). More rows share one read of the head's own LM head in a GEMM,
         where the int8 copy has no kernel (its reference would convert the whole matrix)."""
-        if self._int8_lm_head is None or normed.shape[0] > SMALL_M_MAX:
+        if not self.int8_lm_head_for(normed.shape[0]):
             return self.draft_ids_from_lm_head(normed, also)
         q, scale, offsets = self._int8_lm_head
         return argmax_rows(int8_linear(normed, q, scale), offsets=offsets, also=also)
+
+    def int8_lm_head_for(self, rows: int) -> bool:
+        """Whether draft_ids_normed over this many rows reads the int8 copy."""
+        return self._int8_lm_head is not None and rows <= SMALL_M_MAX
 
     def draft_ids(self, hidden, also: tuple = ()) -> torch.Tensor:
         """[N, H] head output -> [N] target token ids (greedy; `also`: draft_ids_normed)."""

@@ -91,8 +91,9 @@ def test_graph_replay_equals_eager(cuda_loaded, cuda_heads, method, k, opts, ove
     assert got == want
     assert got_drafts == want_drafts
     assert graphed.runner.fused.replays > 20
-    # the five prompts' prefill step: several requests, a varlen graph
+    # the five prompts' prefill step: several requests, a varlen graph (and the head's graph)
     assert graphed.runner.graphs.varlen_replays >= 1
+    assert graphed.runner.fused.varlen_head_replays >= (method in ("eagle3", "mtp"))
     assert graphed.stats()["spec"] == eager.stats()["spec"]
     chained = graphed.runner.fused.chained
     assert chained > 10 if overlap and method != "ngram" else chained == 0
@@ -119,11 +120,12 @@ def test_cuda_engine_equals_cpu_engine(cuda_loaded, cuda_heads, method, k, num_p
     assert got == want
 
 
-@pytest.mark.parametrize("method,k", [(None, 0), ("eagle3", 3), ("ngram", 3)])
+@pytest.mark.parametrize("method,k", [(None, 0), ("eagle3", 3), ("mtp", 2), ("ngram", 3)])
 def test_varlen_graphs_with_arrivals_equal_eager(cuda_loaded, cuda_heads, method, k):
     """Requests arriving while others decode, prompts in chunks of a small budget: the steps
     that mix chunks and decodes replay varlen graphs (tile-mapped attention over padded
-    sequences); tokens and drafts equal the eager engine's."""
+    sequences), a head's pass and drafts after them its own graphs; tokens and drafts equal
+    the eager engine's."""
     spec = spec_for(cuda_heads, method, k)
     prompts = repetitive_prompts(7, 5)
 
@@ -151,6 +153,8 @@ def test_varlen_graphs_with_arrivals_equal_eager(cuda_loaded, cuda_heads, method
     assert got == want and len(got) == len(prompts)
     assert got_drafts == want_drafts
     assert eng.runner.graphs.varlen_replays >= 5
+    if method in ("eagle3", "mtp"):
+        assert eng.runner.fused.varlen_head_replays >= 5
 
 
 @pytest.mark.parametrize("method,k,opts", [(None, 0, {}), ("ngram", 3, {}),

@@ -50,6 +50,10 @@ def test_varlen_graphs_equal_eager(tiny_loaded, tiny_heads, fake_graph_capture, 
     rows = graphed.engine.runner.inputs.max_tokens
     assert set(graphs.varlen_graphs) == {t for t in VARLEN_TOKENS if 16 < t < rows} | {rows}
     assert graphs.varlen_replays >= 5, "no step ran in a varlen graph"
+    if method in ("eagle3", "mtp"):  # the head's pass and drafts after them: graphs too
+        fused = graphed.engine.runner.fused
+        assert fused.varlen_head_replays >= 5
+        assert {kd for _, kd in fused._varlen_heads} == {0, k}
     assert graphed.stats["num_preemptions_total"] > 0  # the scenario happened
     assert graphed.engine.kv.prefix_cache_hit_tokens > 0
     if checker is not None:
