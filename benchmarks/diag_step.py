@@ -134,10 +134,14 @@ def launch_cost(graph, reps: int = 50) -> dict:
 
 
 class PhaseTimer:
-    """Host seconds per engine phase (monkeypatched wrappers; nothing synchronizes)."""
+    """Host seconds per engine phase (monkeypatched wrappers) and calls. Nothing synchronizes
+    unless `sync`: then the device is synchronized before and after each call, so a phase's
+    time includes its GPU work (nested calls are counted in their callers too)."""
 
-    def __init__(self):
+    def __init__(self, sync: bool = False):
         self.t = collections.Counter()
+        self.n = collections.Counter()
+        self.sync = sync and torch.cuda.is_available()
         self.patched = []
 
     def wrap(self, cls, name):
@@ -145,11 +149,16 @@ class PhaseTimer:
 
         @functools.wraps(inner)
         def timed(*a, **k):
+            if self.sync:
+                torch.cuda.synchronize()
             t0 = time.perf_counter()
             try:
                 return inner(*a, **k)
             finally:
+                if self.sync:
+                    torch.cuda.synchronize()
                 self.t[f"{cls.__name__}.{name}"] += time.perf_counter() - t0
+                self.n[f"{cls.__name__}.{name}"] += 1
         setattr(cls, name, timed)
         self.patched.append((cls, name, inner))
 

@@ -9,8 +9,6 @@ with EAGLE-3 (k = 2); this times that step's phases, each between two device syn
 """
 from __future__ import annotations
 
-import collections
-import functools
 import json
 import sys
 import tempfile
@@ -21,42 +19,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.bench_gpu import diag_setup, make_heads, run_engine  # noqa: E402
+from benchmarks.diag_step import PhaseTimer  # noqa: E402
 
 
 def _sync():
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-
-
-class SyncedTimer:
-    """Seconds per wrapped method, the device synchronized before and after each call (nested
-    calls are counted in their callers too)."""
-
-    def __init__(self):
-        self.t = collections.Counter()
-        self.n = collections.Counter()
-        self.patched = []
-
-    def wrap(self, cls, name):
-        inner = getattr(cls, name)
-
-        @functools.wraps(inner)
-        def timed(*a, **k):
-            _sync()
-            t0 = time.perf_counter()
-            try:
-                return inner(*a, **k)
-            finally:
-                _sync()
-                self.t[f"{cls.__name__}.{name}"] += time.perf_counter() - t0
-                self.n[f"{cls.__name__}.{name}"] += 1
-        setattr(cls, name, timed)
-        self.patched.append((cls, name, inner))
-
-    def restore(self):
-        for cls, name, inner in reversed(self.patched):
-            setattr(cls, name, inner)
-        self.patched = []
 
 
 def first_step_phases(eng, prompts, batch: int, reps: int = 3) -> dict:
@@ -73,7 +41,7 @@ def first_step_phases(eng, prompts, batch: int, reps: int = 3) -> dict:
     if proposer is not None:
         wrapped += [(HeadProposer, "propose"), (type(proposer), "step"),
                     (type(proposer), "first_hidden"), (HeadProposer, "draft_ids")]
-    timer = SyncedTimer()
+    timer = PhaseTimer(sync=True)
     first = 0.0
     for r in range(reps):
         for j, p in enumerate(prompts[:batch]):

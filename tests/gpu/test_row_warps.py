@@ -19,6 +19,9 @@ from tests.gpu import test_kernels as tk  # noqa: E402
 from tests.gpu import test_rope_store as tr  # noqa: E402
 
 ROWS = [2, 4]
+# (activation dtype, weight dtype); the last: fp32 over bf16 weights (weight_dtype)
+X_W_DTYPES = [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32),
+              (torch.float32, torch.bfloat16)]
 
 
 @pytest.fixture(params=[True, False], ids=["row-warps", "one-row-programs"])
@@ -46,17 +49,13 @@ def test_small_linear_residual(row_warps, name, m, res_dtype):
     tk.test_small_linear_residual(name, m, res_dtype)
 
 
-@pytest.mark.parametrize("x_dtype,dtype", [(torch.bfloat16, torch.bfloat16),
-                                           (torch.float32, torch.float32),
-                                           (torch.float32, torch.bfloat16)], ids=str)
+@pytest.mark.parametrize("x_dtype,dtype", X_W_DTYPES, ids=str)
 @pytest.mark.parametrize("m", ROWS)
 def test_norm_small_linear(row_warps, m, x_dtype, dtype):
     tk.test_norm_small_linear("smol-qkv", m, x_dtype, dtype)
 
 
-@pytest.mark.parametrize("x_dtype,dtype", [(torch.bfloat16, torch.bfloat16),
-                                           (torch.float32, torch.float32),
-                                           (torch.float32, torch.bfloat16)], ids=str)
+@pytest.mark.parametrize("x_dtype,dtype", X_W_DTYPES, ids=str)
 @pytest.mark.parametrize("m", ROWS)
 def test_gate_up_silu_mul(row_warps, m, x_dtype, dtype):
     tk.test_gate_up_silu_mul("smol-gate_up", m, x_dtype, dtype)
