@@ -27,7 +27,7 @@ def policies(orig):
     """name -> choose_blocks replacement (rows 2 .. 8 of small weights only). mMnNkKwW: the
     broadcast path with BLOCK_M, BLOCK_N, BLOCK_K (0: the whole row up to 2048, as choose_blocks
     takes it) and num_warps; dot: tl.dot as choose_blocks configures it."""
-    from outpace.kernels.small_linear import Blocks
+    from outpace.kernels.small_linear_blocks import Blocks
 
     def few(m, n, k):
         return 2 <= m <= 8 and n <= 4096
@@ -109,7 +109,7 @@ def policies(orig):
 
     def constants(**values):
         # choose_blocks itself (uncached) with some of its module constants changed
-        import outpace.kernels.small_linear as sl
+        import outpace.kernels.small_linear_blocks as sl
 
         def f(m, n, k, **kw):
             saved = {name: getattr(sl, name) for name in values}
@@ -123,10 +123,10 @@ def policies(orig):
         return f
 
     def row_warps(rows=(2, 3, 4), block_n=2, block_m=0, k_max=2048, kinds=None, warps=0):
-        # a warp a row (small_linear.row_warps_blocks) at these row counts, for rows of at most
-        # k_max columns and these kinds of projection (None: all); block_m: rows a program
-        # (0: all of them); warps: fewer warps than rows (each then multiplies several rows)
-        from outpace.kernels.small_linear import row_warps_blocks
+        # a warp a row (small_linear_blocks.row_warps_blocks) at these row counts, for rows of
+        # at most k_max columns and these kinds of projection (None: all); block_m: rows a
+        # program (0: all of them); warps: fewer warps than rows (each multiplies several)
+        from outpace.kernels.small_linear_blocks import row_warps_blocks
 
         def f(m, n, k, **kw):
             b = orig(m, n, k, **kw)

@@ -1,9 +1,9 @@
-"""The few-row projections with a warp a row (small_linear.row_warps_blocks: choose_blocks' pick
-at 2 and 4 rows) against the references, for every fused variant: plain, residual, norm,
-norm + gate_up + silu, norm + qkv + rope + KV store, an int8 weight; bf16 and fp32 activations,
-fp32 over bf16 weights. Each case also runs with the path turned off (choose_blocks'
-_ROW_WARPS emptied), so the one-row programs it replaced stay covered. Fresh random inputs
-from the kernel tests' own helpers."""
+"""The few-row projections with a warp a row (small_linear_blocks.row_warps_blocks, the
+launch policy's pick at 2 and 4 rows) against the references, for every fused variant: plain,
+residual, norm, norm + gate_up + silu, norm + qkv + rope + KV store, an int8 weight; bf16 and
+fp32 activations, fp32 over bf16 weights. Each case also runs with the path turned off
+(small_linear_blocks' _ROW_WARPS emptied), so the one-row programs it replaced stay covered.
+Fresh random inputs from the kernel tests' own helpers."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 triton = pytest.importorskip("triton")
 
-import outpace.kernels.small_linear as sl  # noqa: E402
+import outpace.kernels.small_linear_blocks as sl  # noqa: E402
 from tests.gpu import test_kernels as tk  # noqa: E402
 from tests.gpu import test_rope_store as tr  # noqa: E402
 

@@ -483,7 +483,7 @@ ROW_WARPS_CASES = [(2, 24, 576, 2, 2), (4, 20, 1536, 2, 4), (3, 12, 1728, 4, 2),
 def check_small_linear_row_warps(case, dtype):
     """A warp a row (row_warps_blocks) for every variant the projections fuse: plain,
     residual, norm, norm + gate_up + silu, an int8 weight, norm + qkv + rope + store."""
-    from outpace.kernels.small_linear import row_warps_blocks
+    from outpace.kernels.small_linear_blocks import row_warps_blocks
     m, n, k, block_m, block_n = case
     blocks = row_warps_blocks(k, block_m, block_n)
     x, w, nw = _linear_inputs(m, n, k, dtype, seed=60 + m, rows=2)

@@ -11,13 +11,13 @@ import torch.nn.functional as F
 
 from outpace.kernels import next_pow2
 from outpace.kernels.norm import rms_norm_ref
-from outpace.kernels.small_linear import (_ONE_ROW_M, _ROW_WARPS, _ROW_WARPS_MAX_K, _SUM_ROWS,
-                                          SMALL_M_MAX, choose_blocks, norm_small_linear,
-                                          row_warps_blocks,
+from outpace.kernels.small_linear import (SMALL_M_MAX, norm_small_linear,
                                           norm_small_linear_ref, norm_small_linear_silu_mul,
                                           norm_small_linear_silu_mul_ref, silu_mul, silu_mul_ref,
                                           small_linear, small_linear_ref, small_linear_silu_mul,
                                           small_linear_silu_mul_ref)
+from outpace.kernels.small_linear_blocks import (_ONE_ROW_M, _ROW_WARPS, _ROW_WARPS_MAX_K,
+                                                 _SUM_ROWS, choose_blocks, row_warps_blocks)
 
 DTYPES = [torch.float32, torch.bfloat16]
 
