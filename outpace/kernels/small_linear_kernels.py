@@ -18,18 +18,27 @@ if triton is not None:
     from outpace.kernels.split_dot import dot_fp32_bf16
 
     @triton.jit
-    def _dot_input(x, nw_ptr, offs_k, k_mask, rstd, A_DTYPE: tl.constexpr,
-                   HAS_NORM: tl.constexpr, NORM_ROUND: tl.constexpr):
-        # x [BLOCK_M, BLOCK_K] as loaded -> the matmul operand, fp32 holding A_DTYPE values
-        # (A_DTYPE: the activation dtype, x's; the weight's too unless that is stored narrower).
+    def _operand(x, rstd, nw, A_DTYPE: tl.constexpr, HAS_NORM: tl.constexpr,
+                 NORM_ROUND: tl.constexpr):
+        # x as loaded -> the matmul operand, fp32 holding A_DTYPE values (A_DTYPE: the
+        # activation dtype, x's; the weight's too unless that is stored narrower). With the
+        # norm: rstd (x's rows' statistics) and nw (its weight at x's columns) broadcast to x.
         if HAS_NORM:
-            n = (x.to(tl.float32) * rstd[:, None]).to(x.dtype)  # HF casts back before the weight
-            nw = tl.load(nw_ptr + offs_k, mask=k_mask, other=0.0)
-            n = nw.to(tl.float32)[None, :] * n.to(tl.float32)
+            n = (x.to(tl.float32) * rstd).to(x.dtype)  # HF casts back before the weight
+            n = nw.to(tl.float32) * n.to(tl.float32)
             if NORM_ROUND:  # weight and activation share a dtype: torch's product is in it
                 n = n.to(x.dtype)
             x = n
         return x.to(A_DTYPE).to(tl.float32)
+
+    @triton.jit
+    def _dot_input(x, nw_ptr, offs_k, k_mask, rstd, A_DTYPE: tl.constexpr,
+                   HAS_NORM: tl.constexpr, NORM_ROUND: tl.constexpr):
+        # _operand for x [BLOCK_M, BLOCK_K]
+        nw = x
+        if HAS_NORM:
+            nw = tl.load(nw_ptr + offs_k, mask=k_mask, other=0.0)[None, :]
+        return _operand(x, rstd[:, None], nw, A_DTYPE, HAS_NORM, NORM_ROUND)
 
     @triton.jit
     def _accumulate(acc, a, w, A_DTYPE: tl.constexpr, USE_DOT: tl.constexpr):
@@ -113,14 +122,11 @@ if triton is not None:
         k_mask = offs < K
         x = tl.load(x_rows[None, :, :] + offs[:, None, :],
                     mask=m_mask[None, :, None] & k_mask[:, None, :], other=0.0)  # [S, M, W]
+        nw = x
         if HAS_NORM:
-            n = (x.to(tl.float32) * rstd[None, :, None]).to(x.dtype)
-            nw = tl.load(nw_ptr + offs, mask=k_mask, other=0.0)
-            n = nw.to(tl.float32)[:, None, :] * n.to(tl.float32)
-            if NORM_ROUND:
-                n = n.to(x.dtype)
-            x = n
-        a = x.to(A_DTYPE).to(tl.float32)[:, None, :, :]  # [S, 1, M, W]
+            nw = tl.load(nw_ptr + offs, mask=k_mask, other=0.0)[:, None, :]
+        a = _operand(x, rstd[None, :, None], nw, A_DTYPE, HAS_NORM,
+                     NORM_ROUND)[:, None, :, :]  # [S, 1, M, W]
         acc += tl.sum(tl.sum(a * w.to(tl.float32), axis=3), axis=0)
         if SILU_MUL:
             acc_u += tl.sum(tl.sum(a * wu.to(tl.float32), axis=3), axis=0)
