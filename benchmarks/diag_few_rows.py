@@ -67,7 +67,7 @@ def policies(orig):
     # SmolLM2's norm + gate_up + silu (gate_up, norm, N = I = 1536), norm + qkv + rope + store
     # (gate_up, N = 480), o (576 x 576, residual) and down (K = 1536); the EAGLE-3 head's
     # projections have the same shapes except its qkv (K = 1152) and fc (K = 1728).
-    kinds = kinds_of = {"gu": lambda n, k, kw: kw.get("gate_up") and n >= 1024,
+    kinds = {"gu": lambda n, k, kw: kw.get("gate_up") and n >= 1024,
              "qkv": lambda n, k, kw: kw.get("gate_up") and n < 1024,
              "o": lambda n, k, kw: not kw.get("gate_up") and k < 1024,
              "down": lambda n, k, kw: not kw.get("gate_up") and k >= 1024}
@@ -122,16 +122,16 @@ def policies(orig):
                     setattr(sl, name, v)
         return f
 
-    def row_warps(rows=(2, 3, 4), block_n=2, block_m=0, k_max=2048, kinds=None, warps=0):
+    def row_warps(rows=(2, 3, 4), block_n=2, block_m=0, k_max=2048, only=None, warps=0):
         # a warp a row (small_linear_blocks.row_warps_blocks) at these row counts, for rows of
-        # at most k_max columns and these kinds of projection (None: all); block_m: rows a
+        # at most k_max columns and `only` these kinds of projection (None: all); block_m: rows a
         # program (0: all of them); warps: fewer warps than rows (each multiplies several)
         from outpace.kernels.small_linear_blocks import row_warps_blocks
 
         def f(m, n, k, **kw):
             b = orig(m, n, k, **kw)
             if (m in rows and not b.use_dot and k <= k_max
-                    and (kinds is None or any(kinds_of[x](n, k, kw) for x in kinds))):
+                    and (only is None or any(kinds[x](n, k, kw) for x in only))):
                 rw = row_warps_blocks(k, block_m or (1 << (m - 1).bit_length()), block_n)
                 return rw._replace(num_warps=warps) if warps else rw
             return b
@@ -149,8 +149,11 @@ def policies(orig):
             "rw_m2": row_warps(block_m=2), "rw3_m2n4": row_warps((3,), 4, 2, 1536),
             "rw3_m1": row_warps((3,), 2, 1, 1536), "rw3_m4w2": row_warps((3,), 2, 4, 1536, warps=2),
             "rw3_m4": row_warps((3,), 2, 4, 1536), "rw3_m4n4": row_warps((3,), 4, 4, 1536),
-            "rw3_gu": row_warps((3,), kinds=["gu"]), "rw3_down": row_warps((3,), kinds=["down"]),
-            "rw3_qkv": row_warps((3,), kinds=["qkv"]), "rw3_o": row_warps((3,), kinds=["o"]),
+            "rw3_gu": row_warps((3,), only=["gu"]), "rw3_down": row_warps((3,), only=["down"]),
+            "rw3_qkv": row_warps((3,), only=["qkv"]), "rw3_o": row_warps((3,), only=["o"]),
+            "rows1": constants(_SUM_ROWS=1), "rows1_m8": constants(_SUM_ROWS=1, _SUM_MAX_M=8),
+            "rows1_m16": constants(_SUM_ROWS=1, _SUM_MAX_M=16),
+            "rows2_m8": constants(_SUM_MAX_M=8),
             "m1n2w1t": bcast(1, 2, warps=1, tail=True), "m1n4w1t": bcast(1, 4, warps=1, tail=True),
             "m1n2w2t": bcast(1, 2, warps=2, tail=True), "m1n1w1t": bcast(1, 1, warps=1, tail=True),
             "m1n2w1": bcast(1, 2, warps=1), "notail": no_tail(), "notail_m1": no_tail((1, 1)),
