@@ -60,7 +60,11 @@ class ModelRunner:
         # Block-table width: the context plus the largest verify block and draft lookahead
         # (k <= 16, SpecConfig), so a step near the end of the context still fits.
         max_blocks = (max_model_len + 2 * 16 + block_size - 1) // block_size + 1
-        self.inputs = InputBuffers(max_num_tokens, max_num_seqs, max_blocks, device)
+        # One sequence slot more than the scheduler fills: a varlen graph's padding rows are a
+        # sequence of their own (cuda_graph.load_varlen), so a step whose prompts fill every
+        # slot still pads into a graph instead of running eagerly (~7x slower a step).
+        self.max_num_seqs = max_num_seqs
+        self.inputs = InputBuffers(max_num_tokens, max_num_seqs + 1, max_blocks, device)
         self.sampling = SamplingStep(device, seed)
         self.graphs = None  # GraphRunner once enable_cuda_graphs() ran
         self.fused = None  # FusedStep: greedy decode steps as one graph each (with graphs)
@@ -84,7 +88,7 @@ class ModelRunner:
         from outpace.runner.cuda_graph import GraphRunner
         capture = self.proposer.capture_layers if self.proposer is not None else ()
         self.graphs = GraphRunner(self.model, self.backend, self.inputs, capture,
-                                  self.inputs.max_seqs, q_lens, self.inputs.max_tokens,
+                                  self.max_num_seqs, q_lens, self.inputs.max_tokens,
                                   self.max_model_len)
         self.graphs.capture_all()
         from outpace.runner.fused_step import FusedStep
