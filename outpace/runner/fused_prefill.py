@@ -52,7 +52,8 @@ class FusedPrefill:
         self.prefill_launches = 0  # prefill steps launched that way (tests read it)
         # prefill_next_ids and prefill_last_row: staged buffers made in FusedStep.__init__
         self.prefill_replays = 0  # prefill steps whose head ran from a graph (tests read it)
-        # A varlen step's head: (T, kd) -> (graph, (drafts [max_seqs, kd],) or ()) (varlen_drafts)
+        # A varlen step's head: (T, kd) -> (graph, (drafts [max_num_seqs, kd],) or ())
+        # (varlen_drafts)
         self._varlen_heads: dict = {}
         self.varlen_head_replays = 0  # varlen steps whose head ran from a graph (tests read it)
 
@@ -120,7 +121,7 @@ class FusedPrefill:
         entry = self._varlen_heads.get((t, kd))
         if entry is None or max(ks, default=0) > kd:
             return None
-        m = self.inputs.max_seqs
+        m = self.runner.max_num_seqs  # the scheduler's slots (the spare one holds padding)
         own = [k for last, k in zip(last_rows, ks) if last >= 0]
         if any(self.head.int8_lm_head_for(m) != self.head.int8_lm_head_for(
                 sum(k > j for k in own)) for j in range(max(ks, default=0))):
@@ -139,11 +140,12 @@ class FusedPrefill:
         return [d[:k] for d, k in zip(drafts, ks)]
 
     def _capture_varlen_head(self, t: int, kd: int):
-        """The head's pass over varlen graph t's rows and kd drafts for every sequence slot
-        (varlen_drafts), captured over a batch of padding."""
+        """The head's pass over varlen graph t's rows and kd drafts for every slot the
+        scheduler fills (varlen_drafts; not the input buffers' spare slot, which only ever
+        holds padding), captured over a batch of padding."""
         _, hidden, aux = self.graphs.varlen_graphs[t]
         buf = self.inputs
-        m = buf.max_seqs
+        m = self.runner.max_num_seqs
         self.graphs.load_varlen_padding(t)
         self.varlen_next_ids.zero_()
         self.varlen_last_rows.zero_()

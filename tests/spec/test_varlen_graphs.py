@@ -89,6 +89,10 @@ def test_prompts_filling_every_slot_still_take_a_varlen_graph(tiny_loaded, tiny_
     assert eng.runner.graphs.varlen_replays >= 1  # the first step: all four prompts
     assert eng.runner.inputs.max_seqs == 5  # the scheduler's 4 and the padding's
     assert max(eng.runner.graphs.buckets) == 4
+    if method is not None:  # the head's graph after it drafts for the scheduler's 4 slots
+        fused = eng.runner.fused
+        assert fused.varlen_head_replays >= 1
+        assert {outs[0].shape[0] for _, outs in fused._varlen_heads.values() if outs} == {4}
 
 
 def test_varlen_padding_is_sequences_of_its_own(tiny_loaded, fake_graph_capture):
