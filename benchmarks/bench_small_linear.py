@@ -234,8 +234,13 @@ def variants(m, n, k):
             return  # far past the register budget: spills, not worth a compile
         out.append(b)
 
-    if m >= 2:  # the other path first: the question that matters most
+    if m >= 2 and m <= 16:  # the other path first: the question that matters most
         add(choose_blocks(m, n, k, use_dot=not d.use_dot))
+    if d.use_dot and m > 16:  # prefill-sized row counts: row blocks and column tiles
+        for bm in (16, 32, 64, 128):
+            for bn in (16, 32, 64):
+                if bm < m * 2:
+                    add(d._replace(block_m=bm, block_n=bn))
     if not d.use_dot and d.block_m < m:  # all rows in one program instead of row blocks
         add(d._replace(block_m=1 << (m - 1).bit_length()))
     for bn in (d.block_n // 2, d.block_n * 2):
@@ -292,7 +297,15 @@ def main():
     ap.add_argument("--sweep-ms", default="1,4,16,8",
                     help="row counts the sweep tries, in this order (e.g. 5 for a k=4 verify)")
     ap.add_argument("--sweep-models", default="smol,8b")
+    ap.add_argument("--ms", default="",
+                    help="row counts of the linear and fused sections (default 1,4,8,16); "
+                         "above 16 (prefill chunks) the kernels run their tl.dot path")
+    ap.add_argument("--models", default="smol,8b", help="models of the linear and fused sections")
     args = ap.parse_args()
+    global MS, MODELS
+    if args.ms:
+        MS = [int(m) for m in args.ms.split(",")]
+    MODELS = {m: MODELS[m] for m in args.models.split(",")}
     if not torch.cuda.is_available():
         sys.exit("bench_small_linear needs CUDA")
     t0 = time.perf_counter()

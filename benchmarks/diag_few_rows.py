@@ -183,13 +183,34 @@ def policies(orig):
             "gu_n1": tweak_for(["gu"], block_n=1), "down_n1": tweak_for(["down"], block_n=1)}
 
 
+def head_attention(backend, orig_attend, setting: str, num_target_layers: int):
+    """backend._attend with the draft head's launches (layer >= num_target_layers) configured
+    by `setting` (see --head-attn); the target's layers as the engine launches them."""
+    if setting == "cur":
+        return orig_attend
+    from outpace.attention.triton_paged import paged_attention
+    splits = int(setting.removesuffix("np"))
+    prefetch = False if setting.endswith("np") else None
+
+    def attend(layer, q, meta):
+        if layer < num_target_layers:
+            return orig_attend(layer, q, meta)
+        return paged_attention(q, backend.kv_cache, layer, meta, backend.scale, splits,
+                               backend.min_split_tokens, backend.split_counters, prefetch)
+    return attend
+
+
 def main():
     args, loaded, prompts = diag_setup(4, extra=(
         ("--policies", "current,m2n2,m4n1,m2n1,m4n2w8,m8n1"),
         ("--engines", "no-spec,eagle3-fa3-k2,eagle3-fa3-k4"), ("--tag", ""),
         # attention's split-KV settings to try under every policy, SPLITSxMIN_TOKENS
         # (max_kv_splits x min_split_tokens of the Triton backend; "" keeps the engine's)
-        ("--attn", "")))
+        ("--attn", ""),
+        # the draft head's own attention launches (its KV plane: layers past the target's):
+        # "cur" as the engine launches them, else SPLITS (a power of two) with "np" for the
+        # variant that waits before its first load (no KV prefetch before the PDL wait)
+        ("--head-attn", "cur")))
     import outpace.kernels.small_linear as sl
     from outpace.engine.engine import LLMEngine
     eagle, _ = make_heads(args.gguf, tempfile.mkdtemp())
@@ -208,9 +229,13 @@ def main():
         fused = eng.runner.fused
         backend = eng.runner.backend
         default_attn = f"{backend.max_kv_splits}x{backend.min_split_tokens}"
-        combos = [(pol, attn) for pol in args.policies.split(",")
-                  for attn in (args.attn.split(",") if args.attn else [default_attn])]
-        for pol, attn in combos:
+        combos = [(pol, attn, ha) for pol in args.policies.split(",")
+                  for attn in (args.attn.split(",") if args.attn else [default_attn])
+                  for ha in (args.head_attn.split(",") if spec else ["cur"])]
+        orig_attend = backend._attend
+        for pol, attn, ha in combos:
+            backend._attend = head_attention(backend, orig_attend, ha,
+                                             eng.runner.model.config.num_hidden_layers)
             sl.choose_blocks = table[pol]
             backend.max_kv_splits, backend.min_split_tokens = map(int, attn.split("x"))
             t0 = time.perf_counter()
@@ -229,7 +254,8 @@ def main():
                     fused._captured[key] = fused._capture(*key)
                 continue
             g, _ = fused._captured[(1, k + 1, k, True)]
-            row = {"engine": name, "policy": pol, "attn": attn, "tok_s": r["tok_s"],
+            row = {"engine": name, "policy": pol, "attn": attn, "head_attn": ha,
+                   "tok_s": r["tok_s"],
                    "tpot_ms": r["tpot_ms"],
                    "graph_ms": gpu_ms(g), "capture_s": round(cap_s, 1),
                    "mean_acceptance_length": r["mean_acceptance_length"],
@@ -239,6 +265,7 @@ def main():
             rows.append(row)
             print(row, flush=True)
         sl.choose_blocks = orig
+        backend._attend = orig_attend
         del eng
         torch.cuda.empty_cache()
     ns = {(r["policy"], r["attn"]): r for r in rows if r["engine"] == "no-spec"}

@@ -105,7 +105,7 @@ def prefill_phases(eng, prompts, reps: int = 3) -> dict:
     from outpace.engine.engine import LLMEngine
     from outpace.runner.cuda_graph import GraphRunner
     from outpace.runner.fused_step import FusedStep
-    from outpace.runner.inputs import InputBuffers
+    from outpace.runner.inputs import InputBuffers, Segment
     from outpace.scheduler.scheduler import Scheduler
     sp = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True,
                         output_kind="final_only")
@@ -113,7 +113,8 @@ def prefill_phases(eng, prompts, reps: int = 3) -> dict:
     wrapped = [(LLMEngine, "add_request"), (Scheduler, "schedule"),
                (type(eng.runner), "can_launch"), (type(eng.runner), "_host_batch"),
                (FusedStep, "launch_prefill"), (GraphRunner, "load_padded"),
-               (InputBuffers, "stage"), (FusedStep, "_replay"), (LLMEngine, "_chain"),
+               (InputBuffers, "stage"), (Segment, "copy"), (torch.cuda.CUDAGraph, "replay"),
+               (FusedStep, "_replay"), (LLMEngine, "_chain"),
                (FusedStep, "collect"), (LLMEngine, "_commit")]
     n, first = 0, 0.0
     for _ in range(reps):
@@ -136,6 +137,36 @@ def prefill_phases(eng, prompts, reps: int = 3) -> dict:
     return {"prefill_steps": n, "first_step_us": round(1e6 * first / n, 1),
             "host_us_per_prefill": {k: round(1e6 * v / n, 1) for k, v in sorted(timer.t.items())},
             "prefill_q": eng.runner.graphs.prefill_q_for(len(prompts[0]))}
+
+
+def prefill_profile(eng, prompts, reps: int = 5, top: int = 40) -> dict:
+    """cProfile over batch-1 prefill steps (add_request and the step that runs the prefill):
+    the host functions with the most own time and the most cumulative time, in us a prefill
+    (cProfile's own overhead inflates many small calls; read it for where, not how much)."""
+    import cProfile
+    import pstats
+    from outpace import SamplingParams
+    sp = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True,
+                        output_kind="final_only")
+    prof, n = cProfile.Profile(), 0
+    for _ in range(reps):
+        for p in prompts:
+            torch.cuda.synchronize()
+            prof.enable()
+            eng.add_request(f"profile-{time.monotonic_ns()}", p, sp)
+            eng.step()
+            prof.disable()
+            n += 1
+            while eng.has_unfinished_requests():
+                eng.step()
+    stats = pstats.Stats(prof).stats  # (file, line, name) -> (cc, nc, tottime, cumtime, ...)
+
+    def rows(key):
+        order = sorted(stats.items(), key=lambda kv: -kv[1][key])[:top]
+        return [{"fn": f"{Path(f).name}:{line}:{name}", "calls": nc / n,
+                 "tot_us": round(1e6 * tt / n, 1), "cum_us": round(1e6 * ct / n, 1)}
+                for (f, line, name), (cc, nc, tt, ct, _) in order]
+    return {"prefills": n, "by_own_time": rows(2), "by_cumulative": rows(3)}
 
 
 def main():
@@ -167,6 +198,11 @@ def main():
         print("  sequence", " ".join(reqs[0]["sequence"]), flush=True)
         report[name]["prefill_phases"] = ph = prefill_phases(eng, prompts[2:6])
         print(name, "prefill", json.dumps(ph), flush=True)
+        report[name]["prefill_profile"] = pp = prefill_profile(eng, prompts[2:6])
+        for key in ("by_cumulative", "by_own_time"):
+            print(name, key)
+            for r in pp[key][:30]:
+                print(f"  {r['cum_us']:9.1f} {r['tot_us']:9.1f} {r['calls']:6.1f}  {r['fn']}")
         engines.append((name, eng))
     # profiled last (CUPTI stays attached and slows later launches)
     for name, eng in engines:

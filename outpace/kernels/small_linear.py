@@ -53,6 +53,14 @@ except Exception:  # pragma: no cover - exercised only where triton is missing
     triton = None
 
 SMALL_M_MAX = 16  # rows up to which the Triton kernels run; wider batches go to cuBLAS
+# ...and up to which the projections without a norm prologue also may (`mid_rows_ok`): a
+# short prefill or a small varlen step of a narrow model, where the rope + KV store and the
+# silu * mul ride in the projection's epilogue instead of kernels of their own. The tl.dot
+# path in row blocks (choose_blocks); on the H200 (bench_small_linear_run27.json, SmolLM2) at
+# 64 and 128 rows the plain projections ran at cuBLAS's speed (qkv 3.2 / 4.1 us, o 3.2 / 4.1)
+# and gate_up + silu * mul took 4.0-5.0 us against cuBLAS + the silu * mul kernel's ~6; at 256
+# rows the tl.dot tiles lost (qkv 19.8 us against 6.4), hence the bound.
+MID_M_MAX = 128
 
 
 # ----------------------------------------------------------------------------- references
@@ -272,6 +280,19 @@ def _fast(x: torch.Tensor, w: torch.Tensor) -> bool:
             and w.is_contiguous() and x.shape[1] == w.shape[1]
             and (w.dtype == x.dtype or (x.dtype == torch.float32 and w.element_size() == 2))
             and use_triton(x))
+
+
+def mid_rows_ok(x: torch.Tensor, w: torch.Tensor, n_cols: Optional[int] = None) -> bool:
+    """Whether a projection of x [M, K] by w [N, K] with SMALL_M_MAX < M <= MID_M_MAX may run
+    the Triton kernel (small_linear_triton, small_linear_silu_mul_triton, or
+    norm_qkv_rope_store_triton without a norm): CUDA with triton, x and w of one 16-bit dtype
+    (the faithful mode's fp32 rows keep split_mm), a row-major w, and a narrow weight (K <=
+    2048, at most 4096 output columns, n_cols: the columns the programs split), the shapes
+    measured."""
+    return (x.dim() == 2 and SMALL_M_MAX < x.shape[0] <= MID_M_MAX and w.dim() == 2
+            and w.is_contiguous() and x.shape[1] == w.shape[1] <= 2048
+            and (n_cols or w.shape[0]) <= 4096 and w.dtype == x.dtype
+            and x.dtype in (torch.bfloat16, torch.float16) and use_triton(x))
 
 
 def _copy_to(out: Optional[torch.Tensor], y: torch.Tensor) -> torch.Tensor:

@@ -45,6 +45,8 @@ _DOT_K_INT8 = 64
 _DOT_STAGES = 3  # its software pipeline (3 beat 2 by ~20% on every shape, 4 was no better)
 _DOT_SMEM = 64 * 1024  # its pipeline buffers: wide tiles get shorter K steps (LM head: 128 x 64)
 _SUM_MAX_N = 16384  # wider weights (LM heads) take the tl.dot path even at M = 1
+_DOT_ONE_BLOCK_M = 16  # tl.dot launches of more rows than this split them into row blocks
+_DOT_K_ROW_BLOCKS = 128  # ...with K steps of at most this (the sweep's; 256 not measured)
 # Rows a broadcast-path program handles; more rows take more programs, each reading the same
 # weight tile (an L2 hit). Two at most: in the k = 2 verify graph (3 rows) blocks of 2 beat
 # blocks of 4, 0.846 vs 0.864 ms a step (run 10, benchmarks/diag_few_rows.py).
@@ -117,10 +119,14 @@ def choose_blocks(M: int, N: int, K: int, *, elem_bytes: int = 2, x_bytes: int =
     tiles = 2 if gate_up else 1
     if use_dot:
         block_m = max(next_pow2(M), 16)
+        if M > _DOT_ONE_BLOCK_M:  # a prefill's rows (small_linear.MID_M_MAX): row blocks
+            block_m = _dot_row_block(M, N * tiles)
         block_n = 16  # tl.dot's minimum tile
         while block_n < 128 and _cdiv(N, block_n * 2) >= 2 * _NUM_SMS:
             block_n *= 2
         block_k = min(k_max, _DOT_K if elem_bytes > 1 else _DOT_K_INT8)
+        if M > _DOT_ONE_BLOCK_M:
+            block_k = min(block_k, _DOT_K_ROW_BLOCKS)
         x_bytes = x_bytes or elem_bytes
         while (block_k > 32 and _DOT_STAGES * block_k
                * (tiles * block_n * elem_bytes + block_m * x_bytes) > _DOT_SMEM):
@@ -153,6 +159,17 @@ def choose_blocks(M: int, N: int, K: int, *, elem_bytes: int = 2, x_bytes: int =
     one_warp = M > 1 and block_m * block_n * tiles * (block_k + tail_k) <= _ONE_WARP_PRODUCT
     return Blocks(block_m, block_n, block_k, num_warps=1 if one_warp else 4, num_stages=2,
                   use_dot=False, tail_k=tail_k)
+
+
+def _dot_row_block(M: int, weight_rows: int) -> int:
+    """Rows a tl.dot program takes when a launch has more than _DOT_ONE_BLOCK_M: 16 up to 64
+    rows, 32 above; twice that for a weight of 2048+ rows (weight_rows: the columns split
+    times the tiles each reads). H200 sweep at 64 and 128 rows (bench_small_linear_run27.json,
+    SmolLM2 shapes): one block of all rows lost on every projection (qkv 3.46 / 5.00 us against
+    3.18 / 4.13; down 5.86 / 10.15 against 5.32 / 8.12), and blocks of 32 / 64 rows were the
+    best for the 3072-row gate_up weight (4.02 / 5.04 us)."""
+    rows = 16 if M <= 64 else 32
+    return rows * 2 if weight_rows >= 2048 else rows
 
 
 def row_warps_blocks(K: int, block_m: int, block_n: int) -> Blocks:

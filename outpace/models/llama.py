@@ -31,8 +31,10 @@ from outpace.errors import ModelLoadError
 from outpace.kernels import use_triton
 from outpace.kernels.argmax import argmax_rows
 from outpace.kernels.norm import fused_add_rms_norm, fused_add_rms_norm_triton, rms_norm_triton
-from outpace.kernels.small_linear import (SMALL_M_MAX, norm_qkv_rope_store, norm_small_linear,
-                                          norm_small_linear_silu_mul, silu_mul, small_linear)
+from outpace.kernels.small_linear import (SMALL_M_MAX, mid_rows_ok, norm_qkv_rope_store,
+                                          norm_qkv_rope_store_triton, norm_small_linear,
+                                          norm_small_linear_silu_mul, silu_mul, small_linear,
+                                          small_linear_silu_mul_triton, small_linear_triton)
 from outpace.models.cpu_fast_paths import add_weight_copies_, cpu_threads_for, linear
 from outpace.models.rotary import RotaryEmbedding
 from outpace.models.weight_dtype import upcast_embedding
@@ -54,6 +56,12 @@ FEW_ROW_MAX_HIDDEN = 2048
 # 0.643 ms a step (run 8a, SmolLM2-shaped; 0.603 -> 0.565 with PDL, run 8); off: a separate
 # rope + store kernel.
 FUSED_QKV_ROPE_STORE = True
+# CUDA forwards of SMALL_M_MAX < T <= MID_M_MAX tokens (a short prompt's prefill, a small varlen
+# step) of a model the few-row kernels take: the qkv projection with rope and the KV store in
+# its epilogue, o_proj, and gate_up with silu * mul as Triton kernels (small_linear.mid_rows_ok);
+# down_proj stays cuBLAS (at 128 rows the Triton tiles took 8.1 us against cuBLAS's ~5). Two
+# kernels fewer a layer: the rope + store and silu * mul kernels.
+MID_ROW_KERNELS = True
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -107,8 +115,26 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x, cos_sin, rope: RotaryEmbedding, ctx: ForwardContext):
         # x [T, qkv_input_size] -> [T, hidden]
+        if self._mid_rows(x, cos_sin):  # CUDA, a prefill's rows: see MID_ROW_KERNELS
+            t, meta, backend = x.shape[0], ctx.meta, ctx.backend
+            q = norm_qkv_rope_store_triton(x, None, 0.0, self.qkv_weight, self.num_heads,
+                                           self.num_kv_heads, self.head_dim, rope.cos, rope.sin,
+                                           cos_sin[2], backend.kv_cache, self.layer_slot,
+                                           meta.slot_mapping)
+            o = backend.attend_stored(self.layer_slot, q, meta).reshape(t, self.q_size)
+            return small_linear_triton(o, self.o_weight)
         qkv = linear(x, self, "qkv_weight", self.qkv_bias)  # [T, (Hq + 2 Hkv) * D]
         return linear(self.attend(qkv, cos_sin, rope, ctx), self, "o_weight", self.o_bias)
+
+    def _mid_rows(self, x, cos_sin) -> bool:
+        """Whether forward takes the Triton projections (MID_ROW_KERNELS): CUDA's rope path
+        (the backend rotates and stores), no q/k norm and no biases, and shapes that
+        mid_rows_ok takes for both projections."""
+        return (MID_ROW_KERNELS and FUSED_QKV_ROPE_STORE and cos_sin[0] is None
+                and self.q_norm is None and self.qkv_bias is None and self.o_bias is None
+                and self.head_dim % 2 == 0
+                and mid_rows_ok(x, self.qkv_weight, self.qkv_weight.shape[0] // 2)
+                and self.o_weight.shape[0] <= 4096 and self.o_weight.shape[1] <= 2048)
 
     def attend(self, qkv, cos_sin, rope: RotaryEmbedding, ctx: ForwardContext):
         # qkv [T, (Hq + 2 Hkv) * D] (projected) -> attention output [T, Hq * D], before o_proj
@@ -139,6 +165,10 @@ class LlamaMLP(nn.Module):
         self.down_weight = _param(cfg.hidden_size, self.inter, dtype=dtype, device=device)
 
     def forward(self, x):  # [T, H] -> [T, H]
+        if MID_ROW_KERNELS and mid_rows_ok(x, self.gate_up_weight, self.inter):
+            # CUDA, a prefill's rows: gate_up with silu * mul in one Triton kernel
+            return linear(small_linear_silu_mul_triton(x, self.gate_up_weight), self,
+                          "down_weight")
         gu = linear(x, self, "gate_up_weight")  # [T, 2I]
         if use_triton(gu):
             a = silu_mul(gu)  # one kernel, the same rounding

@@ -191,6 +191,27 @@ def test_small_linear_dot_over_bf16_weights_compiles(norm, m):
     assert "mma" in k.asm["ptx"]  # tensor cores, not an fp32 FMA loop
 
 
+@pytest.mark.parametrize("m", [40, 128])
+@pytest.mark.parametrize("kind", ["qkv_rope_store", "gate_up_silu", "o"])
+def test_small_linear_prefill_rows_compile(kind, m):
+    """The mid-row launches (small_linear.mid_rows_ok) as choose_blocks picks them for SmolLM2's
+    prefill: tl.dot in row blocks of 16-64 with the rope + store or silu * mul epilogue, within
+    sm_90's shared memory and registers."""
+    from outpace.kernels.small_linear import choose_blocks
+    from outpace.kernels.small_linear_kernels import _small_linear_kernel
+    rope, silu = kind == "qkv_rope_store", kind == "gate_up_silu"
+    n = {"qkv_rope_store": 480, "gate_up_silu": 1536, "o": 576}[kind]
+    cfg = choose_blocks(m, n, 576, gate_up=rope or silu)
+    assert cfg.use_dot and cfg.block_m < m
+    consts = _linear_constexprs(False, silu, rope, False, cfg.block_m, cfg.block_n, cfg.block_k,
+                                0)
+    consts["USE_DOT"] = True
+    k = compile_for_h200(_small_linear_kernel, _LINEAR_PTRS, ("eps",), consts,
+                         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    assert k.asm["cubin"]
+    assert "mma" in k.asm["ptx"]
+
+
 @pytest.mark.parametrize("x_dtype", ["bf16", "fp32"])
 def test_small_linear_dot_over_int8_weights_compiles(x_dtype):
     """An int8 draft LM head (draft_lm_head_dtype) on the tl.dot path as choose_blocks picks it

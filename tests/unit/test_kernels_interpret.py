@@ -813,6 +813,43 @@ def check_norm_qkv_rope_store(dtype, w_dtype, m, hq, hkv, d, k, with_norm):
     assert torch.isnan(cache[0].float()).all(), "another layer slot was written"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("m", [33, 80])
+def check_prefill_rows_in_row_blocks(dtype, m):
+    """A short prefill's projections (small_linear.mid_rows_ok: more than SMALL_M_MAX rows)
+    take choose_blocks' row blocks of tl.dot (33: two blocks of 16 and a ragged one; 80: 32 and
+    64-row blocks): plain (o_proj), gate_up + silu * mul, and qkv + rope + KV store without a
+    norm, each row against its reference; padded slots write nothing. (fp16, not bf16: the
+    interpreter's bf16 tl.dot is wrong.)"""
+    k, n = 64, 40
+    x, w, _ = _linear_inputs(m, n, k, dtype, seed=300 + m)
+    assert choose_blocks(m, n, k).block_m < m  # several row blocks
+    torch.testing.assert_close(small_linear_triton(x, w), small_linear_ref(x, w),
+                               **NORM_TOL[dtype])
+    x, w, _ = _linear_inputs(m, n, k, dtype, seed=310 + m, rows=2)
+    torch.testing.assert_close(small_linear_silu_mul_triton(x, w),
+                               small_linear_silu_mul_ref(x, w), **NORM_TOL[dtype])
+    hq, hkv, d, bs = 3, 1, 16, 4
+    g = torch.Generator().manual_seed(320 + m)
+    blocks = m // bs + 3
+    w = (0.2 * torch.randn((hq + 2 * hkv) * d, k, generator=g)).to(dtype)
+    table = torch.randn(200, d // 2, generator=g)
+    cos, sin = table.cos(), table.sin()
+    pos = torch.randint(0, 200, (m,), generator=g)
+    slots = torch.randperm((blocks - 1) * bs, generator=g)[:m] + bs
+    slots[::7] = -1
+    cache = torch.full((2, 2, blocks, bs, hkv, d), float("nan"), dtype=dtype)
+    ref_cache = cache.clone()
+    want = norm_qkv_rope_store_ref(x, None, 0.0, w, hq, hkv, d, cos, sin, pos, ref_cache, 1,
+                                   slots)
+    got = norm_qkv_rope_store_triton(x, None, 0.0, w, hq, hkv, d, cos, sin, pos, cache, 1, slots)
+    tol = NORM_TOL[dtype] if dtype == torch.float32 else dict(
+        atol=2e-3 * want.float().abs().max().item(), rtol=2e-3)
+    torch.testing.assert_close(got, want, **tol)
+    torch.testing.assert_close(cache[:, :, 1:], ref_cache[:, :, 1:], equal_nan=True, **tol)
+    assert torch.isnan(cache[:, :, 0].float()).all(), "a padded row was written"
+
+
 # ---- the fused step's bookkeeping (kernels/step_glue.py): integers, so exact equality ----------
 
 def _tables(g, bucket, width=5, blocks=40):

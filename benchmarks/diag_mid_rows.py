@@ -1,0 +1,56 @@
+"""A short prompt's prefill with and without the mid-row Triton projections (llama's
+MID_ROW_KERNELS: qkv + rope + KV store, o_proj and gate_up + silu * mul as Triton kernels for
+17..128 rows instead of cuBLAS + the rope and silu kernels), on the GPU machine: batch-1 TTFT,
+tok/s and the prefill step's wall time (host and device), no-spec and EAGLE-3 k = 2
+force-accept 3, the two settings in turn (off, on, off, on) so that drift shows.
+
+    python benchmarks/diag_mid_rows.py --gguf PATH [--out DIR] [--rounds 2]
+"""
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.bench_gpu import diag_setup, make_heads, run_engine  # noqa: E402
+from benchmarks.diag_request import prefill_phases  # noqa: E402
+
+
+def main():
+    args, loaded, prompts = diag_setup(8, extra=(("--rounds", "2"),))
+    import outpace.models.llama as llama
+    from outpace.engine.engine import LLMEngine
+    eagle, _ = make_heads(args.gguf, tempfile.mkdtemp())
+    engines = [("no-spec", None),
+               ("eagle3-fa3-k2", {"method": "eagle3", "model": str(eagle),
+                                  "num_speculative_tokens": 2, "force_accept_mean": 3.0})]
+    rows = []
+    for rnd in range(int(args.rounds)):
+        for mid in (False, True):
+            llama.MID_ROW_KERNELS = mid
+            for name, spec in engines:
+                eng = LLMEngine.from_args(args.gguf, loaded=loaded, device="cuda",
+                                          dtype="bfloat16", speculative_config=spec,
+                                          max_num_seqs=8, num_kv_blocks=2048, quiet=True,
+                                          enable_prefix_caching=False)
+                run_engine(eng, prompts[:2], 1, 16)
+                r = run_engine(eng, prompts[:4], 1, 128)
+                ph = prefill_phases(eng, prompts[4:8])
+                row = {"round": rnd, "mid_row_kernels": mid, "engine": name,
+                       "tok_s": r["tok_s"], "ttft_ms": r["ttft_ms"], "tpot_ms": r["tpot_ms"],
+                       "prefill_step_us": ph["first_step_us"], "prefill_q": ph["prefill_q"],
+                       "collect_us": ph["host_us_per_prefill"].get("FusedStep.collect")}
+                rows.append(row)
+                print(row, flush=True)
+                del eng
+                torch.cuda.empty_cache()
+    llama.MID_ROW_KERNELS = True
+    (Path(args.out) / "diag_mid_rows.json").write_text(json.dumps(rows, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
