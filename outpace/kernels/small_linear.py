@@ -54,13 +54,13 @@ except Exception:  # pragma: no cover - exercised only where triton is missing
 
 SMALL_M_MAX = 16  # rows up to which the Triton kernels run; wider batches go to cuBLAS
 # ...and up to which the projections without a norm prologue also may (`mid_rows_ok`): a
-# short prefill or a small varlen step of a narrow model, where the rope + KV store and the
-# silu * mul ride in the projection's epilogue instead of kernels of their own. The tl.dot
-# path in row blocks (choose_blocks); on the H200 (bench_small_linear_run27.json, SmolLM2) at
-# 64 and 128 rows the plain projections ran at cuBLAS's speed (qkv 3.2 / 4.1 us, o 3.2 / 4.1)
-# and gate_up + silu * mul took 4.0-5.0 us against cuBLAS + the silu * mul kernel's ~6; at 256
-# rows the tl.dot tiles lost (qkv 19.8 us against 6.4), hence the bound.
-MID_M_MAX = 128
+# short prefill, a small varlen step, or a decode / verify step of that many rows, of a narrow
+# model, where fusing the rope + KV store and the silu * mul into the projection's epilogue
+# saves two kernels a layer. The tl.dot path in row blocks (choose_blocks); on the H200
+# (bench_small_linear_run27.json, _run27b.json, SmolLM2) at 64-256 rows the plain projections
+# ran at about cuBLAS's speed (qkv 3.2-4.1 us, o 3.2-3.9) and gate_up + silu * mul took 4.0-6.3
+# us against cuBLAS + the silu * mul kernel's ~6-9; beyond 256 rows not measured.
+MID_M_MAX = 256
 
 
 # ----------------------------------------------------------------------------- references

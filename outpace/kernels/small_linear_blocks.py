@@ -119,9 +119,9 @@ def choose_blocks(M: int, N: int, K: int, *, elem_bytes: int = 2, x_bytes: int =
     tiles = 2 if gate_up else 1
     if use_dot:
         block_m = max(next_pow2(M), 16)
-        if M > _DOT_ONE_BLOCK_M:  # a prefill's rows (small_linear.MID_M_MAX): row blocks
-            block_m = _dot_row_block(M, N * tiles)
         block_n = 16  # tl.dot's minimum tile
+        if M > _DOT_ONE_BLOCK_M:  # a prefill's rows (small_linear.MID_M_MAX): row blocks
+            block_m, block_n = _dot_row_tile(M, N, tiles)
         while block_n < 128 and _cdiv(N, block_n * 2) >= 2 * _NUM_SMS:
             block_n *= 2
         block_k = min(k_max, _DOT_K if elem_bytes > 1 else _DOT_K_INT8)
@@ -161,15 +161,20 @@ def choose_blocks(M: int, N: int, K: int, *, elem_bytes: int = 2, x_bytes: int =
                   use_dot=False, tail_k=tail_k)
 
 
-def _dot_row_block(M: int, weight_rows: int) -> int:
-    """Rows a tl.dot program takes when a launch has more than _DOT_ONE_BLOCK_M: 16 up to 64
-    rows, 32 above; twice that for a weight of 2048+ rows (weight_rows: the columns split
-    times the tiles each reads). H200 sweep at 64 and 128 rows (bench_small_linear_run27.json,
-    SmolLM2 shapes): one block of all rows lost on every projection (qkv 3.46 / 5.00 us against
-    3.18 / 4.13; down 5.86 / 10.15 against 5.32 / 8.12), and blocks of 32 / 64 rows were the
-    best for the 3072-row gate_up weight (4.02 / 5.04 us)."""
+def _dot_row_tile(M: int, N: int, tiles: int) -> tuple:
+    """(rows, columns) of a tl.dot program when a launch has more than _DOT_ONE_BLOCK_M rows:
+    16 rows up to 64, 32 above, twice that for a weight of 2048+ rows (N columns split times
+    the tiles each reads); 16 columns, 32 for a one-tile launch above 128 rows. H200 sweeps at
+    64-256 rows, SmolLM2 shapes (bench_small_linear_run27.json, _run27b.json): one block of
+    every row lost on every projection (qkv 3.46 / 5.00 us against 3.18 / 4.13 at 64 / 128
+    rows; down 5.86 / 10.15 against 5.32 / 8.12); blocks of 32 / 64 rows were the best for the
+    3072-row gate_up weight (4.02 / 5.04), and gate_up + silu * mul in blocks of 64 took 6.1 /
+    6.3 us at 192 / 256 rows; at 192 / 256 rows o took 3.40 / 3.87 us with 32 columns against
+    3.52 / 4.13 with 16, at 128 rows 4.44 against 4.05."""
     rows = 16 if M <= 64 else 32
-    return rows * 2 if weight_rows >= 2048 else rows
+    if N * tiles >= 2048:
+        return rows * 2, 16
+    return rows, 32 if M > 128 and tiles == 1 else 16
 
 
 def row_warps_blocks(K: int, block_m: int, block_n: int) -> Blocks:

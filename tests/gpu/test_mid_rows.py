@@ -22,7 +22,7 @@ from tests.gpu import test_kernels as tk  # noqa: E402
 from tests.spec.spec_helpers import repetitive_prompts, tiny_target  # noqa: E402
 
 DEV = "cuda"
-ROWS = [17, 40, 96, sl.MID_M_MAX]
+ROWS = [17, 40, 96, 128, 192, sl.MID_M_MAX]
 DTYPES = [torch.bfloat16, torch.float16]
 
 
@@ -100,10 +100,10 @@ def eagle_head(tmp_path_factory):
 @pytest.mark.parametrize("head", [False, True], ids=["plain", "eagle3"])
 def test_engines_equal_with_and_without_the_prefill_kernels(head, num_prompts, eagle_head,
                                                             monkeypatch):
-    """Prompts of 20-110 tokens: one at a time their prefills replay graphs padded to 32-128
-    rows, four at once a varlen graph; in both the prefill projections take the Triton kernels
-    (counted), and the tokens equal an engine's whose prefills run cuBLAS (MID_ROW_KERNELS
-    off)."""
+    """Prompts of 21-105 tokens: one at a time their prefills replay graphs padded to 32-128
+    rows, four at once a varlen graph of 256; the engine's graphs are built with the Triton
+    kernels (counted while they are captured), and the tokens equal an engine's whose prefills
+    run cuBLAS (MID_ROW_KERNELS off)."""
     model, cfg, tok = tiny_target(seed=0)
     model = model.to(DEV, torch.bfloat16)  # the kernels take 16-bit activations only
     prompts = [repetitive_prompts(1, 5 + i, period=7, repeats=3 + 4 * i)[0]

@@ -191,7 +191,7 @@ def test_small_linear_dot_over_bf16_weights_compiles(norm, m):
     assert "mma" in k.asm["ptx"]  # tensor cores, not an fp32 FMA loop
 
 
-@pytest.mark.parametrize("m", [40, 128])
+@pytest.mark.parametrize("m", [40, 128, 256])
 @pytest.mark.parametrize("kind", ["qkv_rope_store", "gate_up_silu", "o"])
 def test_small_linear_prefill_rows_compile(kind, m):
     """The mid-row launches (small_linear.mid_rows_ok) as choose_blocks picks them for SmolLM2's

@@ -814,11 +814,11 @@ def check_norm_qkv_rope_store(dtype, w_dtype, m, hq, hkv, d, k, with_norm):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
-@pytest.mark.parametrize("m", [33, 80])
+@pytest.mark.parametrize("m", [33, 80, 150])
 def check_prefill_rows_in_row_blocks(dtype, m):
     """A short prefill's projections (small_linear.mid_rows_ok: more than SMALL_M_MAX rows)
     take choose_blocks' row blocks of tl.dot (33: two blocks of 16 and a ragged one; 80: 32 and
-    64-row blocks): plain (o_proj), gate_up + silu * mul, and qkv + rope + KV store without a
+    64-row blocks; 150: 32 rows and 32 columns a program): plain (o_proj), gate_up + silu * mul, and qkv + rope + KV store without a
     norm, each row against its reference; padded slots write nothing. (fp16, not bf16: the
     interpreter's bf16 tl.dot is wrong.)"""
     k, n = 64, 40

@@ -253,18 +253,20 @@ def test_int8_linear_ref_and_dispatcher(dtype):
     torch.testing.assert_close(y.float(), (x.float() @ w.T), atol=0.1, rtol=0.05)
 
 
-@pytest.mark.parametrize("m", [17, 33, 64, 65, 96, 128])
+@pytest.mark.parametrize("m", [17, 33, 64, 65, 96, 128, 129, 192, 256])
 def test_prefill_rows_take_row_blocks_of_tl_dot(m):
     """Above SMALL_M_MAX rows (a short prefill: small_linear.mid_rows_ok) tl.dot programs take
     16 rows up to 64, 32 above, twice that for a weight of 2048+ rows (gate_up's two tiles of
-    1536), with K steps of at most 128 (H200 sweep, bench_small_linear_run27.json); one block
-    of every row lost on every SmolLM2 projection there."""
+    1536), 16 columns (32 for a one-tile launch above 128 rows), with K steps of at most 128
+    (H200 sweeps, bench_small_linear_run27*.json); one block of every row lost on every
+    SmolLM2 projection there."""
     rows = 16 if m <= 64 else 32
-    for n, k, gate_up, want in [(480, 576, True, rows), (576, 576, False, rows),
-                                (576, 1536, False, rows), (1536, 576, True, 2 * rows),
-                                (480, 1152, True, rows)]:
+    wide_plain = 32 if m > 128 else 16
+    for n, k, gate_up, want in [(480, 576, True, (rows, 16)), (576, 576, False, (rows, wide_plain)),
+                                (576, 1536, False, (rows, wide_plain)),
+                                (1536, 576, True, (2 * rows, 16)), (480, 1152, True, (rows, 16))]:
         b = choose_blocks(m, n, k, gate_up=gate_up)
-        assert b.use_dot and b.block_m == want and b.block_k <= 128
+        assert b.use_dot and (b.block_m, b.block_n) == want and b.block_k <= 128
         assert min(b.block_m, b.block_n, b.block_k) >= 16
     assert choose_blocks(16, 576, 576, use_dot=True).block_m == 16  # one block up to 16 rows
 
@@ -282,7 +284,7 @@ def test_mid_rows_ok_takes_narrow_16_bit_projections_of_17_to_128_rows(monkeypat
     assert ok(17, 960, 576) and ok(sl.MID_M_MAX, 3072, 576, n_cols=1536)
     assert ok(40, 960, 1152, torch.float16)
     assert not ok(16, 960, 576)  # the few-row kernels' own range
-    assert not ok(sl.MID_M_MAX + 1, 960, 576)  # cuBLAS beyond (tl.dot tiles lost at 256)
+    assert not ok(sl.MID_M_MAX + 1, 960, 576)  # cuBLAS beyond (row blocks not measured)
     assert not ok(64, 960, 576, torch.float32)  # fp32 rows: split_mm / cuBLAS
     assert not ok(64, 960, 576, torch.float32, torch.bfloat16)  # the faithful mode
     assert not ok(64, 6144, 4096)  # 8B-wide: not measured
