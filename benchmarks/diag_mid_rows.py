@@ -1,10 +1,10 @@
 """A short prompt's prefill with and without the mid-row Triton projections (llama's
 MID_ROW_KERNELS: qkv + rope + KV store, o_proj and gate_up + silu * mul as Triton kernels for
-17..128 rows instead of cuBLAS + the rope and silu kernels), on the GPU machine: batch-1 TTFT,
+17..256 rows instead of cuBLAS + the rope and silu kernels), on the GPU machine: batch-1 TTFT,
 tok/s and the prefill step's wall time (host and device), no-spec and EAGLE-3 k = 2
 force-accept 3, the two settings in turn (off, on, off, on) so that drift shows. Other batch
-sizes (--batches) add their tok/s: there a decode or verify step of 17..128 rows (no-spec
-batch 32 and 128, EAGLE-3's 3-row verify at batch 6..42) takes the kernels too. EAGLE-3 drafts
+sizes (--batches) add their tok/s: there a decode or verify step of 17..256 rows (no-spec
+batch 32 and 128, EAGLE-3's 3-row verify at batch 6..85) takes the kernels too. EAGLE-3 drafts
 one token at batch 128 (the benchmark's k schedule).
 
     python benchmarks/diag_mid_rows.py --gguf PATH [--out DIR] [--rounds 2] [--batches 1,32]
