@@ -1,11 +1,12 @@
 """The attention kernel alone at batch 1, SmolLM2's heads (9 query, 3 KV, 64 wide): us a launch
 for a decode (1 query token), a verify (3) and a draft-loop step (1 token under a bound of 3),
 at several contexts, with the split-KV factor, the prefetch variant and the fused merge varied,
-and in an engine-sized pool.
+and in an engine-sized pool. --prefill: a short prompt's prefill instead (one sequence of T
+query tokens from position 0, causal), under other tile shapes and split-KV factors.
 Launched without PDL, 20 to a CUDA graph, so each time is the kernel's own (L2-warm KV, or
 from HBM where another buffer is read before each launch).
 
-    python benchmarks/diag_attention.py [--out DIR]
+    python benchmarks/diag_attention.py [--out DIR] [--prefill]
 """
 from __future__ import annotations
 
@@ -88,12 +89,54 @@ def graph_us(fn, reps: int) -> float:
     return best
 
 
+def prefill_rows() -> list:
+    """us a launch of a T-token prompt's attention (T = 32 .. 256, SmolLM2's heads) with the
+    tiles choose_tiles gives (the first row of each T) and other (rows a tile, KV columns a
+    step, warps) and split-KV factors."""
+    import outpace.attention.triton_paged as tp
+    orig = tp.choose_tiles
+    gp = 4  # 3 query heads a KV head, padded
+    rows = []
+    for t in (32, 64, 96, 128, 192, 256):
+        base = orig(t, HQ // HKV, D, torch.bfloat16)
+        shapes = [None] + [(bm, bn, w) for bm in (32, 64, 128) for bn in (32, 64)
+                           for w in (4, 8) if (bm, bn, w) != (base.block_m, base.block_n,
+                                                              base.num_warps)]
+        for shape in shapes:
+            for splits in (1, 2, 4):
+                if shape is None:
+                    tp.choose_tiles = orig
+                else:
+                    bm, bn, w = shape
+                    cfg = tp.TileConfig(bm // gp, bm, bn, w, 2)
+                    tp.choose_tiles = lambda *a, cfg=cfg: cfg
+                try:
+                    us = case(0, t, t, splits, False, splits > 1)
+                except Exception as e:  # a shape that does not compile: report, go on
+                    print(t, shape, splits, "failed:", repr(e)[:200], flush=True)
+                    continue
+                finally:
+                    tp.choose_tiles = orig
+                cfg = shape or (base.block_m, base.block_n, base.num_warps)
+                rows.append(dict(kind="prefill", q_len=t, block_m=cfg[0], block_n=cfg[1],
+                                 warps=cfg[2], splits=splits, current=shape is None, us=us))
+                print(rows[-1], flush=True)
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="/tmp/out")
+    ap.add_argument("--prefill", action="store_true")
     args = ap.parse_args()
     import outpace.kernels.pdl as pdl
     pdl.ENABLED = False
+    if args.prefill:
+        rows = prefill_rows()
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "diag_attention_prefill.json").write_text(json.dumps(rows, indent=1) + "\n")
+        return
     rows = []
     for ctx in (100, 200, 400):
         for name, q_len, bound in (("decode", 1, 1), ("verify", 3, 3), ("loop", 1, 3)):

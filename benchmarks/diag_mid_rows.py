@@ -5,9 +5,12 @@ tok/s and the prefill step's wall time (host and device), no-spec and EAGLE-3 k 
 force-accept 3, the two settings in turn (off, on, off, on) so that drift shows. Other batch
 sizes (--batches) add their tok/s: there a decode or verify step of 17..256 rows (no-spec
 batch 32 and 128, EAGLE-3's 3-row verify at batch 6..85) takes the kernels too. EAGLE-3 drafts
-one token at batch 128 (the benchmark's k schedule).
+one token at batch 128 (the benchmark's k schedule). --variants adds the short-prefill
+attention tiles (triton_paged._SHORT_PREFILL_Q): "off" (neither), "mid" (the projections only),
+"mid+attn" (both); the default compares off and mid.
 
     python benchmarks/diag_mid_rows.py --gguf PATH [--out DIR] [--rounds 2] [--batches 1,32]
+        [--variants off,mid,mid+attn]
 """
 from __future__ import annotations
 
@@ -25,7 +28,10 @@ from benchmarks.diag_request import prefill_phases  # noqa: E402
 
 
 def main():
-    args, loaded, prompts = diag_setup(256, extra=(("--rounds", "2"), ("--batches", "1")))
+    args, loaded, prompts = diag_setup(256, extra=(("--rounds", "2"), ("--batches", "1"),
+                                                   ("--variants", "off,mid")))
+    import outpace.attention.triton_paged as tp
+    short_q = tp._SHORT_PREFILL_Q
     batches = [int(b) for b in args.batches.split(",")]
     import outpace.models.llama as llama
     from outpace.engine.engine import LLMEngine
@@ -36,8 +42,11 @@ def main():
                                   "k_schedule": [[32, 2], [128, 1]]})]
     rows = []
     for rnd in range(int(args.rounds)):
-        for mid in (False, True):
+        for variant in args.variants.split(","):
+            mid = variant != "off"
             llama.MID_ROW_KERNELS = mid
+            tp._SHORT_PREFILL_Q = short_q if variant == "mid+attn" else 0
+            tp.choose_tiles.cache_clear()
             for name, spec in engines:
                 eng = LLMEngine.from_args(args.gguf, loaded=loaded, device="cuda",
                                           dtype="bfloat16", speculative_config=spec,
@@ -47,7 +56,7 @@ def main():
                 run_engine(eng, prompts[:2], 1, 16)
                 r = run_engine(eng, prompts[:4], 1, 128)
                 ph = prefill_phases(eng, prompts[4:8])
-                row = {"round": rnd, "mid_row_kernels": mid, "engine": name,
+                row = {"round": rnd, "variant": variant, "mid_row_kernels": mid, "engine": name,
                        "tok_s": r["tok_s"], "ttft_ms": r["ttft_ms"], "tpot_ms": r["tpot_ms"],
                        "prefill_step_us": ph["first_step_us"], "prefill_q": ph["prefill_q"],
                        "collect_us": ph["host_us_per_prefill"].get("FusedStep.collect")}
@@ -66,6 +75,8 @@ def main():
                 del eng
                 torch.cuda.empty_cache()
     llama.MID_ROW_KERNELS = True
+    tp._SHORT_PREFILL_Q = short_q
+    tp.choose_tiles.cache_clear()
     (Path(args.out) / "diag_mid_rows.json").write_text(json.dumps(rows, indent=1) + "\n")
 
 

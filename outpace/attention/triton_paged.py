@@ -83,10 +83,26 @@ class TileConfig:
     num_stages: int
 
 
+# A launch without a tile map whose longest query has at most this many tokens (a short
+# prompt's prefill graph, the draft head's pass over it) takes tiles of 64 rows and 4 warps:
+# H200, SmolLM2's heads (diag_attention_prefill_run27.json,
+# us a launch at 32 / 64 / 96 / 128 / 192 / 256 tokens): 3.19 / 3.79 / 4.40 with 32 KV columns
+# a step up to 96 tokens, 4.92 / 5.97 / 6.72 with 64 above, against 4.45 / 4.63 / 5.75 / 5.93
+# / 7.29 / 8.33 with the 128-row, 8-warp tiles of longer prefills; split-KV was slower.
+_SHORT_PREFILL_Q = 256
+
+
 @functools.lru_cache(maxsize=1024)  # pure, and asked twice per launch (see num_splits_for)
-def choose_tiles(max_query_len: int, group: int, head_dim: int, dtype: torch.dtype) -> TileConfig:
+def choose_tiles(max_query_len: int, group: int, head_dim: int, dtype: torch.dtype,
+                 tile_map: bool = False) -> TileConfig:
+    """tile_map: a launch whose programs come from a tile map (varlen graphs), whose unit
+    (block_q) is fixed for every bound above 16 (varlen_block_q)."""
     gp = next_pow2(group)
     row_bytes = next_pow2(head_dim) * dtype.itemsize  # of one K / V column
+    if (max_query_len > 16 and not tile_map and max_query_len <= _SHORT_PREFILL_Q
+            and dtype.itemsize <= 2 and row_bytes <= 128):  # the shapes measured
+        block_m = max(64, gp)
+        return TileConfig(block_m // gp, block_m, 32 if max_query_len <= 96 else 64, 4, 2)
     if max_query_len > 16:  # prefill chunks in the batch: big query tiles
         small = dtype.itemsize <= 2 and row_bytes <= 256  # fits big tiles in shared mem
         block_m = 128 if small else 64
@@ -158,7 +174,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, meta: A
     if q.stride(-1) != 1:
         q = q.contiguous()
     group = hq // hkv
-    cfg = choose_tiles(meta.max_query_len, group, d, q.dtype)
+    tiles = meta.tile_map
+    cfg = choose_tiles(meta.max_query_len, group, d, q.dtype, tiles is not None)
     num_splits = next_pow2(max(1, num_splits))
     block_d = next_pow2(max(d, 16))
     min_chunk = -(-max(1, min_split_tokens) // cfg.block_n) * cfg.block_n
@@ -168,7 +185,6 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, meta: A
         ws_l = torch.empty_like(ws_m)
     else:
         ws_acc = ws_m = ws_l = out  # unused by the kernel; any pointer will do
-    tiles = meta.tile_map
     if tiles is not None:  # (sequence, query block) pairs: see tile_map_for
         if num_splits > 1 or tiles.shape[1] != 2:
             raise ValueError("a tile map needs one split and [n, 2] (sequence, block) pairs")
@@ -247,7 +263,7 @@ class TritonPagedBackend(AttentionBackend):
         """Query tokens per tile of a launch with more than 16 query rows and q of `dtype`: the
         unit of a tile map (AttentionMetadata.tile_map) for such launches."""
         return choose_tiles(17, self.num_heads // self.num_kv_heads, self.head_dim,
-                            dtype).block_q
+                            dtype, tile_map=True).block_q
 
     def forward(self, layer, q, k, v, meta: AttentionMetadata):
         """q [T, Hq, D], k/v [T, Hkv, D] -> out [T, Hq, D]; writes k/v at meta.slot_mapping."""

@@ -149,8 +149,10 @@ def test_attention_tile_map(name, dtype):
     b = make_batch(seqs, 3, 3, 64, dtype, DEV, pad_seqs=3, pad_tokens=0, seed=len(name))
     t = b.q.shape[0]
     store_kv_triton(b.kv_cache, b.layer, b.k, b.v, b.meta.slot_mapping)
-    meta = dataclasses.replace(_no_host_mirrors(b.meta), max_query_len=max(t, 17))
-    block_q = choose_tiles(meta.max_query_len, 3, 64, dtype).block_q
+    # a bound past the short-prefill tiles (choose_tiles), so that the full grid's launch
+    # takes the tiles a map's launch does and the two compare bit for bit
+    meta = dataclasses.replace(_no_host_mirrors(b.meta), max_query_len=max(t, 257))
+    block_q = choose_tiles(meta.max_query_len, 3, 64, dtype, tile_map=True).block_q
     q_lens = np.diff(b.meta.query_start_loc.cpu().numpy())
     tiles = torch.from_numpy(tile_map_for(q_lens, -(-t // block_q) + len(q_lens) + 5,
                                           block_q)).to(DEV)

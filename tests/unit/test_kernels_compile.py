@@ -84,13 +84,33 @@ def test_attention_kernel_compiles(prefetch, splits, head_dim, group, precision)
         assert "bf16" in k.asm["ptx"]  # the bf16 pieces: bf16 tensor-core instructions
 
 
+@pytest.mark.parametrize("q_len", [96, 256])
+def test_attention_kernel_compiles_for_a_short_prefill(q_len):
+    """A short prompt's prefill graph (no tile map): choose_tiles' 64-row, 4-warp tiles."""
+    from outpace.attention.triton_paged import choose_tiles
+    from outpace.attention.triton_paged_kernels import _paged_attn_kernel
+    cfg = choose_tiles(q_len, 3, 64, torch.bfloat16)
+    assert (cfg.block_m, cfg.num_warps) == (64, 4)
+    io = {"q_ptr": "bf16", "out_ptr": "bf16", "kc_ptr": "bf16", "vc_ptr": "bf16"}
+    ws = {n: "fp32" for n in ("ws_acc_ptr", "ws_m_ptr", "ws_l_ptr")}
+    i32 = {n: "i32" for n in ("cnt_ptr", "qsl_ptr", "seq_lens_ptr", "bt_ptr", "tile_ptr")}
+    k = compile_for_h200(_paged_attn_kernel, {**io, **ws, **i32}, ("qk_scale",), {
+        "BLOCK_SIZE": 16, "GROUP": 3, "GROUP_PAD": 4, "BLOCK_Q": cfg.block_q,
+        "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_D": 64, "NUM_SPLITS": 1,
+        "IS_FP32": False, "FUSED_MERGE": False, "PREFETCH": False, "TILE_MAP": False,
+        "USE_PDL": True}, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    assert k.asm["cubin"]
+    assert "mma" in k.asm["ptx"]
+
+
 @pytest.mark.parametrize("act", ["bf16", "fp32"])
 def test_attention_kernel_compiles_with_a_tile_map(act):
     """A varlen graph's launch: prefill tiles (SmolLM2's group of 3, heads of 64), programs
     from a (sequence, query block) map, one split."""
     from outpace.attention.triton_paged import choose_tiles
     from outpace.attention.triton_paged_kernels import _paged_attn_kernel
-    cfg = choose_tiles(64, 3, 64, torch.bfloat16 if act == "bf16" else torch.float32)
+    cfg = choose_tiles(64, 3, 64, torch.bfloat16 if act == "bf16" else torch.float32,
+                       tile_map=True)
     io = {"q_ptr": act, "out_ptr": act, "kc_ptr": act, "vc_ptr": act}
     ws = {n: "fp32" for n in ("ws_acc_ptr", "ws_m_ptr", "ws_l_ptr")}
     i32 = {n: "i32" for n in ("cnt_ptr", "qsl_ptr", "seq_lens_ptr", "bt_ptr", "tile_ptr")}

@@ -48,10 +48,23 @@ def test_split_and_tile_choice_is_shape_only():
     """The launch configuration depends on shapes and the max_query_len bound only."""
     from outpace.attention.triton_paged import choose_splits, choose_tiles
     for group in (1, 3, 4, 8, 16):
-        for mql in (1, 4, 16, 17, 2048):
-            cfg = choose_tiles(mql, group, 128, torch.bfloat16)
-            gp = 1 << (group - 1).bit_length()
-            assert cfg.block_m == cfg.block_q * gp and cfg.block_m >= 16 and cfg.block_q >= 1
+        for mql in (1, 4, 16, 17, 96, 256, 257, 2048):
+            for d in (64, 128):
+                for tile_map in (False, True):
+                    cfg = choose_tiles(mql, group, d, torch.bfloat16, tile_map)
+                    gp = 1 << (group - 1).bit_length()
+                    assert cfg.block_m == cfg.block_q * gp and cfg.block_m >= 16
+                    assert cfg.block_q >= 1
+    # a tile map's unit is one block_q for every bound above 16 (varlen graphs)
+    assert len({choose_tiles(m, 3, 64, torch.bfloat16, True) for m in (17, 96, 2048)}) == 1
+    # short prefills without a map: 64-row tiles of 4 warps (H200, run 27), 32 KV columns a
+    # step up to 96 tokens; longer ones, and heads wider than measured, the 128-row tiles
+    short = choose_tiles(96, 3, 64, torch.bfloat16)
+    assert (short.block_m, short.block_n, short.num_warps) == (64, 32, 4)
+    assert choose_tiles(200, 3, 64, torch.bfloat16).block_n == 64
+    assert choose_tiles(257, 3, 64, torch.bfloat16) == choose_tiles(17, 3, 64, torch.bfloat16,
+                                                                    True)
+    assert choose_tiles(96, 3, 128, torch.bfloat16).block_m == 128
     assert choose_splits(200, 132, 16) == 1
     assert choose_splits(8, 132, 16) == 16
     assert choose_splits(40, 132, 16) == 4
@@ -818,9 +831,9 @@ def check_norm_qkv_rope_store(dtype, w_dtype, m, hq, hkv, d, k, with_norm):
 def check_prefill_rows_in_row_blocks(dtype, m):
     """A short prefill's projections (small_linear.mid_rows_ok: more than SMALL_M_MAX rows)
     take choose_blocks' row blocks of tl.dot (33: two blocks of 16 and a ragged one; 80: 32 and
-    64-row blocks; 150: 32 rows and 32 columns a program): plain (o_proj), gate_up + silu * mul, and qkv + rope + KV store without a
-    norm, each row against its reference; padded slots write nothing. (fp16, not bf16: the
-    interpreter's bf16 tl.dot is wrong.)"""
+    64-row blocks; 150: 32 rows and 32 columns a program): plain (o_proj), gate_up + silu *
+    mul, and qkv + rope + KV store without a norm, each row against its reference; padded
+    slots write nothing. (fp16, not bf16: the interpreter's bf16 tl.dot is wrong.)"""
     k, n = 64, 40
     x, w, _ = _linear_inputs(m, n, k, dtype, seed=300 + m)
     assert choose_blocks(m, n, k).block_m < m  # several row blocks
