@@ -57,10 +57,11 @@ FEW_ROW_MAX_HIDDEN = 2048
 # rope + store kernel.
 FUSED_QKV_ROPE_STORE = True
 # CUDA forwards of SMALL_M_MAX < T <= MID_M_MAX tokens (a short prompt's prefill, a small varlen
-# step) of a model the few-row kernels take: the qkv projection with rope and the KV store in
-# its epilogue, o_proj, and gate_up with silu * mul as Triton kernels (small_linear.mid_rows_ok);
-# down_proj stays cuBLAS (at 128 rows the Triton tiles took 8.1 us against cuBLAS's ~5). Two
-# kernels fewer a layer: the rope + store and silu * mul kernels.
+# step, a decode or verify step of that many rows): the qkv projection with rope and the KV
+# store in its epilogue, o_proj, and gate_up with silu * mul as Triton kernels where
+# small_linear.mid_rows_ok takes the shapes; down_proj stays cuBLAS (at 128 rows the Triton
+# tiles took 8.1 us against cuBLAS's ~5). Two kernels fewer a layer: the rope + store and
+# silu * mul kernels.
 MID_ROW_KERNELS = True
 
 
@@ -122,19 +123,20 @@ class LlamaAttention(nn.Module):
                                            cos_sin[2], backend.kv_cache, self.layer_slot,
                                            meta.slot_mapping)
             o = backend.attend_stored(self.layer_slot, q, meta).reshape(t, self.q_size)
+        else:
+            qkv = linear(x, self, "qkv_weight", self.qkv_bias)  # [T, (Hq + 2 Hkv) * D]
+            o = self.attend(qkv, cos_sin, rope, ctx)
+        if MID_ROW_KERNELS and self.o_bias is None and mid_rows_ok(o, self.o_weight):
             return small_linear_triton(o, self.o_weight)
-        qkv = linear(x, self, "qkv_weight", self.qkv_bias)  # [T, (Hq + 2 Hkv) * D]
-        return linear(self.attend(qkv, cos_sin, rope, ctx), self, "o_weight", self.o_bias)
+        return linear(o, self, "o_weight", self.o_bias)
 
     def _mid_rows(self, x, cos_sin) -> bool:
-        """Whether forward takes the Triton projections (MID_ROW_KERNELS): CUDA's rope path
-        (the backend rotates and stores), no q/k norm and no biases, and shapes that
-        mid_rows_ok takes for both projections."""
+        """Whether forward's qkv projection takes the Triton kernel with rope and the KV store
+        (MID_ROW_KERNELS): CUDA's rope path (the backend rotates and stores), no q/k norm and
+        no bias, and a shape mid_rows_ok takes."""
         return (MID_ROW_KERNELS and FUSED_QKV_ROPE_STORE and cos_sin[0] is None
-                and self.q_norm is None and self.qkv_bias is None and self.o_bias is None
-                and self.head_dim % 2 == 0
-                and mid_rows_ok(x, self.qkv_weight, self.qkv_weight.shape[0] // 2)
-                and self.o_weight.shape[0] <= 4096 and self.o_weight.shape[1] <= 2048)
+                and self.q_norm is None and self.qkv_bias is None and self.head_dim % 2 == 0
+                and mid_rows_ok(x, self.qkv_weight, self.qkv_weight.shape[0] // 2))
 
     def attend(self, qkv, cos_sin, rope: RotaryEmbedding, ctx: ForwardContext):
         # qkv [T, (Hq + 2 Hkv) * D] (projected) -> attention output [T, Hq * D], before o_proj
