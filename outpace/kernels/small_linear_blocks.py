@@ -120,13 +120,12 @@ def choose_blocks(M: int, N: int, K: int, *, elem_bytes: int = 2, x_bytes: int =
     if use_dot:
         block_m = max(next_pow2(M), 16)
         block_n = 16  # tl.dot's minimum tile
+        block_k = min(k_max, _DOT_K if elem_bytes > 1 else _DOT_K_INT8)
         if M > _DOT_ONE_BLOCK_M:  # a prefill's rows (small_linear.MID_M_MAX): row blocks
             block_m, block_n = _dot_row_tile(M, N, tiles)
+            block_k = min(block_k, _DOT_K_ROW_BLOCKS)
         while block_n < 128 and _cdiv(N, block_n * 2) >= 2 * _NUM_SMS:
             block_n *= 2
-        block_k = min(k_max, _DOT_K if elem_bytes > 1 else _DOT_K_INT8)
-        if M > _DOT_ONE_BLOCK_M:
-            block_k = min(block_k, _DOT_K_ROW_BLOCKS)
         x_bytes = x_bytes or elem_bytes
         while (block_k > 32 and _DOT_STAGES * block_k
                * (tiles * block_n * elem_bytes + block_m * x_bytes) > _DOT_SMEM):

@@ -19,6 +19,7 @@ from outpace import SamplingParams  # noqa: E402
 from outpace.kernels import small_linear as sl  # noqa: E402
 from tests.engine_helpers import make_engine, run_batch  # noqa: E402
 from tests.gpu import test_kernels as tk  # noqa: E402
+from tests.gpu import test_rope_store as tr  # noqa: E402
 from tests.spec.spec_helpers import repetitive_prompts, tiny_target  # noqa: E402
 
 DEV = "cuda"
@@ -58,28 +59,10 @@ def test_gate_up_silu_mul(m, dtype):
 @pytest.mark.parametrize("m", ROWS)
 @pytest.mark.parametrize("k", [576, 1152])  # the target's qkv and the EAGLE-3 head's
 def test_qkv_rope_store_without_norm(k, m, dtype):
-    hq, hkv, d, bs = 9, 3, 64, 16
-    g = torch.Generator(device=DEV).manual_seed(m * k)
+    hq, hkv, d = 9, 3, 64
     x, w, _ = tk._lin_inputs(m, (hq + 2 * hkv) * d, k, dtype, seed=m + k)
     assert sl.mid_rows_ok(x, w, w.shape[0] // 2)
-    blocks = m // bs + 3
-    table = torch.randn(600, d // 2, device=DEV, generator=g)
-    cos, sin = table.cos(), table.sin()
-    pos = torch.randint(0, 600, (m,), device=DEV, generator=g)
-    slots = torch.randperm((blocks - 1) * bs, device=DEV, generator=g)[:m] + bs
-    slots[::5] = -1  # padding rows write nothing
-    cache = torch.full((2, 2, blocks, bs, hkv, d), float("nan"), device=DEV, dtype=dtype)
-    ref_cache = cache.clone()
-    args = (hq, hkv, d, cos, sin, pos)
-    want = sl.norm_qkv_rope_store_ref(x, None, 0.0, w, *args, ref_cache, 1, slots)
-    got = sl.norm_qkv_rope_store_triton(x, None, 0.0, w, *args, cache, 1, slots)
-    # a projection output an ulp apart (summation order) moves a rotated value by an ulp of the
-    # larger of the pair it mixes: the bound scales with the values; a wrong row is off by O(1)
-    ulp = 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -10
-    tol = dict(atol=4 * ulp * want.float().abs().max().item(), rtol=ulp)
-    torch.testing.assert_close(got, want, **tol)
-    torch.testing.assert_close(cache[:, :, 1:], ref_cache[:, :, 1:], equal_nan=True, **tol)
-    assert torch.isnan(cache[:, :, 0].float()).all(), "a padded row was written"
+    tr.test_norm_qkv_rope_store_matches_reference(dtype, m, hq, hkv, d, k, with_norm=False)
 
 
 # ----------------------------------------------------------------------------- engines
