@@ -72,13 +72,16 @@ def diag_setup(num_prompts: int, extra: tuple = ()):
     return args, loaded, prompt_set(loaded[2], num_prompts)
 
 
-def run_engine(engine, prompts, batch, max_tokens):
-    """Submit `batch` requests at once, repeatedly, over `prompts`; -> metrics dict."""
+def run_engine(engine, prompts, batch, max_tokens, temperature: float = 0.0):
+    """Submit `batch` requests at once, repeatedly, over `prompts`; -> metrics dict.
+    temperature > 0: sampled (top_p 0.9, unseeded), the API's usual request."""
     from outpace import SamplingParams
     # Offline generation, as HF's generate and LLM.generate: only final outputs (after run 13;
     # per-step outputs cost ~0.4 ms of host a batch-128 step, benchmarks/diag_host.py)
-    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
-                        output_kind="final_only")
+    sampled = dict(temperature=temperature, top_p=0.9) if temperature > 0 else \
+        dict(temperature=0.0)
+    sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True, output_kind="final_only",
+                        **sampled)
     spec0 = dict(engine.stats()["spec"])
     fused = engine.runner.fused
     fused0 = (fused.replays, dict(fused.timing)) if fused is not None else None
@@ -423,16 +426,17 @@ def section_smol(args, results):
         # the largest batch at full length (a compile there would dwarf its short timed run).
         for b in args.batches:
             run_engine(eng, prompts[:b if b > 1 else args.batch1_requests], b,
-                       args.max_tokens if b == max(args.batches) else 4)
+                       args.max_tokens if b == max(args.batches) else 4, args.temperature)
         for b in args.batches:
             n = b if b > 1 else args.batch1_requests
             # The median of --reps runs: at batch 128 every engine is host-bound, and the
             # device machine's host varies from run to run (run 12: configurations running
             # identical steps there measured 26.6-37.1k tok/s, one run each).
-            runs = sorted((run_engine(eng, prompts[:n], b, args.max_tokens)
+            runs = sorted((run_engine(eng, prompts[:n], b, args.max_tokens, args.temperature)
                            for _ in range(args.reps)), key=lambda r: r["tok_s"])
             r = runs[len(runs) // 2]
             r.update(system="outpace", config=name, batch=b, k=spec_k,
+                     temperature=args.temperature,
                      tok_s_runs=[x["tok_s"] for x in runs],
                      graph_capture_s=round(getattr(eng.runner.graphs, "capture_s", 0.0), 2))
             rows.append(r)
@@ -698,6 +702,9 @@ def main():
                     help="the smol section's step token budget (default: the engine's)")
     ap.add_argument("--b128-rounds", type=int, default=5,
                     help="b128: rounds of the paired batch-128 comparison")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="smol section: sample at this temperature (top_p 0.9) instead of "
+                         "greedy decoding; the fused greedy step does not take such requests")
     ap.add_argument("--reps", type=int, default=3,
                     help="smol: timed runs per configuration and batch size (the median's row)")
     args = ap.parse_args()

@@ -13,6 +13,11 @@ draft-vocabulary id to the target's (`id + d2t[id]`) without two more kernels (i
 `also` (up to two [R] int64 views, any stride) receive the result too: the fused step's draft
 loop writes each draft straight into its output and carry columns, without a stack and two
 copies after the loop.
+
+`noise_keys` (optional, [R] int64) makes it the sampling race of sample/race.py: a row whose
+key is >= 0 takes the argmax of x + Gumbel noise hashed from (key, column) (gumbel_noise),
+computed in pass 1 as the row is read (the reference's ~20 elementwise [R, V] tensors, none
+here); a key < 0 row (a greedy one) takes the plain argmax.
 """
 
 from __future__ import annotations
@@ -32,9 +37,39 @@ except Exception:  # pragma: no cover
 
 CHUNK = 2048  # columns per pass-1 program: 24 programs for a 49152-entry row
 
+M32 = 0xFFFFFFFF
+# Odd multipliers below 2^31, so a 32-bit word times one fits in int64 (the reference's
+# tensors); the kernel multiplies uint32 words, wrapping, with the same result.
+_C1, _C2 = 0x7FEB352D, 0x5BD1E995
+GOLDEN = 0x61C88647  # 2^32 / phi, odd, below 2^31: spreads consecutive ids
 
-def argmax_ref(x: torch.Tensor, offsets: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """x [R, V] -> [R] int64, first index of each row's maximum (plus offsets[index], [V])."""
+
+def hash32(x):
+    """A 32-bit mix (xor-shift-multiply rounds) of values in [0, 2^32): Python ints or int64
+    tensors, with the same result (the kernel's _hash32 on uint32 words too)."""
+    x = x ^ (x >> 16)
+    x = (x * _C1) & M32
+    x = x ^ (x >> 15)
+    x = (x * _C2) & M32
+    return x ^ (x >> 16)
+
+
+def gumbel_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[R] keys in [0, 2^32) -> [R, vocab] float32 Gumbel noise -log(-log u), u from the hash
+    of (key, id) with 23 random bits, (x + 0.5) / 2^23: never 0 or 1."""
+    ids = torch.arange(vocab, dtype=torch.int64, device=keys.device)
+    bits = hash32(keys.to(torch.int64).unsqueeze(1) ^ ((ids * GOLDEN) & M32))
+    u = ((bits >> 9).to(torch.float32) + 0.5) * (2.0 ** -23)
+    return -torch.log(-torch.log(u))
+
+
+def argmax_ref(x: torch.Tensor, offsets: Optional[torch.Tensor] = None,
+               noise_keys: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x [R, V] -> [R] int64, first index of each row's maximum (plus offsets[index], [V]);
+    with noise_keys, of x + race noise in the rows whose key is >= 0."""
+    if noise_keys is not None:
+        noise = gumbel_noise(noise_keys.clamp(min=0), x.shape[-1])
+        x = x.float() + noise.masked_fill_((noise_keys < 0).unsqueeze(1), 0.0)
     idx = x.argmax(dim=-1)
     return idx if offsets is None else idx + offsets[idx]
 
@@ -43,14 +78,36 @@ if triton is not None:
     from outpace.kernels.pdl import wait_then_release
 
     @triton.jit
-    def _argmax_chunks_kernel(x_ptr, vals_ptr, idx_ptr, V, stride_x, num_chunks,
-                              CHUNK: tl.constexpr, USE_PDL: tl.constexpr):
+    def _hash32(x):
+        # hash32 on uint32 words: the products wrap modulo 2^32, as the reference's masks
+        # make them
+        x = x ^ (x >> 16)
+        x = x * 0x7FEB352D
+        x = x ^ (x >> 15)
+        x = x * 0x5BD1E995
+        return x ^ (x >> 16)
+
+    @triton.jit
+    def _race_noise(key, cols):
+        # gumbel_noise for one row: -log(-log u), u from the hash of (key, column)
+        bits = _hash32(key ^ (cols.to(tl.uint32) * 0x61C88647))
+        u = ((bits >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07  # 2^-23
+        return -tl.log(-tl.log(u))
+
+    @triton.jit
+    def _argmax_chunks_kernel(x_ptr, vals_ptr, idx_ptr, keys_ptr, V, stride_x, num_chunks,
+                              CHUNK: tl.constexpr, HAS_NOISE: tl.constexpr,
+                              USE_PDL: tl.constexpr):
         wait_then_release(USE_PDL)
         row = tl.program_id(0).to(tl.int64)
         c = tl.program_id(1)
         cols = c * CHUNK + tl.arange(0, CHUNK)
         x = tl.load(x_ptr + row * stride_x + cols, mask=cols < V, other=float("-inf"))
         x = x.to(tl.float32)  # exact for bf16/fp16; order is unchanged
+        if HAS_NOISE:
+            key = tl.load(keys_ptr + row)
+            if key >= 0:
+                x = x + _race_noise(key.to(tl.uint32), cols)
         # NaN counts as the largest value, as in torch.argmax: a row of garbage (a dropped row
         # of a chained step can read never-written memory) still yields an index in range
         x = tl.where(x == x, x, float("inf"))
@@ -86,10 +143,10 @@ if triton is not None:
 
 
 def argmax_triton(x: torch.Tensor, offsets: Optional[torch.Tensor] = None,
-                  also: tuple = ()) -> torch.Tensor:
+                  also: tuple = (), noise_keys: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x [R, V] (unit last stride) -> [R] int64, plus offsets[index] when given ([V] integers,
-    unit stride), also written into each of `also` (at most two [R] int64 views).
-    Graph-capturable: shapes only."""
+    unit stride), also written into each of `also` (at most two [R] int64 views); noise_keys
+    ([R] int64): the race (module docstring). Graph-capturable: shapes only."""
     r, v = x.shape
     _check_also(also, r)
     out = torch.empty(r, dtype=torch.int64, device=x.device)
@@ -101,8 +158,11 @@ def argmax_triton(x: torch.Tensor, offsets: Optional[torch.Tensor] = None,
     vals = torch.empty((r, n), dtype=torch.float32, device=x.device)
     idx = torch.empty((r, n), dtype=torch.int32, device=x.device)
     opts = pdl.launch_options(x)
-    _argmax_chunks_kernel[(r, n)](x, vals, idx, v, x.stride(0), n, CHUNK=CHUNK, num_warps=4,
-                                  **opts)
+    if noise_keys is not None:
+        noise_keys = noise_keys.contiguous()
+    _argmax_chunks_kernel[(r, n)](x, vals, idx, noise_keys if noise_keys is not None else idx,
+                                  v, x.stride(0), n, CHUNK=CHUNK,
+                                  HAS_NOISE=noise_keys is not None, num_warps=4, **opts)
     if offsets is not None:
         offsets = offsets.contiguous()
     a1, a2 = (tuple(also) + (out, out))[:2]
@@ -123,18 +183,19 @@ def _check_also(also: tuple, rows: int) -> None:
 
 
 def argmax_rows(x: torch.Tensor, offsets: Optional[torch.Tensor] = None,
-                also: tuple = ()) -> torch.Tensor:
+                also: tuple = (), noise_keys: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x [..., V] -> [...] int64 first index of the maximum, plus offsets[index] when offsets
     ([V] integers) is given; Triton on CUDA, torch otherwise. With `also` (x [R, V] only):
-    the result is written into those [R] int64 views too."""
-    if also and x.dim() != 2:
-        raise ValueError("argmax_rows(also=...) takes [R, V] rows")
+    the result is written into those [R] int64 views too. With noise_keys (x [R, V] only, [R]
+    int64): the sampling race (module docstring)."""
+    if (also or noise_keys is not None) and x.dim() != 2:
+        raise ValueError("argmax_rows(also=..., noise_keys=...) takes [R, V] rows")
     if not use_triton(x) or x.shape[-1] >= 2 ** 31 - 1:
-        out = argmax_ref(x, offsets)
+        out = argmax_ref(x, offsets, noise_keys)
         if also:
             _check_also(also, x.shape[0])
             for t in also:
                 t.copy_(out)
         return out
     lead = x.shape[:-1]
-    return argmax_triton(x.reshape(-1, x.shape[-1]), offsets, also).view(lead)
+    return argmax_triton(x.reshape(-1, x.shape[-1]), offsets, also, noise_keys).view(lead)

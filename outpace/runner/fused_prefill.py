@@ -33,6 +33,7 @@ import torch
 
 from outpace.attention.base import ForwardContext
 from outpace.kernels.argmax import argmax_rows
+from outpace.sample.logits_processing import SAMPLING_EPS
 
 if TYPE_CHECKING:
     from outpace.runner.fused_step import Launched
@@ -203,9 +204,10 @@ class FusedPrefill:
         return self.graphs.capture(fn)
 
     def can_launch_prefill(self, plan, q: int) -> bool:
-        """Whether launch_prefill serves plan (one request's prefill chunk that samples,
-        padded to prefill graph q)."""
+        """Whether launch_prefill serves plan (one greedy request's prefill chunk that samples,
+        padded to prefill graph q: its tail takes the argmax)."""
         return (plan.scheduled[0].sample
+                and plan.scheduled[0].request.sampling_params.temperature < SAMPLING_EPS
                 and (q, self.draft_steps(plan.draft_batch_size)) in self._prefill_tails)
 
     @torch.inference_mode()

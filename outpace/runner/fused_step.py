@@ -2,17 +2,24 @@
 CUDA graph per (batch bucket, query length q, draft steps kd), and one output copy per step.
 
 A step qualifies when every scheduled request is decoding (its rows are its last committed token
-and its drafts) and samples greedily without penalties or logprobs (the common serving case, and
-every benchmark). Then nothing between the step's input copy and its output copy needs the host:
+and its drafts) without penalties or logprobs (the common serving case, and every benchmark).
+Then nothing between the step's input copy and its output copy needs the host:
 
     input buffers (ids, positions, slots, block tables, seq_lens, num_drafts)
-      -> target forward -> logits -> argmax [B, q]
+      -> target forward -> logits -> each row's token [B, q]: the argmax, or in a *sampled*
+         graph (some request samples) the race keyed by the request's seed and the position
+         (sample/race.py), with its temperature, top-k, top-p and min-p from staged buffers
       -> accept: longest matching draft prefix (or force-accept, benchmarks), emitted tokens
       -> head first pass over every row, next token = emitted token (filler past the accepted);
          it runs even when kd = 0 (the k schedule turned drafting off) to keep the plane exact
       -> draft 1 from row `accepted` of each request; draft loop j = 1 .. kd-1 at position
          first + accepted + j, slots and seq_lens computed on the device from the block tables
       -> packed [B, q + 1 + kd] = emitted tokens | accepted count | drafts   --one copy-->  host
+
+A sampled row's token is the one the general path (runner/sampling_step.py) draws for the same
+seed and position, so accept's strict prefix match verifies sampled requests exactly as greedy
+ones, and graph and eager steps give the same tokens. Greedy and sampled graphs are captured
+apart (same keys), so greedy steps pay nothing for sampling.
 
 The host then trims each request's drafts to its own draft length (max_tokens, context, the
 adaptive policy), exactly as the eager path would have asked the head for fewer. Running kd steps
@@ -65,18 +72,18 @@ from outpace.kernels.norm import gather_rms_norm
 from outpace.kernels.step_glue import accept, chained_inputs, loop_inputs
 from outpace.runner.chained_tables import ChainedTables
 from outpace.runner.fused_prefill import FusedPrefill
+from outpace.sample.logits_processing import SAMPLING_EPS, apply_sampling_params
+from outpace.sample.race import race_tokens, row_keys
 from outpace.spec.base import CommittedTokens, DraftBatch
 from outpace.spec.head_proposer import HeadProposer
 from outpace.types import RequestStepOutput, StepResult
 
-SAMPLING_EPS = 1e-5
 
-
-def is_plain_greedy(params) -> bool:
-    """Greedy with nothing that changes the argmax or needs more than the token ids."""
-    return (params.temperature < SAMPLING_EPS and params.repetition_penalty == 1.0
-            and params.frequency_penalty == 0.0 and params.presence_penalty == 0.0
-            and params.logprobs is None)
+def device_samplable(params) -> bool:
+    """Sampled (or greedy) with nothing that needs the host: no penalties (they read the
+    history), no logprobs (more than the token ids)."""
+    return (params.repetition_penalty == 1.0 and params.frequency_penalty == 0.0
+            and params.presence_penalty == 0.0 and params.logprobs is None)
 
 
 @dataclass
@@ -90,6 +97,7 @@ class Launched:
     t_launch: float = 0.0  # host seconds spent launching (benchmarks)
     prefill: bool = False  # a greedy prefill step's (launch_prefill), not a decode step's
     drafts: Optional[list] = None  # a relaunched step's draft count per row (host drafter)
+    sampled: bool = False  # a sampled graph's (its chained successors are sampled too)
 
     @property
     def kd(self) -> int:
@@ -124,6 +132,13 @@ class FusedStep(FusedPrefill):
              ((max(runner.graphs.prefill_q, default=1),), torch.long), ((1,), torch.long),
              ((m, kmax), torch.long), ((max(runner.graphs.varlen_t, default=1),), torch.long),
              ((m,), torch.long)])
+        # A sampled graph's per-request sampling (staged at launch; chained and relaunched
+        # steps keep their first step's rows, so theirs stay valid): temperature (0: greedy),
+        # top-k, top-p, min-p, and the seed's race word (SamplingStep.seed_word_for).
+        (self.sample_temp, self.sample_top_k, self.sample_top_p, self.sample_min_p,
+         self.sample_seed) = self.inputs.add_buffers([
+             ((m,), torch.float32), ((m,), torch.long), ((m,), torch.float32),
+             ((m,), torch.float32), ((m,), torch.long)])
         self.loop_query_start = torch.arange(m + 1, dtype=torch.int32, device=dev)
         # What chaining carries from a step to the next (see the module docstring); a host
         # drafter's steps relaunch from the same carry instead.
@@ -136,6 +151,7 @@ class FusedStep(FusedPrefill):
         # that real verification doesn't have.
         self.zero_draws = torch.zeros(m, device=dev)
         self._captured: dict = {}  # (bucket, q, kd, chained) -> (graph, packed output)
+        self._captured_sampled: dict = {}  # the same keys, sampled graphs
         self._init_prefill(runner, dev)
         self._tables = ChainedTables(self.inputs.max_blocks)
         self._host_out: dict = {}  # (shape, parity) -> pinned host tensor
@@ -144,6 +160,7 @@ class FusedStep(FusedPrefill):
         self.replays = 0  # steps served (tests read it)
         self.chained = 0  # of which launched from the previous step's outputs
         self.relaunched = 0  # of which a host drafter's, launched from the previous carry
+        self.sampled_steps = 0  # of which sampled graphs' (some request samples)
         # Host seconds summed over steps (benchmarks read it): copying inputs and launching,
         # waiting for the output copy, turning it into the StepResult.
         self.timing = {"launch_s": 0.0, "wait_s": 0.0, "unpack_s": 0.0}
@@ -160,8 +177,9 @@ class FusedStep(FusedPrefill):
             if self.relaunchable:
                 keys += [(bucket, q, 0, True) for q in self.graphs.q_lens]
             for key in keys:
-                if key not in self._captured:
-                    self._captured[key] = self._capture(*key)
+                for sampled, table in ((False, self._captured), (True, self._captured_sampled)):
+                    if key not in table:
+                        table[key] = self._capture(*key, sampled=sampled)
 
     def next_q(self, kd: int) -> int:
         """Query length of the step after one that drafted kd tokens on the device."""
@@ -174,7 +192,7 @@ class FusedStep(FusedPrefill):
             return False  # a head that can't draft on the device (enhancer, MTP depths mode)
         if self.runner.sampling.relaxed is not None:
             return False
-        return all(is_plain_greedy(sr.request.sampling_params) for sr in plan.scheduled)
+        return all(device_samplable(sr.request.sampling_params) for sr in plan.scheduled)
 
     def draft_steps(self, batch_size: int) -> int:
         """Draft-loop length in the graph: the policy's k for this batch size (a plan's
@@ -193,15 +211,40 @@ class FusedStep(FusedPrefill):
         b = len(plan.scheduled)
         bucket = self.graphs.bucket_for(b)
         key = (bucket, q, self.draft_steps(plan.draft_batch_size), False)
-        if key not in self._captured:
-            self._captured[key] = self._capture(*key)
+        sampled = not all(sr.request.sampling_params.temperature < SAMPLING_EPS
+                          for sr in plan.scheduled)
+        table = self._captured_sampled if sampled else self._captured
+        if key not in table:
+            table[key] = self._capture(*key, sampled=sampled)
         t0 = time.perf_counter()
         nd = np.zeros(bucket, np.int64)
         nd[:b] = [len(sr.draft_token_ids) for sr in plan.scheduled]
-        self.graphs.load_padded(hb, full_width=True, extra=(
-            (self.num_drafts, nd), (self.real, np.arange(bucket) < b)))
+        extra = [(self.num_drafts, nd), (self.real, np.arange(bucket) < b)]
+        if sampled:
+            extra += self._sampling_rows(plan, bucket)
+        self.graphs.load_padded(hb, full_width=True, extra=tuple(extra))
         rows = [sr.request.request_id for sr in plan.scheduled]
-        return self._replay(key, rows, t0)
+        launched = self._replay(key, rows, t0, entry=table[key])
+        launched.sampled = sampled
+        return launched
+
+    def _sampling_rows(self, plan, bucket: int) -> list:
+        """(buffer, values) pairs of a sampled graph's per-request sampling; padding rows are
+        greedy."""
+        cols = np.zeros((5, bucket), np.float64)
+        sampling = self.runner.sampling
+        for i, sr in enumerate(plan.scheduled):
+            p = sr.request.sampling_params
+            if p.temperature >= SAMPLING_EPS:
+                cols[:, i] = (p.temperature, p.top_k, p.top_p, p.min_p,
+                              sampling.seed_word_for(sr.request))
+            else:
+                cols[:, i] = (0.0, 0, 1.0, 0.0, 0)
+        return [(self.sample_temp, cols[0].astype(np.float32)),
+                (self.sample_top_k, cols[1].astype(np.int64)),
+                (self.sample_top_p, cols[2].astype(np.float32)),
+                (self.sample_min_p, cols[3].astype(np.float32)),
+                (self.sample_seed, cols[4].astype(np.int64))]
 
     @torch.inference_mode()
     def chain(self, prev: Launched, block_tables: list) -> Optional[Launched]:
@@ -212,13 +255,16 @@ class FusedStep(FusedPrefill):
         graph was not captured ahead (capturing now would clobber the step in flight)."""
         bucket, _, kd, _ = prev.key
         key = (bucket, self.next_q(kd), kd, True)
-        if not self.chainable or key not in self._captured:
+        table = self._captured_sampled if prev.sampled else self._captured
+        if not self.chainable or key not in table:
             return None
         t0 = time.perf_counter()
         bt = self._tables.update(prev.rows, bucket, block_tables)
         self.inputs.put_if_changed(self.inputs.block_tables, bt)
         self.chained += 1
-        return self._replay(key, prev.rows, t0)
+        launched = self._replay(key, prev.rows, t0, entry=table[key])
+        launched.sampled = prev.sampled
+        return launched
 
     @torch.inference_mode()
     def relaunch(self, prev: Launched, drafts: list, block_tables: list) -> Optional[Launched]:
@@ -228,7 +274,8 @@ class FusedStep(FusedPrefill):
         chain. None when no graph was captured ahead for that query length."""
         bucket = prev.key[0]
         key = (bucket, self.relaunch_q(max(len(d) for d in drafts)), 0, True)
-        if not self.relaunchable or key not in self._captured:
+        table = self._captured_sampled if prev.sampled else self._captured
+        if not self.relaunchable or key not in table:
             return None
         t0 = time.perf_counter()
         nd = np.zeros(bucket, np.int64)
@@ -242,8 +289,9 @@ class FusedStep(FusedPrefill):
         self.inputs.put_if_changed(self.inputs.block_tables, bt)
         self.inputs.put_all([(self.num_drafts, nd), (self.host_drafts, arr)])
         self.relaunched += 1
-        launched = self._replay(key, prev.rows, t0)
+        launched = self._replay(key, prev.rows, t0, entry=table[key])
         launched.drafts = [len(d) for d in drafts]
+        launched.sampled = prev.sampled
         return launched
 
     def relaunch_q(self, longest: int) -> Optional[int]:
@@ -283,6 +331,7 @@ class FusedStep(FusedPrefill):
         if launched.prefill:  # the counters and timings below are decode steps'
             return result
         self.replays += 1
+        self.sampled_steps += launched.sampled
         tm = self.timing
         tm["launch_s"] += launched.t_launch
         tm["wait_s"] += t2 - t1
@@ -349,7 +398,8 @@ class FusedStep(FusedPrefill):
                        self.num_drafts,
                        host_drafts=self.host_drafts[:bucket] if self.relaunchable else None)
 
-    def _compute(self, bucket: int, q: int, kd: int, chained: bool = False) -> torch.Tensor:
+    def _compute(self, bucket: int, q: int, kd: int, chained: bool = False,
+                 sampled: bool = False) -> torch.Tensor:
         buf = self.inputs
         n = bucket * q
         if chained:
@@ -362,7 +412,9 @@ class FusedStep(FusedPrefill):
         ctx = ForwardContext(self.backend, meta)
         capture = self.head.capture_layers if self.head is not None else ()
         hidden, aux = self.model(ids, pos, ctx, capture_layers=capture)
-        target = self.model.greedy_tokens(hidden)  # [n]
+        # [n]: each row's token, the target's choice that accept verifies the drafts against
+        target = (self._sample(hidden, pos, bucket, q) if sampled
+                  else self.model.greedy_tokens(hidden))
         # [B, q + 1 + kd] = emitted tokens | accepted count | drafts: the step's one output
         # (kd = 0 without a head: draft_steps)
         packed = torch.empty(bucket, q + 1 + kd, dtype=torch.long, device=ids.device)
@@ -387,6 +439,23 @@ class FusedStep(FusedPrefill):
             self._draft(hidden, aux, next_ids, pos, ctx, last_rows, first,
                         buf.block_tables[:bucket], kd, outs)
         return packed
+
+    def _sample(self, hidden, pos, bucket: int, q: int) -> torch.Tensor:
+        """[n] tokens of a sampled graph: greedy rows' argmax, the others' race (their
+        temperature, top-k, top-p, min-p; keyed by their seed and the position sampled, pos + 1),
+        as SamplingStep computes them (process_logits with every mask on: masks that keep
+        everything are exact no-ops, so the values are the same)."""
+        logits = self.model.compute_logits(hidden)  # [n, V] float32
+
+        def per_row(t):  # [bucket] -> [n], each request's value on its q rows
+            return t[:bucket, None].expand(bucket, q).reshape(-1)
+        temp = per_row(self.sample_temp)
+        greedy = temp < SAMPLING_EPS
+        processed = apply_sampling_params(logits, torch.where(greedy, 1.0, temp),
+                                          per_row(self.sample_top_k), per_row(self.sample_top_p),
+                                          per_row(self.sample_min_p))
+        keys = torch.where(greedy, -1, row_keys(per_row(self.sample_seed), pos + 1))
+        return race_tokens(processed, keys)  # greedy rows (key -1): argmax(logits)
 
     def _draft(self, hidden, aux, next_ids, pos, ctx, last_rows, first, block_tables, kd,
                outs: tuple) -> None:
@@ -418,14 +487,15 @@ class FusedStep(FusedPrefill):
             h = head.step(h, tok, p, ForwardContext(self.backend, meta))
             tok = head.draft_ids(h, also=tuple(o[:, j] for o in outs))
 
-    def _capture(self, bucket: int, q: int, kd: int, chained: bool):
+    def _capture(self, bucket: int, q: int, kd: int, chained: bool, sampled: bool = False):
         """Fill the buffers with a dummy batch that writes nowhere, warm up, capture."""
         self.graphs.fill_dummy(bucket, q)
         self.num_drafts[:bucket].zero_()
         self.real[:bucket].zero_()  # chained: every row is padding (slot -1)
         self.carry_pos[:bucket].zero_()
         self.carry_tokens[:bucket].zero_()
-        fn = lambda: self._compute(bucket, q, kd, chained)  # noqa: E731
+        self.sample_temp[:bucket].zero_()  # greedy rows: the dummy batch samples nothing
+        fn = lambda: self._compute(bucket, q, kd, chained, sampled)  # noqa: E731
         for _ in range(2):  # warm-up: Triton compiles, cuBLAS picks its kernels
             fn()
         graph, packed = self.graphs.capture(fn)

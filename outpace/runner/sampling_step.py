@@ -5,9 +5,13 @@ Row layout: a sampled request contributes 1 + d logits rows, where d = its numbe
 processing (penalties over the history up to that row, temperature, top-k/p, min-p), so a draft
 position is judged by exactly the distribution a non-speculative step would sample from.
 
-    no drafts  -> sample (greedy argmax or seeded exponential race)
-    greedy     -> strict prefix match (greedy_verify_batched)
-    sampling   -> lossless rejection sampling (rejection_verify_batched)
+    no drafts  -> the row's token: greedy argmax, or the race keyed by the request's seed and
+                  the position (sample/race.py)
+    drafts     -> strict prefix match of the drafts against those tokens (greedy_verify_batched),
+                  greedy or sampled alike: a sampled row's race winner is an exact draw from its
+                  distribution whatever the drafts were, so the output equals plain decoding's
+                  for the same seed, and a draft d is accepted with probability p(d), as
+                  rejection sampling against a deterministic drafter would
 
 Relaxed acceptance (opt-in, lossy, DESIGN idea 7): with `relaxed` set, a draft inside a thinking
 span (per-request ThinkingSpanTracker over the committed tokens and the drafts before it) is also
@@ -23,10 +27,10 @@ import torch
 
 from outpace.errors import ConfigError
 
-from outpace.sample.logits_processing import SamplingRow, process_logits
-from outpace.sample.sampler import Sampler, make_generator, probs_from_processed
-from outpace.spec.verify import (ThinkingSpanTracker, draw_verify_randomness, force_accept,
-                                 greedy_verify_batched, rejection_verify_batched,
+from outpace.sample.logits_processing import SAMPLING_EPS, SamplingRow, process_logits
+from outpace.sample.race import seed_word
+from outpace.sample.sampler import Sampler, probs_from_processed
+from outpace.spec.verify import (ThinkingSpanTracker, force_accept, greedy_verify_batched,
                                  relaxed_accept_batched)
 from outpace.types import RequestStepOutput
 
@@ -78,7 +82,7 @@ class SamplingStep:
     def __init__(self, device: torch.device, seed: int = 0):
         self.device = device
         self.sampler = Sampler(seed=seed)
-        self._generators: dict = {}  # request_id -> torch.Generator (seeded requests only)
+        self._seeds: dict = {}  # request_id -> (seed, its race word), drawn once per request
         # Benchmarks only (lossy): accept floor(mean - 1 + U) drafts regardless of the target,
         # so a random head can stand in for a trained one at a chosen mean acceptance length.
         self.force_accept_mean: Optional[float] = None
@@ -86,7 +90,7 @@ class SamplingStep:
         self._spans: dict = {}  # request_id -> [ThinkingSpanTracker, committed tokens fed]
 
     def release(self, request_id: str) -> None:
-        self._generators.pop(request_id, None)
+        self._seeds.pop(request_id, None)
         self._spans.pop(request_id, None)
 
     def _eligible(self, req, drafts: list, kmax: int) -> list:
@@ -101,16 +105,24 @@ class SamplingStep:
         entry[1] = len(hist)
         return entry[0].relaxed_eligible(drafts) + [False] * (kmax - len(drafts))
 
-    def _generator(self, req) -> Optional[torch.Generator]:
-        seed = req.sampling_params.seed
-        if seed is None:
-            return None
-        gen = self._generators.get(req.request_id)
-        if gen is None:
-            gen = self._generators[req.request_id] = make_generator(seed, self.device)
-        return gen
+    def _seed_entry(self, req) -> tuple:
+        entry = self._seeds.get(req.request_id)
+        if entry is None:
+            seed = req.sampling_params.seed
+            if seed is None:  # drawn once: the request's tokens follow one key sequence
+                seed = self.sampler.seed_for_unseeded()
+            entry = self._seeds[req.request_id] = (seed, seed_word(seed))
+        return entry
 
-    def run(self, plan, logits: torch.Tensor, draft_probs: Optional[dict] = None) -> list:
+    def seed_for(self, req) -> int:
+        """The seed req's sampled tokens race with: its own, or one drawn for it once."""
+        return self._seed_entry(req)[0]
+
+    def seed_word_for(self, req) -> int:
+        """seed_word(seed_for(req)), kept: what a fused step stages for the request."""
+        return self._seed_entry(req)[1]
+
+    def run(self, plan, logits: torch.Tensor) -> list:
         """logits [N, V] in row order -> list (one per scheduled request) of RequestStepOutput,
         None for requests that sampled nothing (mid-prompt chunks)."""
         rows, groups = [], []  # groups: (index in plan, first row, num drafts)
@@ -118,31 +130,28 @@ class SamplingStep:
             if not sr.sample:
                 continue
             req, drafts = sr.request, sr.draft_token_ids
-            hist, gen = req.all_token_ids, self._generator(req)
+            hist = req.all_token_ids
+            greedy = req.sampling_params.temperature < SAMPLING_EPS
+            seed = None if greedy else self.seed_for(req)
             groups.append((i, len(rows), len(drafts)))
             for j in range(len(drafts) + 1):
                 rows.append(SamplingRow(req.sampling_params, hist + drafts[:j],
-                                        req.num_prompt_tokens, gen))
+                                        req.num_prompt_tokens, seed))
         outputs = [None] * len(plan.scheduled)
         if not rows:
             return outputs
         processed = process_logits(logits, rows)  # [N, V]
+        targets = self.sampler.sample_processed(processed, rows)  # [N]: each row's token
         emitted: dict = {}  # plan index -> (tokens, num_accepted)
 
         plain = [g for g in groups if g[2] == 0]
         if plain:
-            idx = [g[1] for g in plain]
-            toks = self.sampler.sample_processed(processed[idx], [rows[r] for r in idx])
+            toks = targets[[g[1] for g in plain]]
             for g, t in zip(plain, toks.tolist()):  # sync-ok: the step's output copy
                 emitted[g[0]] = ([t], 0)
         spec = [g for g in groups if g[2] > 0]
-        greedy = [g for g in spec if rows[g[1]].is_greedy]
-        random = [g for g in spec if not rows[g[1]].is_greedy]
-        if greedy:
-            self._verify(plan, greedy, processed, rows, emitted, greedy_mode=True)
-        if random:
-            self._verify(plan, random, processed, rows, emitted, greedy_mode=False,
-                         draft_probs=draft_probs)
+        if spec:
+            self._verify(plan, spec, processed, targets, emitted)
 
         for g in groups:
             i, first, nd = g
@@ -154,7 +163,7 @@ class SamplingStep:
             outputs[i] = out
         return outputs
 
-    def _verify(self, plan, groups, processed, rows, emitted, greedy_mode, draft_probs=None):
+    def _verify(self, plan, groups, processed, targets, emitted):
         dev = processed.device
         kmax = max(g[2] for g in groups)
         # [B, kmax+1] row indices; positions past a request's drafts repeat its last row.
@@ -163,37 +172,19 @@ class SamplingStep:
         drafts = torch.tensor([plan.scheduled[g[0]].draft_token_ids + [-1] * (kmax - g[2])
                                for g in groups], dtype=torch.long, device=dev)
         num_drafts = torch.tensor([g[2] for g in groups], device=dev)
-        probs = None
-        if not greedy_mode or self.relaxed is not None:
-            probs = probs_from_processed(processed)[index]  # [B, kmax+1, V]
-        relaxed = None
-        if self.relaxed is not None:
-            eligible = torch.tensor(
-                [self._eligible(plan.scheduled[g[0]].request,
-                                plan.scheduled[g[0]].draft_token_ids, kmax) for g in groups],
-                dtype=torch.bool, device=dev)  # [B, kmax]
-            relaxed = relaxed_accept_batched(probs, drafts, self.relaxed.top_k,
-                                             self.relaxed.delta, eligible)
-        if greedy_mode:
-            target_argmax = processed.argmax(dim=-1)[index]  # [B, kmax+1]
-            out, acc = greedy_verify_batched(target_argmax, drafts, num_drafts, relaxed)
-        else:
-            q = None
-            if draft_probs:
-                q = torch.zeros(len(groups), kmax, probs.shape[-1], device=dev)
-                for b, g in enumerate(groups):
-                    dp = draft_probs.get(plan.scheduled[g[0]].request.request_id)
-                    if dp is None:  # a deterministic drafter for this request: one-hot q
-                        q[b, torch.arange(g[2]), drafts[b, :g[2]]] = 1.0
-                    else:
-                        q[b, :g[2]] = dp[:g[2]]
-            gens = [rows[g[1]].generator for g in groups]
-            uniforms, noise = draw_verify_randomness(gens, kmax, probs.shape[-1], dev,
-                                                     self.sampler.default_generator(dev))
-            out, acc = rejection_verify_batched(probs, drafts, q, num_drafts, uniforms, noise,
-                                                relaxed)
         if self.force_accept_mean is not None:
-            out, acc = self._force_accept(processed, index, drafts, num_drafts)
+            out, acc = force_accept(targets[index], drafts, num_drafts, self.force_accept_mean)
+        else:
+            relaxed = None
+            if self.relaxed is not None:
+                probs = probs_from_processed(processed)[index]  # [B, kmax+1, V]
+                eligible = torch.tensor(
+                    [self._eligible(plan.scheduled[g[0]].request,
+                                    plan.scheduled[g[0]].draft_token_ids, kmax) for g in groups],
+                    dtype=torch.bool, device=dev)  # [B, kmax]
+                relaxed = relaxed_accept_batched(probs, drafts, self.relaxed.top_k,
+                                                 self.relaxed.delta, eligible)
+            out, acc = greedy_verify_batched(targets[index], drafts, num_drafts, relaxed)
         out_l, acc_l = out.tolist(), acc.tolist()  # sync-ok: the step's output copy
         for g, o, a in zip(groups, out_l, acc_l):
             emitted[g[0]] = (o[:a + 1], a)

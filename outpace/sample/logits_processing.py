@@ -30,7 +30,9 @@ class SamplingRow:
     params: SamplingParams
     history: Sequence[int] = ()  # prompt + output tokens before this position
     prompt_len: int = 0  # history[:prompt_len] is prompt (repetition penalty only)
-    generator: Optional[torch.Generator] = None  # seeded per request; None: the sampler's own
+    # the request's seed (SamplingParams.seed, or one the engine drew for it); None: the
+    # sampler draws one for this call. The row samples the token at position len(history).
+    seed: Optional[int] = None
 
     @property
     def is_greedy(self) -> bool:
@@ -43,21 +45,40 @@ def process_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.T
         raise ValueError(f"logits {tuple(logits.shape)} must be [len(rows)={len(rows)}, vocab]")
     out = logits.to(torch.float32, copy=True)  # [N, V]
     out = apply_penalties(out, rows)
-    random_rows = [not r.is_greedy for r in rows]
-    if not any(random_rows):
+    if all(r.is_greedy for r in rows):
         return out
+    temps, top_k, top_p, min_p = zip(*(effective_params(r.params) for r in rows))
     dev = out.device
-    temps = [r.params.temperature if rnd else 1.0 for r, rnd in zip(rows, random_rows)]
-    if any(t != 1.0 for t in temps):
-        out = out / torch.tensor(temps, dtype=torch.float32, device=dev).unsqueeze(1)
-    top_k = [r.params.top_k if rnd else 0 for r, rnd in zip(rows, random_rows)]
-    top_p = [r.params.top_p if rnd else 1.0 for r, rnd in zip(rows, random_rows)]
-    if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
-        out = apply_top_k_top_p(out, torch.tensor(top_k, dtype=torch.long, device=dev),
-                                torch.tensor(top_p, dtype=torch.float32, device=dev))
-    min_p = [r.params.min_p if rnd else 0.0 for r, rnd in zip(rows, random_rows)]
-    if any(m > 0.0 for m in min_p):
-        out = apply_min_p(out, torch.tensor(min_p, dtype=torch.float32, device=dev))
+
+    def col(values, dtype=torch.float32):
+        return torch.tensor(values, dtype=dtype, device=dev)
+    # Masks only when a row asks for them; a mask that keeps everything is an exact no-op, so
+    # this equals apply_sampling_params with every mask on (what a captured graph runs).
+    return apply_sampling_params(
+        out, col(temps), col(top_k, torch.long), col(top_p), col(min_p),
+        top_k_top_p=any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p),
+        use_min_p=any(m > 0.0 for m in min_p))
+
+
+def effective_params(params: SamplingParams) -> tuple:
+    """(temperature, top_k, top_p, min_p) as process_logits applies them: a greedy row's
+    are no-ops (its argmax is the greedy token whatever they are)."""
+    if params.temperature < SAMPLING_EPS:
+        return 1.0, 0, 1.0, 0.0
+    return float(params.temperature), int(params.top_k), float(params.top_p), float(params.min_p)
+
+
+def apply_sampling_params(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                          top_p: torch.Tensor, min_p: torch.Tensor, *, top_k_top_p: bool = True,
+                          use_min_p: bool = True) -> torch.Tensor:
+    """Temperature, then the top-k / top-p masks, then min-p, over [N, V] float32 logits with
+    per-row [N] values (effective_params: 1, 0, 1, 0 are no-ops). Fixed shapes and no host
+    reads: CUDA graphs capture it with the values in device buffers. A new tensor."""
+    out = logits / temperature.unsqueeze(1)
+    if top_k_top_p:
+        out = apply_top_k_top_p(out, top_k, top_p)
+    if use_min_p:
+        out = apply_min_p(out, min_p)
     return out
 
 

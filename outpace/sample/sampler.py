@@ -1,28 +1,23 @@
-"""Token sampling: greedy, random (exponential race) with per-request seeds, and logprobs.
+"""Token sampling: greedy, random (a race keyed by the request's seed and the position), logprobs.
 
-Random rows pick argmax(probs / E) with E ~ Exp(1) i.i.d. per vocabulary entry, which draws token
-i with probability probs[i] / sum(probs) (the smallest of independent E_i / probs[i] is an
-exponential race) without a cumulative sum or a host sync. A seeded request draws its noise row
-from its own generator, so its tokens depend only on its seed and its own history, not on which
-other requests share the batch or where it sits in it. Unseeded rows share one draw from the
-sampler's default generator.
+Random rows race (sample/race.py): token argmax(processed + Gumbel noise), the noise a hash of
+the row's seed, the position of the token it samples and the vocabulary id. No cumulative sum,
+no host sync, and a request's tokens depend only on its seed and its own history, not on which
+other requests share the batch, where it sits in it, or whether the step verified drafts.
 """
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
 
 from outpace.sample.logits_processing import SamplingRow, process_logits
+from outpace.sample.race import race_tokens, row_keys, seed_word
 
-__all__ = ["Sampler", "SamplerOutput", "SamplingRow", "draw_exponential", "make_generator",
-           "probs_from_processed", "process_logits"]
-
-# Exp(1) draws can round to 0.0 in float32; dividing by 0 would turn a masked (p = 0) entry into
-# nan. Clamping to the smallest normal keeps p = 0 entries at 0 and never picks them.
-_TINY = torch.finfo(torch.float32).tiny
+__all__ = ["Sampler", "SamplerOutput", "SamplingRow", "probs_from_processed", "process_logits"]
 
 
 @dataclass
@@ -34,32 +29,9 @@ class SamplerOutput:
     top_logprobs: Optional[torch.Tensor] = None  # [N, n] float32
 
 
-def make_generator(seed: int, device="cpu") -> torch.Generator:
-    """A per-request generator for SamplingParams.seed, on the device the logits live on."""
-    gen = torch.Generator(device=device)
-    gen.manual_seed(seed)
-    return gen
-
-
 def probs_from_processed(processed: torch.Tensor) -> torch.Tensor:
     """[N, V] processed logits -> [N, V] probabilities (masked entries are exactly 0)."""
     return torch.softmax(processed.to(torch.float32), dim=-1)
-
-
-def draw_exponential(generators: Sequence[Optional[torch.Generator]], vocab: int, device,
-                     default_generator: Optional[torch.Generator] = None) -> torch.Tensor:
-    """[len(generators), vocab] Exp(1) noise: each seeded row from its own generator, the
-    unseeded rows in one draw from `default_generator` (torch's global RNG if None)."""
-    noise = torch.empty(len(generators), vocab, dtype=torch.float32, device=device)
-    unseeded = [i for i, g in enumerate(generators) if g is None]
-    if unseeded:
-        block = torch.empty(len(unseeded), vocab, dtype=torch.float32, device=device)
-        block.exponential_(generator=default_generator)
-        noise[unseeded] = block
-    for i, gen in enumerate(generators):
-        if gen is not None:
-            noise[i].exponential_(generator=gen)
-    return noise.clamp_(min=_TINY)
 
 
 class Sampler:
@@ -72,22 +44,13 @@ class Sampler:
     def __init__(self, seed: Optional[int] = None, logprobs_mode: str = "raw"):
         if logprobs_mode not in ("raw", "processed"):
             raise ValueError(f"logprobs_mode must be 'raw' or 'processed', got {logprobs_mode!r}")
-        self.seed = seed
         self.logprobs_mode = logprobs_mode
-        self._generators: dict = {}  # str(device) -> torch.Generator
+        # seeds for rows that come without one (seed None: non-deterministic, as an unseeded
+        # request should be)
+        self._rng = random.Random(seed)
 
-    def default_generator(self, device) -> torch.Generator:
-        """The generator unseeded rows draw from (one per device, created on first use)."""
-        key = str(torch.device(device))
-        gen = self._generators.get(key)
-        if gen is None:
-            gen = torch.Generator(device=device)
-            if self.seed is None:
-                gen.seed()  # non-deterministic, as an unseeded request should be
-            else:
-                gen.manual_seed(self.seed)
-            self._generators[key] = gen
-        return gen
+    def seed_for_unseeded(self) -> int:
+        return self._rng.getrandbits(63)
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow],
                  num_logprobs: Optional[int] = 0) -> SamplerOutput:
@@ -108,15 +71,12 @@ class Sampler:
 
     def sample_processed(self, processed: torch.Tensor,
                          rows: Sequence[SamplingRow]) -> torch.Tensor:
-        """[N, V] processed logits -> [N] long tokens: argmax for greedy rows, else a draw."""
-        token_ids = processed.argmax(dim=-1)  # [N]
-        rand = [i for i, r in enumerate(rows) if not r.is_greedy]
-        if not rand:
-            return token_ids
-        dev = processed.device
-        rand_idx = torch.tensor(rand, dtype=torch.long, device=dev)
-        probs = probs_from_processed(processed.index_select(0, rand_idx))  # [R, V]
-        noise = draw_exponential([rows[i].generator for i in rand], processed.shape[1], dev,
-                                 self.default_generator(dev))
-        token_ids[rand_idx] = (probs / noise).argmax(dim=-1)
-        return token_ids
+        """[N, V] processed logits -> [N] long tokens: argmax for greedy rows, else the race
+        of the row's seed at position len(row.history)."""
+        if all(r.is_greedy for r in rows):
+            return processed.argmax(dim=-1)
+        keys = [-1 if r.is_greedy else
+                row_keys(seed_word(r.seed if r.seed is not None else self.seed_for_unseeded()),
+                         len(r.history)) for r in rows]
+        return race_tokens(processed, torch.tensor(keys, dtype=torch.int64,
+                                                   device=processed.device))

@@ -25,21 +25,6 @@ from tests.spec.spec_helpers import repetitive_prompts, tiny_target  # noqa: E40
 GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def cuda_loaded():
-    model, cfg, tok = tiny_target(seed=0)
-    return model.to("cuda"), cfg, tok
-
-
-@pytest.fixture(scope="module")
-def cuda_heads(cuda_loaded, tmp_path_factory):
-    from outpace.training.init_draft import init_draft
-    from tests.spec.spec_helpers import write_target_folder
-    root = tmp_path_factory.mktemp("gpu_heads")
-    target = write_target_folder(cuda_loaded[1], root / "target")
-    return {m: init_draft(m, str(target), root / m, seed=1, quiet=True) for m in ("eagle3", "mtp")}
-
-
 def spec_for(heads, method, k, **opts):
     if method is None:
         return None

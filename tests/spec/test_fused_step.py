@@ -7,7 +7,10 @@ as one captured function over fixed buffers.
   chunked prefill, prefix hits and preemption;
 * the draft KV plane the device-side draft loop writes is exact (dense oracle after every step);
 * force-accept (benchmarks) reaches the requested mean acceptance length;
-* steps it can't serve (sampling, penalties, logprobs) fall back to the general path.
+* sampled requests (temperature, top-k, top-p, min-p; seeded or not) run in sampled graphs and
+  draw what the general path draws; a seeded request's output is the same with and without
+  speculation;
+* steps it can't serve (penalties, logprobs) fall back to the general path.
 """
 
 from __future__ import annotations
@@ -192,10 +195,11 @@ def test_force_accept_mean_on_the_fused_path(tiny_loaded, tiny_heads, fake_graph
 
 
 @pytest.mark.parametrize("params", [
-    SamplingParams(max_tokens=12, temperature=0.8, seed=3, ignore_eos=True),
+    SamplingParams(max_tokens=12, temperature=0.8, seed=3, repetition_penalty=1.2,
+                   ignore_eos=True),
     SamplingParams(max_tokens=12, temperature=0.0, repetition_penalty=1.3, ignore_eos=True),
     SamplingParams(max_tokens=12, temperature=0.0, logprobs=2, ignore_eos=True),
-], ids=["sampling", "penalty", "logprobs"])
+], ids=["sampling-penalty", "penalty", "logprobs"])
 def test_steps_the_fused_graph_cannot_serve_fall_back(tiny_loaded, tiny_heads,
                                                       fake_graph_capture, params):
     spec = head_spec(tiny_heads, "eagle3", 3)
@@ -209,6 +213,55 @@ def test_steps_the_fused_graph_cannot_serve_fall_back(tiny_loaded, tiny_heads,
     assert got == want
     # while the odd request runs, no step is fused; after it finishes the greedy ones are
     assert graphed.runner.fused.replays < sum(len(t) for t in want)
+
+
+# Sampled requests beside a greedy one: seeded and not, each of temperature, top-p, top-k and
+# min-p; waves() has 8 prompts
+SAMPLED = [SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, seed=3, ignore_eos=True),
+           SamplingParams(max_tokens=24, temperature=1.2, top_k=12, ignore_eos=True),
+           GREEDY,
+           SamplingParams(max_tokens=24, temperature=0.6, min_p=0.05, seed=-5, ignore_eos=True)]
+SAMPLED_CASES = [(None, 0), ("ngram", 3), ("eagle3", 3), ("mtp", 2)]
+
+
+def sampled_params() -> list:
+    return [SAMPLED[i % len(SAMPLED)] for i in range(sum(len(w) for w in waves()))]
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+@pytest.mark.parametrize("method,k", SAMPLED_CASES, ids=[str(m) for m, _ in SAMPLED_CASES])
+def test_sampled_fused_step_equals_eager(tiny_loaded, tiny_heads, fake_graph_capture, method,
+                                         k, overlap):
+    spec = spec_for(tiny_heads, method, k)
+    eager = run_waves(tiny_loaded, waves(), sampled_params(), speculative_config=spec, **SMALL)
+    fused = run_waves(tiny_loaded, waves(), sampled_params(), overlap=overlap,
+                      on_engine=lambda e: enable_graphs(e, k), speculative_config=spec,
+                      **SMALL)
+    assert fused.outputs == eager.outputs
+    assert fused.stats["spec"] == eager.stats["spec"]
+    steps = fused.engine.runner.fused
+    assert steps.sampled_steps > 20, "the sampled graphs served too few steps"
+    if overlap and method not in ("ngram", "suffix"):
+        assert steps.chained > 10, "no sampled step was launched from its predecessor's"
+    # the requests did sample: the seeded ones differ from their greedy output
+    greedy = run_waves(tiny_loaded, waves(), GREEDY, speculative_config=spec, **SMALL)
+    assert sum(a != b for a, b in zip(fused.outputs, greedy.outputs)) >= 5
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+@pytest.mark.parametrize("method,k", SAMPLED_CASES[1:], ids=[m for m, _ in SAMPLED_CASES[1:]])
+def test_sampled_output_is_the_same_with_and_without_speculation(
+        tiny_loaded, tiny_heads, fake_graph_capture, method, k, graphs):
+    """The race keys each token by (seed, position): verifying drafts against it emits what
+    plain decoding would have drawn, for seeded and unseeded requests (the engine seed)."""
+    plain = run_waves(tiny_loaded, waves(), sampled_params(), **SMALL)
+    spec = run_waves(tiny_loaded, waves(), sampled_params(),
+                     speculative_config=spec_for(tiny_heads, method, k),
+                     on_engine=(lambda e: enable_graphs(e, k)) if graphs else None, **SMALL)
+    assert spec.outputs == plain.outputs
+    assert spec.stats["spec"]["num_drafts"] > 50
+    if method == "ngram":  # repetitive prompts: drafts that match the samples get accepted
+        assert spec.stats["spec"]["num_accepted_tokens"] > 0
 
 
 def test_warm_up_leaves_nothing_behind(tiny_loaded, tiny_heads):

@@ -304,3 +304,18 @@ def test_split_pieces_kernel_compiles():
     k = compile_for_h200(_split_pieces_kernel, {"x_ptr": "fp32", "out_ptr": "bf16"}, (),
                          {"BLOCK": 1024}, num_warps=4)
     assert k.asm["cubin"] and "bf16" in k.asm["ptx"]
+
+
+@pytest.mark.parametrize("noise", [False, True])
+def test_argmax_chunks_kernel_compiles(noise):
+    """Pass 1 of the row argmax, and with the sampling race's noise (kernels/argmax.py): the
+    hash's xors and 32-bit products, and only logical shifts (an arithmetic one would differ
+    from the reference's on words with the top bit set)."""
+    from outpace.kernels.argmax import _argmax_chunks_kernel
+    ptrs = {"x_ptr": "fp32", "vals_ptr": "fp32", "idx_ptr": "i32", "keys_ptr": "i64"}
+    k = compile_for_h200(_argmax_chunks_kernel, ptrs, (), {
+        "CHUNK": 2048, "HAS_NOISE": noise, "USE_PDL": True}, num_warps=4)
+    ptx = k.asm["ptx"]
+    assert k.asm["cubin"] and "griddepcontrol.wait" in ptx
+    assert ("xor.b32" in ptx) == noise and ("mul.lo.s32" in ptx) == noise
+    assert "shr.s32" not in ptx

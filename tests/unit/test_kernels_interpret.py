@@ -681,6 +681,27 @@ def check_argmax_offsets(dtype, rows, vocab, with_offsets):
                                                               if with_offsets else 0))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,vocab", [(3, 5000), (4, 4097)])
+def check_argmax_race(dtype, rows, vocab):
+    """noise_keys: the sampling race (sample/race.py) in pass 1: rows keyed >= 0 take the
+    argmax of x + the reference's Gumbel noise for (key, column), a row keyed -1 the plain
+    argmax; noise that a kernel dropped or hashed differently picks other tokens."""
+    from outpace.kernels.argmax import argmax_ref, gumbel_noise
+    g = torch.Generator().manual_seed(rows + vocab)
+    x = torch.randn(rows, vocab, generator=g).to(dtype)  # noise of the logits' own scale
+    keys = torch.randint(0, 1 << 32, (rows,), generator=g)
+    keys[1] = -1
+    got = argmax_triton(x, noise_keys=keys)
+    want = argmax_ref(x, noise_keys=keys)
+    assert torch.equal(got, want), (got, want)
+    assert got[1] == x[1].float().argmax()
+    noisy = [i for i in range(rows) if i != 1]
+    assert not torch.equal(got[noisy], x[noisy].float().argmax(-1))  # the noise mattered
+    ref = (x.float() + gumbel_noise(keys.clamp(min=0), vocab))[noisy].argmax(-1)
+    assert torch.equal(want[noisy], ref)
+
+
 @pytest.mark.parametrize("num_also", [1, 2])
 def check_argmax_also_writes_strided_columns(num_also):
     """The ids (with offsets) land in the result and in columns of wider int64 tensors (the

@@ -1,5 +1,6 @@
 """Sampler and logits processing: masks on handcrafted logits, penalties against a per-row
-reference, seeds, empirical distributions (chi-square) and logprobs."""
+reference, seeds and positions (the race, sample/race.py), empirical distributions (chi-square)
+and logprobs."""
 
 import math
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 
 from outpace.sample.logits_processing import SamplingRow, process_logits
-from outpace.sample.sampler import Sampler, make_generator, probs_from_processed
+from outpace.sample.sampler import Sampler, probs_from_processed
 from outpace.types import SamplingParams
 
 
@@ -29,8 +30,8 @@ def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
 def row(**kw) -> SamplingRow:
     history = kw.pop("history", [])
     prompt_len = kw.pop("prompt_len", 0)
-    generator = kw.pop("generator", None)
-    return SamplingRow(SamplingParams(**kw), history, prompt_len, generator)
+    race_seed = kw.pop("race_seed", None)
+    return SamplingRow(SamplingParams(**kw), history, prompt_len, race_seed)
 
 
 # Handcrafted distribution, stored out of rank order so masks must find the ranks themselves.
@@ -118,13 +119,13 @@ def test_history_token_outside_vocab_raises():
 
 
 def sample_sequence(seed, logits_steps, position, others):
-    """Sample the seeded row at `position` of a batch with `others` for every step."""
+    """Sample the seeded row at `position` of a batch with `others` for every step (step i
+    samples the token at position i: a history of i tokens)."""
     sampler = Sampler(seed=123)
-    gen = make_generator(seed)
     tokens = []
     for step, logits in enumerate(logits_steps):
         rows = list(others)
-        rows.insert(position, row(temperature=0.9, top_k=20, generator=gen))
+        rows.insert(position, row(temperature=0.9, top_k=20, race_seed=seed, history=[0] * step))
         other_gen = torch.Generator().manual_seed(step)
         batch = torch.randn(len(rows), logits.shape[0], generator=other_gen)
         batch[position] = logits
@@ -136,12 +137,28 @@ def test_seeded_sampling_is_reproducible_and_batch_independent():
     g = torch.Generator().manual_seed(5)
     steps = [torch.randn(64, generator=g) for _ in range(30)]
     alone = sample_sequence(42, steps, 0, [])
-    others = [row(temperature=1.0), row(temperature=0.5, generator=make_generator(9)),
+    others = [row(temperature=1.0), row(temperature=0.5, race_seed=9),
               row(temperature=0.0), row(temperature=1.2, top_p=0.8)]
     assert sample_sequence(42, steps, 0, []) == alone
     assert sample_sequence(42, steps, 2, others) == alone
     assert sample_sequence(42, steps, 4, others[:1] + others[2:] + [row()]) == alone
     assert sample_sequence(43, steps, 0, []) != alone
+
+
+def test_a_row_is_a_function_of_seed_and_position_only():
+    """The race keys a row by its seed and the position of the token it samples: the same pair
+    draws the same token in any call (a verify step and a plain step agree), another position
+    or seed draws afresh."""
+    g = torch.Generator().manual_seed(6)
+    logits = torch.randn(1, 500, generator=g)
+    sampler = Sampler(seed=0)
+
+    def draw(seed, pos):
+        return int(sampler(logits, [row(temperature=1.0, race_seed=seed, history=[1] * pos)],
+                           num_logprobs=None).token_ids[0])
+    assert [draw(7, p) for p in range(20)] == [draw(7, p) for p in range(20)]
+    assert len({draw(7, p) for p in range(20)}) > 10  # 500 near-uniform ids: fresh draws
+    assert [draw(7, p) for p in range(20)] != [draw(8, p) for p in range(20)]
 
 
 def test_empirical_distribution_matches_softmax_over_temperature():
@@ -155,16 +172,17 @@ def test_empirical_distribution_matches_softmax_over_temperature():
     assert chi2_pvalue(counts, torch.softmax(logits, -1)) < 1e-6
 
 
-def test_empirical_distribution_with_masks_and_seeded_generator():
+def test_empirical_distribution_with_masks_along_one_seeded_sequence():
     logits = LOGITS[0]
     # Expected: top-5 {1,4,3,6,0} renormalised (.4,.25,.15,.1,.05)/.95, then top-p .8 keeps
     # mass-above < .8: .421, .263, .158 (cum .842) -> {1, 4, 3}.
     expected = torch.zeros(7)
     expected[[1, 4, 3]] = torch.tensor([0.4, 0.25, 0.15]) / 0.8
-    gen = make_generator(77)
     sampler = Sampler(seed=0)
-    r = row(temperature=1.0, top_k=5, top_p=0.8, generator=gen)
-    tokens = torch.cat([sampler(LOGITS, [r], num_logprobs=None).token_ids for _ in range(3000)])
+    # one seed, successive positions: the noise of one request's tokens, position by position
+    rows = [row(temperature=1.0, top_k=5, top_p=0.8, race_seed=77, history=[0] * i)
+            for i in range(3000)]
+    tokens = sampler(LOGITS.expand(3000, -1), rows, num_logprobs=None).token_ids
     counts = torch.bincount(tokens, minlength=7)
     assert chi2_pvalue(counts, expected) > 1e-3
     assert chi2_pvalue(counts, torch.tensor(PROBS)) < 1e-6

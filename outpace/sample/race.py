@@ -1,0 +1,53 @@
+"""Sampling as a race keyed by (seed, position): the same token whichever step computes it.
+
+A random row draws token argmax_v(logit_v + G_v), G_v = -log(-log u_v) Gumbel noise (the
+exponential race argmax(p_v / E_v) in log space: no softmax is needed), which picks v with
+probability softmax(logits)_v. Here u_v is not drawn from a generator's stream but is a hash of
+(the request's seed, the position of the token being sampled, v). So:
+
+* a request's token at position p depends only on its seed, its prefix and p: not on which other
+  requests share the batch, on which path (eager, or a CUDA graph) ran the step, or on whether
+  the step verified drafts. A seeded request gives the same tokens with speculation as without.
+* verification of drafts needs no rejection sampling: the target's token at each position is its
+  race winner, and a draft is accepted when it equals it (strict prefix match, as for greedy).
+  The winner at p uses noise keyed by p alone, independent of the drafts (which are functions of
+  the prefix), so every emitted token is an exact sample of the target's distribution, and a
+  deterministic draft d is accepted with probability p(d), as rejection sampling would.
+* everything is tensor arithmetic of fixed shapes, so it runs inside a captured CUDA graph with
+  per-row seeds and positions read from device buffers.
+
+The hash (kernels/argmax.py's hash32) works on 32-bit words, held in int64 by the reference
+(every product stays below 2^63: no overflow) and as uint32 by the kernel: the keys are
+bit-identical on every device; u has 23 random bits, (x + 0.5) / 2^23, never 0 or 1.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from outpace.kernels.argmax import GOLDEN, M32, argmax_rows, gumbel_noise, hash32
+
+__all__ = ["gumbel_noise", "race_tokens", "row_keys", "seed_word"]
+
+
+def seed_word(seed: int) -> int:
+    """A Python int seed of any size -> the 32-bit word the race keys start from."""
+    s = int(seed) & ((1 << 64) - 1)
+    return hash32((s & M32) ^ hash32(((s >> 32) + GOLDEN) & M32))
+
+
+def row_keys(seed_words, positions):
+    """Seed words (seed_word) and positions of the tokens being sampled -> keys in [0, 2^32):
+    Python ints, or [R] int64 tensors (computed on their device, as a graph does)."""
+    if isinstance(positions, torch.Tensor):
+        seed_words, positions = seed_words.to(torch.int64), positions.to(torch.int64)
+    return hash32(seed_words ^ hash32(positions & M32))
+
+
+def race_tokens(processed: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """[R, V] processed logits (temperature applied, masked entries -inf) and [R] int64 keys
+    -> [R] int64 tokens: each row with a key >= 0 a draw from softmax(row), argmax(row +
+    gumbel_noise); a row keyed -1 its plain argmax (greedy). One fused Triton op on CUDA
+    (kernels/argmax.py), tensors elsewhere. A row whose entries are all -inf but one draws
+    that one (-inf + noise stays -inf)."""
+    return argmax_rows(processed, noise_keys=keys)

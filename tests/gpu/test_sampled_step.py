@@ -1,0 +1,127 @@
+"""Sampled decoding in the fused step on CUDA (runner/fused_step.py's sampled graphs,
+sample/race.py): temperature, top-k, top-p and min-p requests, seeded or not, beside greedy ones.
+
+* the race's noise on CUDA equals the CPU's;
+* graph replay gives the eager engine's tokens, and the CPU engine's (tiny fp32 target);
+* a request's output is the same with and without speculation (the race keys each token by
+  seed and position; drafts are verified against it);
+* sampled decode steps do not sync with the host (DESIGN idea 9), chained or not.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytest.importorskip("triton")
+
+from outpace import SamplingParams  # noqa: E402
+from outpace.sample.race import gumbel_noise, race_tokens, row_keys, seed_word  # noqa: E402
+from tests.engine_helpers import make_engine, run_batch  # noqa: E402
+from tests.gpu.test_fused_step import CASES, gpu_engine, spec_for  # noqa: E402
+from tests.spec.spec_helpers import repetitive_prompts, tiny_target  # noqa: E402
+
+# seeded and not, each of temperature, top-p, top-k and min-p, and a greedy request
+SAMPLED = [SamplingParams(max_tokens=40, temperature=0.8, top_p=0.9, seed=3, ignore_eos=True),
+           SamplingParams(max_tokens=40, temperature=1.2, top_k=12, ignore_eos=True),
+           SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True),
+           SamplingParams(max_tokens=40, temperature=0.6, min_p=0.05, seed=-5, ignore_eos=True),
+           SamplingParams(max_tokens=40, temperature=1.0, seed=11, ignore_eos=True)]
+
+
+def params_for(prompts) -> list:
+    return [SAMPLED[i % len(SAMPLED)] for i in range(len(prompts))]
+
+
+def test_noise_on_cuda_equals_cpu():
+    keys = row_keys(torch.full((8,), seed_word(5)), torch.arange(8))
+    cpu = gumbel_noise(keys, 49152)
+    gpu = gumbel_noise(keys.cuda(), 49152).cpu()
+    assert torch.equal(row_keys(torch.full((8,), seed_word(5)).cuda(), torch.arange(8).cuda())
+                       .cpu(), keys)
+    assert torch.allclose(cpu, gpu, rtol=1e-6, atol=1e-6)
+    logits = torch.randn(8, 49152, generator=torch.Generator().manual_seed(0)) * 3
+    assert torch.equal(race_tokens(logits, keys), race_tokens(logits.cuda(), keys.cuda()).cpu())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,vocab", [(1, 49152), (3, 49152), (37, 32000), (5, 4097)])
+def test_race_kernel_matches_reference(dtype, rows, vocab):
+    """argmax_rows(noise_keys=...) (kernels/argmax.py's pass 1 with the hashed noise) against
+    argmax_ref on fresh inputs, a greedy row (key -1) among them."""
+    from outpace.kernels.argmax import argmax_ref, argmax_rows
+    g = torch.Generator().manual_seed(rows * vocab)
+    x = (torch.randn(rows, vocab, generator=g) * 2).to(dtype)
+    keys = torch.randint(0, 1 << 32, (rows,), generator=g)
+    keys[rows // 2] = -1
+    got = argmax_rows(x.cuda(), noise_keys=keys.cuda()).cpu()
+    want = argmax_ref(x, noise_keys=keys)
+    assert torch.equal(got, want)
+    assert got[rows // 2] == x[rows // 2].float().argmax()
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+@pytest.mark.parametrize("method,k", CASES, ids=[f"{m}-k{k}" for m, k in CASES])
+def test_sampled_graph_replay_equals_eager_and_cpu(cuda_loaded, cuda_heads, method, k, overlap):
+    spec = spec_for(cuda_heads, method, k)
+    prompts = repetitive_prompts(5, 11)  # 5 requests: bucket 8, 3 padded rows
+    params = params_for(prompts)
+    want = run_batch(gpu_engine(cuda_loaded, spec, eager=True), prompts, params)
+    graphed = gpu_engine(cuda_loaded, spec, eager=False, overlap=overlap)
+    got = run_batch(graphed, prompts, params)
+    assert got == want
+    fused = graphed.runner.fused
+    assert fused.sampled_steps > 20, "the sampled graphs served too few steps"
+    if overlap and method != "ngram":
+        assert fused.chained > 10
+    cpu = make_engine(tiny_target(seed=0), speculative_config=spec, max_num_seqs=8)
+    assert run_batch(cpu, prompts, params) == want
+    greedy = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    assert sum(a != b for a, b in zip(got, run_batch(graphed, prompts, greedy))) >= 3
+
+
+@pytest.mark.parametrize("method,k", CASES[1:], ids=[f"{m}-k{k}" for m, k in CASES[1:]])
+def test_sampled_output_is_the_same_with_and_without_speculation(cuda_loaded, cuda_heads,
+                                                                 method, k):
+    prompts = repetitive_prompts(5, 12)
+    params = params_for(prompts)
+    plain = run_batch(gpu_engine(cuda_loaded, None, eager=False), prompts, params)
+    eng = gpu_engine(cuda_loaded, spec_for(cuda_heads, method, k), eager=False)
+    assert run_batch(eng, prompts, params) == plain
+    assert eng.stats()["spec"]["num_drafts"] > 50 and eng.runner.fused.sampled_steps > 20
+
+
+@pytest.mark.parametrize("method,k,opts", [(None, 0, {}), ("ngram", 3, {}),
+                                           ("eagle3", 3, {"force_accept_mean": 3.0}),
+                                           ("eagle3", 3, {})],
+                         ids=["plain", "ngram", "eagle3-fa3", "eagle3"])
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_sampled_decode_steps_do_not_sync_with_host(cuda_loaded, cuda_heads, method, k, opts,
+                                                    overlap):
+    eng = gpu_engine(cuda_loaded, spec_for(cuda_heads, method, k, **opts), eager=False,
+                     overlap=overlap)
+    params = [SamplingParams(max_tokens=80, temperature=0.9, top_p=0.95, seed=i,
+                             ignore_eos=True) for i in range(4)]
+    prompts = repetitive_prompts(4, 3)
+    run_batch(eng, prompts, params)  # warm-up: this batch's graphs and request seeds
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        eng.add_request(f"s{i}", p, sp)
+    while any(r.num_computed_tokens < r.num_tokens - 1 for r in eng.scheduler.running) \
+            or eng.scheduler.num_waiting:
+        eng.step()  # prefill (eager, may sync)
+    for _ in range(3):
+        eng.step()
+    before, sampled = eng.runner.fused.replays, eng.runner.fused.sampled_steps
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(10):
+            eng.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert eng.runner.fused.replays == before + 10
+    assert eng.runner.fused.sampled_steps == sampled + 10
+    while eng.has_unfinished_requests():
+        eng.step()
