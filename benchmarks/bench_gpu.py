@@ -442,12 +442,13 @@ def section_smol(args, results):
             rows.append(r)
             print(r, flush=True)
         # Last (it replays over finished requests' freed blocks): the fused step's graph alone.
-        graph_ms = time_fused_graphs(eng, args.batches, spec_k)
+        graph_ms = time_fused_graphs(eng, args.batches, spec_k, sampled=args.temperature > 0)
         for r in rows:
             if r["config"] == name:
                 r["graph_ms"] = graph_ms.get(r["batch"])
         if name in ("no-spec", "eagle3-fa3.0"):
-            defer_profile(profile_graph, eng, spec_k, Path(args.out) / f"profile_{name}_b1.txt")
+            defer_profile(profile_graph, eng, spec_k, Path(args.out) / f"profile_{name}_b1.txt",
+                          20, args.temperature > 0)
             defer_profile(profile_host, eng, prompts[:args.batch1_requests], args.max_tokens,
                           Path(args.out) / f"host_profile_{name}_b1.txt")
         del eng
@@ -455,7 +456,13 @@ def section_smol(args, results):
     results["smol"] = rows
 
 
-def time_fused_graphs(eng, batches, k, reps=50) -> dict:
+def fused_graphs(eng, sampled: bool) -> dict:
+    """The fused step's captured graphs: the sampled ones (a sampled run's) or the greedy."""
+    fused = eng.runner.fused
+    return fused._captured_sampled if sampled else fused._captured
+
+
+def time_fused_graphs(eng, batches, k, reps=50, sampled: bool = False) -> dict:
     """GPU time of one replay of the fused step's graph per batch bucket -> {batch: ms}: the
     graph steady decoding replays there, at the verify length of the draft length the policy
     gives that batch (q = k_b + 1; k_b = k without a schedule). TPOT minus this is host time.
@@ -472,11 +479,12 @@ def time_fused_graphs(eng, batches, k, reps=50) -> dict:
     for b in batches:
         kb = proposer.policy.base_k(b) if proposer is not None and k else 0
         kd = fused.draft_steps(b)
+        graphs = fused_graphs(eng, sampled)
         key = next((key for key in ((b, kb + 1, kd, True), (b, kb + 1, kd, False))
-                    if key in fused._captured), None)
+                    if key in graphs), None)
         if key is None:
             continue
-        graph, _ = fused._captured[key]
+        graph, _ = graphs[key]
         out[b] = graph_ms(graph, reps)
     return out
 
@@ -515,13 +523,13 @@ def run_deferred_profiles() -> None:
         torch.cuda.empty_cache()
 
 
-def profile_graph(eng, k, path, reps=20):
+def profile_graph(eng, k, path, reps=20, sampled: bool = False):
     """Kernel time table of the batch-1 fused graph (q = k + 1) under torch.profiler."""
-    fused = eng.runner.fused
-    keys = [key for key in fused._captured if key[0] == 1 and key[1] == k + 1 and not key[3]]
+    graphs = fused_graphs(eng, sampled)
+    keys = [key for key in graphs if key[0] == 1 and key[1] == k + 1 and not key[3]]
     if not keys:
         return
-    graph, _ = fused._captured[max(keys, key=lambda key: key[2])]
+    graph, _ = graphs[max(keys, key=lambda key: key[2])]
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):
