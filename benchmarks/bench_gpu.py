@@ -72,13 +72,14 @@ def diag_setup(num_prompts: int, extra: tuple = ()):
     return args, loaded, prompt_set(loaded[2], num_prompts)
 
 
-def run_engine(engine, prompts, batch, max_tokens, temperature: float = 0.0):
+def run_engine(engine, prompts, batch, max_tokens, temperature: float = 0.0,
+               top_p: float = 1.0):
     """Submit `batch` requests at once, repeatedly, over `prompts`; -> metrics dict.
-    temperature > 0: sampled (top_p 0.9, unseeded), the API's usual request."""
+    temperature > 0: sampled (unseeded) at that temperature and top_p."""
     from outpace import SamplingParams
     # Offline generation, as HF's generate and LLM.generate: only final outputs (after run 13;
     # per-step outputs cost ~0.4 ms of host a batch-128 step, benchmarks/diag_host.py)
-    sampled = dict(temperature=temperature, top_p=0.9) if temperature > 0 else \
+    sampled = dict(temperature=temperature, top_p=top_p) if temperature > 0 else \
         dict(temperature=0.0)
     sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True, output_kind="final_only",
                         **sampled)
@@ -426,29 +427,31 @@ def section_smol(args, results):
         # the largest batch at full length (a compile there would dwarf its short timed run).
         for b in args.batches:
             run_engine(eng, prompts[:b if b > 1 else args.batch1_requests], b,
-                       args.max_tokens if b == max(args.batches) else 4, args.temperature)
+                       args.max_tokens if b == max(args.batches) else 4, args.temperature,
+                       args.top_p)
         for b in args.batches:
             n = b if b > 1 else args.batch1_requests
             # The median of --reps runs: at batch 128 every engine is host-bound, and the
             # device machine's host varies from run to run (run 12: configurations running
             # identical steps there measured 26.6-37.1k tok/s, one run each).
-            runs = sorted((run_engine(eng, prompts[:n], b, args.max_tokens, args.temperature)
+            runs = sorted((run_engine(eng, prompts[:n], b, args.max_tokens, args.temperature,
+                                      args.top_p)
                            for _ in range(args.reps)), key=lambda r: r["tok_s"])
             r = runs[len(runs) // 2]
             r.update(system="outpace", config=name, batch=b, k=spec_k,
-                     temperature=args.temperature,
+                     temperature=args.temperature, top_p=args.top_p,
                      tok_s_runs=[x["tok_s"] for x in runs],
                      graph_capture_s=round(getattr(eng.runner.graphs, "capture_s", 0.0), 2))
             rows.append(r)
             print(r, flush=True)
         # Last (it replays over finished requests' freed blocks): the fused step's graph alone.
-        graph_ms = time_fused_graphs(eng, args.batches, spec_k, sampled=args.temperature > 0)
+        graph_ms = time_fused_graphs(eng, args.batches, spec_k, mode=sampling_mode(args))
         for r in rows:
             if r["config"] == name:
                 r["graph_ms"] = graph_ms.get(r["batch"])
         if name in ("no-spec", "eagle3-fa3.0"):
             defer_profile(profile_graph, eng, spec_k, Path(args.out) / f"profile_{name}_b1.txt",
-                          20, args.temperature > 0)
+                          20, sampling_mode(args))
             defer_profile(profile_host, eng, prompts[:args.batch1_requests], args.max_tokens,
                           Path(args.out) / f"host_profile_{name}_b1.txt")
         del eng
@@ -456,13 +459,19 @@ def section_smol(args, results):
     results["smol"] = rows
 
 
-def fused_graphs(eng, sampled: bool) -> dict:
-    """The fused step's captured graphs: the sampled ones (a sampled run's) or the greedy."""
-    fused = eng.runner.fused
-    return fused._captured_sampled if sampled else fused._captured
+def fused_graphs(eng, mode: str) -> dict:
+    """The fused step's captured graphs of a sampling mode ("greedy", "sample", "masked")."""
+    return eng.runner.fused._by_mode[mode]
 
 
-def time_fused_graphs(eng, batches, k, reps=50, sampled: bool = False) -> dict:
+def sampling_mode(args) -> str:
+    """The fused graphs a run's requests replay (run_engine's SamplingParams)."""
+    if args.temperature <= 0:
+        return "greedy"
+    return "masked" if args.top_p < 1.0 else "sample"
+
+
+def time_fused_graphs(eng, batches, k, reps=50, mode: str = "greedy") -> dict:
     """GPU time of one replay of the fused step's graph per batch bucket -> {batch: ms}: the
     graph steady decoding replays there, at the verify length of the draft length the policy
     gives that batch (q = k_b + 1; k_b = k without a schedule). TPOT minus this is host time.
@@ -479,7 +488,7 @@ def time_fused_graphs(eng, batches, k, reps=50, sampled: bool = False) -> dict:
     for b in batches:
         kb = proposer.policy.base_k(b) if proposer is not None and k else 0
         kd = fused.draft_steps(b)
-        graphs = fused_graphs(eng, sampled)
+        graphs = fused_graphs(eng, mode)
         key = next((key for key in ((b, kb + 1, kd, True), (b, kb + 1, kd, False))
                     if key in graphs), None)
         if key is None:
@@ -523,9 +532,9 @@ def run_deferred_profiles() -> None:
         torch.cuda.empty_cache()
 
 
-def profile_graph(eng, k, path, reps=20, sampled: bool = False):
+def profile_graph(eng, k, path, reps=20, mode: str = "greedy"):
     """Kernel time table of the batch-1 fused graph (q = k + 1) under torch.profiler."""
-    graphs = fused_graphs(eng, sampled)
+    graphs = fused_graphs(eng, mode)
     keys = [key for key in graphs if key[0] == 1 and key[1] == k + 1 and not key[3]]
     if not keys:
         return
@@ -711,8 +720,10 @@ def main():
     ap.add_argument("--b128-rounds", type=int, default=5,
                     help="b128: rounds of the paired batch-128 comparison")
     ap.add_argument("--temperature", type=float, default=0.0,
-                    help="smol section: sample at this temperature (top_p 0.9) instead of "
-                         "greedy decoding; the fused greedy step does not take such requests")
+                    help="smol section: sample at this temperature (and --top-p) instead of "
+                         "decoding greedily")
+    ap.add_argument("--top-p", type=float, default=0.9,
+                    help="with --temperature: top_p (1.0: no mask, the sampled graphs)")
     ap.add_argument("--reps", type=int, default=3,
                     help="smol: timed runs per configuration and batch size (the median's row)")
     args = ap.parse_args()

@@ -8,7 +8,8 @@ Then nothing between the step's input copy and its output copy needs the host:
     input buffers (ids, positions, slots, block tables, seq_lens, num_drafts)
       -> target forward -> logits -> each row's token [B, q]: the argmax, or in a *sampled*
          graph (some request samples) the race keyed by the request's seed and the position
-         (sample/race.py), with its temperature, top-k, top-p and min-p from staged buffers
+         (sample/race.py), with its temperature (and in a *masked* graph its top-k, top-p and
+         min-p) from staged buffers
       -> accept: longest matching draft prefix (or force-accept, benchmarks), emitted tokens
       -> head first pass over every row, next token = emitted token (filler past the accepted);
          it runs even when kd = 0 (the k schedule turned drafting off) to keep the plane exact
@@ -18,8 +19,10 @@ Then nothing between the step's input copy and its output copy needs the host:
 
 A sampled row's token is the one the general path (runner/sampling_step.py) draws for the same
 seed and position, so accept's strict prefix match verifies sampled requests exactly as greedy
-ones, and graph and eager steps give the same tokens. Greedy and sampled graphs are captured
-apart (same keys), so greedy steps pay nothing for sampling.
+ones, and graph and eager steps give the same tokens. Greedy, sampled and masked graphs are
+captured apart (same keys): a step pays only for what its requests ask (the masks' stable sort
+of every row and the ~40 small kernels around it cost ~0.14 ms at batch 1, the temperature and
+the race ~5 us; benchmarks/diag_sampling.py).
 
 The host then trims each request's drafts to its own draft length (max_tokens, context, the
 adaptive policy), exactly as the eager path would have asked the head for fewer. Running kd steps
@@ -79,6 +82,21 @@ from outpace.spec.head_proposer import HeadProposer
 from outpace.types import RequestStepOutput, StepResult
 
 
+GREEDY, SAMPLE, MASKED = "greedy", "sample", "masked"  # a fused graph's sampling
+
+
+def sampling_mode(params) -> str:
+    """The graph a step's requests (their SamplingParams) need: GREEDY when none samples,
+    MASKED when a sampling one asks for top-k, top-p or min-p, else SAMPLE."""
+    mode = GREEDY
+    for p in params:
+        if p.temperature >= SAMPLING_EPS:
+            if p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0:
+                return MASKED
+            mode = SAMPLE
+    return mode
+
+
 def device_samplable(params) -> bool:
     """Sampled (or greedy) with nothing that needs the host: no penalties (they read the
     history), no logprobs (more than the token ids)."""
@@ -97,7 +115,7 @@ class Launched:
     t_launch: float = 0.0  # host seconds spent launching (benchmarks)
     prefill: bool = False  # a greedy prefill step's (launch_prefill), not a decode step's
     drafts: Optional[list] = None  # a relaunched step's draft count per row (host drafter)
-    sampled: bool = False  # a sampled graph's (its chained successors are sampled too)
+    mode: str = "greedy"  # its graph's sampling (GREEDY, SAMPLE, MASKED): its successors' too
 
     @property
     def kd(self) -> int:
@@ -151,7 +169,8 @@ class FusedStep(FusedPrefill):
         # that real verification doesn't have.
         self.zero_draws = torch.zeros(m, device=dev)
         self._captured: dict = {}  # (bucket, q, kd, chained) -> (graph, packed output)
-        self._captured_sampled: dict = {}  # the same keys, sampled graphs
+        # ...per sampling mode: the greedy graphs above, sampled ones, sampled with masks
+        self._by_mode = {GREEDY: self._captured, SAMPLE: {}, MASKED: {}}
         self._init_prefill(runner, dev)
         self._tables = ChainedTables(self.inputs.max_blocks)
         self._host_out: dict = {}  # (shape, parity) -> pinned host tensor
@@ -160,7 +179,7 @@ class FusedStep(FusedPrefill):
         self.replays = 0  # steps served (tests read it)
         self.chained = 0  # of which launched from the previous step's outputs
         self.relaunched = 0  # of which a host drafter's, launched from the previous carry
-        self.sampled_steps = 0  # of which sampled graphs' (some request samples)
+        self.mode_steps = {mode: 0 for mode in self._by_mode}  # ...by their graph's sampling
         # Host seconds summed over steps (benchmarks read it): copying inputs and launching,
         # waiting for the output copy, turning it into the StepResult.
         self.timing = {"launch_s": 0.0, "wait_s": 0.0, "unpack_s": 0.0}
@@ -177,9 +196,9 @@ class FusedStep(FusedPrefill):
             if self.relaunchable:
                 keys += [(bucket, q, 0, True) for q in self.graphs.q_lens]
             for key in keys:
-                for sampled, table in ((False, self._captured), (True, self._captured_sampled)):
+                for mode, table in self._by_mode.items():
                     if key not in table:
-                        table[key] = self._capture(*key, sampled=sampled)
+                        table[key] = self._capture(*key, mode=mode)
 
     def next_q(self, kd: int) -> int:
         """Query length of the step after one that drafted kd tokens on the device."""
@@ -211,21 +230,20 @@ class FusedStep(FusedPrefill):
         b = len(plan.scheduled)
         bucket = self.graphs.bucket_for(b)
         key = (bucket, q, self.draft_steps(plan.draft_batch_size), False)
-        sampled = not all(sr.request.sampling_params.temperature < SAMPLING_EPS
-                          for sr in plan.scheduled)
-        table = self._captured_sampled if sampled else self._captured
+        mode = sampling_mode(sr.request.sampling_params for sr in plan.scheduled)
+        table = self._by_mode[mode]
         if key not in table:
-            table[key] = self._capture(*key, sampled=sampled)
+            table[key] = self._capture(*key, mode=mode)
         t0 = time.perf_counter()
         nd = np.zeros(bucket, np.int64)
         nd[:b] = [len(sr.draft_token_ids) for sr in plan.scheduled]
         extra = [(self.num_drafts, nd), (self.real, np.arange(bucket) < b)]
-        if sampled:
+        if mode != GREEDY:
             extra += self._sampling_rows(plan, bucket)
         self.graphs.load_padded(hb, full_width=True, extra=tuple(extra))
         rows = [sr.request.request_id for sr in plan.scheduled]
         launched = self._replay(key, rows, t0, entry=table[key])
-        launched.sampled = sampled
+        launched.mode = mode
         return launched
 
     def _sampling_rows(self, plan, bucket: int) -> list:
@@ -255,7 +273,7 @@ class FusedStep(FusedPrefill):
         graph was not captured ahead (capturing now would clobber the step in flight)."""
         bucket, _, kd, _ = prev.key
         key = (bucket, self.next_q(kd), kd, True)
-        table = self._captured_sampled if prev.sampled else self._captured
+        table = self._by_mode[prev.mode]
         if not self.chainable or key not in table:
             return None
         t0 = time.perf_counter()
@@ -263,7 +281,7 @@ class FusedStep(FusedPrefill):
         self.inputs.put_if_changed(self.inputs.block_tables, bt)
         self.chained += 1
         launched = self._replay(key, prev.rows, t0, entry=table[key])
-        launched.sampled = prev.sampled
+        launched.mode = prev.mode
         return launched
 
     @torch.inference_mode()
@@ -274,7 +292,7 @@ class FusedStep(FusedPrefill):
         chain. None when no graph was captured ahead for that query length."""
         bucket = prev.key[0]
         key = (bucket, self.relaunch_q(max(len(d) for d in drafts)), 0, True)
-        table = self._captured_sampled if prev.sampled else self._captured
+        table = self._by_mode[prev.mode]
         if not self.relaunchable or key not in table:
             return None
         t0 = time.perf_counter()
@@ -291,7 +309,7 @@ class FusedStep(FusedPrefill):
         self.relaunched += 1
         launched = self._replay(key, prev.rows, t0, entry=table[key])
         launched.drafts = [len(d) for d in drafts]
-        launched.sampled = prev.sampled
+        launched.mode = prev.mode
         return launched
 
     def relaunch_q(self, longest: int) -> Optional[int]:
@@ -331,7 +349,7 @@ class FusedStep(FusedPrefill):
         if launched.prefill:  # the counters and timings below are decode steps'
             return result
         self.replays += 1
-        self.sampled_steps += launched.sampled
+        self.mode_steps[launched.mode] += 1
         tm = self.timing
         tm["launch_s"] += launched.t_launch
         tm["wait_s"] += t2 - t1
@@ -399,7 +417,7 @@ class FusedStep(FusedPrefill):
                        host_drafts=self.host_drafts[:bucket] if self.relaunchable else None)
 
     def _compute(self, bucket: int, q: int, kd: int, chained: bool = False,
-                 sampled: bool = False) -> torch.Tensor:
+                 mode: str = "greedy") -> torch.Tensor:
         buf = self.inputs
         n = bucket * q
         if chained:
@@ -413,8 +431,8 @@ class FusedStep(FusedPrefill):
         capture = self.head.capture_layers if self.head is not None else ()
         hidden, aux = self.model(ids, pos, ctx, capture_layers=capture)
         # [n]: each row's token, the target's choice that accept verifies the drafts against
-        target = (self._sample(hidden, pos, bucket, q) if sampled
-                  else self.model.greedy_tokens(hidden))
+        target = (self.model.greedy_tokens(hidden) if mode == GREEDY
+                  else self._sample(hidden, pos, bucket, q, masks=mode == MASKED))
         # [B, q + 1 + kd] = emitted tokens | accepted count | drafts: the step's one output
         # (kd = 0 without a head: draft_steps)
         packed = torch.empty(bucket, q + 1 + kd, dtype=torch.long, device=ids.device)
@@ -440,11 +458,11 @@ class FusedStep(FusedPrefill):
                         buf.block_tables[:bucket], kd, outs)
         return packed
 
-    def _sample(self, hidden, pos, bucket: int, q: int) -> torch.Tensor:
+    def _sample(self, hidden, pos, bucket: int, q: int, masks: bool) -> torch.Tensor:
         """[n] tokens of a sampled graph: greedy rows' argmax, the others' race (their
-        temperature, top-k, top-p, min-p; keyed by their seed and the position sampled, pos + 1),
-        as SamplingStep computes them (process_logits with every mask on: masks that keep
-        everything are exact no-ops, so the values are the same)."""
+        temperature, and with `masks` top-k, top-p, min-p; keyed by their seed and the position
+        sampled, pos + 1), as SamplingStep computes them (process_logits applies the masks when
+        a row asks for one, to every row: a mask that keeps everything is an exact no-op)."""
         logits = self.model.compute_logits(hidden)  # [n, V] float32
 
         def per_row(t):  # [bucket] -> [n], each request's value on its q rows
@@ -453,7 +471,8 @@ class FusedStep(FusedPrefill):
         greedy = temp < SAMPLING_EPS
         processed = apply_sampling_params(logits, torch.where(greedy, 1.0, temp),
                                           per_row(self.sample_top_k), per_row(self.sample_top_p),
-                                          per_row(self.sample_min_p))
+                                          per_row(self.sample_min_p), top_k_top_p=masks,
+                                          use_min_p=masks)
         keys = torch.where(greedy, -1, row_keys(per_row(self.sample_seed), pos + 1))
         return race_tokens(processed, keys)  # greedy rows (key -1): argmax(logits)
 
@@ -487,7 +506,7 @@ class FusedStep(FusedPrefill):
             h = head.step(h, tok, p, ForwardContext(self.backend, meta))
             tok = head.draft_ids(h, also=tuple(o[:, j] for o in outs))
 
-    def _capture(self, bucket: int, q: int, kd: int, chained: bool, sampled: bool = False):
+    def _capture(self, bucket: int, q: int, kd: int, chained: bool, mode: str = "greedy"):
         """Fill the buffers with a dummy batch that writes nowhere, warm up, capture."""
         self.graphs.fill_dummy(bucket, q)
         self.num_drafts[:bucket].zero_()
@@ -495,7 +514,7 @@ class FusedStep(FusedPrefill):
         self.carry_pos[:bucket].zero_()
         self.carry_tokens[:bucket].zero_()
         self.sample_temp[:bucket].zero_()  # greedy rows: the dummy batch samples nothing
-        fn = lambda: self._compute(bucket, q, kd, chained, sampled)  # noqa: E731
+        fn = lambda: self._compute(bucket, q, kd, chained, mode)  # noqa: E731
         for _ in range(2):  # warm-up: Triton compiles, cuBLAS picks its kernels
             fn()
         graph, packed = self.graphs.capture(fn)

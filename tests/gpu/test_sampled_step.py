@@ -23,16 +23,21 @@ from tests.engine_helpers import make_engine, run_batch  # noqa: E402
 from tests.gpu.test_fused_step import CASES, gpu_engine, spec_for  # noqa: E402
 from tests.spec.spec_helpers import repetitive_prompts, tiny_target  # noqa: E402
 
-# seeded and not, each of temperature, top-p, top-k and min-p, and a greedy request
-SAMPLED = [SamplingParams(max_tokens=40, temperature=0.8, top_p=0.9, seed=3, ignore_eos=True),
-           SamplingParams(max_tokens=40, temperature=1.2, top_k=12, ignore_eos=True),
-           SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True),
-           SamplingParams(max_tokens=40, temperature=0.6, min_p=0.05, seed=-5, ignore_eos=True),
-           SamplingParams(max_tokens=40, temperature=1.0, seed=11, ignore_eos=True)]
+GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+# seeded and not, each of top-p, top-k and min-p (masked graphs), or a temperature alone
+# (sampled graphs), and a greedy request
+SAMPLED = {"masked": [
+    SamplingParams(max_tokens=40, temperature=0.8, top_p=0.9, seed=3, ignore_eos=True),
+    SamplingParams(max_tokens=40, temperature=1.2, top_k=12, ignore_eos=True), GREEDY,
+    SamplingParams(max_tokens=40, temperature=0.6, min_p=0.05, seed=-5, ignore_eos=True),
+    SamplingParams(max_tokens=40, temperature=1.0, seed=11, ignore_eos=True)],
+    "sample": [SamplingParams(max_tokens=40, temperature=0.8, seed=3, ignore_eos=True),
+               SamplingParams(max_tokens=40, temperature=1.2, ignore_eos=True), GREEDY]}
 
 
-def params_for(prompts) -> list:
-    return [SAMPLED[i % len(SAMPLED)] for i in range(len(prompts))]
+def params_for(prompts, mode: str = "masked") -> list:
+    kinds = SAMPLED[mode]
+    return [kinds[i % len(kinds)] for i in range(len(prompts))]
 
 
 def test_noise_on_cuda_equals_cpu():
@@ -62,24 +67,25 @@ def test_race_kernel_matches_reference(dtype, rows, vocab):
     assert got[rows // 2] == x[rows // 2].float().argmax()
 
 
+@pytest.mark.parametrize("mode", ["masked", "sample"])
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
 @pytest.mark.parametrize("method,k", CASES, ids=[f"{m}-k{k}" for m, k in CASES])
-def test_sampled_graph_replay_equals_eager_and_cpu(cuda_loaded, cuda_heads, method, k, overlap):
+def test_sampled_graph_replay_equals_eager_and_cpu(cuda_loaded, cuda_heads, method, k, overlap,
+                                                   mode):
     spec = spec_for(cuda_heads, method, k)
     prompts = repetitive_prompts(5, 11)  # 5 requests: bucket 8, 3 padded rows
-    params = params_for(prompts)
+    params = params_for(prompts, mode)
     want = run_batch(gpu_engine(cuda_loaded, spec, eager=True), prompts, params)
     graphed = gpu_engine(cuda_loaded, spec, eager=False, overlap=overlap)
     got = run_batch(graphed, prompts, params)
     assert got == want
     fused = graphed.runner.fused
-    assert fused.sampled_steps > 20, "the sampled graphs served too few steps"
+    assert fused.mode_steps[mode] > 20, f"the {mode} graphs served too few steps"
     if overlap and method != "ngram":
         assert fused.chained > 10
     cpu = make_engine(tiny_target(seed=0), speculative_config=spec, max_num_seqs=8)
     assert run_batch(cpu, prompts, params) == want
-    greedy = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-    assert sum(a != b for a, b in zip(got, run_batch(graphed, prompts, greedy))) >= 3
+    assert sum(a != b for a, b in zip(got, run_batch(graphed, prompts, GREEDY))) >= 3
 
 
 @pytest.mark.parametrize("method,k", CASES[1:], ids=[f"{m}-k{k}" for m, k in CASES[1:]])
@@ -90,7 +96,7 @@ def test_sampled_output_is_the_same_with_and_without_speculation(cuda_loaded, cu
     plain = run_batch(gpu_engine(cuda_loaded, None, eager=False), prompts, params)
     eng = gpu_engine(cuda_loaded, spec_for(cuda_heads, method, k), eager=False)
     assert run_batch(eng, prompts, params) == plain
-    assert eng.stats()["spec"]["num_drafts"] > 50 and eng.runner.fused.sampled_steps > 20
+    assert eng.stats()["spec"]["num_drafts"] > 50 and eng.runner.fused.mode_steps["masked"] > 20
 
 
 @pytest.mark.parametrize("method,k,opts", [(None, 0, {}), ("ngram", 3, {}),
@@ -113,7 +119,7 @@ def test_sampled_decode_steps_do_not_sync_with_host(cuda_loaded, cuda_heads, met
         eng.step()  # prefill (eager, may sync)
     for _ in range(3):
         eng.step()
-    before, sampled = eng.runner.fused.replays, eng.runner.fused.sampled_steps
+    before, sampled = eng.runner.fused.replays, eng.runner.fused.mode_steps["masked"]
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -122,6 +128,6 @@ def test_sampled_decode_steps_do_not_sync_with_host(cuda_loaded, cuda_heads, met
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert eng.runner.fused.replays == before + 10
-    assert eng.runner.fused.sampled_steps == sampled + 10
+    assert eng.runner.fused.mode_steps["masked"] == sampled + 10
     while eng.has_unfinished_requests():
         eng.step()

@@ -1,0 +1,128 @@
+"""Where a sampled graph's extra time goes: the sampling of [n, 49152] logits rows as the fused
+step's sampled graphs run it (runner/fused_step.py `_sample`), in parts, in CUDA graphs. No model.
+
+    PYTHONPATH=$PWD python3 benchmarks/diag_sampling.py --out $OUT
+
+Variants, each 20 to a graph: `argmax` (a greedy graph's token), `race` (the noisy argmax
+alone), `temp_race` (what a sampled graph runs: temperature, the keys, the race),
+`temp_minp_race` (and min-p: no sort), `full` (what a masked graph runs: temperature, top-k /
+top-p by the stable sort, min-p, the keys, the race), and `sort` (the sort alone); then the
+kernel table of one `full` replay. Writes $OUT/diag_sampling.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+DEV = "cuda"
+VOCAB = 49152
+
+
+def variants(n: int):
+    from outpace.kernels.argmax import argmax_rows
+    from outpace.sample.logits_processing import apply_min_p, apply_sampling_params
+    from outpace.sample.race import race_tokens, row_keys
+    g = torch.Generator(device=DEV).manual_seed(n)
+    logits = torch.randn(n, VOCAB, device=DEV, generator=g) * 3
+    temp = torch.full((n,), 0.8, device=DEV)
+    top_k = torch.zeros(n, dtype=torch.long, device=DEV)
+    top_p = torch.full((n,), 0.9, device=DEV)
+    min_p = torch.full((n,), 0.05, device=DEV)
+    seeds = torch.full((n,), 12345, dtype=torch.long, device=DEV)
+    pos = torch.arange(n, device=DEV)
+
+    def keys():
+        greedy = temp < 1e-5
+        return torch.where(greedy, -1, row_keys(seeds, pos + 1)), greedy
+
+    def full():
+        k, greedy = keys()
+        p = apply_sampling_params(logits, torch.where(greedy, 1.0, temp), top_k, top_p, min_p)
+        return race_tokens(p, k)
+
+    def temp_race():
+        k, greedy = keys()
+        return race_tokens(logits / torch.where(greedy, 1.0, temp).unsqueeze(1), k)
+
+    def temp_minp_race():
+        k, _ = keys()
+        return race_tokens(apply_min_p(logits / temp.unsqueeze(1), min_p), k)
+
+    fixed_keys = keys()[0]
+    return {"argmax": lambda: argmax_rows(logits),
+            "race": lambda: race_tokens(logits, fixed_keys),
+            "temp_race": temp_race, "temp_minp_race": temp_minp_race,
+            "sort": lambda: logits.sort(dim=-1, descending=True, stable=True),
+            "full": full}
+
+
+def time_graph(fn, reps: int = 20, rounds: int = 5) -> tuple:
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        graph.replay()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) / reps * 1e6)
+    return graph, sorted(times)[rounds // 2]
+
+
+def kernel_table(fn) -> list:
+    from torch.profiler import ProfilerActivity, profile
+    graph, _ = time_graph(fn, reps=1)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(10):
+            graph.replay()
+        torch.cuda.synchronize()
+    rows = {}
+    for e in prof.events():
+        if e.device_type.name == "CUDA":
+            r = rows.setdefault(e.name[:70], [0, 0.0])
+            r[0] += 1
+            r[1] += e.device_time
+    return sorted(([name, c // 10, round(t / 10, 2)] for name, (c, t) in rows.items()),
+                  key=lambda r: -r[2])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--rows", default="1,3,8,32")
+    args = ap.parse_args()
+    out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+           "time": time.strftime("%Y-%m-%d %H:%M:%S"), "us_per_call": {}, "kernels": {}}
+    for n in [int(x) for x in args.rows.split(",")]:
+        fns = variants(n)
+        for name, fn in fns.items():
+            us = time_graph(fn)[1]
+            out["us_per_call"][f"{name}_n{n}"] = round(us, 2)
+            print(f"n={n:3d} {name:16s} {us:8.2f} us", flush=True)
+        if n in (1, 32):
+            table = kernel_table(fns["full"])
+            out["kernels"][f"full_n{n}"] = table
+            print(f"full, n = {n}: {len(table)} kernel kinds, "
+                  f"{sum(r[1] for r in table)} launches", flush=True)
+            for name, count, us in table[:25]:
+                print(f"  {us:8.2f} us  x{count:<3d} {name}", flush=True)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "diag_sampling.json").write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
