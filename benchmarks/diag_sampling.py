@@ -4,9 +4,9 @@ step's sampled graphs run it (runner/fused_step.py `_sample`), in parts, in CUDA
     PYTHONPATH=$PWD python3 benchmarks/diag_sampling.py --out $OUT
 
 Variants, each 20 to a graph: `argmax` (a greedy graph's token), `race` (the noisy argmax
-alone), `temp_race` (what a sampled graph runs: temperature, the keys, the race),
+alone), `temp_race` (what a sampled graph runs: the same with the temperature),
 `temp_minp_race` (and min-p: no sort), `full` (what a masked graph runs: temperature, top-k /
-top-p by the stable sort, min-p, the keys, the race), and `sort` (the sort alone); then the
+top-p by the stable sort, min-p, the race), and `sort` (the sort alone); then the
 kernel table of one `full` replay. Writes $OUT/diag_sampling.json.
 """
 
@@ -29,36 +29,29 @@ VOCAB = 49152
 def variants(n: int):
     from outpace.kernels.argmax import argmax_rows
     from outpace.sample.logits_processing import apply_min_p, apply_sampling_params
-    from outpace.sample.race import race_tokens, row_keys
+    from outpace.sample.race import race_tokens
     g = torch.Generator(device=DEV).manual_seed(n)
     logits = torch.randn(n, VOCAB, device=DEV, generator=g) * 3
     temp = torch.full((n,), 0.8, device=DEV)
     top_k = torch.zeros(n, dtype=torch.long, device=DEV)
     top_p = torch.full((n,), 0.9, device=DEV)
     min_p = torch.full((n,), 0.05, device=DEV)
-    seeds = torch.full((n,), 12345, dtype=torch.long, device=DEV)
+    words = torch.full((n,), 12345, dtype=torch.long, device=DEV)
     pos = torch.arange(n, device=DEV)
 
-    def keys():
-        greedy = temp < 1e-5
-        return torch.where(greedy, -1, row_keys(seeds, pos + 1)), greedy
-
     def full():
-        k, greedy = keys()
-        p = apply_sampling_params(logits, torch.where(greedy, 1.0, temp), top_k, top_p, min_p)
-        return race_tokens(p, k)
+        p = apply_sampling_params(logits, temp, top_k, top_p, min_p)
+        return race_tokens(p, words, pos, pos_offset=1)
 
     def temp_race():
-        k, greedy = keys()
-        return race_tokens(logits / torch.where(greedy, 1.0, temp).unsqueeze(1), k)
+        return race_tokens(logits, words, pos, temperature=temp, pos_offset=1)
 
     def temp_minp_race():
-        k, _ = keys()
-        return race_tokens(apply_min_p(logits / temp.unsqueeze(1), min_p), k)
+        return race_tokens(apply_min_p(logits / temp.unsqueeze(1), min_p), words, pos,
+                           pos_offset=1)
 
-    fixed_keys = keys()[0]
     return {"argmax": lambda: argmax_rows(logits),
-            "race": lambda: race_tokens(logits, fixed_keys),
+            "race": lambda: race_tokens(logits, words, pos),
             "temp_race": temp_race, "temp_minp_race": temp_minp_race,
             "sort": lambda: logits.sort(dim=-1, descending=True, stable=True),
             "full": full}

@@ -14,15 +14,17 @@ draft-vocabulary id to the target's (`id + d2t[id]`) without two more kernels (i
 loop writes each draft straight into its output and carry columns, without a stack and two
 copies after the loop.
 
-`noise_keys` (optional, [R] int64) makes it the sampling race of sample/race.py: a row whose
-key is >= 0 takes the argmax of x + Gumbel noise hashed from (key, column) (gumbel_noise),
-computed in pass 1 as the row is read (the reference's ~20 elementwise [R, V] tensors, none
-here); a key < 0 row (a greedy one) takes the plain argmax.
+`race` (optional, a Race of [R] tensors) makes it the sampling race of sample/race.py: a row
+whose seed word is >= 0 takes the argmax of x / temperature + Gumbel noise hashed from (its
+key, column), the key hashed from (seed word, position) (race_key); all of it in pass 1 as the
+row is read, where the reference makes ~30 elementwise tensors (~25 us of small kernels at
+batch 1 for the keys alone). A row whose word is < 0 (greedy) takes the plain argmax. The
+division is IEEE (div_rn), as torch's, so x / t is the value process_logits computes.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -36,6 +38,16 @@ except Exception:  # pragma: no cover
     tl = None
 
 CHUNK = 2048  # columns per pass-1 program: 24 programs for a 49152-entry row
+
+
+class Race(NamedTuple):
+    """A row argmax as the sampling race: per row the seed word (< 0: greedy, no noise), the
+    position of the token sampled (plus pos_offset), and optionally a temperature to divide by
+    (1.0 in greedy rows)."""
+    words: torch.Tensor  # [R] int64
+    positions: torch.Tensor  # [R] integers
+    temperature: Optional[torch.Tensor] = None  # [R] float32
+    pos_offset: int = 0
 
 M32 = 0xFFFFFFFF
 # Odd multipliers below 2^31, so a 32-bit word times one fits in int64 (the reference's
@@ -54,6 +66,11 @@ def hash32(x):
     return x ^ (x >> 16)
 
 
+def race_key(words, positions):
+    """Seed words and positions -> race keys in [0, 2^32): Python ints or int64 tensors."""
+    return hash32(words ^ hash32(positions & M32))
+
+
 def gumbel_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
     """[R] keys in [0, 2^32) -> [R, vocab] float32 Gumbel noise -log(-log u), u from the hash
     of (key, id) with 23 random bits, (x + 0.5) / 2^23: never 0 or 1."""
@@ -64,12 +81,17 @@ def gumbel_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
 
 
 def argmax_ref(x: torch.Tensor, offsets: Optional[torch.Tensor] = None,
-               noise_keys: Optional[torch.Tensor] = None) -> torch.Tensor:
+               race: Optional[Race] = None) -> torch.Tensor:
     """x [R, V] -> [R] int64, first index of each row's maximum (plus offsets[index], [V]);
-    with noise_keys, of x + race noise in the rows whose key is >= 0."""
-    if noise_keys is not None:
-        noise = gumbel_noise(noise_keys.clamp(min=0), x.shape[-1])
-        x = x.float() + noise.masked_fill_((noise_keys < 0).unsqueeze(1), 0.0)
+    with `race`, of x / temperature + race noise in the rows whose seed word is >= 0."""
+    if race is not None:
+        x = x.float()
+        if race.temperature is not None:
+            x = x / race.temperature.float().unsqueeze(1)
+        words = race.words.to(torch.int64)
+        keys = race_key(words.clamp(min=0), race.positions.to(torch.int64) + race.pos_offset)
+        noise = gumbel_noise(keys, x.shape[-1])
+        x = x + noise.masked_fill_((words < 0).unsqueeze(1), 0.0)
     idx = x.argmax(dim=-1)
     return idx if offsets is None else idx + offsets[idx]
 
@@ -95,19 +117,23 @@ if triton is not None:
         return -tl.log(-tl.log(u))
 
     @triton.jit
-    def _argmax_chunks_kernel(x_ptr, vals_ptr, idx_ptr, keys_ptr, V, stride_x, num_chunks,
-                              CHUNK: tl.constexpr, HAS_NOISE: tl.constexpr,
-                              USE_PDL: tl.constexpr):
+    def _argmax_chunks_kernel(x_ptr, vals_ptr, idx_ptr, words_ptr, pos_ptr, temp_ptr, V,
+                              stride_x, num_chunks, pos_offset, CHUNK: tl.constexpr,
+                              RACE: tl.constexpr, TEMP: tl.constexpr, USE_PDL: tl.constexpr):
         wait_then_release(USE_PDL)
         row = tl.program_id(0).to(tl.int64)
         c = tl.program_id(1)
         cols = c * CHUNK + tl.arange(0, CHUNK)
         x = tl.load(x_ptr + row * stride_x + cols, mask=cols < V, other=float("-inf"))
         x = x.to(tl.float32)  # exact for bf16/fp16; order is unchanged
-        if HAS_NOISE:
-            key = tl.load(keys_ptr + row)
-            if key >= 0:
-                x = x + _race_noise(key.to(tl.uint32), cols)
+        if RACE:
+            if TEMP:
+                x = tl.math.div_rn(x, tl.load(temp_ptr + row).to(tl.float32))
+            word = tl.load(words_ptr + row)
+            if word >= 0:
+                pos = (tl.load(pos_ptr + row).to(tl.int64) + pos_offset).to(tl.uint32)
+                key = _hash32(word.to(tl.uint32) ^ _hash32(pos))
+                x = x + _race_noise(key, cols)
         # NaN counts as the largest value, as in torch.argmax: a row of garbage (a dropped row
         # of a chained step can read never-written memory) still yields an index in range
         x = tl.where(x == x, x, float("inf"))
@@ -143,10 +169,10 @@ if triton is not None:
 
 
 def argmax_triton(x: torch.Tensor, offsets: Optional[torch.Tensor] = None,
-                  also: tuple = (), noise_keys: Optional[torch.Tensor] = None) -> torch.Tensor:
+                  also: tuple = (), race: Optional[Race] = None) -> torch.Tensor:
     """x [R, V] (unit last stride) -> [R] int64, plus offsets[index] when given ([V] integers,
-    unit stride), also written into each of `also` (at most two [R] int64 views); noise_keys
-    ([R] int64): the race (module docstring). Graph-capturable: shapes only."""
+    unit stride), also written into each of `also` (at most two [R] int64 views); `race`: the
+    sampling race (module docstring). Graph-capturable: shapes only."""
     r, v = x.shape
     _check_also(also, r)
     out = torch.empty(r, dtype=torch.int64, device=x.device)
@@ -158,11 +184,16 @@ def argmax_triton(x: torch.Tensor, offsets: Optional[torch.Tensor] = None,
     vals = torch.empty((r, n), dtype=torch.float32, device=x.device)
     idx = torch.empty((r, n), dtype=torch.int32, device=x.device)
     opts = pdl.launch_options(x)
-    if noise_keys is not None:
-        noise_keys = noise_keys.contiguous()
-    _argmax_chunks_kernel[(r, n)](x, vals, idx, noise_keys if noise_keys is not None else idx,
-                                  v, x.stride(0), n, CHUNK=CHUNK,
-                                  HAS_NOISE=noise_keys is not None, num_warps=4, **opts)
+    words = pos = temp = idx  # unread without a race
+    if race is not None:
+        words, pos = race.words.contiguous(), race.positions.contiguous()
+        if race.temperature is not None:
+            temp = race.temperature.contiguous()
+    _argmax_chunks_kernel[(r, n)](x, vals, idx, words, pos, temp, v, x.stride(0), n,
+                                  race.pos_offset if race is not None else 0, CHUNK=CHUNK,
+                                  RACE=race is not None,
+                                  TEMP=race is not None and race.temperature is not None,
+                                  num_warps=4, **opts)
     if offsets is not None:
         offsets = offsets.contiguous()
     a1, a2 = (tuple(also) + (out, out))[:2]
@@ -183,19 +214,19 @@ def _check_also(also: tuple, rows: int) -> None:
 
 
 def argmax_rows(x: torch.Tensor, offsets: Optional[torch.Tensor] = None,
-                also: tuple = (), noise_keys: Optional[torch.Tensor] = None) -> torch.Tensor:
+                also: tuple = (), race: Optional[Race] = None) -> torch.Tensor:
     """x [..., V] -> [...] int64 first index of the maximum, plus offsets[index] when offsets
     ([V] integers) is given; Triton on CUDA, torch otherwise. With `also` (x [R, V] only):
-    the result is written into those [R] int64 views too. With noise_keys (x [R, V] only, [R]
-    int64): the sampling race (module docstring)."""
-    if (also or noise_keys is not None) and x.dim() != 2:
-        raise ValueError("argmax_rows(also=..., noise_keys=...) takes [R, V] rows")
+    the result is written into those [R] int64 views too. With `race` (x [R, V] only): the
+    sampling race (module docstring)."""
+    if (also or race is not None) and x.dim() != 2:
+        raise ValueError("argmax_rows(also=..., race=...) takes [R, V] rows")
     if not use_triton(x) or x.shape[-1] >= 2 ** 31 - 1:
-        out = argmax_ref(x, offsets, noise_keys)
+        out = argmax_ref(x, offsets, race)
         if also:
             _check_also(also, x.shape[0])
             for t in also:
                 t.copy_(out)
         return out
     lead = x.shape[:-1]
-    return argmax_triton(x.reshape(-1, x.shape[-1]), offsets, also, noise_keys).view(lead)
+    return argmax_triton(x.reshape(-1, x.shape[-1]), offsets, also, race).view(lead)

@@ -76,7 +76,7 @@ from outpace.kernels.step_glue import accept, chained_inputs, loop_inputs
 from outpace.runner.chained_tables import ChainedTables
 from outpace.runner.fused_prefill import FusedPrefill
 from outpace.sample.logits_processing import SAMPLING_EPS, apply_sampling_params
-from outpace.sample.race import race_tokens, row_keys
+from outpace.sample.race import race_tokens
 from outpace.spec.base import CommittedTokens, DraftBatch
 from outpace.spec.head_proposer import HeadProposer
 from outpace.types import RequestStepOutput, StepResult
@@ -151,8 +151,9 @@ class FusedStep(FusedPrefill):
              ((m, kmax), torch.long), ((max(runner.graphs.varlen_t, default=1),), torch.long),
              ((m,), torch.long)])
         # A sampled graph's per-request sampling (staged at launch; chained and relaunched
-        # steps keep their first step's rows, so theirs stay valid): temperature (0: greedy),
-        # top-k, top-p, min-p, and the seed's race word (SamplingStep.seed_word_for).
+        # steps keep their first step's rows, so theirs stay valid): temperature (1 in a greedy
+        # row), top-k, top-p, min-p, and the seed's race word (SamplingStep.seed_word_for; -1:
+        # a greedy row).
         (self.sample_temp, self.sample_top_k, self.sample_top_p, self.sample_min_p,
          self.sample_seed) = self.inputs.add_buffers([
              ((m,), torch.float32), ((m,), torch.long), ((m,), torch.float32),
@@ -250,14 +251,13 @@ class FusedStep(FusedPrefill):
         """(buffer, values) pairs of a sampled graph's per-request sampling; padding rows are
         greedy."""
         cols = np.zeros((5, bucket), np.float64)
+        cols[:, :] = np.array([1.0, 0, 1.0, 0.0, -1])[:, None]
         sampling = self.runner.sampling
         for i, sr in enumerate(plan.scheduled):
             p = sr.request.sampling_params
             if p.temperature >= SAMPLING_EPS:
                 cols[:, i] = (p.temperature, p.top_k, p.top_p, p.min_p,
                               sampling.seed_word_for(sr.request))
-            else:
-                cols[:, i] = (0.0, 0, 1.0, 0.0, 0)
         return [(self.sample_temp, cols[0].astype(np.float32)),
                 (self.sample_top_k, cols[1].astype(np.int64)),
                 (self.sample_top_p, cols[2].astype(np.float32)),
@@ -462,19 +462,18 @@ class FusedStep(FusedPrefill):
         """[n] tokens of a sampled graph: greedy rows' argmax, the others' race (their
         temperature, and with `masks` top-k, top-p, min-p; keyed by their seed and the position
         sampled, pos + 1), as SamplingStep computes them (process_logits applies the masks when
-        a row asks for one, to every row: a mask that keeps everything is an exact no-op)."""
+        a row asks for one, to every row: a mask that keeps everything is an exact no-op).
+        Without masks the temperature, the keys and the noise are all in the argmax kernel."""
         logits = self.model.compute_logits(hidden)  # [n, V] float32
 
         def per_row(t):  # [bucket] -> [n], each request's value on its q rows
             return t[:bucket, None].expand(bucket, q).reshape(-1)
-        temp = per_row(self.sample_temp)
-        greedy = temp < SAMPLING_EPS
-        processed = apply_sampling_params(logits, torch.where(greedy, 1.0, temp),
-                                          per_row(self.sample_top_k), per_row(self.sample_top_p),
-                                          per_row(self.sample_min_p), top_k_top_p=masks,
-                                          use_min_p=masks)
-        keys = torch.where(greedy, -1, row_keys(per_row(self.sample_seed), pos + 1))
-        return race_tokens(processed, keys)  # greedy rows (key -1): argmax(logits)
+        temp, words = per_row(self.sample_temp), per_row(self.sample_seed)
+        if not masks:
+            return race_tokens(logits, words, pos, temperature=temp, pos_offset=1)
+        processed = apply_sampling_params(logits, temp, per_row(self.sample_top_k),
+                                          per_row(self.sample_top_p), per_row(self.sample_min_p))
+        return race_tokens(processed, words, pos, pos_offset=1)
 
     def _draft(self, hidden, aux, next_ids, pos, ctx, last_rows, first, block_tables, kd,
                outs: tuple) -> None:
@@ -513,7 +512,8 @@ class FusedStep(FusedPrefill):
         self.real[:bucket].zero_()  # chained: every row is padding (slot -1)
         self.carry_pos[:bucket].zero_()
         self.carry_tokens[:bucket].zero_()
-        self.sample_temp[:bucket].zero_()  # greedy rows: the dummy batch samples nothing
+        self.sample_temp[:bucket].fill_(1.0)  # greedy rows: the dummy batch samples nothing
+        self.sample_seed[:bucket].fill_(-1)
         fn = lambda: self._compute(bucket, q, kd, chained, mode)  # noqa: E731
         for _ in range(2):  # warm-up: Triton compiles, cuBLAS picks its kernels
             fn()

@@ -15,7 +15,7 @@ from typing import Optional, Sequence
 import torch
 
 from outpace.sample.logits_processing import SamplingRow, process_logits
-from outpace.sample.race import race_tokens, row_keys, seed_word
+from outpace.sample.race import race_tokens, seed_word
 
 __all__ = ["Sampler", "SamplerOutput", "SamplingRow", "probs_from_processed", "process_logits"]
 
@@ -75,8 +75,10 @@ class Sampler:
         of the row's seed at position len(row.history)."""
         if all(r.is_greedy for r in rows):
             return processed.argmax(dim=-1)
-        keys = [-1 if r.is_greedy else
-                row_keys(seed_word(r.seed if r.seed is not None else self.seed_for_unseeded()),
-                         len(r.history)) for r in rows]
-        return race_tokens(processed, torch.tensor(keys, dtype=torch.int64,
-                                                   device=processed.device))
+        words = [-1 if r.is_greedy else
+                 seed_word(r.seed if r.seed is not None else self.seed_for_unseeded())
+                 for r in rows]
+        dev = processed.device
+        return race_tokens(processed, torch.tensor(words, dtype=torch.int64, device=dev),
+                           torch.tensor([len(r.history) for r in rows], dtype=torch.int64,
+                                        device=dev))

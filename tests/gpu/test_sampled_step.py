@@ -48,22 +48,28 @@ def test_noise_on_cuda_equals_cpu():
                        .cpu(), keys)
     assert torch.allclose(cpu, gpu, rtol=1e-6, atol=1e-6)
     logits = torch.randn(8, 49152, generator=torch.Generator().manual_seed(0)) * 3
-    assert torch.equal(race_tokens(logits, keys), race_tokens(logits.cuda(), keys.cuda()).cpu())
+    words, positions = torch.full((8,), seed_word(5)), torch.arange(8)
+    assert torch.equal(race_tokens(logits, words, positions),
+                       race_tokens(logits.cuda(), words.cuda(), positions.cuda()).cpu())
 
 
+@pytest.mark.parametrize("with_temp", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows,vocab", [(1, 49152), (3, 49152), (37, 32000), (5, 4097)])
-def test_race_kernel_matches_reference(dtype, rows, vocab):
-    """argmax_rows(noise_keys=...) (kernels/argmax.py's pass 1 with the hashed noise) against
-    argmax_ref on fresh inputs, a greedy row (key -1) among them."""
-    from outpace.kernels.argmax import argmax_ref, argmax_rows
-    g = torch.Generator().manual_seed(rows * vocab)
+def test_race_kernel_matches_reference(dtype, rows, vocab, with_temp):
+    """argmax_rows(race=...) (kernels/argmax.py's pass 1: division, keys, hashed noise) against
+    argmax_ref on fresh inputs, a greedy row (word -1) among them."""
+    from outpace.kernels.argmax import Race, argmax_ref, argmax_rows
+    g = torch.Generator().manual_seed(rows * vocab + with_temp)
     x = (torch.randn(rows, vocab, generator=g) * 2).to(dtype)
-    keys = torch.randint(0, 1 << 32, (rows,), generator=g)
-    keys[rows // 2] = -1
-    got = argmax_rows(x.cuda(), noise_keys=keys.cuda()).cpu()
-    want = argmax_ref(x, noise_keys=keys)
-    assert torch.equal(got, want)
+    words = torch.randint(0, 1 << 32, (rows,), generator=g)
+    words[rows // 2] = -1
+    positions = torch.randint(0, 1 << 20, (rows,), generator=g)
+    temp = torch.rand(rows, generator=g) + 0.3 if with_temp else None
+    race = Race(words, positions, temp, pos_offset=1)
+    on_gpu = Race(words.cuda(), positions.cuda(), temp.cuda() if with_temp else None, 1)
+    got = argmax_rows(x.cuda(), race=on_gpu).cpu()
+    assert torch.equal(got, argmax_ref(x, race=race))
     assert got[rows // 2] == x[rows // 2].float().argmax()
 
 

@@ -306,16 +306,19 @@ def test_split_pieces_kernel_compiles():
     assert k.asm["cubin"] and "bf16" in k.asm["ptx"]
 
 
-@pytest.mark.parametrize("noise", [False, True])
-def test_argmax_chunks_kernel_compiles(noise):
-    """Pass 1 of the row argmax, and with the sampling race's noise (kernels/argmax.py): the
-    hash's xors and 32-bit products, and only logical shifts (an arithmetic one would differ
-    from the reference's on words with the top bit set)."""
+@pytest.mark.parametrize("race,temp", [(False, False), (True, False), (True, True)])
+def test_argmax_chunks_kernel_compiles(race, temp):
+    """Pass 1 of the row argmax, and as the sampling race (kernels/argmax.py): the hash's xors
+    and 32-bit products, only logical shifts (an arithmetic one would differ from the
+    reference's on words with the top bit set), and with a temperature an IEEE division
+    (div.rn, as torch's: an approximate one would give other values than process_logits)."""
     from outpace.kernels.argmax import _argmax_chunks_kernel
-    ptrs = {"x_ptr": "fp32", "vals_ptr": "fp32", "idx_ptr": "i32", "keys_ptr": "i64"}
+    ptrs = {"x_ptr": "fp32", "vals_ptr": "fp32", "idx_ptr": "i32", "words_ptr": "i64",
+            "pos_ptr": "i64", "temp_ptr": "fp32"}
     k = compile_for_h200(_argmax_chunks_kernel, ptrs, (), {
-        "CHUNK": 2048, "HAS_NOISE": noise, "USE_PDL": True}, num_warps=4)
+        "CHUNK": 2048, "RACE": race, "TEMP": temp, "USE_PDL": True}, num_warps=4)
     ptx = k.asm["ptx"]
     assert k.asm["cubin"] and "griddepcontrol.wait" in ptx
-    assert ("xor.b32" in ptx) == noise and ("mul.lo.s32" in ptx) == noise
+    assert ("xor.b32" in ptx) == race and ("mul.lo.s32" in ptx) == race
     assert "shr.s32" not in ptx
+    assert ("div.rn.f32" in ptx) == temp and "div.full.f32" not in ptx

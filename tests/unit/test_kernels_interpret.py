@@ -683,23 +683,34 @@ def check_argmax_offsets(dtype, rows, vocab, with_offsets):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows,vocab", [(3, 5000), (4, 4097)])
-def check_argmax_race(dtype, rows, vocab):
-    """noise_keys: the sampling race (sample/race.py) in pass 1: rows keyed >= 0 take the
-    argmax of x + the reference's Gumbel noise for (key, column), a row keyed -1 the plain
-    argmax; noise that a kernel dropped or hashed differently picks other tokens."""
-    from outpace.kernels.argmax import argmax_ref, gumbel_noise
-    g = torch.Generator().manual_seed(rows + vocab)
+@pytest.mark.parametrize("with_temp", [False, True])
+def check_argmax_race(dtype, rows, vocab, with_temp):
+    """race: the sampling race (sample/race.py) in pass 1: rows with a seed word take the
+    argmax of x / temperature + the reference's Gumbel noise for (key(word, position + offset),
+    column), a row with word -1 the plain argmax; a kernel that dropped the noise, hashed
+    differently or skipped the division picks other tokens."""
+    from outpace.kernels.argmax import Race, argmax_ref, gumbel_noise, race_key
+    g = torch.Generator().manual_seed(rows + vocab + with_temp)
     x = torch.randn(rows, vocab, generator=g).to(dtype)  # noise of the logits' own scale
-    keys = torch.randint(0, 1 << 32, (rows,), generator=g)
-    keys[1] = -1
-    got = argmax_triton(x, noise_keys=keys)
-    want = argmax_ref(x, noise_keys=keys)
+    words = torch.randint(0, 1 << 32, (rows,), generator=g)
+    words[1] = -1
+    positions = torch.randint(0, 1 << 20, (rows,), generator=g)
+    temp = torch.rand(rows, generator=g) * 1.5 + 1.5 if with_temp else None
+    if temp is not None:
+        temp[1] = 1.0
+    race = Race(words, positions, temp, pos_offset=1)
+    got = argmax_triton(x, race=race)
+    want = argmax_ref(x, race=race)
     assert torch.equal(got, want), (got, want)
     assert got[1] == x[1].float().argmax()
     noisy = [i for i in range(rows) if i != 1]
     assert not torch.equal(got[noisy], x[noisy].float().argmax(-1))  # the noise mattered
-    ref = (x.float() + gumbel_noise(keys.clamp(min=0), vocab))[noisy].argmax(-1)
+    scaled = x.float() / temp.unsqueeze(1) if temp is not None else x.float()
+    keys = race_key(words.clamp(min=0), positions + 1)
+    ref = (scaled + gumbel_noise(keys, vocab))[noisy].argmax(-1)
     assert torch.equal(want[noisy], ref)
+    if temp is not None:  # without the division the draws differ
+        assert not torch.equal(got, argmax_ref(x, race=race._replace(temperature=None)))
 
 
 @pytest.mark.parametrize("num_also", [1, 2])

@@ -46,14 +46,20 @@ def test_noise_is_gumbel_and_uncorrelated():
 def test_race_draws_softmax_and_keeps_masks():
     logits = torch.tensor([2.0, 0.5, -1.0, 1.0, 0.0])
     n = 30000
-    keys = row_keys(torch.full((n,), seed_word(11)), torch.arange(n))
-    tokens = race_tokens(logits.expand(n, -1), keys)
+    words, positions = torch.full((n,), seed_word(11)), torch.arange(n)
+    tokens = race_tokens(logits.expand(n, -1), words, positions)
     freq = torch.bincount(tokens, minlength=5).double() / n
     assert torch.allclose(freq, torch.softmax(logits.double(), -1), atol=0.01)
     masked = logits.clone()
     masked[[0, 3]] = -math.inf
-    tokens = race_tokens(masked.expand(2000, -1), keys[:2000])
+    tokens = race_tokens(masked.expand(2000, -1), words[:2000], positions[:2000])
     assert not torch.isin(tokens, torch.tensor([0, 3])).any()
     only = torch.full((5,), -math.inf)
     only[2] = 0.0
-    assert race_tokens(only.expand(10, -1), keys[:10]).eq(2).all()
+    assert race_tokens(only.expand(10, -1), words[:10], positions[:10]).eq(2).all()
+    # a temperature divides first: at 0.5 the draws follow softmax(2 logits); -1 rows: argmax
+    hot = race_tokens(logits.expand(n, -1), words, positions, temperature=torch.full((n,), 0.5))
+    freq = torch.bincount(hot, minlength=5).double() / n
+    assert torch.allclose(freq, torch.softmax(2 * logits.double(), -1), atol=0.01)
+    greedy = race_tokens(logits.expand(3, -1), torch.full((3,), -1), positions[:3])
+    assert greedy.eq(0).all()
