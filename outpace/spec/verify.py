@@ -9,8 +9,12 @@ prefix). The step emits the accepted drafts, then exactly one more token:
     emitted     d0   d1   r2           r2 recovered at position 2;  all accepted -> bonus from p3
 
 Greedy: d_i is accepted while it equals the target argmax (strict prefix match); the token at
-the first mismatch (or the bonus) is the target argmax there.
-Sampling: accept d_i with probability min(1, p(d_i) / q(d_i)); on rejection draw from
+the first mismatch (or the bonus) is the target argmax there. The engine verifies sampled
+requests the same way, against each position's race winner (sample/race.py): with the race
+keyed by seed and position that is exact for deterministic drafts, which every drafter here
+proposes (runner/sampling_step.py).
+Sampling against a draft distribution q (a drafter that samples its drafts; no engine path
+since session 20): accept d_i with probability min(1, p(d_i) / q(d_i)); on rejection draw from
 norm(max(p - q, 0)). Then every emitted token is distributed exactly as the target alone would
 draw it. Relaxed acceptance (opt-in, lossy) may also accept a draft inside a thinking span.
 

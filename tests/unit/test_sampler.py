@@ -221,3 +221,25 @@ def test_processed_logprobs_mode_and_probs_from_processed():
     assert torch.equal((probs > 0).sum(-1), torch.full((3,), 4))
     with pytest.raises(ValueError):
         Sampler(logprobs_mode="bogus")
+
+
+def test_sampling_params_from_tensors_equal_the_masks_one_by_one():
+    """apply_sampling_params (what a masked graph runs; min-p reads the row maximum off the
+    top-k / top-p sort) gives exactly the values of temperature, top-k / top-p and min-p applied
+    one by one, and its masks that keep everything are exact no-ops (process_logits skips
+    them)."""
+    from outpace.sample.logits_processing import (apply_min_p, apply_sampling_params,
+                                                  apply_top_k_top_p)
+    g = torch.Generator().manual_seed(9)
+    logits = torch.randn(6, 300, generator=g) * 3
+    logits[2, 10:20] = logits[2].max()  # ties at the top
+    temp = torch.tensor([0.7, 1.0, 1.3, 0.5, 1.0, 2.0])
+    top_k = torch.tensor([0, 5, 0, 40, 0, 1])
+    top_p = torch.tensor([0.9, 1.0, 0.5, 0.95, 1.0, 1.0])
+    min_p = torch.tensor([0.05, 0.0, 0.1, 0.0, 0.2, 0.3])
+    got = apply_sampling_params(logits, temp, top_k, top_p, min_p)
+    want = apply_min_p(apply_top_k_top_p(logits / temp.unsqueeze(1), top_k, top_p), min_p)
+    assert torch.equal(got, want)
+    off = apply_sampling_params(logits, temp, torch.zeros(6, dtype=torch.long),
+                                torch.ones(6), torch.zeros(6))
+    assert torch.equal(off, logits / temp.unsqueeze(1))
