@@ -151,28 +151,40 @@ def test_decode_steps_do_not_sync_with_host(cuda_loaded, cuda_heads, method, k, 
     eng = gpu_engine(cuda_loaded, spec_for(cuda_heads, method, k, **opts), eager=False,
                      overlap=overlap)
     params = SamplingParams(max_tokens=80, temperature=0.0, ignore_eos=True)
-    prompts = repetitive_prompts(4, 3)
-    run_batch(eng, prompts, params)  # warm-up: captures this batch's graphs
-    for i, p in enumerate(repetitive_prompts(4, 3)):
-        eng.add_request(f"s{i}", p, params)
+    done = steps_without_sync(eng, repetitive_prompts(4, 3), [params] * 4)
+    assert done["replays"] == 10
+    if overlap and method != "ngram":
+        assert done["chained"] >= 9  # (the first of them may start a chain)
+
+
+def steps_without_sync(eng, prompts: list, params: list, steps: int = 10) -> dict:
+    """Run `prompts` once (warm-up: their graphs), start them again, and run `steps` decode
+    steps under torch.cuda.set_sync_debug_mode("error") (then the rest) -> what the fused
+    step counted in those steps (replays, chained, and steps by sampling mode)."""
+    run_batch(eng, prompts, params)
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        eng.add_request(f"s{i}", p, sp)
     while any(r.num_computed_tokens < r.num_tokens - 1 for r in eng.scheduler.running) \
             or eng.scheduler.num_waiting:
         eng.step()  # prefill (eager, may sync)
     for _ in range(3):
         eng.step()  # every verify length of the batch has been seen
-    before = eng.runner.fused.replays
+    fused = eng.runner.fused
+
+    def counts():
+        return {"replays": fused.replays, "chained": fused.chained, **fused.mode_steps}
+    before = counts()
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        for _ in range(10):
+        for _ in range(steps):
             eng.step()
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert eng.runner.fused.replays == before + 10
-    if overlap and method != "ngram":
-        assert eng.runner.fused.chained >= 10
+    done = {key: n - before[key] for key, n in counts().items()}
     while eng.has_unfinished_requests():
         eng.step()
+    return done
 
 
 @pytest.mark.parametrize("method,k", CASES, ids=[f"{m}-k{k}" for m, k in CASES])

@@ -20,7 +20,8 @@ pytest.importorskip("triton")
 from outpace import SamplingParams  # noqa: E402
 from outpace.sample.race import gumbel_noise, race_tokens, row_keys, seed_word  # noqa: E402
 from tests.engine_helpers import make_engine, run_batch  # noqa: E402
-from tests.gpu.test_fused_step import CASES, gpu_engine, spec_for  # noqa: E402
+from tests.gpu.test_fused_step import (CASES, gpu_engine, spec_for,  # noqa: E402
+                                       steps_without_sync)
 from tests.spec.spec_helpers import repetitive_prompts, tiny_target  # noqa: E402
 
 GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
@@ -116,24 +117,5 @@ def test_sampled_decode_steps_do_not_sync_with_host(cuda_loaded, cuda_heads, met
                      overlap=overlap)
     params = [SamplingParams(max_tokens=80, temperature=0.9, top_p=0.95, seed=i,
                              ignore_eos=True) for i in range(4)]
-    prompts = repetitive_prompts(4, 3)
-    run_batch(eng, prompts, params)  # warm-up: this batch's graphs and request seeds
-    for i, (p, sp) in enumerate(zip(prompts, params)):
-        eng.add_request(f"s{i}", p, sp)
-    while any(r.num_computed_tokens < r.num_tokens - 1 for r in eng.scheduler.running) \
-            or eng.scheduler.num_waiting:
-        eng.step()  # prefill (eager, may sync)
-    for _ in range(3):
-        eng.step()
-    before, sampled = eng.runner.fused.replays, eng.runner.fused.mode_steps["masked"]
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for _ in range(10):
-            eng.step()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    assert eng.runner.fused.replays == before + 10
-    assert eng.runner.fused.mode_steps["masked"] == sampled + 10
-    while eng.has_unfinished_requests():
-        eng.step()
+    done = steps_without_sync(eng, repetitive_prompts(4, 3), params)
+    assert done["replays"] == done["masked"] == 10
