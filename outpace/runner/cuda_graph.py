@@ -138,8 +138,6 @@ class GraphRunner:
         meta = self._meta(bucket, q, buf.max_blocks * self.backend.block_size)
         ctx = ForwardContext(self.backend, meta)
         ids, pos = buf.input_ids[:n], buf.positions[:n]
-        for _ in range(2):  # warm-up: Triton compiles, cuBLAS picks its kernels
-            forward(ids, pos, ctx)
         graph, outs = self.capture(lambda: forward(ids, pos, ctx))
         return (graph, *outs)
 
@@ -166,8 +164,6 @@ class GraphRunner:
 
         def forward():
             return self.model(ids, pos, ctx, capture_layers=self.capture_layers)
-        for _ in range(2):  # warm-up: Triton compiles, cuBLAS picks its kernels
-            forward()
         graph, (hidden, aux) = self.capture(forward)
         return graph, hidden, aux
 
@@ -239,7 +235,10 @@ class GraphRunner:
         buf.forget(buf.block_tables)
 
     def capture(self, fn):
-        """-> (replayable graph, static outputs of fn)."""
+        """fn warmed up (run twice: Triton compiles, cuBLAS picks its kernels) and captured
+        -> (replayable graph, static outputs of fn)."""
+        for _ in range(2):
+            fn()
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):

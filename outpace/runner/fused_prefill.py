@@ -161,8 +161,6 @@ class FusedPrefill:
                         ForwardContext(self.backend, meta), last, first, buf.block_tables[:m],
                         kd, outs)
             return outs if kd else ()
-        for _ in range(2):  # warm-up: Triton compiles, cuBLAS picks its kernels
-            fn()
         return self.graphs.capture(fn)
 
     def _capture_prefill_head(self, q: int, kd: int, tail: bool = False):
@@ -199,8 +197,6 @@ class FusedPrefill:
             if tail:
                 return packed
             return outs if kd else ()
-        for _ in range(2):  # warm-up: Triton compiles, cuBLAS picks its kernels
-            fn()
         return self.graphs.capture(fn)
 
     def can_launch_prefill(self, plan, q: int) -> bool:

@@ -515,7 +515,5 @@ class FusedStep(FusedPrefill):
         self.sample_temp[:bucket].fill_(1.0)  # greedy rows: the dummy batch samples nothing
         self.sample_seed[:bucket].fill_(-1)
         fn = lambda: self._compute(bucket, q, kd, chained, mode)  # noqa: E731
-        for _ in range(2):  # warm-up: Triton compiles, cuBLAS picks its kernels
-            fn()
         graph, packed = self.graphs.capture(fn)
         return graph, packed
