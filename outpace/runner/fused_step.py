@@ -20,9 +20,7 @@ Then nothing between the step's input copy and its output copy needs the host:
 A sampled row's token is the one the general path (runner/sampling_step.py) draws for the same
 seed and position, so accept's strict prefix match verifies sampled requests exactly as greedy
 ones, and graph and eager steps give the same tokens. Greedy, sampled and masked graphs are
-captured apart (same keys): a step pays only for what its requests ask (the masks' stable sort
-of every row and the ~40 small kernels around it cost ~0.14 ms at batch 1, the temperature and
-the race ~5 us; benchmarks/diag_sampling.py).
+captured apart, with the same keys (runner/fused_sampling.py).
 
 The host then trims each request's drafts to its own draft length (max_tokens, context, the
 adaptive policy), exactly as the eager path would have asked the head for fewer. Running kd steps
@@ -57,7 +55,8 @@ their (bucket, q, kd) is seen (never while a step is in flight: chained graphs e
 captured ahead). They share the GraphRunner's memory pool.
 
 The prefill's graphs around the fused step (a head's pass and drafts after a prefill graph, a
-greedy prefill launched like a decode step) are in runner/fused_prefill.py.
+greedy prefill launched like a decode step) are in runner/fused_prefill.py, what its sampled
+graphs stage and compute in runner/fused_sampling.py.
 """
 
 from __future__ import annotations
@@ -75,33 +74,11 @@ from outpace.kernels.norm import gather_rms_norm
 from outpace.kernels.step_glue import accept, chained_inputs, loop_inputs
 from outpace.runner.chained_tables import ChainedTables
 from outpace.runner.fused_prefill import FusedPrefill
-from outpace.sample.logits_processing import SAMPLING_EPS, apply_sampling_params
-from outpace.sample.race import race_tokens
+from outpace.runner.fused_sampling import (GREEDY, MASKED, SAMPLE, FusedSampling,
+                                           device_samplable, sampling_mode)
 from outpace.spec.base import CommittedTokens, DraftBatch
 from outpace.spec.head_proposer import HeadProposer
 from outpace.types import RequestStepOutput, StepResult
-
-
-GREEDY, SAMPLE, MASKED = "greedy", "sample", "masked"  # a fused graph's sampling
-
-
-def sampling_mode(params) -> str:
-    """The graph a step's requests (their SamplingParams) need: GREEDY when none samples,
-    MASKED when a sampling one asks for top-k, top-p or min-p, else SAMPLE."""
-    mode = GREEDY
-    for p in params:
-        if p.temperature >= SAMPLING_EPS:
-            if p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0:
-                return MASKED
-            mode = SAMPLE
-    return mode
-
-
-def device_samplable(params) -> bool:
-    """Sampled (or greedy) with nothing that needs the host: no penalties (they read the
-    history), no logprobs (more than the token ids)."""
-    return (params.repetition_penalty == 1.0 and params.frequency_penalty == 0.0
-            and params.presence_penalty == 0.0 and params.logprobs is None)
 
 
 @dataclass
@@ -122,7 +99,7 @@ class Launched:
         return self.key[2]
 
 
-class FusedStep(FusedPrefill):
+class FusedStep(FusedPrefill, FusedSampling):
     def __init__(self, runner):
         # Weak: the runner owns this step (see HeadProposer.bind for why no cycle)
         self.runner = weakref.proxy(runner)
@@ -150,14 +127,7 @@ class FusedStep(FusedPrefill):
              ((max(runner.graphs.prefill_q, default=1),), torch.long), ((1,), torch.long),
              ((m, kmax), torch.long), ((max(runner.graphs.varlen_t, default=1),), torch.long),
              ((m,), torch.long)])
-        # A sampled graph's per-request sampling (staged at launch; chained and relaunched
-        # steps keep their first step's rows, so theirs stay valid): temperature (1 in a greedy
-        # row), top-k, top-p, min-p, and the seed's race word (SamplingStep.seed_word_for; -1:
-        # a greedy row).
-        (self.sample_temp, self.sample_top_k, self.sample_top_p, self.sample_min_p,
-         self.sample_seed) = self.inputs.add_buffers([
-             ((m,), torch.float32), ((m,), torch.long), ((m,), torch.float32),
-             ((m,), torch.float32), ((m,), torch.long)])
+        self._init_sampling(m)
         self.loop_query_start = torch.arange(m + 1, dtype=torch.int32, device=dev)
         # What chaining carries from a step to the next (see the module docstring); a host
         # drafter's steps relaunch from the same carry instead.
@@ -246,23 +216,6 @@ class FusedStep(FusedPrefill):
         launched = self._replay(key, rows, t0, entry=table[key])
         launched.mode = mode
         return launched
-
-    def _sampling_rows(self, plan, bucket: int) -> list:
-        """(buffer, values) pairs of a sampled graph's per-request sampling; padding rows are
-        greedy."""
-        cols = np.zeros((5, bucket), np.float64)
-        cols[:, :] = np.array([1.0, 0, 1.0, 0.0, -1])[:, None]
-        sampling = self.runner.sampling
-        for i, sr in enumerate(plan.scheduled):
-            p = sr.request.sampling_params
-            if p.temperature >= SAMPLING_EPS:
-                cols[:, i] = (p.temperature, p.top_k, p.top_p, p.min_p,
-                              sampling.seed_word_for(sr.request))
-        return [(self.sample_temp, cols[0].astype(np.float32)),
-                (self.sample_top_k, cols[1].astype(np.int64)),
-                (self.sample_top_p, cols[2].astype(np.float32)),
-                (self.sample_min_p, cols[3].astype(np.float32)),
-                (self.sample_seed, cols[4].astype(np.int64))]
 
     @torch.inference_mode()
     def chain(self, prev: Launched, block_tables: list) -> Optional[Launched]:
@@ -458,23 +411,6 @@ class FusedStep(FusedPrefill):
                         buf.block_tables[:bucket], kd, outs)
         return packed
 
-    def _sample(self, hidden, pos, bucket: int, q: int, masks: bool) -> torch.Tensor:
-        """[n] tokens of a sampled graph: greedy rows' argmax, the others' race (their
-        temperature, and with `masks` top-k, top-p, min-p; keyed by their seed and the position
-        sampled, pos + 1), as SamplingStep computes them (process_logits applies the masks when
-        a row asks for one, to every row: a mask that keeps everything is an exact no-op).
-        Without masks the temperature, the keys and the noise are all in the argmax kernel."""
-        logits = self.model.compute_logits(hidden)  # [n, V] float32
-
-        def per_row(t):  # [bucket] -> [n], each request's value on its q rows
-            return t[:bucket, None].expand(bucket, q).reshape(-1)
-        temp, words = per_row(self.sample_temp), per_row(self.sample_seed)
-        if not masks:
-            return race_tokens(logits, words, pos, temperature=temp, pos_offset=1)
-        processed = apply_sampling_params(logits, temp, per_row(self.sample_top_k),
-                                          per_row(self.sample_top_p), per_row(self.sample_min_p))
-        return race_tokens(processed, words, pos, pos_offset=1)
-
     def _draft(self, hidden, aux, next_ids, pos, ctx, last_rows, first, block_tables, kd,
                outs: tuple) -> None:
         """The head's first pass (always: it keeps the draft plane exact even while the k
@@ -512,8 +448,7 @@ class FusedStep(FusedPrefill):
         self.real[:bucket].zero_()  # chained: every row is padding (slot -1)
         self.carry_pos[:bucket].zero_()
         self.carry_tokens[:bucket].zero_()
-        self.sample_temp[:bucket].fill_(1.0)  # greedy rows: the dummy batch samples nothing
-        self.sample_seed[:bucket].fill_(-1)
+        self._greedy_rows(bucket)  # the dummy batch samples nothing
         fn = lambda: self._compute(bucket, q, kd, chained, mode)  # noqa: E731
         graph, packed = self.graphs.capture(fn)
         return graph, packed

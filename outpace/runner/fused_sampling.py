@@ -1,0 +1,95 @@
+"""The fused step's sampling (runner/fused_step.py): which graph family a step's requests need,
+what a sampled graph stages for them, and the tokens it draws.
+
+Greedy, sampled and masked graphs share their keys (bucket, q, kd, chained) and differ only in
+how a row's token is chosen from the LM head's logits: the argmax; the race of sample/race.py
+with the request's temperature, seed and the position sampled, all inside the argmax kernel; or
+that after top-k / top-p / min-p (`apply_sampling_params`, the general path's masks). A step pays
+only for what its requests ask: the masks' stable sort of every row and the small kernels around
+it cost ~0.1 ms at batch 1, the temperature and the race ~5 us (benchmarks/diag_sampling.py).
+Each token equals the one the general path (runner/sampling_step.py) draws for the same seed and
+position, so accept's strict prefix match verifies sampled drafts exactly as greedy ones.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from outpace.sample.logits_processing import SAMPLING_EPS, apply_sampling_params
+from outpace.sample.race import race_tokens
+
+GREEDY, SAMPLE, MASKED = "greedy", "sample", "masked"  # a fused graph's sampling
+
+
+def sampling_mode(params) -> str:
+    """The graph a step's requests (their SamplingParams) need: GREEDY when none samples,
+    MASKED when a sampling one asks for top-k, top-p or min-p, else SAMPLE."""
+    mode = GREEDY
+    for p in params:
+        if p.temperature >= SAMPLING_EPS:
+            if p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0:
+                return MASKED
+            mode = SAMPLE
+    return mode
+
+
+def device_samplable(params) -> bool:
+    """Sampled (or greedy) with nothing that needs the host: no penalties (they read the
+    history), no logprobs (more than the token ids)."""
+    return (params.repetition_penalty == 1.0 and params.frequency_penalty == 0.0
+            and params.presence_penalty == 0.0 and params.logprobs is None)
+
+
+class FusedSampling:
+    """Mixin of FusedStep: the per-request sampling buffers, their staging and the sampled
+    graphs' token choice. Needs self.inputs, self.runner and self.model."""
+
+    def _init_sampling(self, m: int) -> None:
+        # A sampled graph's per-request sampling (staged at launch; chained and relaunched
+        # steps keep their first step's rows, so theirs stay valid): temperature (1 in a greedy
+        # row), top-k, top-p, min-p, and the seed's race word (SamplingStep.seed_word_for; -1:
+        # a greedy row).
+        (self.sample_temp, self.sample_top_k, self.sample_top_p, self.sample_min_p,
+         self.sample_seed) = self.inputs.add_buffers([
+             ((m,), torch.float32), ((m,), torch.long), ((m,), torch.float32),
+             ((m,), torch.float32), ((m,), torch.long)])
+
+    def _greedy_rows(self, bucket: int) -> None:
+        """Every row of a bucket greedy (graphs are captured over such a dummy batch)."""
+        self.sample_temp[:bucket].fill_(1.0)
+        self.sample_seed[:bucket].fill_(-1)
+
+    def _sampling_rows(self, plan, bucket: int) -> list:
+        """(buffer, values) pairs of a sampled graph's per-request sampling; padding rows are
+        greedy."""
+        cols = np.zeros((5, bucket), np.float64)
+        cols[:, :] = np.array([1.0, 0, 1.0, 0.0, -1])[:, None]
+        sampling = self.runner.sampling
+        for i, sr in enumerate(plan.scheduled):
+            p = sr.request.sampling_params
+            if p.temperature >= SAMPLING_EPS:
+                cols[:, i] = (p.temperature, p.top_k, p.top_p, p.min_p,
+                              sampling.seed_word_for(sr.request))
+        return [(self.sample_temp, cols[0].astype(np.float32)),
+                (self.sample_top_k, cols[1].astype(np.int64)),
+                (self.sample_top_p, cols[2].astype(np.float32)),
+                (self.sample_min_p, cols[3].astype(np.float32)),
+                (self.sample_seed, cols[4].astype(np.int64))]
+
+    def _sample(self, hidden, pos, bucket: int, q: int, masks: bool) -> torch.Tensor:
+        """[n] tokens of a sampled graph: greedy rows' argmax, the others' race (their
+        temperature, and with `masks` top-k, top-p, min-p; keyed by their seed and the position
+        sampled, pos + 1), as SamplingStep computes them (process_logits applies the masks when
+        a row asks for one, to every row: a mask that keeps everything is an exact no-op).
+        Without masks the temperature, the keys and the noise are all in the argmax kernel."""
+        logits = self.model.compute_logits(hidden)  # [n, V] float32
+
+        def per_row(t):  # [bucket] -> [n], each request's value on its q rows
+            return t[:bucket, None].expand(bucket, q).reshape(-1)
+        temp, words = per_row(self.sample_temp), per_row(self.sample_seed)
+        if not masks:
+            return race_tokens(logits, words, pos, temperature=temp, pos_offset=1)
+        processed = apply_sampling_params(logits, temp, per_row(self.sample_top_k),
+                                          per_row(self.sample_top_p), per_row(self.sample_min_p))
+        return race_tokens(processed, words, pos, pos_offset=1)
