@@ -63,3 +63,19 @@ def test_race_draws_softmax_and_keeps_masks():
     assert torch.allclose(freq, torch.softmax(2 * logits.double(), -1), atol=0.01)
     greedy = race_tokens(logits.expand(3, -1), torch.full((3,), -1), positions[:3])
     assert greedy.eq(0).all()
+
+
+def test_any_64_bit_seed_is_a_request_seed():
+    """SamplingParams takes the seeds the OpenAI server takes (signed or unsigned 64-bit), and
+    the race tells them apart (their 64 bits: -1 and 2**64 - 1 are the same bits)."""
+    import pytest
+
+    from outpace.errors import InvalidRequestError
+    from outpace.types import SamplingParams
+    for seed in (-(1 << 63), -1, 0, (1 << 63) - 1, 1 << 63, (1 << 64) - 1):
+        assert SamplingParams(seed=seed).seed == seed
+    for seed in (-(1 << 63) - 1, 1 << 64, 1.5, True):
+        with pytest.raises(InvalidRequestError, match="seed"):
+            SamplingParams(seed=seed)
+    assert seed_word(-1) == seed_word((1 << 64) - 1)
+    assert len({seed_word(s) for s in ((1 << 63) - 1, 1 << 63, (1 << 64) - 2)}) == 3
