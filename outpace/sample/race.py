@@ -29,7 +29,7 @@ import torch
 
 from outpace.kernels.argmax import GOLDEN, M32, Race, argmax_rows, gumbel_noise, hash32, race_key
 
-__all__ = ["gumbel_noise", "race_tokens", "row_keys", "seed_word"]
+__all__ = ["gumbel_noise", "race_key", "race_tokens", "seed_word"]
 
 
 def seed_word(seed: int) -> int:
@@ -38,20 +38,12 @@ def seed_word(seed: int) -> int:
     return hash32((s & M32) ^ hash32(((s >> 32) + GOLDEN) & M32))
 
 
-def row_keys(seed_words, positions):
-    """Seed words (seed_word) and positions of the tokens being sampled -> keys in [0, 2^32):
-    Python ints, or [R] int64 tensors (computed on their device)."""
-    if isinstance(positions, torch.Tensor):
-        seed_words, positions = seed_words.to(torch.int64), positions.to(torch.int64)
-    return race_key(seed_words, positions)
-
-
 def race_tokens(logits: torch.Tensor, seed_words: torch.Tensor, positions: torch.Tensor,
                 temperature: Optional[torch.Tensor] = None, pos_offset: int = 0) -> torch.Tensor:
     """[R, V] logits (processed: masked entries -inf), [R] int64 seed words (-1: a greedy row)
     and [R] positions of the tokens sampled (+ pos_offset) -> [R] int64 tokens: each row with a
     word a draw from softmax(row / temperature) (temperature [R], or already applied when None),
-    argmax(row / temperature + gumbel_noise(row_keys(word, position))); a greedy row its plain
+    argmax(row / temperature + gumbel_noise(race_key(word, position))); a greedy row its plain
     argmax. One fused Triton op on CUDA (kernels/argmax.py), tensors elsewhere. A row whose
     entries are all -inf but one draws that one."""
     return argmax_rows(logits, race=Race(seed_words, positions, temperature, pos_offset))

@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.gpu,
 pytest.importorskip("triton")
 
 from outpace import SamplingParams  # noqa: E402
-from outpace.sample.race import gumbel_noise, race_tokens, row_keys, seed_word  # noqa: E402
+from outpace.sample.race import gumbel_noise, race_tokens, race_key, seed_word  # noqa: E402
 from tests.engine_helpers import make_engine, run_batch  # noqa: E402
 from tests.gpu.test_fused_step import (CASES, gpu_engine, spec_for,  # noqa: E402
                                        steps_without_sync)
@@ -42,10 +42,10 @@ def params_for(prompts, mode: str = "masked") -> list:
 
 
 def test_noise_on_cuda_equals_cpu():
-    keys = row_keys(torch.full((8,), seed_word(5)), torch.arange(8))
+    keys = race_key(torch.full((8,), seed_word(5)), torch.arange(8))
     cpu = gumbel_noise(keys, 49152)
     gpu = gumbel_noise(keys.cuda(), 49152).cpu()
-    assert torch.equal(row_keys(torch.full((8,), seed_word(5)).cuda(), torch.arange(8).cuda())
+    assert torch.equal(race_key(torch.full((8,), seed_word(5)).cuda(), torch.arange(8).cuda())
                        .cpu(), keys)
     assert torch.allclose(cpu, gpu, rtol=1e-6, atol=1e-6)
     logits = torch.randn(8, 49152, generator=torch.Generator().manual_seed(0)) * 3

@@ -5,7 +5,7 @@ import math
 
 import torch
 
-from outpace.sample.race import gumbel_noise, race_tokens, row_keys, seed_word
+from outpace.sample.race import gumbel_noise, race_tokens, race_key, seed_word
 
 
 def test_keys_on_ints_equal_keys_on_tensors():
@@ -14,8 +14,8 @@ def test_keys_on_ints_equal_keys_on_tensors():
     positions = torch.randint(0, 1 << 20, (len(seeds),), generator=g).tolist()
     words = [seed_word(s) for s in seeds]
     assert all(0 <= w < 1 << 32 for w in words)
-    on_ints = [row_keys(w, p) for w, p in zip(words, positions)]
-    on_tensors = row_keys(torch.tensor(words), torch.tensor(positions)).tolist()
+    on_ints = [race_key(w, p) for w, p in zip(words, positions)]
+    on_tensors = race_key(torch.tensor(words), torch.tensor(positions)).tolist()
     assert on_ints == on_tensors
     assert len(set(on_ints)) == len(on_ints)  # 203 distinct pairs, distinct keys
 
@@ -26,7 +26,7 @@ def test_seed_words_differ_for_nearby_and_wide_seeds():
 
 
 def test_noise_is_gumbel_and_uncorrelated():
-    keys = row_keys(torch.full((64,), seed_word(3)), torch.arange(64))
+    keys = race_key(torch.full((64,), seed_word(3)), torch.arange(64))
     noise = gumbel_noise(keys, 4096).double()  # [64, 4096]
     assert torch.isfinite(noise).all()
     # Gumbel(0, 1): mean = Euler-Mascheroni, variance pi^2 / 6; 262144 draws
