@@ -6,8 +6,10 @@ step's sampled graphs run it (runner/fused_step.py `_sample`), in parts, in CUDA
 Variants, each 20 to a graph: `argmax` (a greedy graph's token), `race` (the noisy argmax
 alone), `temp_race` (what a sampled graph runs: the same with the temperature),
 `temp_minp_race` (and min-p: no sort), `full` (what a masked graph runs: temperature, top-k /
-top-p by the stable sort, min-p, the race), and `sort` (the sort alone); then the
-kernel table of one `full` replay. Writes $OUT/diag_sampling.json.
+top-p by the stable sort, min-p, the race), `sort` (the sort alone), `masked` (the same
+draw as `full` by kernels/masked_race.py, what a masked graph runs now), and top-k alone and
+top-k with top-p both ways; how many tokens the two ways share; then the kernel tables of one
+`full` and one `masked` replay. Writes $OUT/diag_sampling.json.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ VOCAB = 49152
 def variants(n: int):
     from outpace.kernels.argmax import argmax_rows
     from outpace.sample.logits_processing import apply_min_p, apply_sampling_params
-    from outpace.sample.race import race_tokens
+    from outpace.sample.race import masked_race_tokens, race_tokens
     g = torch.Generator(device=DEV).manual_seed(n)
     logits = torch.randn(n, VOCAB, device=DEV, generator=g) * 3
     temp = torch.full((n,), 0.8, device=DEV)
@@ -39,9 +41,14 @@ def variants(n: int):
     words = torch.full((n,), 12345, dtype=torch.long, device=DEV)
     pos = torch.arange(n, device=DEV)
 
-    def full():
-        p = apply_sampling_params(logits, temp, top_k, top_p, min_p)
-        return race_tokens(p, words, pos, pos_offset=1)
+    def full(k=top_k, p=top_p, m=min_p):
+        processed = apply_sampling_params(logits, temp, k, p, m)
+        return race_tokens(processed, words, pos, pos_offset=1)
+
+    def masked(k=top_k, p=top_p, m=min_p):
+        return masked_race_tokens(logits, words, pos, temp, k, p, m, pos_offset=1)
+    k50 = torch.full((n,), 50, dtype=torch.long, device=DEV)
+    p_off, m_off = torch.ones_like(top_p), torch.zeros_like(min_p)
 
     def temp_race():
         return race_tokens(logits, words, pos, temperature=temp, pos_offset=1)
@@ -54,7 +61,11 @@ def variants(n: int):
             "race": lambda: race_tokens(logits, words, pos),
             "temp_race": temp_race, "temp_minp_race": temp_minp_race,
             "sort": lambda: logits.sort(dim=-1, descending=True, stable=True),
-            "full": full}
+            "full": full, "masked": masked,
+            "full_top_k": lambda: full(k50, p_off, m_off),
+            "masked_top_k": lambda: masked(k50, p_off, m_off),
+            "full_top_k_top_p": lambda: full(k50, top_p, m_off),
+            "masked_top_k_top_p": lambda: masked(k50, top_p, m_off)}
 
 
 def time_graph(fn, reps: int = 20, rounds: int = 5) -> tuple:
@@ -97,6 +108,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
     ap.add_argument("--rows", default="1,3,8,32")
+    ap.add_argument("--sweep", action="store_true",
+                    help="also time `masked` over (CHUNK, the descent's warps)")
     args = ap.parse_args()
     out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "time": time.strftime("%Y-%m-%d %H:%M:%S"), "us_per_call": {}, "kernels": {}}
@@ -106,13 +119,30 @@ def main() -> None:
             us = time_graph(fn)[1]
             out["us_per_call"][f"{name}_n{n}"] = round(us, 2)
             print(f"n={n:3d} {name:16s} {us:8.2f} us", flush=True)
-        if n in (1, 32):
-            table = kernel_table(fns["full"])
-            out["kernels"][f"full_n{n}"] = table
-            print(f"full, n = {n}: {len(table)} kernel kinds, "
+        for a, b in (("full", "masked"), ("full_top_k", "masked_top_k"),
+                     ("full_top_k_top_p", "masked_top_k_top_p")):
+            same = int((fns[a]() == fns[b]()).sum())
+            out["us_per_call"][f"{b}_same_tokens_n{n}"] = same
+            print(f"n={n:3d} {b}: {same} of {n} tokens equal the sort path's", flush=True)
+        for name in ("full", "masked") if n in (1, 32) else ():
+            table = kernel_table(fns[name])
+            out["kernels"][f"{name}_n{n}"] = table
+            print(f"{name}, n = {n}: {len(table)} kernel kinds, "
                   f"{sum(r[1] for r in table)} launches", flush=True)
-            for name, count, us in table[:25]:
-                print(f"  {us:8.2f} us  x{count:<3d} {name}", flush=True)
+            for kname, count, us in table[:25]:
+                print(f"  {us:8.2f} us  x{count:<3d} {kname}", flush=True)
+    if args.sweep:
+        from outpace.kernels import masked_race
+        for block, warps in ((2048, 8), (2048, 16), (4096, 8), (4096, 16), (4096, 32),
+                             (8192, 16)):
+            masked_race.CHUNK, masked_race.DESCENT_WARPS = block, warps
+            for n in (1, 32):
+                fns = variants(n)
+                for name in ("masked", "masked_top_k", "masked_top_k_top_p"):
+                    us = time_graph(fns[name])[1]
+                    out["us_per_call"][f"sweep_{block}_{warps}_{name}_n{n}"] = round(us, 2)
+                    print(f"BLOCK {block} warps {warps} n={n:3d} {name:20s} {us:8.2f} us",
+                          flush=True)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "diag_sampling.json").write_text(json.dumps(out, indent=1))
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from outpace.sample.logits_processing import SAMPLING_EPS, apply_sampling_params
-from outpace.sample.race import race_tokens
+from outpace.sample.logits_processing import SAMPLING_EPS
+from outpace.sample.race import masked_race_tokens, race_tokens
 
 GREEDY, SAMPLE, MASKED = "greedy", "sample", "masked"  # a fused graph's sampling
 
@@ -90,6 +90,6 @@ class FusedSampling:
         temp, words = per_row(self.sample_temp), per_row(self.sample_seed)
         if not masks:
             return race_tokens(logits, words, pos, temperature=temp, pos_offset=1)
-        processed = apply_sampling_params(logits, temp, per_row(self.sample_top_k),
-                                          per_row(self.sample_top_p), per_row(self.sample_min_p))
-        return race_tokens(processed, words, pos, pos_offset=1)
+        return masked_race_tokens(logits, words, pos, temp, per_row(self.sample_top_k),
+                                  per_row(self.sample_top_p), per_row(self.sample_min_p),
+                                  pos_offset=1)

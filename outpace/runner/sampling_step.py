@@ -140,8 +140,7 @@ class SamplingStep:
         outputs = [None] * len(plan.scheduled)
         if not rows:
             return outputs
-        processed = process_logits(logits, rows)  # [N, V]
-        targets = self.sampler.sample_processed(processed, rows)  # [N]: each row's token
+        targets = self.sampler.sample(logits, rows)  # [N]: each row's token
         emitted: dict = {}  # plan index -> (tokens, num_accepted)
 
         plain = [g for g in groups if g[2] == 0]
@@ -151,7 +150,7 @@ class SamplingStep:
                 emitted[g[0]] = ([t], 0)
         spec = [g for g in groups if g[2] > 0]
         if spec:
-            self._verify(plan, spec, processed, targets, emitted)
+            self._verify(plan, spec, logits, rows, targets, emitted)
 
         for g in groups:
             i, first, nd = g
@@ -163,8 +162,8 @@ class SamplingStep:
             outputs[i] = out
         return outputs
 
-    def _verify(self, plan, groups, processed, targets, emitted):
-        dev = processed.device
+    def _verify(self, plan, groups, logits, rows, targets, emitted):
+        dev = logits.device
         kmax = max(g[2] for g in groups)
         # [B, kmax+1] row indices; positions past a request's drafts repeat its last row.
         index = torch.tensor([[g[1] + min(j, g[2]) for j in range(kmax + 1)] for g in groups],
@@ -177,7 +176,7 @@ class SamplingStep:
         else:
             relaxed = None
             if self.relaxed is not None:
-                probs = probs_from_processed(processed)[index]  # [B, kmax+1, V]
+                probs = probs_from_processed(process_logits(logits, rows))[index]
                 eligible = torch.tensor(
                     [self._eligible(plan.scheduled[g[0]].request,
                                     plan.scheduled[g[0]].draft_token_ids, kmax) for g in groups],
@@ -188,10 +187,6 @@ class SamplingStep:
         out_l, acc_l = out.tolist(), acc.tolist()  # sync-ok: the step's output copy
         for g, o, a in zip(groups, out_l, acc_l):
             emitted[g[0]] = (o[:a + 1], a)
-
-    def _force_accept(self, processed, index, drafts, num_drafts):
-        return force_accept(processed.argmax(dim=-1)[index], drafts, num_drafts,
-                            self.force_accept_mean)
 
     @staticmethod
     def _logprobs(logits, first_row: int, tokens: list, n: int) -> list:

@@ -27,9 +27,11 @@ from typing import Optional
 
 import torch
 
+from outpace.kernels import use_triton
 from outpace.kernels.argmax import GOLDEN, M32, Race, argmax_rows, gumbel_noise, hash32, race_key
+from outpace.sample.logits_processing import apply_sampling_params
 
-__all__ = ["gumbel_noise", "race_key", "race_tokens", "seed_word"]
+__all__ = ["gumbel_noise", "masked_race_tokens", "race_key", "race_tokens", "seed_word"]
 
 
 def seed_word(seed: int) -> int:
@@ -47,3 +49,20 @@ def race_tokens(logits: torch.Tensor, seed_words: torch.Tensor, positions: torch
     argmax. One fused Triton op on CUDA (kernels/argmax.py), tensors elsewhere. A row whose
     entries are all -inf but one draws that one."""
     return argmax_rows(logits, race=Race(seed_words, positions, temperature, pos_offset))
+
+
+def masked_race_tokens(logits: torch.Tensor, seed_words: torch.Tensor, positions: torch.Tensor,
+                       temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                       min_p: torch.Tensor, pos_offset: int = 0) -> torch.Tensor:
+    """race_tokens over each row's top-k / top-p / min-p nucleus, with per-row [R] values
+    (effective_params': 1, 0, 1, 0 are no-ops; a greedy row, word -1, takes its argmax).
+    On CUDA without materialising the masks (kernels/masked_race.py: no sort; every CUDA path
+    samples masked rows there, so eager steps and graphs agree); elsewhere the reference,
+    race_tokens(apply_sampling_params(...)) (they may differ only for a token whose mass ranked
+    above it lies within float32 rounding of top_p: the two sum in different orders)."""
+    if use_triton(logits) and logits.dim() == 2:
+        from outpace.kernels.masked_race import masked_race_triton
+        return masked_race_triton(logits, seed_words, positions, temperature, top_k, top_p,
+                                  min_p, pos_offset)
+    processed = apply_sampling_params(logits.to(torch.float32), temperature, top_k, top_p, min_p)
+    return race_tokens(processed, seed_words, positions, pos_offset=pos_offset)

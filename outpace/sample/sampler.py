@@ -14,8 +14,9 @@ from typing import Optional, Sequence
 
 import torch
 
-from outpace.sample.logits_processing import SamplingRow, process_logits
-from outpace.sample.race import race_tokens, seed_word
+from outpace.sample.logits_processing import (SamplingRow, apply_penalties, effective_params,
+                                              process_logits)
+from outpace.sample.race import masked_race_tokens, race_tokens, seed_word
 
 __all__ = ["Sampler", "SamplerOutput", "SamplingRow", "probs_from_processed", "process_logits"]
 
@@ -57,7 +58,7 @@ class Sampler:
         """logits [N, V] -> tokens [N]; num_logprobs None skips logprobs, 0 gives only the
         chosen token's, n > 0 also the top-n."""
         processed = process_logits(logits, rows)  # [N, V]
-        token_ids = self.sample_processed(processed, rows)  # [N]
+        token_ids = self.sample(logits, rows)  # [N]
         out = SamplerOutput(token_ids=token_ids, processed_logits=processed)
         if num_logprobs is not None:
             source = logits if self.logprobs_mode == "raw" else processed
@@ -69,16 +70,26 @@ class Sampler:
                 out.top_logprobs, out.top_logprob_ids = vals, ids
         return out
 
-    def sample_processed(self, processed: torch.Tensor,
-                         rows: Sequence[SamplingRow]) -> torch.Tensor:
-        """[N, V] processed logits -> [N] long tokens: argmax for greedy rows, else the race
-        of the row's seed at position len(row.history)."""
+    def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """[N, V] logits -> [N] long tokens: a greedy row's argmax (after penalties), a random
+        row's race at position len(row.history) with its seed (or one drawn for it), over its
+        processed logits: masked_race_tokens when a row asks for top-k, top-p or min-p (on CUDA
+        the kernel a masked graph runs, so eager steps and graphs draw the same tokens), else
+        race_tokens with the temperature (the kernel a sampled graph runs)."""
+        penalized = apply_penalties(logits.to(torch.float32, copy=True), rows)
         if all(r.is_greedy for r in rows):
-            return processed.argmax(dim=-1)
-        words = [-1 if r.is_greedy else
-                 seed_word(r.seed if r.seed is not None else self.seed_for_unseeded())
-                 for r in rows]
-        dev = processed.device
-        return race_tokens(processed, torch.tensor(words, dtype=torch.int64, device=dev),
-                           torch.tensor([len(r.history) for r in rows], dtype=torch.int64,
-                                        device=dev))
+            return penalized.argmax(dim=-1)
+        dev = penalized.device
+        words = torch.tensor([-1 if r.is_greedy else
+                              seed_word(r.seed if r.seed is not None else self.seed_for_unseeded())
+                              for r in rows], dtype=torch.int64, device=dev)
+        positions = torch.tensor([len(r.history) for r in rows], dtype=torch.int64, device=dev)
+        temps, top_k, top_p, min_p = zip(*(effective_params(r.params) for r in rows))
+        temps = torch.tensor(temps, dtype=torch.float32, device=dev)
+        if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p) or any(m > 0 for m in min_p):
+            return masked_race_tokens(
+                penalized, words, positions, temps,
+                torch.tensor(top_k, dtype=torch.int64, device=dev),
+                torch.tensor(top_p, dtype=torch.float32, device=dev),
+                torch.tensor(min_p, dtype=torch.float32, device=dev))
+        return race_tokens(penalized, words, positions, temperature=temps)

@@ -322,3 +322,26 @@ def test_argmax_chunks_kernel_compiles(race, temp):
     assert ("xor.b32" in ptx) == race and ("mul.lo.s32" in ptx) == race
     assert "shr.s32" not in ptx
     assert ("div.rn.f32" in ptx) == temp and "div.full.f32" not in ptx
+
+
+@pytest.mark.parametrize("logits", ["fp32", "bf16"])
+def test_masked_race_kernels_compile(logits):
+    """kernels/masked_race.py: the chunks' pass (the race's hash and an IEEE division, as the
+    argmax's) and the descent (a while loop around passes over the row; the top-k bisection's
+    unsigned compares of ordered keys, logical shifts only)."""
+    from outpace.kernels.masked_race import _descent_kernel, _race_chunks_kernel
+    part = {"ybest_ptr": "fp32", "yidx_ptr": "i32", "xmax_ptr": "fp32", "zsum_ptr": "fp32"}
+    k1 = compile_for_h200(_race_chunks_kernel, {
+        "x_ptr": logits, "y_ptr": "fp32", **part, "words_ptr": "i64", "pos_ptr": "i64",
+        "temp_ptr": "fp32"}, (), {"CHUNK": 2048, "USE_PDL": True}, num_warps=4)
+    ptx = k1.asm["ptx"]
+    assert k1.asm["cubin"] and "griddepcontrol.wait" in ptx and "div.rn.f32" in ptx
+    assert "xor.b32" in ptx and "shr.s32" not in ptx
+    k2 = compile_for_h200(_descent_kernel, {
+        "x_ptr": logits, "y_ptr": "fp32", **part, "words_ptr": "i64", "temp_ptr": "fp32",
+        "topk_ptr": "i64", "topp_ptr": "fp32", "minp_ptr": "fp32", "out_ptr": "i64"}, (),
+        {"CBLOCK": 32, "CHUNK": 2048, "USE_PDL": True}, num_warps=8)
+    ptx = k2.asm["ptx"]
+    assert k2.asm["cubin"] and "griddepcontrol.wait" in ptx and "div.rn.f32" in ptx
+    assert "setp.ge.u32" in ptx or "setp.lt.u32" in ptx  # the keys compare unsigned
+    assert "shr.s32" not in ptx

@@ -713,6 +713,29 @@ def check_argmax_race(dtype, rows, vocab, with_temp):
         assert not torch.equal(got, argmax_ref(x, race=race._replace(temperature=None)))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,vocab,chunk", [(14, 300, 2048), (28, 300, 64), (6, 2500, 2048)])
+def check_masked_race(dtype, rows, vocab, chunk, monkeypatch):
+    """kernels/masked_race.py against race_tokens over apply_sampling_params' masks: top-k,
+    top-p, min-p and their combinations, greedy rows, ties, -inf entries, one chunk or many
+    (the passes skip chunks below the current token; tests/unit/masked_race_cases.py); the
+    masks changed the draw in some rows."""
+    from outpace.kernels import masked_race
+    from outpace.kernels.masked_race import masked_race_triton
+    from outpace.sample.race import race_tokens
+    from tests.unit.masked_race_cases import assert_matches_reference, make_case
+    monkeypatch.setattr(masked_race, "CHUNK", chunk)
+    changed = 0
+    for seed in range(3):
+        case = make_case(rows, vocab, seed + rows, dtype)
+        got = masked_race_triton(*case, pos_offset=1)
+        assert_matches_reference(got, case, pos_offset=1)
+        logits, words, positions, temp = case[:4]
+        changed += int((got != race_tokens(logits.float(), words, positions, temperature=temp,
+                                           pos_offset=1)).sum())
+    assert changed >= 3
+
+
 @pytest.mark.parametrize("num_also", [1, 2])
 def check_argmax_also_writes_strided_columns(num_also):
     """The ids (with offsets) land in the result and in columns of wider int64 tensors (the
