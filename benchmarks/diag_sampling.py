@@ -133,16 +133,18 @@ def main() -> None:
                 print(f"  {us:8.2f} us  x{count:<3d} {kname}", flush=True)
     if args.sweep:
         from outpace.kernels import masked_race
-        for block, warps in ((2048, 8), (2048, 16), (4096, 8), (4096, 16), (4096, 32),
-                             (8192, 16)):
-            masked_race.CHUNK, masked_race.DESCENT_WARPS = block, warps
+        shapes = [(block, warps, masked_race.SPAN) for block, warps in
+                  ((2048, 8), (2048, 16), (4096, 8), (4096, 16), (4096, 32), (8192, 16))]
+        shapes += [(4096, 32, span) for span in (1, 2, 8)]
+        for block, warps, span in shapes:
+            masked_race.CHUNK, masked_race.DESCENT_WARPS, masked_race.SPAN = block, warps, span
             for n in (1, 32):
                 fns = variants(n)
                 for name in ("masked", "masked_top_k", "masked_top_k_top_p"):
                     us = time_graph(fns[name])[1]
-                    out["us_per_call"][f"sweep_{block}_{warps}_{name}_n{n}"] = round(us, 2)
-                    print(f"BLOCK {block} warps {warps} n={n:3d} {name:20s} {us:8.2f} us",
-                          flush=True)
+                    out["us_per_call"][f"sweep_{block}_{warps}_{span}_{name}_n{n}"] = round(us, 2)
+                    print(f"CHUNK {block} warps {warps} SPAN {span} n={n:3d} {name:20s} "
+                          f"{us:8.2f} us", flush=True)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "diag_sampling.json").write_text(json.dumps(out, indent=1))
 

@@ -46,6 +46,7 @@ except Exception:  # pragma: no cover
 # warps (one program a row): the fastest of diag_sampling.py --sweep (H200, run 29)
 CHUNK = 4096
 DESCENT_WARPS = 32
+SPAN = 4  # chunks a step of the top-k bisection reads at once
 
 
 if triton is not None:
@@ -99,10 +100,12 @@ if triton is not None:
 
     @triton.jit
     def _top_k_mass(x_ptr, row, stride_x, V, num_chunks, xm, offs, t, m, k,
-                    CHUNK: tl.constexpr):
+                    CHUNK: tl.constexpr, SPAN: tl.constexpr):
         # sum of exp(x - m) over the top-k set (ties at the k-th value: the lower ids): the k-th
         # largest x by bisection of its ordered key (the largest key with >= k at or above it).
-        # A step reads only chunks whose maximum (xm) reaches the trial key, and stops at k.
+        # A step reads SPAN chunks at a time (more loads in flight: one program streams the
+        # row 32 times), only spans with a chunk whose maximum (xm) reaches the trial key, and
+        # stops at k.
         key_max = _ordered_key(xm)
         key = tl.full((), 0, tl.uint32)
         bit = tl.full((), 0x80000000, tl.uint32)
@@ -113,11 +116,11 @@ if triton is not None:
             count = tl.zeros((), tl.int32)
             c = 0
             while (c < num_chunks) & (count < k):
-                if ((visit >> c) & 1) != 0:
-                    cols = c * CHUNK + tl.arange(0, CHUNK)
+                if ((visit >> c) & ((1 << SPAN) - 1)) != 0:
+                    cols = c * CHUNK + tl.arange(0, SPAN * CHUNK)
                     kx = _ordered_key(_x_block(x_ptr, row, stride_x, cols, V, t))
                     count += tl.sum(((cols < V) & (kx >= trial)).to(tl.int32), axis=0)
-                c += 1
+                c += SPAN
             key = tl.where(count >= k, trial, key)
         bits = tl.where((key >> 31) != 0, key & 0x7FFFFFFF, ~key)
         xk = bits.to(tl.float32, bitcast=True)
@@ -138,7 +141,7 @@ if triton is not None:
     def _descent_kernel(x_ptr, y_ptr, ybest_ptr, yidx_ptr, xmax_ptr, zsum_ptr, words_ptr,
                         temp_ptr, topk_ptr, topp_ptr, minp_ptr, out_ptr, V, stride_x,
                         num_chunks, CBLOCK: tl.constexpr, CHUNK: tl.constexpr,
-                        USE_PDL: tl.constexpr):
+                        SPAN: tl.constexpr, USE_PDL: tl.constexpr):
         wait_then_release(USE_PDL)
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, CBLOCK)
@@ -159,10 +162,9 @@ if triton is not None:
             zc = tl.load(zsum_ptr + parts, mask=cm, other=0.0)
             m = tl.max(xm, axis=0)
             total = tl.sum(tl.where(zc > 0.0, zc * tl.exp(xm - m), 0.0), axis=0)
-            if (k > 0) & (k < V) & (p < 1.0):  # top-p renormalises over the top-k set
-                total = _top_k_mass(x_ptr, row, stride_x, V, num_chunks, xm, offs, t, m, k,
-                                    CHUNK)
-            p_mass = p * total
+            # With top-k, top-p renormalises over the top-k set, whose mass costs a bisection
+            # (~0.2 ms at one row); until a token's fate needs it, bounds on it decide
+            lazy = ((k > 0) & (k < V) & (p < 1.0)).to(tl.int32)
             floor = tl.where(min_p > 0.0, m + tl.log(min_p), float("-inf"))
             xw = tl.math.div_rn(tl.load(x_ptr + row * stride_x + w).to(tl.float32), t)
             # min-p alone needs no pass while w is kept
@@ -192,8 +194,21 @@ if triton is not None:
                 n_above = tl.sum(count, axis=0)
                 by = tl.max(next_y, axis=0)
                 next_w = tl.min(tl.where(next_y == by, next_i, V), axis=0)
+                m_above = tl.sum(mass, axis=0)
+                p_mass = p * total
+                if (lazy != 0) & (n_above < k):
+                    # w is in the top-k set, and so are the tokens above it: its mass lies
+                    # between theirs + w's and that + w's for each top-k token below w
+                    e_w = tl.exp(xw - m)
+                    p_mass = p * (m_above + e_w)
+                    upper = tl.minimum(total, m_above + (k - n_above).to(tl.float32) * e_w)
+                    if (m_above >= p_mass) & (m_above < p * upper):
+                        total = _top_k_mass(x_ptr, row, stride_x, V, num_chunks, xm, offs, t,
+                                            m, k, CHUNK, SPAN)
+                        lazy = 0
+                        p_mass = p * total
                 kept = ((xw >= floor) & ((k <= 0) | (n_above < k))
-                        & ((p >= 1.0) | (tl.sum(mass, axis=0) < p_mass)))
+                        & ((p >= 1.0) | (m_above < p_mass)))
                 # nothing ranks above w: it is the top-1, always kept (this also ends the loop
                 # on a row of NaN, where nothing compares)
                 if kept | (n_above == 0) | (next_w >= V):
@@ -229,6 +244,6 @@ def masked_race_triton(logits: torch.Tensor, seed_words: torch.Tensor, positions
                                 logits.stride(0), n, pos_offset, CHUNK=chunk, num_warps=4, **opts)
     _descent_kernel[(r,)](logits, y, ybest, yidx, xmax, zsum, words, temp, top_k.contiguous(),
                           top_p.contiguous(), min_p.contiguous(), out, v, logits.stride(0), n,
-                          CBLOCK=max(16, next_pow2(n)), CHUNK=chunk, num_warps=DESCENT_WARPS,
-                          **opts)
+                          CBLOCK=max(16, next_pow2(n)), CHUNK=chunk, SPAN=SPAN,
+                          num_warps=DESCENT_WARPS, **opts)
     return out

@@ -17,6 +17,7 @@ Interpreter limits worked around here (the GPU tests cover what is left out):
 from __future__ import annotations
 
 import dataclasses
+import math
 import importlib.util
 import os
 import pathlib
@@ -207,6 +208,18 @@ if IN_CHILD:
     from outpace.kernels.store_kv import store_kv_triton
     from tests.unit.kernel_cases import COMPOSITIONS, make_batch
     from tests.unit.kernel_cases import check_attention as verify_attention
+    import triton
+    import triton.language as tl
+    from outpace.kernels.masked_race import _top_k_mass
+
+    @triton.jit
+    def _top_k_mass_probe(x_ptr, xmax_ptr, out_ptr, V, num_chunks, t, m, k,
+                          CBLOCK: tl.constexpr, CHUNK: tl.constexpr, SPAN: tl.constexpr):
+        # masked_race._top_k_mass of one row x (stride V) with its chunk maxima, into out
+        offs = tl.arange(0, CBLOCK)
+        xm = tl.load(xmax_ptr + offs, mask=offs < num_chunks, other=float("-inf"))
+        tl.store(out_ptr, _top_k_mass(x_ptr, 0, V, V, num_chunks, xm, offs, t, m, k, CHUNK,
+                                      SPAN))
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 ULP_BF16 = 2.0 ** -7  # largest relative spacing of bf16 numbers
@@ -734,6 +747,30 @@ def check_masked_race(dtype, rows, vocab, chunk, monkeypatch):
         changed += int((got != race_tokens(logits.float(), words, positions, temperature=temp,
                                            pos_offset=1)).sum())
     assert changed >= 3
+
+
+@pytest.mark.parametrize("vocab,chunk", [(300, 64), (5000, 256), (2500, 4096)])
+def check_masked_race_top_k_mass(vocab, chunk):
+    """The top-k set's mass (what top-p renormalises over when both are set), as the descent
+    computes it (a bisection that skips chunks below its trial key, SPAN chunks a read,
+    stopping at k), against the sum over the sort's first k: k of 1 .. vocab, ties."""
+    from outpace.kernels import next_pow2
+    from outpace.kernels.masked_race import SPAN
+    g = torch.Generator().manual_seed(vocab)
+    for row in range(6):
+        x = torch.randn(vocab, generator=g) * (1 + row)
+        if row % 2:
+            x = x.round()  # ties at the k-th value
+        n = -(-vocab // chunk)
+        xmax = torch.nn.functional.pad(x, (0, n * chunk - vocab), value=-math.inf)
+        xmax = xmax.view(n, chunk).max(-1).values
+        m = float(x.max())
+        for k in (1, 7, 64, vocab - 1):
+            out = torch.zeros(1)
+            _top_k_mass_probe[(1,)](x, xmax, out, vocab, n, 1.0, m, k,
+                                    CBLOCK=max(16, next_pow2(n)), CHUNK=chunk, SPAN=SPAN)
+            want = torch.exp(x.sort(descending=True).values[:k].double() - m).sum()
+            assert abs(float(out) - float(want)) <= 1e-5 * float(want), (row, k, out, want)
 
 
 @pytest.mark.parametrize("num_also", [1, 2])
