@@ -7,6 +7,8 @@
     small_linear.py  few-row (M <= 16) projections with the norm, residual add, silu * mul or
                  rope + KV store fused in, and silu_mul (kernels in small_linear_kernels.py)
     argmax.py    argmax_rows: two-pass row argmax of logits (+ offsets[idx]: EAGLE-3's d2t)
+    masked_race.py  masked_race_triton: the sampling race over the top-k / top-p / min-p
+                 nucleus without a sort (reference: sample/race.masked_race_tokens' CPU path)
     head_input.py  embed_norm_cat: a draft head's [rms_norm(embedding), rms_norm(hidden)] input
     step_glue.py the fused decode step's bookkeeping: chained_inputs, accept, loop_inputs
     pdl.py       programmatic dependent launch: launch_options, wait_then_release

@@ -4,11 +4,12 @@ what a sampled graph stages for them, and the tokens it draws.
 Greedy, sampled and masked graphs share their keys (bucket, q, kd, chained) and differ only in
 how a row's token is chosen from the LM head's logits: the argmax; the race of sample/race.py
 with the request's temperature, seed and the position sampled, all inside the argmax kernel; or
-that after top-k / top-p / min-p (`apply_sampling_params`, the general path's masks). A step pays
-only for what its requests ask: the masks' stable sort of every row and the small kernels around
-it cost ~0.1 ms at batch 1, the temperature and the race ~5 us (benchmarks/diag_sampling.py).
-Each token equals the one the general path (runner/sampling_step.py) draws for the same seed and
-position, so accept's strict prefix match verifies sampled drafts exactly as greedy ones.
+that race over the top-k / top-p / min-p nucleus (`masked_race_tokens`: kernels/masked_race.py,
+no sort). A step pays only for what its requests ask: the temperature and the race ~5 us at
+batch 1, the masks ~20 us (the stable sort they took before run 29: ~0.1 ms;
+benchmarks/diag_sampling.py). Each token equals the one the general path
+(runner/sampling_step.py, the same kernels on CUDA) draws for the same seed and position, so
+accept's strict prefix match verifies sampled drafts exactly as greedy ones.
 """
 
 from __future__ import annotations
@@ -80,8 +81,8 @@ class FusedSampling:
     def _sample(self, hidden, pos, bucket: int, q: int, masks: bool) -> torch.Tensor:
         """[n] tokens of a sampled graph: greedy rows' argmax, the others' race (their
         temperature, and with `masks` top-k, top-p, min-p; keyed by their seed and the position
-        sampled, pos + 1), as SamplingStep computes them (process_logits applies the masks when
-        a row asks for one, to every row: a mask that keeps everything is an exact no-op).
+        sampled, pos + 1), as SamplingStep computes them (Sampler.sample: the masked race for
+        every row when a row asks for a mask; a mask that keeps everything changes nothing).
         Without masks the temperature, the keys and the noise are all in the argmax kernel."""
         logits = self.model.compute_logits(hidden)  # [n, V] float32
 
