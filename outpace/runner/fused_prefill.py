@@ -7,12 +7,14 @@ states (`prefill_drafts`). Eagerly that pass and loop were ~40 Triton launches f
 microseconds of GPU work each: most of a head engine's batch-1 TTFT (5.6-15 ms against
 no-spec's 1.6, run 10).
 
-Where steps chain, a greedy prefill step that samples is launched like a decode step instead
-(`launch_prefill`): the prefill graph, then a tail graph that takes the token as the argmax of
-the prefill graph's logits, runs the head's pass and draft loop from it, and leaves token,
-drafts and position in the carry and in an output laid out as a one-token decode step's. So the
-first decode step chains from the prefill too, rather than waiting for the host to read the
-token (run 16: that unchained step took 1.0 / 1.2 ms against 0.55 / 0.77 chained).
+Where steps chain, a prefill step that samples is launched like a decode step instead
+(`launch_prefill`): the prefill graph, then a tail graph that takes the token from the prefill
+graph's logits (the argmax, or the race of a sampled or masked graph: one tail per sampling
+family, as the decode graphs have), runs the head's pass and draft loop from it, and leaves
+token, drafts and position in the carry and in an output laid out as a one-token decode step's.
+So the first decode step chains from the prefill too, rather than waiting for the host to read
+the token (run 16: that unchained step took 1.0 / 1.2 ms against 0.55 / 0.77 chained; a sampled
+request's prefill took the general path until run 29: TTFT 2.2 ms against greedy's 1.4).
 
 Varlen (a head only): a step that replays a varlen graph of T tokens (several prompts' chunks,
 chunks beside decodes) samples on the host, then replays the head's graph for T
@@ -33,7 +35,7 @@ import torch
 
 from outpace.attention.base import ForwardContext
 from outpace.kernels.argmax import argmax_rows
-from outpace.sample.logits_processing import SAMPLING_EPS
+from outpace.runner.fused_sampling import GREEDY, MASKED, sampling_mode
 
 if TYPE_CHECKING:
     from outpace.runner.fused_step import Launched
@@ -47,8 +49,8 @@ class FusedPrefill:
         # Prefill: (q, kd) -> (graph, (drafts [1, kd],) or ()), and what the host fills in:
         # the token after every row, the row whose head output drafts (prefill_drafts).
         self._prefill_heads: dict = {}
-        # A greedy prefill's end where steps chain: (q, kd) -> (graph, packed [1, 2 + kd])
-        # (launch_prefill)
+        # A prefill's end where steps chain: (sampling mode, q, kd) -> (graph, packed
+        # [1, 2 + kd]) (launch_prefill)
         self._prefill_tails: dict = {}
         self.prefill_launches = 0  # prefill steps launched that way (tests read it)
         # prefill_next_ids and prefill_last_row: staged buffers made in FusedStep.__init__
@@ -69,8 +71,10 @@ class FusedPrefill:
                 if (q, kd) not in self._prefill_heads:
                     self._prefill_heads[(q, kd)] = self._capture_prefill_head(q, kd)
             kd = self.draft_steps(1)
-            if self.chainable and (q, kd) not in self._prefill_tails:
-                self._prefill_tails[(q, kd)] = self._capture_prefill_head(q, kd, tail=True)
+            for mode in self._by_mode if self.chainable else ():
+                if (mode, q, kd) not in self._prefill_tails:
+                    self._prefill_tails[(mode, q, kd)] = self._capture_prefill_head(
+                        q, kd, tail=True, mode=mode)
         for t in self.graphs.varlen_graphs if self.head is not None else ():
             for kd in sorted({0, self.varlen_kd}):
                 if (t, kd) not in self._varlen_heads:
@@ -163,16 +167,19 @@ class FusedPrefill:
             return outs if kd else ()
         return self.graphs.capture(fn)
 
-    def _capture_prefill_head(self, q: int, kd: int, tail: bool = False):
+    def _capture_prefill_head(self, q: int, kd: int, tail: bool = False,
+                              mode: str = GREEDY):
         """The head's pass and kd drafts over prefill graph q's hidden states, from the
-        host's next ids (prefill_drafts). With `tail`, a greedy prefill's whole end
-        (launch_prefill): its token, the argmax of the graph's logits, follows the sampled
-        row; then the head (if any) drafts, and the token and drafts land in the output
-        [1, 2 + kd] laid out as a decode step's (token | 0 accepted | drafts) and, with the
-        token's position, in the carry that the next (chained) step starts from."""
+        host's next ids (prefill_drafts). With `tail`, a prefill's whole end (launch_prefill):
+        its token, from the graph's logits as a decode graph of `mode` draws it (the argmax,
+        or the race with the staged sampling of row 0), follows the sampled row; then the
+        head (if any) drafts, and the token and drafts land in the output [1, 2 + kd] laid
+        out as a decode step's (token | 0 accepted | drafts) and, with the token's position,
+        in the carry that the next (chained) step starts from."""
         _, hidden, aux, logits = self.graphs.prefill_graphs[q]
         buf = self.inputs
         self.graphs.fill_dummy(1, q)
+        self._greedy_rows(1)
         self.prefill_next_ids.zero_()
         self.prefill_last_row.zero_()  # the loop then stays at positions 1 .. kd - 1
         # the prefill graph's own metadata (full-width block table, static bounds)
@@ -183,7 +190,12 @@ class FusedPrefill:
             first = pos.index_select(0, self.prefill_last_row)
             if tail:
                 packed = torch.zeros(1, 2 + kd, dtype=torch.long, device=pos.device)
-                tok = argmax_rows(logits, also=(packed[:, 0], self.carry_tokens[:1, 0]))
+                if mode == GREEDY:
+                    tok = argmax_rows(logits, also=(packed[:, 0], self.carry_tokens[:1, 0]))
+                else:  # the token at first + 1, drawn as the decode graphs of `mode` draw
+                    tok = self._sample_logits(logits, first, 1, 1, masks=mode == MASKED)
+                    packed[:, 0].copy_(tok)
+                    self.carry_tokens[:1, 0].copy_(tok)
                 if self.head is not None:
                     self.prefill_next_ids[:q].index_copy_(0, self.prefill_last_row, tok)
                 torch.add(first, 1, out=self.carry_pos[:1])
@@ -200,29 +212,35 @@ class FusedPrefill:
         return self.graphs.capture(fn)
 
     def can_launch_prefill(self, plan, q: int) -> bool:
-        """Whether launch_prefill serves plan (one greedy request's prefill chunk that samples,
-        padded to prefill graph q: its tail takes the argmax)."""
-        return (plan.scheduled[0].sample
-                and plan.scheduled[0].request.sampling_params.temperature < SAMPLING_EPS
-                and (q, self.draft_steps(plan.draft_batch_size)) in self._prefill_tails)
+        """Whether launch_prefill serves plan (one request's prefill chunk that samples, padded
+        to prefill graph q, with a tail of its sampling family)."""
+        sr = plan.scheduled[0]
+        return sr.sample and (sampling_mode([sr.request.sampling_params]), q,
+                              self.draft_steps(plan.draft_batch_size)) in self._prefill_tails
 
     @torch.inference_mode()
     def launch_prefill(self, plan, hb, q: int) -> Launched:
-        """A greedy prefill step launched like a decode step, so that the first decode step
-        chains from it on the device (LLMEngine._chain) instead of waiting for the host: the
-        prefill graph, then its tail graph (its token, the head's pass and drafts, the
-        carry). Its output reads as a decode step's of one token (collect)."""
+        """A prefill step launched like a decode step, so that the first decode step chains
+        from it on the device (LLMEngine._chain) instead of waiting for the host: the prefill
+        graph, then its tail graph (its token, the head's pass and drafts, the carry). Its
+        output reads as a decode step's of one token (collect); a sampled request's chained
+        steps replay its family's graphs with the sampling staged here."""
         t0 = time.perf_counter()
         kd = self.draft_steps(plan.draft_batch_size)
         n = plan.scheduled[0].num_new_tokens
+        mode = sampling_mode([plan.scheduled[0].request.sampling_params])
         extra = [(self.prefill_last_row, np.array([n - 1], np.int64)),
                  (self.real, np.ones(1, bool))]
+        if mode != GREEDY:
+            extra += self._sampling_rows(plan, 1)
         if self.head is not None:  # the token after each row; the last one's is the sample
             next_ids = np.zeros(q, np.int64)
             next_ids[:n - 1] = hb.input_ids[1:n]
             extra.append((self.prefill_next_ids, next_ids))
         self.graphs.run_prefill(hb, extra=tuple(extra))  # staged with the batch
         self.prefill_launches += 1
-        return self._replay((1, 1, kd, False), [plan.scheduled[0].request.request_id], t0,
-                            entry=self._prefill_tails[(q, kd)], prefill=True)
+        launched = self._replay((1, 1, kd, False), [plan.scheduled[0].request.request_id], t0,
+                                entry=self._prefill_tails[(mode, q, kd)], prefill=True)
+        launched.mode = mode
+        return launched
 

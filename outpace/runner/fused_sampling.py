@@ -84,8 +84,10 @@ class FusedSampling:
         sampled, pos + 1), as SamplingStep computes them (Sampler.sample: the masked race for
         every row when a row asks for a mask; a mask that keeps everything changes nothing).
         Without masks the temperature, the keys and the noise are all in the argmax kernel."""
-        logits = self.model.compute_logits(hidden)  # [n, V] float32
+        return self._sample_logits(self.model.compute_logits(hidden), pos, bucket, q, masks)
 
+    def _sample_logits(self, logits, pos, bucket: int, q: int, masks: bool) -> torch.Tensor:
+        """_sample from the [n, V] logits (n = bucket * q rows at positions pos)."""
         def per_row(t):  # [bucket] -> [n], each request's value on its q rows
             return t[:bucket, None].expand(bucket, q).reshape(-1)
         temp, words = per_row(self.sample_temp), per_row(self.sample_seed)

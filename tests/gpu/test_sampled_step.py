@@ -95,6 +95,24 @@ def test_sampled_graph_replay_equals_eager_and_cpu(cuda_loaded, cuda_heads, meth
     assert sum(a != b for a, b in zip(got, run_batch(graphed, prompts, GREEDY))) >= 3
 
 
+@pytest.mark.parametrize("mode", ["masked", "sample"])
+@pytest.mark.parametrize("method,k", [(None, 0), ("eagle3", 3), ("mtp", 2)])
+def test_sampled_prefill_launched_like_a_decode_step(cuda_loaded, cuda_heads, method, k, mode):
+    """One request at a time: a sampled prefill is launched like a decode step (its family's
+    prefill tail draws the token on the device) and its decode steps chain from it; tokens
+    equal the eager engine's."""
+    spec = spec_for(cuda_heads, method, k)
+    eager = gpu_engine(cuda_loaded, spec, eager=True)
+    graphed = gpu_engine(cuda_loaded, spec, eager=False)
+    fused = graphed.runner.fused
+    for n, (prompt, p) in enumerate(zip(repetitive_prompts(3, 14), params_for(range(5), mode))):
+        if p.temperature == 0:
+            continue
+        launches, chained = fused.prefill_launches, fused.chained
+        assert run_batch(graphed, [prompt], p) == run_batch(eager, [prompt], p), n
+        assert fused.prefill_launches - launches == 1 and fused.chained - chained >= 10
+
+
 @pytest.mark.parametrize("method,k", CASES[1:], ids=[f"{m}-k{k}" for m, k in CASES[1:]])
 def test_sampled_output_is_the_same_with_and_without_speculation(cuda_loaded, cuda_heads,
                                                                  method, k):

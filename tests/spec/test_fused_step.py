@@ -270,6 +270,36 @@ def test_sampled_output_is_the_same_with_and_without_speculation(
         assert spec.stats["spec"]["num_accepted_tokens"] > 0
 
 
+@pytest.mark.parametrize("mode", ["masked", "sample"])
+@pytest.mark.parametrize("method,k", [(None, 0), ("eagle3", 2), ("mtp", 2)])
+def test_sampled_prefill_launched_like_a_decode_step(tiny_loaded, tiny_heads,
+                                                     fake_graph_capture, method, k, mode):
+    """A sampled request's prefill is launched like a decode step too (its family's prefill
+    tail draws the token on the device, the race with the request's seed and position), and
+    its decode steps chain from it in that family's graphs: token for token the eager
+    engine's, seeded or not."""
+    spec = spec_for(tiny_heads, method, k)
+    eng = make_engine(tiny_loaded, speculative_config=spec, overlap=True, **SMALL)
+    enable_graphs(eng, k)
+    eager = make_engine(tiny_loaded, speculative_config=spec, **SMALL)
+    fused = eng.runner.fused
+    prompts = repetitive_prompts(3, 13, period=4, repeats=3)  # one chunk each
+    # hot enough that a token drawn with the wrong key (seed, position) would differ
+    hot = dict(max_tokens=12, ignore_eos=True)
+    params = ([SamplingParams(temperature=4.0, top_p=0.95, seed=1, **hot),
+               SamplingParams(temperature=5.0, top_k=12, **hot),
+               SamplingParams(temperature=3.0, min_p=0.01, seed=2, **hot)] if mode == "masked"
+              else [SamplingParams(temperature=t, seed=s, **hot)
+                    for t, s in ((4.0, 1), (5.0, None), (3.0, 2))])
+    for n, (prompt, p) in enumerate(zip(prompts, params)):
+        launches, chained, steps = fused.prefill_launches, fused.chained, fused.mode_steps[mode]
+        got = run_batch(eng, [prompt], p)
+        assert got == run_batch(eager, [prompt], p), n
+        assert fused.prefill_launches - launches == 1, (n, len(prompt))
+        assert fused.chained - chained >= 1 and fused.mode_steps[mode] - steps >= 5
+    assert eng.stats()["spec"] == eager.stats()["spec"]
+
+
 def test_warm_up_leaves_nothing_behind(tiny_loaded, tiny_heads):
     """LLMEngine.warm_up (run at start-up on CUDA) leaves no request, block or count behind,
     and the engine's outputs afterwards are those of a fresh engine."""
@@ -409,7 +439,7 @@ def test_prefill_launched_like_a_decode_step(tiny_loaded, tiny_heads, fake_graph
         while tokens is None:  # the prefill's steps, up to the one that samples
             outs += eng.step()
             tokens = next((o.token_ids for o in outs if o.token_ids), None)
-        assert fused.prefill_launches - launches == 1
+        assert fused.prefill_launches - launches == 1, (n, len(prompt))
         assert (fused.chained - chained, eng._inflight is not None) == (want_chained,
                                                                          want_inflight)
         while eng.has_unfinished_requests():
