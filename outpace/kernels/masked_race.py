@@ -19,11 +19,13 @@ large vocabularies take wider chunks). The unmasked race's winner is kept with p
 so a row takes ~1-2 passes (top-k alone over a flat row ~log2(V / k): each step lands about
 halfway up).
 
-With top-k and top-p together, top-p renormalises over the top-k set, whose mass M_k costs a
-bisection of the k-th largest x (32 counting passes: ~0.2 ms for one program streaming a
-49152-entry row). So a token inside the top-k set is first judged by bounds: M_k lies between
+With top-k and top-p together, top-p renormalises over the top-k set, whose mass M_k needs the
+k-th largest x. So a token inside the top-k set is first judged by bounds: M_k lies between
 the mass above w plus w's, and that plus w's for every top-k token below w (and below the
-row's total). Only a token between the two verdicts pays the bisection, once a row.
+row's total). Only a token between the two verdicts needs M_k, once a row: one pass keeps each
+lane's two largest x, a bisection in registers finds their k-th largest, and a count of the
+row at or above it confirms it is the row's (else, when a lane holds three of the top k, a
+bisection streaming the row: 32 counting passes, ~0.2 ms at 49152 ids).
 
 Rounding: masses are float32 sums in this kernel's own order, where the sort path sums in rank
 order, so a token whose mass ranked above it lies within rounding of p * total may be kept by
@@ -35,8 +37,8 @@ Two launches: `_race_chunks_kernel` (a program per CHUNK columns, like the argma
 the noisy y stored for the loop, each chunk's best y, max x and sum of exp(x - max)), then
 `_descent_kernel` (a program per row: the chunks' totals, the loop). Measured on the H200
 (benchmarks/diag_sampling.py, 49152 ids, run 29): top-p 0.9 + min-p at 1 / 32 rows 23 / 43 us
-against the sort path's 101 / 341; top-k 50 20 / 42 against 108 / 350; top-k + top-p 23 us at
-1 row, ~0.2 ms from 8 rows (a row whose token needed the bisection) against 108 / 349.
+against the sort path's 101 / 341; top-k 50 20 / 42 against 108 / 350; top-k 50 + top-p 0.9
+23 / 62 / 65 us at 1 / 8 / 32 rows (from 8 rows some row needs M_k) against 111 / 218 / 350.
 """
 
 from __future__ import annotations
@@ -109,14 +111,30 @@ if triton is not None:
                       axis=0)
 
     @triton.jit
-    def _top_k_mass(x_ptr, row, stride_x, V, num_chunks, xm, offs, t, m, k,
-                    CHUNK: tl.constexpr, SPAN: tl.constexpr):
-        # sum of exp(x - m) over the top-k set (ties at the k-th value: the lower ids): the k-th
-        # largest x by bisection of its ordered key (the largest key with >= k at or above it).
-        # A step reads SPAN chunks at a time (more loads in flight: one program streams the
-        # row 32 times), only spans with a chunk whose maximum (xm) reaches the trial key, and
-        # stops at k.
-        key_max = _ordered_key(xm)
+    def _key_value(key):
+        # _ordered_key's inverse
+        bits = tl.where((key >> 31) != 0, key & 0x7FFFFFFF, ~key)
+        return bits.to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _kth_key_of(keys_a, keys_b, k):
+        # the largest key with >= k of keys_a and keys_b at or above it: the k-th largest of
+        # them, by bisection in registers
+        key = tl.full((), 0, tl.uint32)
+        bit = tl.full((), 0x80000000, tl.uint32)
+        for _ in range(32):
+            trial = key | bit
+            bit = bit >> 1
+            count = tl.sum((keys_a >= trial).to(tl.int32) + (keys_b >= trial).to(tl.int32),
+                           axis=0)
+            key = tl.where(count >= k, trial, key)
+        return key
+
+    @triton.jit
+    def _kth_key_streamed(x_ptr, row, stride_x, V, num_chunks, key_max, offs, t, k,
+                          CHUNK: tl.constexpr, SPAN: tl.constexpr):
+        # the row's k-th largest key by bisection over the row itself: a step reads SPAN chunks
+        # at a time, only spans with a chunk whose maximum reaches the trial, and stops at k
         key = tl.full((), 0, tl.uint32)
         bit = tl.full((), 0x80000000, tl.uint32)
         for _ in range(32):
@@ -132,8 +150,37 @@ if triton is not None:
                     count += tl.sum(((cols < V) & (kx >= trial)).to(tl.int32), axis=0)
                 c += SPAN
             key = tl.where(count >= k, trial, key)
-        bits = tl.where((key >> 31) != 0, key & 0x7FFFFFFF, ~key)
-        xk = bits.to(tl.float32, bitcast=True)
+        return key
+
+    @triton.jit
+    def _top_k_mass(x_ptr, row, stride_x, V, num_chunks, xm, offs, t, m, k,
+                    CHUNK: tl.constexpr, SPAN: tl.constexpr):
+        # sum of exp(x - m) over the top-k set (ties at the k-th value: the lower ids), from
+        # the k-th largest x. One pass keeps each lane's two largest x (a lane: a column of
+        # the chunks); their k-th largest is the row's unless a lane holds three of the top
+        # k, which a count of the row at or above it tells (then: _kth_key_streamed, 32 passes
+        # over the row, ~0.2 ms at 49152 ids).
+        first = tl.full((CHUNK,), float("-inf"), tl.float32)
+        second = tl.full((CHUNK,), float("-inf"), tl.float32)
+        for c in range(num_chunks):
+            x = _x_block(x_ptr, row, stride_x, c * CHUNK + tl.arange(0, CHUNK), V, t)
+            second = tl.where(x > first, first, tl.maximum(second, x))
+            first = tl.maximum(first, x)
+        key_a, key_b = _ordered_key(first), _ordered_key(second)
+        key = _kth_key_of(key_a, key_b, k)
+        kept = tl.sum((key_a >= key).to(tl.int32) + (key_b >= key).to(tl.int32), axis=0)
+        xk = _key_value(key)
+        visit = _chunk_bits((offs < num_chunks) & (xm >= xk), offs)
+        at_or_above = tl.zeros((CHUNK,), tl.int32)
+        for c in range(num_chunks):
+            if ((visit >> c) & 1) != 0:
+                cols = c * CHUNK + tl.arange(0, CHUNK)
+                x = _x_block(x_ptr, row, stride_x, cols, V, t)
+                at_or_above += ((cols < V) & (x >= xk)).to(tl.int32)
+        if tl.sum(at_or_above, axis=0) != kept:
+            key = _kth_key_streamed(x_ptr, row, stride_x, V, num_chunks, _ordered_key(xm), offs,
+                                    t, k, CHUNK, SPAN)
+        xk = _key_value(key)
         visit = _chunk_bits((offs < num_chunks) & (xm > xk), offs)
         above = tl.zeros((CHUNK,), tl.int32)
         mass = tl.zeros((CHUNK,), tl.float32)
