@@ -106,6 +106,11 @@ class SamplingParams:
         return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
                 or self.presence_penalty != 0.0)
 
+    @property
+    def needs_masks(self) -> bool:
+        """Top-k, top-p or min-p asked for (they act only when the request samples)."""
+        return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"

@@ -29,7 +29,7 @@ def sampling_mode(params) -> str:
     mode = GREEDY
     for p in params:
         if p.temperature >= SAMPLING_EPS:
-            if p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0:
+            if p.needs_masks:
                 return MASKED
             mode = SAMPLE
     return mode

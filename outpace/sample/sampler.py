@@ -86,7 +86,7 @@ class Sampler:
         positions = torch.tensor([len(r.history) for r in rows], dtype=torch.int64, device=dev)
         temps, top_k, top_p, min_p = zip(*(effective_params(r.params) for r in rows))
         temps = torch.tensor(temps, dtype=torch.float32, device=dev)
-        if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p) or any(m > 0 for m in min_p):
+        if any(r.params.needs_masks and not r.is_greedy for r in rows):
             return masked_race_tokens(
                 penalized, words, positions, temps,
                 torch.tensor(top_k, dtype=torch.int64, device=dev),
