@@ -73,16 +73,17 @@ def diag_setup(num_prompts: int, extra: tuple = ()):
 
 
 def run_engine(engine, prompts, batch, max_tokens, temperature: float = 0.0,
-               top_p: float = 1.0):
+               top_p: float = 1.0, penalties: dict = None):
     """Submit `batch` requests at once, repeatedly, over `prompts`; -> metrics dict.
-    temperature > 0: sampled (unseeded) at that temperature and top_p."""
+    temperature > 0: sampled (unseeded) at that temperature and top_p. penalties: the
+    requests' repetition / frequency / presence penalties (SamplingParams fields)."""
     from outpace import SamplingParams
     # Offline generation, as HF's generate and LLM.generate: only final outputs (after run 13;
     # per-step outputs cost ~0.4 ms of host a batch-128 step, benchmarks/diag_host.py)
     sampled = dict(temperature=temperature, top_p=top_p) if temperature > 0 else \
         dict(temperature=0.0)
     sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True, output_kind="final_only",
-                        **sampled)
+                        **sampled, **(penalties or {}))
     spec0 = dict(engine.stats()["spec"])
     fused = engine.runner.fused
     fused0 = (fused.replays, dict(fused.timing)) if fused is not None else None
@@ -293,6 +294,7 @@ def make_eagle3_reduced(gguf, tmp, draft_vocab_size: int = 32000) -> Path:
 
 
 EAGER_MIXED = "@eager-mixed"
+GENERAL_PENALTIES = "@general-penalties"  # penalties_off_the_graphs
 
 
 def smol_configs(k, force_means, eagle, mtp, eagle_reduced=None) -> list:
@@ -400,6 +402,8 @@ def section_smol(args, results):
         # "<config>@eager-mixed": that configuration with its varlen graphs dropped, so steps
         # of several prefill chunks (or chunks beside decodes) run eagerly, as before run 24
         pool += [(f"{n}{EAGER_MIXED}", c) for n, c in pool if f"{n}{EAGER_MIXED}" in named]
+        pool += [(f"{n}{GENERAL_PENALTIES}", c) for n, c in pool
+                 if f"{n}{GENERAL_PENALTIES}" in named]
         configs = [c for c in pool if c[0] in named]
     # Process warm-up: the first engine of a process otherwise pays CUDA's lazy module loading
     # and first-use kernel selection inside its timed runs (seen as slow batch-1 prefill). Full
@@ -422,24 +426,27 @@ def section_smol(args, results):
                                   enable_prefix_caching=PREFIX_CACHING, **budget)
         if name.endswith(EAGER_MIXED) and eng.runner.graphs is not None:
             eng.runner.graphs.varlen_graphs.clear()
+        if name.endswith(GENERAL_PENALTIES) and eng.runner.fused is not None:
+            penalties_off_the_graphs(eng.runner.fused)
+        pen = penalties(args)
         spec_k = 0 if spec is None else spec["num_speculative_tokens"]
         # Warm-up at every batch size: Triton compiles a kernel per new tile configuration;
         # the largest batch at full length (a compile there would dwarf its short timed run).
         for b in args.batches:
             run_engine(eng, prompts[:b if b > 1 else args.batch1_requests], b,
                        args.max_tokens if b == max(args.batches) else 4, args.temperature,
-                       args.top_p)
+                       args.top_p, pen)
         for b in args.batches:
             n = b if b > 1 else args.batch1_requests
             # The median of --reps runs: at batch 128 every engine is host-bound, and the
             # device machine's host varies from run to run (run 12: configurations running
             # identical steps there measured 26.6-37.1k tok/s, one run each).
             runs = sorted((run_engine(eng, prompts[:n], b, args.max_tokens, args.temperature,
-                                      args.top_p)
+                                      args.top_p, pen)
                            for _ in range(args.reps)), key=lambda r: r["tok_s"])
             r = runs[len(runs) // 2]
             r.update(system="outpace", config=name, batch=b, k=spec_k,
-                     temperature=args.temperature, top_p=args.top_p,
+                     temperature=args.temperature, top_p=args.top_p, **pen,
                      tok_s_runs=[x["tok_s"] for x in runs],
                      graph_capture_s=round(getattr(eng.runner.graphs, "capture_s", 0.0), 2))
             rows.append(r)
@@ -466,9 +473,27 @@ def fused_graphs(eng, mode: str) -> dict:
 
 def sampling_mode(args) -> str:
     """The fused graphs a run's requests replay (run_engine's SamplingParams)."""
+    masked = args.temperature > 0 and args.top_p < 1.0
+    if penalties(args):
+        return "masked+penalties" if masked else "sample+penalties"
     if args.temperature <= 0:
         return "greedy"
-    return "masked" if args.top_p < 1.0 else "sample"
+    return "masked" if masked else "sample"
+
+
+def penalties(args) -> dict:
+    """The penalties run_engine's requests ask for ({}: none)."""
+    pen = {"repetition_penalty": args.repetition_penalty,
+           "frequency_penalty": args.frequency_penalty}
+    return pen if pen != {"repetition_penalty": 1.0, "frequency_penalty": 0.0} else {}
+
+
+def penalties_off_the_graphs(fused) -> None:
+    """'<config>@general-penalties': steps with a penalized request go to the general path
+    (the fused graphs had no penalties before session 22): the A/B's first arm."""
+    accepts = fused.accepts
+    fused.accepts = lambda plan: accepts(plan) and not any(
+        sr.request.sampling_params.needs_penalties for sr in plan.scheduled)
 
 
 def time_fused_graphs(eng, batches, k, reps=50, mode: str = "greedy") -> dict:
@@ -724,6 +749,10 @@ def main():
                          "decoding greedily")
     ap.add_argument("--top-p", type=float, default=0.9,
                     help="with --temperature: top_p (1.0: no mask, the sampled graphs)")
+    ap.add_argument("--repetition-penalty", type=float, default=1.0,
+                    help="smol section: the requests' repetition penalty")
+    ap.add_argument("--frequency-penalty", type=float, default=0.0,
+                    help="smol section: the requests' frequency penalty")
     ap.add_argument("--reps", type=int, default=3,
                     help="smol: timed runs per configuration and batch size (the median's row)")
     args = ap.parse_args()

@@ -35,7 +35,7 @@ import torch
 
 from outpace.attention.base import ForwardContext
 from outpace.kernels.argmax import argmax_rows
-from outpace.runner.fused_sampling import GREEDY, MASKED, sampling_mode
+from outpace.runner.fused_sampling import BASE_MODES, GREEDY, MASKED, sampling_mode
 
 if TYPE_CHECKING:
     from outpace.runner.fused_step import Launched
@@ -71,7 +71,7 @@ class FusedPrefill:
                 if (q, kd) not in self._prefill_heads:
                     self._prefill_heads[(q, kd)] = self._capture_prefill_head(q, kd)
             kd = self.draft_steps(1)
-            for mode in self._by_mode if self.chainable else ():
+            for mode in BASE_MODES if self.chainable else ():
                 if (mode, q, kd) not in self._prefill_tails:
                     self._prefill_tails[(mode, q, kd)] = self._capture_prefill_head(
                         q, kd, tail=True, mode=mode)

@@ -21,30 +21,37 @@ from outpace.sample.logits_processing import SAMPLING_EPS
 from outpace.sample.race import masked_race_tokens, race_tokens
 
 GREEDY, SAMPLE, MASKED = "greedy", "sample", "masked"  # a fused graph's sampling
+# ...the sampled and masked graphs with penalties first (runner/fused_penalties.py); a greedy
+# request with penalties takes SAMPLE_PENALIZED's argmax row.
+SAMPLE_PENALIZED, MASKED_PENALIZED = "sample+penalties", "masked+penalties"
+BASE_MODES = (GREEDY, SAMPLE, MASKED)  # captured at start-up; the penalized ones when needed
+PENALIZED = (SAMPLE_PENALIZED, MASKED_PENALIZED)
 
 
 def sampling_mode(params) -> str:
     """The graph a step's requests (their SamplingParams) need: GREEDY when none samples,
-    MASKED when a sampling one asks for top-k, top-p or min-p, else SAMPLE."""
-    mode = GREEDY
+    MASKED when a sampling one asks for top-k, top-p or min-p, else SAMPLE; the penalized
+    SAMPLE or MASKED when any asks for a penalty."""
+    mode, penalties = GREEDY, False
     for p in params:
-        if p.temperature >= SAMPLING_EPS:
-            if p.needs_masks:
-                return MASKED
-            mode = SAMPLE
+        penalties = penalties or p.needs_penalties
+        if p.temperature >= SAMPLING_EPS and mode != MASKED:
+            mode = MASKED if p.needs_masks else SAMPLE
+    if penalties:
+        return MASKED_PENALIZED if mode == MASKED else SAMPLE_PENALIZED
     return mode
 
 
 def device_samplable(params) -> bool:
-    """Sampled (or greedy) with nothing that needs the host: no penalties (they read the
-    history), no logprobs (more than the token ids)."""
-    return (params.repetition_penalty == 1.0 and params.frequency_penalty == 0.0
-            and params.presence_penalty == 0.0 and params.logprobs is None)
+    """Sampled (or greedy) with nothing that needs the host: no logprobs (more than the
+    token ids)."""
+    return params.logprobs is None
 
 
 class FusedSampling:
     """Mixin of FusedStep: the per-request sampling buffers, their staging and the sampled
-    graphs' token choice. Needs self.inputs, self.runner and self.model."""
+    graphs' token choice. Needs self.inputs, self.runner and self.model (and FusedPenalties'
+    _penalize in the penalized graphs)."""
 
     def _init_sampling(self, m: int) -> None:
         # A sampled graph's per-request sampling (staged at launch; chained and relaunched
@@ -78,13 +85,19 @@ class FusedSampling:
                 (self.sample_min_p, cols[3].astype(np.float32)),
                 (self.sample_seed, cols[4].astype(np.int64))]
 
-    def _sample(self, hidden, pos, bucket: int, q: int, masks: bool) -> torch.Tensor:
-        """[n] tokens of a sampled graph: greedy rows' argmax, the others' race (their
-        temperature, and with `masks` top-k, top-p, min-p; keyed by their seed and the position
-        sampled, pos + 1), as SamplingStep computes them (Sampler.sample: the masked race for
-        every row when a row asks for a mask; a mask that keeps everything changes nothing).
-        Without masks the temperature, the keys and the noise are all in the argmax kernel."""
-        return self._sample_logits(self.model.compute_logits(hidden), pos, bucket, q, masks)
+    def _sample(self, hidden, ids, pos, bucket: int, q: int, mode: str) -> torch.Tensor:
+        """[n] tokens of a sampled graph (rows with input ids `ids` at positions `pos`):
+        greedy rows' argmax, the others' race (their temperature, and in a masked graph top-k,
+        top-p, min-p; keyed by their seed and the position sampled, pos + 1), as SamplingStep
+        computes them (Sampler.sample: the masked race for every row when a row asks for a
+        mask; a mask that keeps everything changes nothing), over the penalized logits in a
+        penalized graph. Without masks the temperature, the keys and the noise are all in the
+        argmax kernel."""
+        logits = self.model.compute_logits(hidden)
+        if mode in PENALIZED:
+            logits = self._penalize(logits, ids, bucket, q)
+        return self._sample_logits(logits, pos, bucket, q,
+                                   masks=mode in (MASKED, MASKED_PENALIZED))
 
     def _sample_logits(self, logits, pos, bucket: int, q: int, masks: bool) -> torch.Tensor:
         """_sample from the [n, V] logits (n = bucket * q rows at positions pos)."""

@@ -73,8 +73,10 @@ from outpace.attention.base import AttentionMetadata, ForwardContext
 from outpace.kernels.norm import gather_rms_norm
 from outpace.kernels.step_glue import accept, chained_inputs, loop_inputs
 from outpace.runner.chained_tables import ChainedTables
+from outpace.runner.fused_penalties import FusedPenalties
 from outpace.runner.fused_prefill import FusedPrefill
-from outpace.runner.fused_sampling import (GREEDY, MASKED, SAMPLE, FusedSampling,
+from outpace.runner.fused_sampling import (BASE_MODES, GREEDY, MASKED, MASKED_PENALIZED,
+                                           PENALIZED, SAMPLE, SAMPLE_PENALIZED, FusedSampling,
                                            device_samplable, sampling_mode)
 from outpace.spec.base import CommittedTokens, DraftBatch
 from outpace.spec.head_proposer import HeadProposer
@@ -99,7 +101,7 @@ class Launched:
         return self.key[2]
 
 
-class FusedStep(FusedPrefill, FusedSampling):
+class FusedStep(FusedPrefill, FusedSampling, FusedPenalties):
     def __init__(self, runner):
         # Weak: the runner owns this step (see HeadProposer.bind for why no cycle)
         self.runner = weakref.proxy(runner)
@@ -128,6 +130,7 @@ class FusedStep(FusedPrefill, FusedSampling):
              ((m, kmax), torch.long), ((max(runner.graphs.varlen_t, default=1),), torch.long),
              ((m,), torch.long)])
         self._init_sampling(m)
+        self._init_penalties(m)
         self.loop_query_start = torch.arange(m + 1, dtype=torch.int32, device=dev)
         # What chaining carries from a step to the next (see the module docstring); a host
         # drafter's steps relaunch from the same carry instead.
@@ -140,8 +143,10 @@ class FusedStep(FusedPrefill, FusedSampling):
         # that real verification doesn't have.
         self.zero_draws = torch.zeros(m, device=dev)
         self._captured: dict = {}  # (bucket, q, kd, chained) -> (graph, packed output)
-        # ...per sampling mode: the greedy graphs above, sampled ones, sampled with masks
-        self._by_mode = {GREEDY: self._captured, SAMPLE: {}, MASKED: {}}
+        # ...per sampling mode: the greedy graphs above, sampled ones, sampled with masks, and
+        # those two with penalties
+        self._by_mode = {GREEDY: self._captured, SAMPLE: {}, MASKED: {}, SAMPLE_PENALIZED: {},
+                         MASKED_PENALIZED: {}}
         self._init_prefill(runner, dev)
         self._tables = ChainedTables(self.inputs.max_blocks)
         self._host_out: dict = {}  # (shape, parity) -> pinned host tensor
@@ -167,7 +172,8 @@ class FusedStep(FusedPrefill, FusedSampling):
             if self.relaunchable:
                 keys += [(bucket, q, 0, True) for q in self.graphs.q_lens]
             for key in keys:
-                for mode, table in self._by_mode.items():
+                for mode in BASE_MODES:
+                    table = self._by_mode[mode]
                     if key not in table:
                         table[key] = self._capture(*key, mode=mode)
 
@@ -204,14 +210,21 @@ class FusedStep(FusedPrefill, FusedSampling):
         mode = sampling_mode(sr.request.sampling_params for sr in plan.scheduled)
         table = self._by_mode[mode]
         if key not in table:
-            table[key] = self._capture(*key, mode=mode)
+            if mode in PENALIZED:
+                self._capture_penalized(key, mode)
+            else:
+                table[key] = self._capture(*key, mode=mode)
         t0 = time.perf_counter()
         nd = np.zeros(bucket, np.int64)
         nd[:b] = [len(sr.draft_token_ids) for sr in plan.scheduled]
         extra = [(self.num_drafts, nd), (self.real, np.arange(bucket) < b)]
         if mode != GREEDY:
             extra += self._sampling_rows(plan, bucket)
+        if mode in PENALIZED:
+            extra += self._penalty_rows(plan, bucket)
         self.graphs.load_padded(hb, full_width=True, extra=tuple(extra))
+        if mode in PENALIZED:
+            self._fill_penalty_tables(plan, bucket)
         rows = [sr.request.request_id for sr in plan.scheduled]
         launched = self._replay(key, rows, t0, entry=table[key])
         launched.mode = mode
@@ -385,7 +398,7 @@ class FusedStep(FusedPrefill, FusedSampling):
         hidden, aux = self.model(ids, pos, ctx, capture_layers=capture)
         # [n]: each row's token, the target's choice that accept verifies the drafts against
         target = (self.model.greedy_tokens(hidden) if mode == GREEDY
-                  else self._sample(hidden, pos, bucket, q, masks=mode == MASKED))
+                  else self._sample(hidden, ids, pos, bucket, q, mode))
         # [B, q + 1 + kd] = emitted tokens | accepted count | drafts: the step's one output
         # (kd = 0 without a head: draft_steps)
         packed = torch.empty(bucket, q + 1 + kd, dtype=torch.long, device=ids.device)
@@ -403,6 +416,8 @@ class FusedStep(FusedPrefill, FusedSampling):
         next_ids, last_rows, first = accept(target, ids, self.num_drafts[:bucket], pos, q,
                                             packed, u, mean or 0.0,
                                             head=self.head is not None, carry=carry)
+        if mode in PENALIZED:  # what the next step's penalties read (fused_penalties.py)
+            self._count_emitted(packed, q, bucket)
         if self.head is not None:
             # the drafts go to the output and to the next chained step's rows 1 .. kd
             outs = (packed[:, q + 1:],) + ((self.carry_tokens[:bucket, 1:1 + kd],)
@@ -441,6 +456,22 @@ class FusedStep(FusedPrefill, FusedSampling):
             h = head.step(h, tok, p, ForwardContext(self.backend, meta))
             tok = head.draft_ids(h, also=tuple(o[:, j] for o in outs))
 
+    def _capture_penalized(self, key: tuple, mode: str) -> None:
+        """Capture a penalized graph when a key is first launched with penalties, with the
+        chained step that follows it and the relaunched ones (chain and relaunch never
+        capture: a step is in flight then)."""
+        self._penalty_tables()
+        bucket, q, kd, _ = key
+        keys = [key]
+        if self.chainable and self.next_q(kd) in self.graphs.q_lens:
+            keys.append((bucket, self.next_q(kd), kd, True))
+        if self.relaunchable:
+            keys += [(bucket, q2, 0, True) for q2 in self.graphs.q_lens]
+        table = self._by_mode[mode]
+        for k in keys:
+            if k not in table:
+                table[k] = self._capture(*k, mode=mode)
+
     def _capture(self, bucket: int, q: int, kd: int, chained: bool, mode: str = "greedy"):
         """Fill the buffers with a dummy batch that writes nowhere, warm up, capture."""
         self.graphs.fill_dummy(bucket, q)
@@ -448,7 +479,8 @@ class FusedStep(FusedPrefill, FusedSampling):
         self.real[:bucket].zero_()  # chained: every row is padding (slot -1)
         self.carry_pos[:bucket].zero_()
         self.carry_tokens[:bucket].zero_()
-        self._greedy_rows(bucket)  # the dummy batch samples nothing
+        self._greedy_rows(bucket)  # the dummy batch samples nothing...
+        self._no_penalty_rows(bucket)  # ...and has no penalties
         fn = lambda: self._compute(bucket, q, kd, chained, mode)  # noqa: E731
         graph, packed = self.graphs.capture(fn)
         return graph, packed

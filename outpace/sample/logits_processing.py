@@ -110,13 +110,21 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.
     freq = col([r.params.frequency_penalty for r in sub_rows])
     pres = col([r.params.presence_penalty for r in sub_rows])
     row_idx = torch.tensor(idx, dtype=torch.long, device=dev)
-    sub = logits.index_select(0, row_idx)  # [n, V]
-    # Repetition as HF/vLLM: push seen tokens towards zero-probability in both signs.
-    penalised = torch.where(sub > 0, sub / rep, sub * rep)
-    sub = torch.where(seen, penalised, sub)
-    sub = sub - freq * counts - pres * (counts > 0).to(torch.float32)
+    sub = penalize(logits.index_select(0, row_idx), seen, counts, rep, freq, pres)  # [n, V]
     logits.index_copy_(0, row_idx, sub)
     return logits
+
+
+def penalize(logits: torch.Tensor, seen: torch.Tensor, counts: torch.Tensor,
+             rep: torch.Tensor, freq: torch.Tensor, pres: torch.Tensor) -> torch.Tensor:
+    """The penalties over dense tables: logits [n, V] float32; seen [n, V] bool (in the prompt
+    or the output so far), counts [n, V] float32 (occurrences in the output so far); rep,
+    freq, pres [n, 1] float32. A new tensor. Penalties of 1, 0, 0 leave a row bit for bit as it
+    was, so a captured graph applies this to every row (runner/fused_penalties.py)."""
+    # Repetition as HF/vLLM: push seen tokens towards zero-probability in both signs.
+    penalised = torch.where(logits > 0, logits / rep, logits * rep)
+    out = torch.where(seen, penalised, logits)
+    return out - freq * counts - pres * (counts > 0).to(torch.float32)
 
 
 def _flat_indices(histories, vocab: int, device) -> torch.Tensor:

@@ -1,0 +1,133 @@
+"""Penalties in the fused graphs (outpace/runner/fused_penalties.py) on CPU, with the
+fake_graph_capture stand-in:
+
+* requests with repetition, frequency and presence penalties (greedy and sampled, with and
+  without masks, beside requests without any) run in the penalized graphs and emit what the
+  general path emits, token for token, without speculation and with n-gram, EAGLE-3 and MTP
+  drafting, chained, relaunched or launched step by step;
+* their output is the same with and without speculation (a verify row's penalties count the
+  drafts before it);
+* the tables are refilled when a step is launched from the host after steps the graphs did not
+  serve (a logprobs request in the batch).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from outpace import SamplingParams
+from outpace.runner.fused_sampling import MASKED_PENALIZED, SAMPLE_PENALIZED
+from tests.engine_helpers import make_engine, run_batch
+from tests.spec.spec_helpers import repetitive_prompts, run_waves
+from tests.spec.test_draft_plane import waves
+from tests.spec.test_fused_step import SMALL, enable_graphs, spec_for
+
+HOT = dict(max_tokens=24, ignore_eos=True)
+# Penalties strong enough to move the tiny model's tokens: each kind alone, greedy and sampled,
+# with a mask or not, and requests without penalties beside them.
+PENALIZED = [SamplingParams(frequency_penalty=2.0, temperature=0.0, **HOT),
+             SamplingParams(frequency_penalty=1.5, temperature=0.8, seed=3, **HOT),
+             SamplingParams(temperature=0.0, **HOT),
+             SamplingParams(presence_penalty=2.0, repetition_penalty=0.5, temperature=0.0,
+                            **HOT),
+             SamplingParams(temperature=1.1, seed=5, **HOT),
+             SamplingParams(repetition_penalty=1.8, temperature=0.0, **HOT)]
+MASKED = [SamplingParams(repetition_penalty=1.5, frequency_penalty=2.0, temperature=0.9,
+                         top_p=0.9, seed=1, **HOT),
+          SamplingParams(frequency_penalty=2.0, temperature=0.0, **HOT),
+          SamplingParams(presence_penalty=2.0, repetition_penalty=3.0, temperature=1.2,
+                         top_k=10, **HOT)]
+KINDS = {SAMPLE_PENALIZED: PENALIZED, MASKED_PENALIZED: MASKED}
+# Milder, so that drafts on repetitive prompts are still accepted
+MILD = {SAMPLE_PENALIZED: [SamplingParams(frequency_penalty=0.5, temperature=0.0, **HOT),
+                           SamplingParams(presence_penalty=0.7, temperature=0.0, **HOT),
+                           SamplingParams(frequency_penalty=0.4, temperature=0.6, seed=2,
+                                          **HOT)],
+        MASKED_PENALIZED: [SamplingParams(frequency_penalty=0.5, temperature=0.6, top_k=4,
+                                          seed=4, **HOT),
+                           SamplingParams(presence_penalty=0.7, repetition_penalty=1.2,
+                                          temperature=0.5, top_p=0.8, **HOT)]}
+CASES = [(None, 0), ("ngram", 3), ("eagle3", 3), ("mtp", 2)]
+
+
+def params_for(mode: str, n: int = None) -> list:
+    kinds = KINDS[mode]
+    n = n or sum(len(w) for w in waves())
+    return [kinds[i % len(kinds)] for i in range(n)]
+
+
+def without_penalties(params: list) -> list:
+    return [dataclasses.replace(p, repetition_penalty=1.0, frequency_penalty=0.0,
+                                presence_penalty=0.0) for p in params]
+
+
+@pytest.mark.parametrize("mode", [SAMPLE_PENALIZED, MASKED_PENALIZED])
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+@pytest.mark.parametrize("method,k", CASES, ids=[str(m) for m, _ in CASES])
+def test_penalized_fused_step_equals_eager(tiny_loaded, tiny_heads, fake_graph_capture, method,
+                                           k, overlap, mode):
+    spec = spec_for(tiny_heads, method, k)
+    params = params_for(mode)
+    eager = run_waves(tiny_loaded, waves(), params, speculative_config=spec, **SMALL)
+    fused = run_waves(tiny_loaded, waves(), params, overlap=overlap,
+                      on_engine=lambda e: enable_graphs(e, k), speculative_config=spec,
+                      **SMALL)
+    assert fused.outputs == eager.outputs
+    if not overlap:
+        # (Overlapped steps reserve blocks for the worst case of the step after them, so in
+        # this small pool they can preempt a request a step before eager does: the same
+        # tokens, drafted in other rounds.)
+        assert fused.stats["spec"] == eager.stats["spec"]
+    steps = fused.engine.runner.fused
+    assert steps.mode_steps[mode] > 20, f"the {mode} graphs served too few steps"
+    if overlap and method not in ("ngram", "suffix"):
+        assert steps.chained > 10, "no penalized step was launched from its predecessor's"
+    if overlap and method == "ngram":
+        assert steps.relaunched > 10, "no penalized step was relaunched from the carry"
+    # the penalties did act: the same requests without them give other tokens
+    plain = run_waves(tiny_loaded, waves(), without_penalties(params),
+                      speculative_config=spec, **SMALL)
+    assert sum(a != b for a, b in zip(fused.outputs, plain.outputs)) >= 3
+
+
+@pytest.mark.parametrize("mode", [SAMPLE_PENALIZED, MASKED_PENALIZED])
+@pytest.mark.parametrize("method,k", [("ngram", 3), ("suffix", 3)])
+def test_penalized_output_is_the_same_with_and_without_speculation(
+        tiny_loaded, tiny_heads, fake_graph_capture, method, k, mode):
+    """Row j of a verify step counts the drafts in rows 1 .. j as output tokens: on repetitive
+    prompts the model-free drafters' drafts are accepted, and a row that left its earlier
+    drafts out would choose another token than plain decoding. (A random head's drafts are
+    almost never accepted.)"""
+    prompts = repetitive_prompts(4, 9, period=5, repeats=3)
+    params = [MILD[mode][i % len(MILD[mode])] for i in range(len(prompts))]
+    plain = make_engine(tiny_loaded, **SMALL)
+    want = run_batch(plain, prompts, params)
+    eng = make_engine(tiny_loaded, speculative_config=spec_for(tiny_heads, method, k),
+                      overlap=True, **SMALL)
+    enable_graphs(eng, k)
+    got = run_batch(eng, prompts, params)
+    assert got == want
+    spec = eng.stats()["spec"]
+    assert spec["num_accepted_tokens"] > 10, spec
+    assert eng.runner.fused.mode_steps[mode] > 10
+
+
+def test_tables_refilled_after_steps_off_the_graphs(tiny_loaded, tiny_heads,
+                                                    fake_graph_capture):
+    """A logprobs request sends the batch's steps to the general path; once it finishes, the
+    next step is launched from the host and fills the penalized rows' tables from their
+    committed tokens (the graphs counted none of the tokens emitted meanwhile)."""
+    spec = spec_for(tiny_heads, "eagle3", 3)
+    prompts = repetitive_prompts(3, 7)
+    plist = [PENALIZED[0], SamplingParams(max_tokens=6, temperature=0.0, logprobs=2,
+                                          ignore_eos=True), PENALIZED[1]]
+    want = run_batch(make_engine(tiny_loaded, speculative_config=spec), prompts, plist)
+    eng = make_engine(tiny_loaded, speculative_config=spec, overlap=True)
+    enable_graphs(eng, 3)
+    got = run_batch(eng, prompts, plist)
+    assert got == want
+    fused = eng.runner.fused
+    assert fused.mode_steps[SAMPLE_PENALIZED] > 5
+    assert fused.replays < sum(len(t) for t in want), "the logprobs request's steps were fused"
