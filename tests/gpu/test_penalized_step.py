@@ -65,7 +65,8 @@ def test_penalized_output_is_the_same_with_and_without_speculation(cuda_loaded, 
     prompts = repetitive_prompts(4, 9, period=5, repeats=3)
     params = params_for(prompts, mode, MILD)
     plain = run_batch(gpu_engine(cuda_loaded, None, eager=False), prompts, params)
-    eng = gpu_engine(cuda_loaded, spec_for(cuda_heads, method, k), eager=False, overlap=True)
+    spec = {"method": method, "num_speculative_tokens": k}  # model-free drafters
+    eng = gpu_engine(cuda_loaded, spec, eager=False, overlap=True)
     assert run_batch(eng, prompts, params) == plain
     assert eng.stats()["spec"]["num_accepted_tokens"] > 10
     assert eng.runner.fused.mode_steps[mode] > 10
