@@ -9,6 +9,8 @@
     argmax.py    argmax_rows: two-pass row argmax of logits (+ offsets[idx]: EAGLE-3's d2t)
     masked_race.py  masked_race_triton: the sampling race over the top-k / top-p / min-p
                  nucleus without a sort (reference: sample/race.masked_race_tokens' CPU path)
+    penalties.py penalize_rows, count_emitted: a fused step's repetition / frequency / presence
+                 penalties in one pass, and its emitted tokens counted (runner/fused_penalties.py)
     head_input.py  embed_norm_cat: a draft head's [rms_norm(embedding), rms_norm(hidden)] input
     step_glue.py the fused decode step's bookkeeping: chained_inputs, accept, loop_inputs
     pdl.py       programmatic dependent launch: launch_options, wait_then_release

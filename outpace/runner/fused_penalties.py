@@ -13,9 +13,10 @@ A step launched from a host batch (FusedStep.launch: the rows' requests may have
 the last step) fills its rows' tables from the committed tokens before its graph runs, with
 eager kernels queued ahead of the replay (no host sync). The graph then advances `counts` itself
 after accept, by each row's emitted tokens, so the steps chained or relaunched from it need
-nothing from the host. A row's token is chosen from a gathered copy of its request's tables plus
-the drafts in the rows before it: exactly the history the general path gives that row, through
-the same `penalize`, so graph and eager steps draw the same tokens.
+nothing from the host. A row's token is chosen from its request's tables plus the drafts in the
+rows before it: exactly the history the general path gives that row, with the values of the
+same `penalize` (on CUDA one kernel per step for the penalties and one for the count,
+kernels/penalties.py), so graph and eager steps draw the same tokens.
 
 Rows without penalties stage 1, 0, 0, which `penalize` leaves bit for bit unchanged, so a
 penalized graph serves them too. Penalized graphs (PENALIZED modes) are captured when a key
@@ -29,7 +30,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from outpace.sample.logits_processing import penalize
+from outpace.kernels.penalties import count_emitted, penalize_rows
 
 
 class FusedPenalties:
@@ -43,7 +44,6 @@ class FusedPenalties:
             [((m,), torch.float32)] * 3)
         self.pen_prompt = None  # [m, V] bool, made by _penalty_tables
         self.pen_counts = None  # [m, V] float32
-        self._pen_draft_pairs: dict = {}  # (bucket, q) -> (row, earlier row) index tensors
 
     def _penalty_tables(self) -> None:
         """Make the tables (once: graphs capture their addresses)."""
@@ -95,44 +95,15 @@ class FusedPenalties:
         out = flat[n_prompt:]
         self.pen_counts.view(-1).index_add_(0, out, torch.ones(out.shape, device=out.device))
 
-    def _draft_pairs(self, bucket: int, q: int, device) -> tuple:
-        """(row, earlier) [P] index tensors over a step's bucket * q rows: every pair of a row j
-        of a request and a row i of the same request with 1 <= i <= j (row i's input is the
-        draft that row j's history holds beyond the committed tokens)."""
-        key = (bucket, q)
-        if key not in self._pen_draft_pairs:
-            pairs = [(b * q + j, b * q + i) for b in range(bucket)
-                     for j in range(1, q) for i in range(1, j + 1)]
-            rows, earlier = zip(*pairs) if pairs else ((), ())
-            self._pen_draft_pairs[key] = (torch.tensor(rows, dtype=torch.long, device=device),
-                                          torch.tensor(earlier, dtype=torch.long, device=device))
-        return self._pen_draft_pairs[key]
-
     def _penalize(self, logits: torch.Tensor, ids: torch.Tensor, bucket: int,
                   q: int) -> torch.Tensor:
         """[n, V] float32 logits of a step's rows (n = bucket * q, input ids `ids`) -> penalized
-        (a new tensor): each row's request's tables, its earlier drafts counted as output."""
-        vocab = self.pen_counts.shape[1]
-
-        def rows_of(table):  # [bucket, V] -> [n, V], each request's row on its q rows
-            return table[:bucket, None].expand(bucket, q, vocab).contiguous().view(-1, vocab)
-        prompt, counts = rows_of(self.pen_prompt), rows_of(self.pen_counts)
-        if q > 1:  # (a copy for q > 1; at q = 1 the table's own rows, left as they are)
-            rows, earlier = self._draft_pairs(bucket, q, logits.device)
-            flat = rows * vocab + ids.index_select(0, earlier)
-            counts.view(-1).index_add_(0, flat, torch.ones(flat.shape, device=flat.device))
-
-        def per_row(t):  # [bucket] -> [n, 1], each request's value on its q rows
-            return t[:bucket, None].expand(bucket, q).reshape(-1, 1)
-        return penalize(logits, prompt | (counts > 0), counts, per_row(self.pen_rep),
-                        per_row(self.pen_freq), per_row(self.pen_pres))
+        (in place on CUDA): each row's request's tables, its earlier drafts counted as output
+        (kernels/penalties.py)."""
+        return penalize_rows(logits, self.pen_prompt, self.pen_counts, ids, self.pen_rep,
+                             self.pen_freq, self.pen_pres, bucket, q)
 
     def _count_emitted(self, packed: torch.Tensor, q: int, bucket: int) -> None:
         """After accept: add each row's emitted tokens (packed[:, :q] up to its accepted count
         packed[:, q], -1 past it) to its output counts."""
-        vocab = self.pen_counts.shape[1]
-        emitted = packed[:, :q]
-        valid = emitted >= 0
-        rows = torch.arange(bucket, device=packed.device).unsqueeze(1) * vocab
-        flat = (rows + emitted.clamp(min=0)).reshape(-1)
-        self.pen_counts.view(-1).index_add_(0, flat, valid.reshape(-1).to(torch.float32))
+        count_emitted(packed[:bucket], q, self.pen_counts)

@@ -22,7 +22,7 @@ H200 = GPUTarget("cuda", 90, 32)
 
 
 def compile_for_h200(fn, pointers: dict, floats: tuple, constexprs: dict, num_warps: int,
-                     num_stages: int = 2, aligned: tuple = ()):
+                     num_stages: int = 2, aligned: tuple = (), options: dict = None):
     """fn's arguments: pointers (name -> element type), float scalars, constexprs; the rest are
     i32 scalars. `aligned`: i32 arguments divisible by 16, as a launch specializes them (and
     then every pointer 16-byte aligned): the loads' vector width, and so their layouts,
@@ -44,7 +44,8 @@ def compile_for_h200(fn, pointers: dict, floats: tuple, constexprs: dict, num_wa
         pytest.skip(f"this triton's ASTSource takes other arguments: {e}")
     try:
         return triton.compile(src, target=H200, options={
-            "num_warps": num_warps, "num_stages": num_stages, "launch_pdl": True})
+            "num_warps": num_warps, "num_stages": num_stages, "launch_pdl": True,
+            **(options or {})})
     except FileNotFoundError as e:  # pragma: no cover - a triton wheel without ptxas
         pytest.skip(f"no CUDA toolchain in this triton: {e}")
 
@@ -345,3 +346,23 @@ def test_masked_race_kernels_compile(logits):
     assert k2.asm["cubin"] and "griddepcontrol.wait" in ptx and "div.rn.f32" in ptx
     assert "setp.ge.u32" in ptx or "setp.lt.u32" in ptx  # the keys compare unsigned
     assert "shr.s32" not in ptx
+
+
+@pytest.mark.parametrize("fusion", [False, True])
+def test_penalty_kernels_compile(fusion):
+    """kernels/penalties.py: the penalties with an IEEE division and, as launched
+    (enable_fp_fusion=False), no fused multiply-add, so freq * counts is rounded before the
+    subtraction as torch rounds it (with fusion the compiler does fuse it: the check bites);
+    the count kernel's float atomics."""
+    from outpace.kernels.penalties import _count_kernel, _penalize_kernel
+    k = compile_for_h200(_penalize_kernel, {
+        "logits_ptr": "fp32", "prompt_ptr": "u8", "counts_ptr": "fp32", "ids_ptr": "i64",
+        "rep_ptr": "fp32", "freq_ptr": "fp32", "pres_ptr": "fp32"}, (),
+        {"Q": 3, "Q_POW2": 4, "BLOCK": 2048, "USE_PDL": True}, num_warps=4,
+        options={"enable_fp_fusion": fusion})
+    ptx = k.asm["ptx"]
+    assert k.asm["cubin"] and "griddepcontrol.wait" in ptx and "div.rn.f32" in ptx
+    assert ("fma.rn.f32" in ptx) == fusion
+    k = compile_for_h200(_count_kernel, {"packed_ptr": "i64", "counts_ptr": "fp32"}, (),
+                         {"Q": 3, "Q_POW2": 4, "USE_PDL": True}, num_warps=1)
+    assert "atom.global" in k.asm["ptx"] and "griddepcontrol.wait" in k.asm["ptx"]

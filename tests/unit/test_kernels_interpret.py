@@ -206,6 +206,8 @@ if IN_CHILD:
                                            chained_inputs_triton, loop_inputs_ref,
                                            loop_inputs_triton)
     from outpace.kernels.store_kv import store_kv_triton
+    from outpace.kernels.penalties import (count_emitted_ref, count_emitted_triton,
+                                           penalize_rows_ref, penalize_rows_triton)
     from tests.unit.kernel_cases import COMPOSITIONS, make_batch
     from tests.unit.kernel_cases import check_attention as verify_attention
     import triton
@@ -1017,3 +1019,50 @@ def check_loop_inputs(bucket, steps):
     for a, b in zip(loop_inputs_triton(first, tables, 4, steps),
                     loop_inputs_ref(first, tables, 4, steps)):
         assert a.dtype == b.dtype and torch.equal(a, b), (a, b)
+
+
+@pytest.mark.parametrize("bucket,q,vocab", [(1, 1, 300), (2, 3, 5000), (3, 4, 97), (5, 2, 2048)])
+def check_penalize_rows(bucket, q, vocab, monkeypatch):
+    """Every row's penalties over its request's tables plus the drafts before it, bit for bit
+    torch's; rows of 1, 0, 0 untouched. Small vocabularies make drafts repeat table tokens."""
+    import outpace.kernels.penalties as penalties
+    monkeypatch.setattr(penalties, "BLOCK", 256)  # several programs a row
+    g = torch.Generator().manual_seed(bucket * 7 + q)
+    m = bucket + 2  # tables have rows past the bucket
+    logits = torch.randn(bucket * q, vocab, generator=g) * 4
+    logits[0, :5] = torch.tensor([0.0, -0.0, float("-inf"), 1e-30, -1e-30])
+    prompt = torch.rand(m, vocab, generator=g) < 0.2
+    counts = torch.randint(0, 3, (m, vocab), generator=g).float() \
+        * (torch.rand(m, vocab, generator=g) < 0.3)
+    ids = torch.randint(0, min(vocab, 40), (bucket * q,), generator=g)
+    rep = 0.5 + 1.5 * torch.rand(m, generator=g)
+    freq = torch.rand(m, generator=g) * 2 - 0.5
+    pres = torch.rand(m, generator=g) * 2 - 1
+    last = bucket - 1  # the last request has no penalties (when there are several)
+    if bucket > 1:
+        rep[last], freq[last], pres[last] = 1.0, 0.0, 0.0
+    want = penalize_rows_ref(logits.clone(), prompt, counts, ids, rep, freq, pres, bucket, q)
+    got = penalize_rows_triton(logits.clone(), prompt, counts, ids, rep, freq, pres, bucket, q)
+    assert torch.equal(got, want), (got - want).abs().max()
+    assert not torch.equal(got[:q], logits[:q])
+    if bucket > 1:
+        assert torch.equal(got[last * q:], logits[last * q:])
+    if q > 1:  # the drafts counted: without them the last rows differ
+        alone = penalize_rows_ref(logits.clone(), prompt, counts, torch.full_like(ids, vocab - 1),
+                                  rep, freq, pres, bucket, q)
+        assert not torch.equal(alone, want)
+
+
+@pytest.mark.parametrize("bucket,q", [(1, 1), (3, 4), (4, 3)])
+def check_count_emitted(bucket, q):
+    g = torch.Generator().manual_seed(bucket + q)
+    vocab = 11
+    packed = torch.randint(0, 4, (bucket, q + 3), generator=g)  # repeats within a row
+    for b in range(bucket):  # -1 past a random accepted count
+        packed[b, int(torch.randint(1, q + 1, (1,), generator=g)):q] = -1
+    counts = torch.randint(0, 3, (bucket + 1, vocab), generator=g).float()
+    want = counts.clone()
+    count_emitted_ref(packed, q, want)
+    count_emitted_triton(packed, q, counts)
+    assert torch.equal(counts, want)
+    assert want.sum() - counts.sum() == 0 and (packed[:, :q] >= 0).sum() > 0
