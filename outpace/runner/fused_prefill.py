@@ -35,7 +35,8 @@ import torch
 
 from outpace.attention.base import ForwardContext
 from outpace.kernels.argmax import argmax_rows
-from outpace.runner.fused_sampling import BASE_MODES, GREEDY, MASKED, sampling_mode
+from outpace.runner.fused_sampling import (BASE_MODES, GREEDY, MASKED, MASKED_PENALIZED,
+                                           PENALIZED, sampling_mode)
 
 if TYPE_CHECKING:
     from outpace.runner.fused_step import Launched
@@ -180,6 +181,7 @@ class FusedPrefill:
         buf = self.inputs
         self.graphs.fill_dummy(1, q)
         self._greedy_rows(1)
+        self._no_penalty_rows(1)
         self.prefill_next_ids.zero_()
         self.prefill_last_row.zero_()  # the loop then stays at positions 1 .. kd - 1
         # the prefill graph's own metadata (full-width block table, static bounds)
@@ -193,9 +195,15 @@ class FusedPrefill:
                 if mode == GREEDY:
                     tok = argmax_rows(logits, also=(packed[:, 0], self.carry_tokens[:1, 0]))
                 else:  # the token at first + 1, drawn as the decode graphs of `mode` draw
-                    tok = self._sample_logits(logits, first, 1, 1, masks=mode == MASKED)
+                    rows = logits
+                    if mode in PENALIZED:  # (row 0's tables: the prompt, no output yet)
+                        rows = self._penalize(logits.clone(), first, 1, 1)
+                    tok = self._sample_logits(rows, first, 1, 1,
+                                              masks=mode in (MASKED, MASKED_PENALIZED))
                     packed[:, 0].copy_(tok)
                     self.carry_tokens[:1, 0].copy_(tok)
+                    if mode in PENALIZED:  # the first output token, for the next step
+                        self._count_emitted(packed, 1, 1)
                 if self.head is not None:
                     self.prefill_next_ids[:q].index_copy_(0, self.prefill_last_row, tok)
                 torch.add(first, 1, out=self.carry_pos[:1])
@@ -213,10 +221,14 @@ class FusedPrefill:
 
     def can_launch_prefill(self, plan, q: int) -> bool:
         """Whether launch_prefill serves plan (one request's prefill chunk that samples, padded
-        to prefill graph q, with a tail of its sampling family)."""
+        to prefill graph q, with a tail of its sampling family; a penalized family's tail is
+        captured by launch_prefill when first needed)."""
         sr = plan.scheduled[0]
-        return sr.sample and (sampling_mode([sr.request.sampling_params]), q,
-                              self.draft_steps(plan.draft_batch_size)) in self._prefill_tails
+        mode = sampling_mode([sr.request.sampling_params])
+        if mode in PENALIZED:
+            return sr.sample and self.chainable and q in self.graphs.prefill_graphs
+        return sr.sample and (mode, q, self.draft_steps(plan.draft_batch_size)) \
+            in self._prefill_tails
 
     @torch.inference_mode()
     def launch_prefill(self, plan, hb, q: int) -> Launched:
@@ -229,14 +241,24 @@ class FusedPrefill:
         kd = self.draft_steps(plan.draft_batch_size)
         n = plan.scheduled[0].num_new_tokens
         mode = sampling_mode([plan.scheduled[0].request.sampling_params])
+        if mode in PENALIZED and (mode, q, kd) not in self._prefill_tails:
+            # Nothing is in flight (launch_prefill follows can_launch, as launch does): the
+            # tail, and the decode graphs that chain from it
+            self._capture_penalized((1, self.next_q(kd), kd, False), mode)
+            self._prefill_tails[(mode, q, kd)] = self._capture_prefill_head(q, kd, tail=True,
+                                                                            mode=mode)
         extra = [(self.prefill_last_row, np.array([n - 1], np.int64)),
                  (self.real, np.ones(1, bool))]
         if mode != GREEDY:
             extra += self._sampling_rows(plan, 1)
+        if mode in PENALIZED:
+            extra += self._penalty_rows(plan, 1)
         if self.head is not None:  # the token after each row; the last one's is the sample
             next_ids = np.zeros(q, np.int64)
             next_ids[:n - 1] = hb.input_ids[1:n]
             extra.append((self.prefill_next_ids, next_ids))
+        if mode in PENALIZED:  # row 0's tables, queued before the graphs that read them
+            self._fill_penalty_tables(plan, 1)
         self.graphs.run_prefill(hb, extra=tuple(extra))  # staged with the batch
         self.prefill_launches += 1
         launched = self._replay((1, 1, kd, False), [plan.scheduled[0].request.request_id], t0,

@@ -116,3 +116,21 @@ def test_penalized_decode_steps_do_not_sync_with_host(cuda_loaded, cuda_heads, m
               for p in params_for(prompts, MASKED_PENALIZED)]
     done = steps_without_sync(eng, prompts, params)
     assert done["replays"] == done[MASKED_PENALIZED] == 10
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("method,k", [(None, 0), ("eagle3", 3), ("mtp", 2)])
+def test_penalized_prefill_launched_like_a_decode_step(cuda_loaded, cuda_heads, method, k,
+                                                       mode):
+    """One request at a time: a penalized prefill is launched like a decode step (its tail
+    fills the tables, draws the first token and counts it) and its decode steps chain from it;
+    tokens equal the eager engine's."""
+    spec = spec_for(cuda_heads, method, k)
+    eager = gpu_engine(cuda_loaded, spec, eager=True)
+    graphed = gpu_engine(cuda_loaded, spec, eager=False)
+    fused = graphed.runner.fused
+    params = [p for p in KINDS[mode] if p.needs_penalties]
+    for n, (prompt, p) in enumerate(zip(repetitive_prompts(3, 14), params * 2)):
+        launches, chained = fused.prefill_launches, fused.chained
+        assert run_batch(graphed, [prompt], p) == run_batch(eager, [prompt], p), n
+        assert fused.prefill_launches - launches == 1 and fused.chained - chained >= 5

@@ -18,7 +18,7 @@ import dataclasses
 import pytest
 
 from outpace import SamplingParams
-from outpace.runner.fused_sampling import MASKED_PENALIZED, SAMPLE_PENALIZED
+from outpace.runner.fused_sampling import MASKED_PENALIZED, SAMPLE_PENALIZED, sampling_mode
 from tests.engine_helpers import make_engine, run_batch
 from tests.spec.spec_helpers import repetitive_prompts, run_waves
 from tests.spec.test_draft_plane import waves
@@ -131,3 +131,38 @@ def test_tables_refilled_after_steps_off_the_graphs(tiny_loaded, tiny_heads,
     fused = eng.runner.fused
     assert fused.mode_steps[SAMPLE_PENALIZED] > 5
     assert fused.replays < sum(len(t) for t in want), "the logprobs request's steps were fused"
+
+
+@pytest.mark.parametrize("mode", [SAMPLE_PENALIZED, MASKED_PENALIZED])
+@pytest.mark.parametrize("method,k", [(None, 0), ("eagle3", 2), ("mtp", 2)])
+def test_penalized_prefill_launched_like_a_decode_step(tiny_loaded, tiny_heads,
+                                                       fake_graph_capture, method, k, mode):
+    """A penalized request's prefill is launched like a decode step too: its family's prefill
+    tail fills the request's tables, draws the first token over the prompt's repetition
+    penalty and counts it; its decode steps chain from it. Token for token the eager
+    engine's."""
+    spec = spec_for(tiny_heads, method, k)
+    eng = make_engine(tiny_loaded, speculative_config=spec, overlap=True, **SMALL)
+    enable_graphs(eng, k)
+    eager = make_engine(tiny_loaded, speculative_config=spec, **SMALL)
+    fused = eng.runner.fused
+    prompts = repetitive_prompts(4, 13, period=4, repeats=3)  # one chunk each
+    # The first token is the one the prompt's repetition penalty acts on alone: below 1 it
+    # pulls the prompt's tokens up.
+    strong = (SamplingParams(repetition_penalty=0.2, temperature=0.0, **HOT) if mode ==
+              SAMPLE_PENALIZED else SamplingParams(repetition_penalty=0.2, temperature=2.0,
+                                                   top_k=3, seed=1, **HOT))
+    params = [strong] + [p for p in KINDS[mode] if p.needs_penalties]
+    other = make_engine(tiny_loaded, **SMALL)
+    first = [run_batch(other, [prompt], p)[0][0] for prompt, p in zip(prompts, params)]
+    free = [run_batch(other, [prompt], without_penalties([p])[0])[0][0]
+            for prompt, p in zip(prompts, params)]
+    assert first != free, "the prompt's penalties moved no first token"
+    for n, (prompt, p) in enumerate(zip(prompts, params * 2)):
+        own = sampling_mode([p])  # (a greedy request with penalties: sample+penalties)
+        launches, chained, steps = fused.prefill_launches, fused.chained, fused.mode_steps[own]
+        got = run_batch(eng, [prompt], p)
+        assert got == run_batch(eager, [prompt], p), n
+        assert fused.prefill_launches - launches == 1, (n, len(prompt))
+        assert fused.chained - chained >= 1 and fused.mode_steps[own] - steps >= 5
+    assert eng.stats()["spec"] == eager.stats()["spec"]
