@@ -16,6 +16,7 @@ from typing import Optional
 from outpace.errors import InvalidRequestError
 
 OUTPUT_KINDS = ("cumulative", "final_only")
+MAX_LOGPROBS = 20  # SamplingParams.logprobs' largest (vLLM's max_logprobs default)
 
 
 @dataclass
@@ -94,8 +95,8 @@ class SamplingParams:
             bad(f"output_kind must be one of {', '.join(OUTPUT_KINDS)}, got {self.output_kind!r}")
         if self.logprobs is not None and (not isinstance(self.logprobs, int)
                                           or isinstance(self.logprobs, bool)
-                                          or not 0 <= self.logprobs <= 20):
-            bad(f"logprobs must be an integer in 0..20, got {self.logprobs!r}")
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            bad(f"logprobs must be an integer in 0..{MAX_LOGPROBS}, got {self.logprobs!r}")
 
     @property
     def greedy(self) -> bool:

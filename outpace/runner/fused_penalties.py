@@ -19,10 +19,10 @@ same `penalize` (on CUDA one kernel per step for the penalties and one for the c
 kernels/penalties.py), so graph and eager steps draw the same tokens.
 
 Rows without penalties stage 1, 0, 0, which `penalize` leaves bit for bit unchanged, so a
-penalized graph serves them too. Penalized graphs (PENALIZED modes) are captured when a key
-is first launched with a penalized request (never while a step is in flight), with the chained
-and relaunched graphs that follow it; the tables are made then (5 bytes x m x V: 63 MB for 256
-rows of a 49152-id vocabulary).
+penalized graph serves them too. Penalized graphs (the "+penalties" modes) are captured when a
+key is first launched with a penalized request (never while a step is in flight), with the
+chained and relaunched graphs that follow it; the tables are made then (5 bytes x m x V: 63 MB
+for 256 rows of a 49152-id vocabulary).
 """
 
 from __future__ import annotations

@@ -35,8 +35,8 @@ import torch
 
 from outpace.attention.base import ForwardContext
 from outpace.kernels.argmax import argmax_rows
-from outpace.runner.fused_sampling import (BASE_MODES, GREEDY, MASKED, MASKED_PENALIZED,
-                                           PENALIZED, sampling_mode)
+from outpace.runner.fused_sampling import (BASE_MODES, GREEDY, masked, penalized, samples,
+                                           sampling_mode, with_logprobs)
 
 if TYPE_CHECKING:
     from outpace.runner.fused_step import Launched
@@ -192,17 +192,16 @@ class FusedPrefill:
             first = pos.index_select(0, self.prefill_last_row)
             if tail:
                 packed = torch.zeros(1, 2 + kd, dtype=torch.long, device=pos.device)
-                if mode == GREEDY:
+                if not samples(mode):
                     tok = argmax_rows(logits, also=(packed[:, 0], self.carry_tokens[:1, 0]))
                 else:  # the token at first + 1, drawn as the decode graphs of `mode` draw
                     rows = logits
-                    if mode in PENALIZED:  # (row 0's tables: the prompt, no output yet)
+                    if penalized(mode):  # (row 0's tables: the prompt, no output yet)
                         rows = self._penalize(logits.clone(), first, 1, 1)
-                    tok = self._sample_logits(rows, first, 1, 1,
-                                              masks=mode in (MASKED, MASKED_PENALIZED))
+                    tok = self._sample_logits(rows, first, 1, 1, masks=masked(mode))
                     packed[:, 0].copy_(tok)
                     self.carry_tokens[:1, 0].copy_(tok)
-                    if mode in PENALIZED:  # the first output token, for the next step
+                    if penalized(mode):  # the first output token, for the next step
                         self._count_emitted(packed, 1, 1)
                 if self.head is not None:
                     self.prefill_next_ids[:q].index_copy_(0, self.prefill_last_row, tok)
@@ -225,7 +224,9 @@ class FusedPrefill:
         captured by launch_prefill when first needed)."""
         sr = plan.scheduled[0]
         mode = sampling_mode([sr.request.sampling_params])
-        if mode in PENALIZED:
+        if with_logprobs(mode):  # (the general path computes the first token's)
+            return False
+        if penalized(mode):
             return sr.sample and self.chainable and q in self.graphs.prefill_graphs
         return sr.sample and (mode, q, self.draft_steps(plan.draft_batch_size)) \
             in self._prefill_tails
@@ -241,23 +242,23 @@ class FusedPrefill:
         kd = self.draft_steps(plan.draft_batch_size)
         n = plan.scheduled[0].num_new_tokens
         mode = sampling_mode([plan.scheduled[0].request.sampling_params])
-        if mode in PENALIZED and (mode, q, kd) not in self._prefill_tails:
+        if penalized(mode) and (mode, q, kd) not in self._prefill_tails:
             # Nothing is in flight (launch_prefill follows can_launch, as launch does): the
             # tail, and the decode graphs that chain from it
-            self._capture_penalized((1, self.next_q(kd), kd, False), mode)
+            self._capture_later((1, self.next_q(kd), kd, False), mode)
             self._prefill_tails[(mode, q, kd)] = self._capture_prefill_head(q, kd, tail=True,
                                                                             mode=mode)
         extra = [(self.prefill_last_row, np.array([n - 1], np.int64)),
                  (self.real, np.ones(1, bool))]
-        if mode != GREEDY:
+        if samples(mode):
             extra += self._sampling_rows(plan, 1)
-        if mode in PENALIZED:
+        if penalized(mode):
             extra += self._penalty_rows(plan, 1)
         if self.head is not None:  # the token after each row; the last one's is the sample
             next_ids = np.zeros(q, np.int64)
             next_ids[:n - 1] = hb.input_ids[1:n]
             extra.append((self.prefill_next_ids, next_ids))
-        if mode in PENALIZED:  # row 0's tables, queued before the graphs that read them
+        if penalized(mode):  # row 0's tables, queued before the graphs that read them
             self._fill_penalty_tables(plan, 1)
         self.graphs.run_prefill(hb, extra=tuple(extra))  # staged with the batch
         self.prefill_launches += 1

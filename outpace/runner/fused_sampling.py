@@ -5,11 +5,15 @@ Greedy, sampled and masked graphs share their keys (bucket, q, kd, chained) and 
 how a row's token is chosen from the LM head's logits: the argmax; the race of sample/race.py
 with the request's temperature, seed and the position sampled, all inside the argmax kernel; or
 that race over the top-k / top-p / min-p nucleus (`masked_race_tokens`: kernels/masked_race.py,
-no sort). A step pays only for what its requests ask: the temperature and the race ~5 us at
-batch 1, the masks ~20 us (the stable sort they took before run 29: ~0.1 ms;
-benchmarks/diag_sampling.py). Each token equals the one the general path
-(runner/sampling_step.py, the same kernels on CUDA) draws for the same seed and position, so
-accept's strict prefix match verifies sampled drafts exactly as greedy ones.
+no sort). A request with repetition, frequency or presence penalties takes the sampled or masked
+graph with penalties (SAMPLE_PENALIZED, MASKED_PENALIZED: runner/fused_penalties.py), whose rows
+are penalized before the race; a greedy one races there with no noise (its argmax). A step
+pays only for what its requests ask: the temperature and the race ~5 us at batch 1, the masks
+~20 us (the stable sort they took before run 29: ~0.1 ms; benchmarks/diag_sampling.py), the
+penalties ~5 us (no-spec) to ~17 us (EAGLE-3 k = 2's three rows; run 30). Each token equals
+the one the general path (runner/sampling_step.py, the same kernels on CUDA) draws for the same
+seed and position, so accept's strict prefix match verifies sampled drafts exactly as greedy
+ones.
 """
 
 from __future__ import annotations
@@ -19,33 +23,60 @@ import torch
 
 from outpace.sample.logits_processing import SAMPLING_EPS
 from outpace.sample.race import masked_race_tokens, race_tokens
+from outpace.types import MAX_LOGPROBS
 
 GREEDY, SAMPLE, MASKED = "greedy", "sample", "masked"  # a fused graph's sampling
-# ...the sampled and masked graphs with penalties first (runner/fused_penalties.py); a greedy
-# request with penalties takes SAMPLE_PENALIZED's argmax row.
-SAMPLE_PENALIZED, MASKED_PENALIZED = "sample+penalties", "masked+penalties"
-BASE_MODES = (GREEDY, SAMPLE, MASKED)  # captured at start-up; the penalized ones when needed
-PENALIZED = (SAMPLE_PENALIZED, MASKED_PENALIZED)
+# ...and what a graph adds to it: penalties first (runner/fused_penalties.py; a greedy request
+# with penalties takes SAMPLE + PENALTIES's argmax row), logprobs of every row's token and its
+# top MAX_LOGPROBS after accept (raw: the LM head's logits, as the general path's).
+PENALTIES, LOGPROBS = "+penalties", "+logprobs"
+SAMPLE_PENALIZED, MASKED_PENALIZED = SAMPLE + PENALTIES, MASKED + PENALTIES
+BASE_MODES = (GREEDY, SAMPLE, MASKED)  # captured at start-up; the others when first needed
+MODES = tuple(m + lp for m in (*BASE_MODES, SAMPLE_PENALIZED, MASKED_PENALIZED)
+              for lp in ("", LOGPROBS))
 
 
 def sampling_mode(params) -> str:
     """The graph a step's requests (their SamplingParams) need: GREEDY when none samples,
-    MASKED when a sampling one asks for top-k, top-p or min-p, else SAMPLE; the penalized
-    SAMPLE or MASKED when any asks for a penalty."""
-    mode, penalties = GREEDY, False
+    MASKED when a sampling one asks for top-k, top-p or min-p, else SAMPLE; + PENALTIES when
+    any asks for a penalty (greedy ones then race in SAMPLE's graphs, with no noise), +
+    LOGPROBS when any asks for logprobs."""
+    mode, penalties, logprobs = GREEDY, False, False
     for p in params:
         penalties = penalties or p.needs_penalties
+        logprobs = logprobs or p.logprobs is not None
         if p.temperature >= SAMPLING_EPS and mode != MASKED:
             mode = MASKED if p.needs_masks else SAMPLE
     if penalties:
-        return MASKED_PENALIZED if mode == MASKED else SAMPLE_PENALIZED
-    return mode
+        mode = (MASKED if mode == MASKED else SAMPLE) + PENALTIES
+    return mode + LOGPROBS if logprobs else mode
 
 
-def device_samplable(params) -> bool:
-    """Sampled (or greedy) with nothing that needs the host: no logprobs (more than the
-    token ids)."""
-    return params.logprobs is None
+def samples(mode: str) -> bool:
+    """Whether a mode's graphs race (fp32 logits, staged sampling rows), not argmax."""
+    return not mode.startswith(GREEDY)
+
+
+def masked(mode: str) -> bool:
+    return mode.startswith(MASKED)
+
+
+def penalized(mode: str) -> bool:
+    return PENALTIES in mode
+
+
+def with_logprobs(mode: str) -> bool:
+    return LOGPROBS in mode
+
+
+def token_logprobs(rows, n: int) -> list:
+    """[tokens, 1 + 2 * top] rows of a logprobs graph's output (FusedSampling._logprobs) ->
+    what SamplingStep._logprobs gives: per token (its logprob, {id: logprob} of the top n)."""
+    top = (rows.shape[1] - 1) // 2
+    out = []
+    for r in rows.tolist():
+        out.append((r[0], {int(i): v for i, v in zip(r[1 + top:1 + top + n], r[1:1 + n])}))
+    return out
 
 
 class FusedSampling:
@@ -85,19 +116,30 @@ class FusedSampling:
                 (self.sample_min_p, cols[3].astype(np.float32)),
                 (self.sample_seed, cols[4].astype(np.int64))]
 
-    def _sample(self, hidden, ids, pos, bucket: int, q: int, mode: str) -> torch.Tensor:
-        """[n] tokens of a sampled graph (rows with input ids `ids` at positions `pos`):
-        greedy rows' argmax, the others' race (their temperature, and in a masked graph top-k,
-        top-p, min-p; keyed by their seed and the position sampled, pos + 1), as SamplingStep
-        computes them (Sampler.sample: the masked race for every row when a row asks for a
-        mask; a mask that keeps everything changes nothing), over the penalized logits in a
-        penalized graph. Without masks the temperature, the keys and the noise are all in the
-        argmax kernel."""
-        logits = self.model.compute_logits(hidden)
-        if mode in PENALIZED:
+    def _sample(self, logits, ids, pos, bucket: int, q: int, mode: str) -> torch.Tensor:
+        """[n] tokens of a sampled graph from its [n, V] float32 logits (rows with input ids
+        `ids` at positions `pos`; penalized in place on CUDA): greedy rows' argmax, the others'
+        race (their temperature, and in a masked graph top-k, top-p, min-p; keyed by their seed
+        and the position sampled, pos + 1), as SamplingStep computes them (Sampler.sample: the
+        masked race for every row when a row asks for a mask; a mask that keeps everything
+        changes nothing), over the penalized logits in a penalized graph. Without masks the
+        temperature, the keys and the noise are all in the argmax kernel."""
+        if penalized(mode):
             logits = self._penalize(logits, ids, bucket, q)
-        return self._sample_logits(logits, pos, bucket, q,
-                                   masks=mode in (MASKED, MASKED_PENALIZED))
+        return self._sample_logits(logits, pos, bucket, q, masks=masked(mode))
+
+    def _logprobs(self, logprobs, packed, bucket: int, q: int) -> torch.Tensor:
+        """[bucket, q, 1 + 2 * top] float32 from the rows' [n, V] log-softmax: each row's
+        emitted token's logprob (packed[:, :q]; garbage past the accepted count, where the host
+        reads nothing), then the top values, then their ids (exact in float32: below 2^24), so
+        the step still ends in copies of two fixed buffers. The top `top` of every row, as the
+        general path takes them (SamplingStep._logprobs), sliced to each request's n on the
+        host."""
+        top = min(MAX_LOGPROBS, logprobs.shape[1])
+        emitted = packed[:, :q].reshape(-1, 1).clamp(min=0)
+        values, ids = logprobs.topk(top, dim=-1)
+        out = torch.cat([logprobs.gather(1, emitted), values, ids.to(torch.float32)], dim=1)
+        return out.view(bucket, q, 1 + 2 * top)
 
     def _sample_logits(self, logits, pos, bucket: int, q: int, masks: bool) -> torch.Tensor:
         """_sample from the [n, V] logits (n = bucket * q rows at positions pos)."""

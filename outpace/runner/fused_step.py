@@ -2,8 +2,9 @@
 CUDA graph per (batch bucket, query length q, draft steps kd), and one output copy per step.
 
 A step qualifies when every scheduled request is decoding (its rows are its last committed token
-and its drafts) without penalties or logprobs (the common serving case, and every benchmark).
-Then nothing between the step's input copy and its output copy needs the host:
+and its drafts) without logprobs (penalties run in the penalized graphs, runner/
+fused_penalties.py). Then nothing between the step's input copy and its output copy needs the
+host:
 
     input buffers (ids, positions, slots, block tables, seq_lens, num_drafts)
       -> target forward -> logits -> each row's token [B, q]: the argmax, or in a *sampled*
@@ -20,7 +21,8 @@ Then nothing between the step's input copy and its output copy needs the host:
 A sampled row's token is the one the general path (runner/sampling_step.py) draws for the same
 seed and position, so accept's strict prefix match verifies sampled requests exactly as greedy
 ones, and graph and eager steps give the same tokens. Greedy, sampled and masked graphs are
-captured apart, with the same keys (runner/fused_sampling.py).
+captured apart, with the same keys (runner/fused_sampling.py); the sampled and masked ones with
+penalties too, when a penalized request first needs a key (runner/fused_penalties.py).
 
 The host then trims each request's drafts to its own draft length (max_tokens, context, the
 adaptive policy), exactly as the eager path would have asked the head for fewer. Running kd steps
@@ -75,9 +77,10 @@ from outpace.kernels.step_glue import accept, chained_inputs, loop_inputs
 from outpace.runner.chained_tables import ChainedTables
 from outpace.runner.fused_penalties import FusedPenalties
 from outpace.runner.fused_prefill import FusedPrefill
-from outpace.runner.fused_sampling import (BASE_MODES, GREEDY, MASKED, MASKED_PENALIZED,
-                                           PENALIZED, SAMPLE, SAMPLE_PENALIZED, FusedSampling,
-                                           device_samplable, sampling_mode)
+from outpace.kernels.argmax import argmax_rows
+from outpace.runner.fused_sampling import (BASE_MODES, GREEDY, MODES, FusedSampling, penalized,
+                                           samples, sampling_mode, token_logprobs,
+                                           with_logprobs)
 from outpace.spec.base import CommittedTokens, DraftBatch
 from outpace.spec.head_proposer import HeadProposer
 from outpace.types import RequestStepOutput, StepResult
@@ -94,7 +97,8 @@ class Launched:
     t_launch: float = 0.0  # host seconds spent launching (benchmarks)
     prefill: bool = False  # a greedy prefill step's (launch_prefill), not a decode step's
     drafts: Optional[list] = None  # a relaunched step's draft count per row (host drafter)
-    mode: str = "greedy"  # its graph's sampling (GREEDY, SAMPLE, MASKED): its successors' too
+    mode: str = "greedy"  # its graph's sampling (fused_sampling.MODES): its successors' too
+    host_logprobs: Optional[object] = None  # a logprobs graph's second output, as `host`
 
     @property
     def kd(self) -> int:
@@ -143,10 +147,10 @@ class FusedStep(FusedPrefill, FusedSampling, FusedPenalties):
         # that real verification doesn't have.
         self.zero_draws = torch.zeros(m, device=dev)
         self._captured: dict = {}  # (bucket, q, kd, chained) -> (graph, packed output)
-        # ...per sampling mode: the greedy graphs above, sampled ones, sampled with masks, and
-        # those two with penalties
-        self._by_mode = {GREEDY: self._captured, SAMPLE: {}, MASKED: {}, SAMPLE_PENALIZED: {},
-                         MASKED_PENALIZED: {}}
+        # ...per sampling mode: the greedy graphs above, sampled ones, sampled with masks, those
+        # two with penalties, and each of these with logprobs (fused_sampling.MODES)
+        self._by_mode = {mode: {} for mode in MODES}
+        self._by_mode[GREEDY] = self._captured
         self._init_prefill(runner, dev)
         self._tables = ChainedTables(self.inputs.max_blocks)
         self._host_out: dict = {}  # (shape, parity) -> pinned host tensor
@@ -186,9 +190,7 @@ class FusedStep(FusedPrefill, FusedSampling, FusedPenalties):
         proposer = self.runner.proposer
         if proposer is not None and self.head is None and self.host_drafter is None:
             return False  # a head that can't draft on the device (enhancer, MTP depths mode)
-        if self.runner.sampling.relaxed is not None:
-            return False
-        return all(device_samplable(sr.request.sampling_params) for sr in plan.scheduled)
+        return self.runner.sampling.relaxed is None
 
     def draft_steps(self, batch_size: int) -> int:
         """Draft-loop length in the graph: the policy's k for this batch size (a plan's
@@ -210,20 +212,17 @@ class FusedStep(FusedPrefill, FusedSampling, FusedPenalties):
         mode = sampling_mode(sr.request.sampling_params for sr in plan.scheduled)
         table = self._by_mode[mode]
         if key not in table:
-            if mode in PENALIZED:
-                self._capture_penalized(key, mode)
-            else:
-                table[key] = self._capture(*key, mode=mode)
+            self._capture_later(key, mode)
         t0 = time.perf_counter()
         nd = np.zeros(bucket, np.int64)
         nd[:b] = [len(sr.draft_token_ids) for sr in plan.scheduled]
         extra = [(self.num_drafts, nd), (self.real, np.arange(bucket) < b)]
-        if mode != GREEDY:
+        if samples(mode):
             extra += self._sampling_rows(plan, bucket)
-        if mode in PENALIZED:
+        if penalized(mode):
             extra += self._penalty_rows(plan, bucket)
         self.graphs.load_padded(hb, full_width=True, extra=tuple(extra))
-        if mode in PENALIZED:
+        if penalized(mode):
             self._fill_penalty_tables(plan, bucket)
         rows = [sr.request.request_id for sr in plan.scheduled]
         launched = self._replay(key, rows, t0, entry=table[key])
@@ -285,19 +284,30 @@ class FusedStep(FusedPrefill, FusedSampling, FusedPenalties):
     def _replay(self, key, rows, t0, entry=None, prefill: bool = False) -> Launched:
         """Replay the graph of `key` (or `entry`, a (graph, packed) pair) and queue the copy
         of its output."""
-        graph, packed = entry or self._captured[key]
+        graph, outs = entry or self._captured[key]
+        # a logprobs graph's outputs: (packed, logprobs); any other's: packed
+        packed, logprobs = outs if isinstance(outs, tuple) else (outs, None)
         graph.replay()
         if not self.is_cuda:  # CPU stand-in: the "graph" already ran
-            return Launched(key, rows, packed.clone(), None, time.perf_counter() - t0, prefill)
-        host = self._host_out.get((packed.shape, self._parity))
-        if host is None:
-            host = self._host_out[(packed.shape, self._parity)] = torch.empty(
-                packed.shape, dtype=packed.dtype, pin_memory=True)
+            return Launched(key, rows, packed.clone(), None, time.perf_counter() - t0, prefill,
+                            host_logprobs=None if logprobs is None else logprobs.clone())
+        host = self._copy_out(packed)  # the step's device -> host copy
+        host_logprobs = None if logprobs is None else self._copy_out(logprobs)
         self._parity ^= 1
-        host.copy_(packed, non_blocking=True)  # the step's one device -> host copy
         event = torch.cuda.Event()
         event.record()
-        return Launched(key, rows, host, event, time.perf_counter() - t0, prefill)
+        return Launched(key, rows, host, event, time.perf_counter() - t0, prefill,
+                        host_logprobs=host_logprobs)
+
+    def _copy_out(self, out: torch.Tensor) -> torch.Tensor:
+        """Queue the copy of a graph output into its pinned host buffer (two per shape: step
+        N's is read while N+1's copy is queued) -> that buffer."""
+        host = self._host_out.get((out.shape, out.dtype, self._parity))
+        if host is None:
+            host = self._host_out[(out.shape, out.dtype, self._parity)] = torch.empty(
+                out.shape, dtype=out.dtype, pin_memory=True)
+        host.copy_(out, non_blocking=True)
+        return host
 
     def collect(self, launched: Launched, plan) -> StepResult:
         """Wait for the step's output copy and turn it into the StepResult of `plan` (the
@@ -309,9 +319,13 @@ class FusedStep(FusedPrefill, FusedSampling, FusedPenalties):
         t2 = time.perf_counter()
         out = launched.host.numpy()  # sync-ok: host memory, its copy was waited for above
         row_of = {rid: i for i, rid in enumerate(launched.rows)}
-        out = out[[row_of[sr.request.request_id] for sr in plan.scheduled]]
+        order = [row_of[sr.request.request_id] for sr in plan.scheduled]
+        out = out[order]
+        logprobs = None
+        if launched.host_logprobs is not None:
+            logprobs = launched.host_logprobs.numpy()[order]  # sync-ok: waited for above
         _, q, kd, _ = launched.key
-        result = self._result(plan, out, q, kd)
+        result = self._result(plan, out, q, kd, logprobs)
         if launched.prefill:  # the counters and timings below are decode steps'
             return result
         self.replays += 1
@@ -322,7 +336,8 @@ class FusedStep(FusedPrefill, FusedSampling, FusedPenalties):
         tm["unpack_s"] += time.perf_counter() - t2
         return result
 
-    def _result(self, plan, out: np.ndarray, q: int, kd: int) -> StepResult:
+    def _result(self, plan, out: np.ndarray, q: int, kd: int,
+                logprobs: Optional[np.ndarray] = None) -> StepResult:
         runner = self.runner
         proposer = runner.proposer
         result = StepResult()
@@ -342,13 +357,16 @@ class FusedStep(FusedPrefill, FusedSampling, FusedPenalties):
         observe = proposer.policy.observe if adaptive else None
         # the policy's k, the same for every request unless it adapts per request
         k_all = proposer.policy.base_k(batch_size) if drafting and not adaptive else None
-        for sr, row in zip(plan.scheduled, rows):
+        for i, (sr, row) in enumerate(zip(plan.scheduled, rows)):
             req = sr.request
             nd = len(sr.draft_token_ids)
             acc = row[q]
             toks = row[:acc + 1]
             outputs[req.request_id] = RequestStepOutput(
                 token_ids=toks, num_draft_tokens=nd, num_accepted_tokens=acc)
+            if logprobs is not None and req.sampling_params.logprobs is not None:
+                outputs[req.request_id].logprobs = token_logprobs(
+                    logprobs[i, :acc + 1], req.sampling_params.logprobs)
             if observe is not None:
                 observe(req.request_id, nd, acc)
             if drafting:
@@ -397,8 +415,16 @@ class FusedStep(FusedPrefill, FusedSampling, FusedPenalties):
         capture = self.head.capture_layers if self.head is not None else ()
         hidden, aux = self.model(ids, pos, ctx, capture_layers=capture)
         # [n]: each row's token, the target's choice that accept verifies the drafts against
-        target = (self.model.greedy_tokens(hidden) if mode == GREEDY
-                  else self._sample(hidden, ids, pos, bucket, q, mode))
+        logits = logprobs = None
+        if samples(mode) or with_logprobs(mode):
+            logits = self.model.compute_logits(hidden)  # [n, V] float32
+        if with_logprobs(mode):  # raw: before the penalties change the logits in place
+            logprobs = torch.log_softmax(logits, dim=-1)
+        if samples(mode):
+            target = self._sample(logits, ids, pos, bucket, q, mode)
+        else:
+            target = (self.model.greedy_tokens(hidden) if logits is None
+                      else argmax_rows(logits))
         # [B, q + 1 + kd] = emitted tokens | accepted count | drafts: the step's one output
         # (kd = 0 without a head: draft_steps)
         packed = torch.empty(bucket, q + 1 + kd, dtype=torch.long, device=ids.device)
@@ -416,15 +442,17 @@ class FusedStep(FusedPrefill, FusedSampling, FusedPenalties):
         next_ids, last_rows, first = accept(target, ids, self.num_drafts[:bucket], pos, q,
                                             packed, u, mean or 0.0,
                                             head=self.head is not None, carry=carry)
-        if mode in PENALIZED:  # what the next step's penalties read (fused_penalties.py)
+        if penalized(mode):  # what the next step's penalties read (fused_penalties.py)
             self._count_emitted(packed, q, bucket)
+        if logprobs is not None:
+            logprobs = self._logprobs(logprobs, packed, bucket, q)
         if self.head is not None:
             # the drafts go to the output and to the next chained step's rows 1 .. kd
             outs = (packed[:, q + 1:],) + ((self.carry_tokens[:bucket, 1:1 + kd],)
                                            if self.chainable else ())
             self._draft(hidden, aux, next_ids, pos, ctx, last_rows, first,
                         buf.block_tables[:bucket], kd, outs)
-        return packed
+        return packed if logprobs is None else (packed, logprobs)
 
     def _draft(self, hidden, aux, next_ids, pos, ctx, last_rows, first, block_tables, kd,
                outs: tuple) -> None:
@@ -456,11 +484,16 @@ class FusedStep(FusedPrefill, FusedSampling, FusedPenalties):
             h = head.step(h, tok, p, ForwardContext(self.backend, meta))
             tok = head.draft_ids(h, also=tuple(o[:, j] for o in outs))
 
-    def _capture_penalized(self, key: tuple, mode: str) -> None:
-        """Capture a penalized graph when a key is first launched with penalties, with the
+    def _capture_later(self, key: tuple, mode: str) -> None:
+        """Capture a graph when its key is first launched (a launch from the host: nothing is
+        in flight), with, for a mode not captured at start-up (penalties, logprobs), the
         chained step that follows it and the relaunched ones (chain and relaunch never
         capture: a step is in flight then)."""
-        self._penalty_tables()
+        if mode in BASE_MODES:
+            self._by_mode[mode][key] = self._capture(*key, mode=mode)
+            return
+        if penalized(mode):
+            self._penalty_tables()
         bucket, q, kd, _ = key
         keys = [key]
         if self.chainable and self.next_q(kd) in self.graphs.q_lens:

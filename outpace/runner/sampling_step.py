@@ -32,7 +32,7 @@ from outpace.sample.race import seed_word
 from outpace.sample.sampler import Sampler, probs_from_processed
 from outpace.spec.verify import (ThinkingSpanTracker, force_accept, greedy_verify_batched,
                                  relaxed_accept_batched)
-from outpace.types import RequestStepOutput
+from outpace.types import MAX_LOGPROBS, RequestStepOutput
 
 
 _RELAXED_KEYS = ("relaxed_top_k", "relaxed_delta", "think_begin_ids", "think_end_ids")
@@ -194,11 +194,14 @@ class SamplingStep:
         lp = torch.log_softmax(logits[first_row:first_row + len(tokens)].float(), dim=-1)
         chosen = lp.gather(1, torch.tensor(tokens, device=lp.device).unsqueeze(1)).squeeze(1)
         result = []
-        top_v, top_i = (lp.topk(n, dim=-1) if n > 0 else (None, None))
+        # the top MAX_LOGPROBS, then the first n: what the fused graphs take (ties at the n-th
+        # value then fall the same way on both paths)
+        top_v, top_i = (lp.topk(min(MAX_LOGPROBS, lp.shape[1]), dim=-1) if n > 0
+                        else (None, None))
         chosen_l = chosen.tolist()  # sync-ok: logprobs are part of the output copy
         for j in range(len(tokens)):
             top = {}
             if n > 0:
-                top = dict(zip(top_i[j].tolist(), top_v[j].tolist()))  # sync-ok
+                top = dict(zip(top_i[j, :n].tolist(), top_v[j, :n].tolist()))  # sync-ok
             result.append((chosen_l[j], top))
         return result

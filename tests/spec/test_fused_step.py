@@ -10,8 +10,7 @@ as one captured function over fixed buffers.
 * sampled requests (temperature, top-k, top-p, min-p; seeded or not) run in sampled graphs and
   draw what the general path draws; a seeded request's output is the same with and without
   speculation;
-* steps it can't serve (logprobs) fall back to the general path (penalties:
-  tests/spec/test_fused_penalties.py).
+* penalties and logprobs: tests/spec/test_fused_penalties.py, test_fused_logprobs.py.
 """
 
 from __future__ import annotations
@@ -193,25 +192,6 @@ def test_force_accept_mean_on_the_fused_path(tiny_loaded, tiny_heads, fake_graph
     steps = spec["num_drafts"]
     measured = 1 + spec["num_accepted_tokens"] / steps
     assert abs(measured - mean) < 0.15, (measured, spec)
-
-
-@pytest.mark.parametrize("params", [
-    SamplingParams(max_tokens=12, temperature=0.0, logprobs=2, ignore_eos=True),
-    SamplingParams(max_tokens=12, temperature=0.8, seed=3, logprobs=0, ignore_eos=True),
-], ids=["logprobs", "sampled-logprobs"])
-def test_steps_the_fused_graph_cannot_serve_fall_back(tiny_loaded, tiny_heads,
-                                                      fake_graph_capture, params):
-    spec = head_spec(tiny_heads, "eagle3", 3)
-    prompts = repetitive_prompts(3, 5)
-    plist = [GREEDY, params, GREEDY]
-    eager = make_engine(tiny_loaded, speculative_config=spec)
-    want = run_batch(eager, prompts, plist)
-    graphed = make_engine(tiny_loaded, speculative_config=spec)
-    enable_graphs(graphed, 3)
-    got = run_batch(graphed, prompts, plist)
-    assert got == want
-    # while the odd request runs, no step is fused; after it finishes the greedy ones are
-    assert graphed.runner.fused.replays < sum(len(t) for t in want)
 
 
 # Sampled requests beside a greedy one, seeded and not: with a mask each (top-p, top-k, min-p:

@@ -1,0 +1,80 @@
+"""Logprobs in the fused step on CUDA (the +logprobs graphs): requests asking for logprobs
+beside requests that don't, greedy, sampled, masked and penalized.
+
+* graph replay gives the eager CUDA engine's tokens, and the CPU engine's (tiny fp32 target),
+  with their logprobs to float32 rounding, chained, relaunched or step by step;
+* logprobs decode steps do not sync with the host (DESIGN idea 9).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytest.importorskip("triton")
+
+from outpace.runner.fused_sampling import LOGPROBS  # noqa: E402
+from tests.engine_helpers import make_engine  # noqa: E402
+from tests.gpu.test_fused_step import (CASES, gpu_engine, spec_for,  # noqa: E402
+                                       steps_without_sync)
+from tests.spec.spec_helpers import repetitive_prompts, tiny_target  # noqa: E402
+from tests.spec.test_fused_logprobs import close, params_for  # noqa: E402
+
+
+_ids = itertools.count()
+
+
+def outputs(eng, prompts, params) -> list:
+    """(token ids, logprobs) per prompt, all prompts in one batch."""
+    rids = [f"r{next(_ids)}" for _ in prompts]
+    for rid, p, sp in zip(rids, prompts, params):
+        eng.add_request(rid, p, sp)
+    done = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                done[o.request_id] = (o.token_ids, o.outputs[0].logprobs)
+    return [done[r] for r in rids]
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+@pytest.mark.parametrize("method,k", CASES, ids=[f"{m}-k{k}" for m, k in CASES])
+def test_logprobs_graph_replay_equals_eager_and_cpu(cuda_loaded, cuda_heads, method, k,
+                                                    overlap):
+    spec = spec_for(cuda_heads, method, k)
+    prompts = repetitive_prompts(6, 11)  # 6 requests: bucket 8, 2 padded rows
+    params = params_for(len(prompts))
+    want = outputs(gpu_engine(cuda_loaded, spec, eager=True), prompts, params)
+    graphed = gpu_engine(cuda_loaded, spec, eager=False, overlap=overlap)
+    got = outputs(graphed, prompts, params)
+    assert [t for t, _ in got] == [t for t, _ in want]
+    assert all(close(a, b) for (_, a), (_, b) in zip(got, want))
+    fused = graphed.runner.fused
+    served = sum(n for mode, n in fused.mode_steps.items() if mode.endswith(LOGPROBS))
+    assert served > 15, "the logprobs graphs served too few steps"
+    if overlap and method != "ngram":
+        assert fused.chained > 10
+    cpu = outputs(make_engine(tiny_target(seed=0), speculative_config=spec, max_num_seqs=8),
+                  prompts, params)
+    assert [t for t, _ in cpu] == [t for t, _ in want]
+    assert all(close(a, b) for (_, a), (_, b) in zip(cpu, want))
+
+
+@pytest.mark.parametrize("method,k,opts", [(None, 0, {}), ("ngram", 3, {}),
+                                           ("eagle3", 3, {"force_accept_mean": 3.0})],
+                         ids=["plain", "ngram", "eagle3-fa3"])
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_logprobs_decode_steps_do_not_sync_with_host(cuda_loaded, cuda_heads, method, k, opts,
+                                                     overlap):
+    import dataclasses
+    eng = gpu_engine(cuda_loaded, spec_for(cuda_heads, method, k, **opts), eager=False,
+                     overlap=overlap)
+    prompts = repetitive_prompts(4, 3)
+    params = [dataclasses.replace(p, max_tokens=80) for p in params_for(len(prompts))]
+    done = steps_without_sync(eng, prompts, params)
+    served = sum(n for mode, n in done.items() if mode.endswith(LOGPROBS))
+    assert done["replays"] == served == 10
