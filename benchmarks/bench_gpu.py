@@ -294,7 +294,9 @@ def make_eagle3_reduced(gguf, tmp, draft_vocab_size: int = 32000) -> Path:
 
 
 EAGER_MIXED = "@eager-mixed"
-GENERAL_PENALTIES = "@general-penalties"  # penalties_off_the_graphs
+# "<config>@general-path": steps with penalized or logprobs requests on the general path (as
+# before session 22; run 30's penalties rows named it "@general-penalties")
+GENERAL_PATH = "@general-path"
 
 
 def smol_configs(k, force_means, eagle, mtp, eagle_reduced=None) -> list:
@@ -402,8 +404,7 @@ def section_smol(args, results):
         # "<config>@eager-mixed": that configuration with its varlen graphs dropped, so steps
         # of several prefill chunks (or chunks beside decodes) run eagerly, as before run 24
         pool += [(f"{n}{EAGER_MIXED}", c) for n, c in pool if f"{n}{EAGER_MIXED}" in named]
-        pool += [(f"{n}{GENERAL_PENALTIES}", c) for n, c in pool
-                 if f"{n}{GENERAL_PENALTIES}" in named]
+        pool += [(f"{n}{GENERAL_PATH}", c) for n, c in pool if f"{n}{GENERAL_PATH}" in named]
         configs = [c for c in pool if c[0] in named]
     # Process warm-up: the first engine of a process otherwise pays CUDA's lazy module loading
     # and first-use kernel selection inside its timed runs (seen as slow batch-1 prefill). Full
@@ -426,8 +427,8 @@ def section_smol(args, results):
                                   enable_prefix_caching=PREFIX_CACHING, **budget)
         if name.endswith(EAGER_MIXED) and eng.runner.graphs is not None:
             eng.runner.graphs.varlen_graphs.clear()
-        if name.endswith(GENERAL_PENALTIES) and eng.runner.fused is not None:
-            penalties_off_the_graphs(eng.runner.fused)
+        if name.endswith(GENERAL_PATH) and eng.runner.fused is not None:
+            extras_off_the_graphs(eng.runner.fused)
         pen = penalties(args)
         spec_k = 0 if spec is None else spec["num_speculative_tokens"]
         # Warm-up at every batch size: Triton compiles a kernel per new tile configuration;
@@ -473,27 +474,32 @@ def fused_graphs(eng, mode: str) -> dict:
 
 def sampling_mode(args) -> str:
     """The fused graphs a run's requests replay (run_engine's SamplingParams)."""
-    masked = args.temperature > 0 and args.top_p < 1.0
-    if penalties(args):
-        return "masked+penalties" if masked else "sample+penalties"
-    if args.temperature <= 0:
-        return "greedy"
-    return "masked" if masked else "sample"
+    from outpace import SamplingParams
+    from outpace.runner.fused_sampling import sampling_mode as mode_of
+    sampled = dict(temperature=args.temperature, top_p=args.top_p) if args.temperature > 0 \
+        else dict(temperature=0.0)
+    return mode_of([SamplingParams(**sampled, **penalties(args))])
 
 
 def penalties(args) -> dict:
-    """The penalties run_engine's requests ask for ({}: none)."""
-    pen = {"repetition_penalty": args.repetition_penalty,
-           "frequency_penalty": args.frequency_penalty}
-    return pen if pen != {"repetition_penalty": 1.0, "frequency_penalty": 0.0} else {}
+    """The penalties and logprobs run_engine's requests ask for ({}: none)."""
+    pen = {}
+    if args.repetition_penalty != 1.0:
+        pen["repetition_penalty"] = args.repetition_penalty
+    if args.frequency_penalty != 0.0:
+        pen["frequency_penalty"] = args.frequency_penalty
+    if args.logprobs is not None:
+        pen["logprobs"] = args.logprobs
+    return pen
 
 
-def penalties_off_the_graphs(fused) -> None:
-    """'<config>@general-penalties': steps with a penalized request go to the general path
-    (the fused graphs had no penalties before session 22): the A/B's first arm."""
+def extras_off_the_graphs(fused) -> None:
+    """'<config>@general-path': steps with a penalized or logprobs request go to the general
+    path (the fused graphs served neither before session 22): the A/B's first arm."""
     accepts = fused.accepts
     fused.accepts = lambda plan: accepts(plan) and not any(
-        sr.request.sampling_params.needs_penalties for sr in plan.scheduled)
+        sr.request.sampling_params.needs_penalties
+        or sr.request.sampling_params.logprobs is not None for sr in plan.scheduled)
 
 
 def time_fused_graphs(eng, batches, k, reps=50, mode: str = "greedy") -> dict:
@@ -753,6 +759,8 @@ def main():
                     help="smol section: the requests' repetition penalty")
     ap.add_argument("--frequency-penalty", type=float, default=0.0,
                     help="smol section: the requests' frequency penalty")
+    ap.add_argument("--logprobs", type=int, default=None,
+                    help="smol section: the requests' logprobs (top-n)")
     ap.add_argument("--reps", type=int, default=3,
                     help="smol: timed runs per configuration and batch size (the median's row)")
     args = ap.parse_args()
