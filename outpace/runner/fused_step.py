@@ -2,9 +2,10 @@
 CUDA graph per (batch bucket, query length q, draft steps kd), and one output copy per step.
 
 A step qualifies when every scheduled request is decoding (its rows are its last committed token
-and its drafts) without logprobs (penalties run in the penalized graphs, runner/
-fused_penalties.py). Then nothing between the step's input copy and its output copy needs the
-host:
+and its drafts), whatever it samples with (penalties: runner/fused_penalties.py; logprobs: the
++logprobs graphs, whose second output holds each row's logprobs), unless the engine verifies
+with relaxed acceptance. Then nothing between the step's input copy and its output copies needs
+the host:
 
     input buffers (ids, positions, slots, block tables, seq_lens, num_drafts)
       -> target forward -> logits -> each row's token [B, q]: the argmax, or in a *sampled*
@@ -22,7 +23,7 @@ A sampled row's token is the one the general path (runner/sampling_step.py) draw
 seed and position, so accept's strict prefix match verifies sampled requests exactly as greedy
 ones, and graph and eager steps give the same tokens. Greedy, sampled and masked graphs are
 captured apart, with the same keys (runner/fused_sampling.py); the sampled and masked ones with
-penalties too, when a penalized request first needs a key (runner/fused_penalties.py).
+penalties, and every family with logprobs, when a request first needs such a key.
 
 The host then trims each request's drafts to its own draft length (max_tokens, context, the
 adaptive policy), exactly as the eager path would have asked the head for fewer. Running kd steps
