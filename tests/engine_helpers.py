@@ -38,6 +38,11 @@ def chat_ids(tok, questions, system=None) -> list:
 
 def run_batch(engine: LLMEngine, prompts, params) -> list:
     """All prompts in one engine at once; returns token id lists in prompt order."""
+    return [o.token_ids for o in run_batch_outputs(engine, prompts, params)]
+
+
+def run_batch_outputs(engine: LLMEngine, prompts, params) -> list:
+    """run_batch's finished RequestOutputs, in prompt order."""
     plist = params if isinstance(params, list) else [params] * len(prompts)
     rids = [f"b{next(_ids)}" for _ in prompts]
     for rid, p, sp in zip(rids, prompts, plist):
@@ -46,7 +51,7 @@ def run_batch(engine: LLMEngine, prompts, params) -> list:
     while engine.has_unfinished_requests():
         for o in engine.step():
             if o.finished:
-                done[o.request_id] = o.token_ids
+                done[o.request_id] = o
     return [done[r] for r in rids]
 
 

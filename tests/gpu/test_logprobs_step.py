@@ -8,8 +8,6 @@ beside requests that don't, greedy, sampled, masked and penalized.
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
 
@@ -18,27 +16,17 @@ pytestmark = [pytest.mark.gpu,
 pytest.importorskip("triton")
 
 from outpace.runner.fused_sampling import LOGPROBS  # noqa: E402
-from tests.engine_helpers import make_engine  # noqa: E402
+from tests.engine_helpers import make_engine, run_batch_outputs  # noqa: E402
 from tests.gpu.test_fused_step import (CASES, gpu_engine, spec_for,  # noqa: E402
                                        steps_without_sync)
 from tests.spec.spec_helpers import repetitive_prompts, tiny_target  # noqa: E402
 from tests.spec.test_fused_logprobs import close, params_for  # noqa: E402
 
 
-_ids = itertools.count()
-
-
 def outputs(eng, prompts, params) -> list:
     """(token ids, logprobs) per prompt, all prompts in one batch."""
-    rids = [f"r{next(_ids)}" for _ in prompts]
-    for rid, p, sp in zip(rids, prompts, params):
-        eng.add_request(rid, p, sp)
-    done = {}
-    while eng.has_unfinished_requests():
-        for o in eng.step():
-            if o.finished:
-                done[o.request_id] = (o.token_ids, o.outputs[0].logprobs)
-    return [done[r] for r in rids]
+    return [(o.token_ids, o.outputs[0].logprobs)
+            for o in run_batch_outputs(eng, prompts, params)]
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
