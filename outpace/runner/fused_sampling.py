@@ -74,7 +74,7 @@ def token_logprobs(rows, n: int) -> list:
     what SamplingStep._logprobs gives: per token (its logprob, {id: logprob} of the top n)."""
     top = (rows.shape[1] - 1) // 2
     out = []
-    for r in rows.tolist():
+    for r in rows.tolist():  # sync-ok: numpy, the step's output copy (waited for)
         out.append((r[0], {int(i): v for i, v in zip(r[1 + top:1 + top + n], r[1:1 + n])}))
     return out
 

@@ -59,7 +59,9 @@ captured ahead). They share the GraphRunner's memory pool.
 
 The prefill's graphs around the fused step (a head's pass and drafts after a prefill graph, a
 greedy prefill launched like a decode step) are in runner/fused_prefill.py, what its sampled
-graphs stage and compute in runner/fused_sampling.py.
+graphs stage and compute in runner/fused_sampling.py, the penalties' tables in
+runner/fused_penalties.py, and the output's copies and the StepResult they make in
+runner/fused_output.py.
 """
 
 from __future__ import annotations
@@ -73,18 +75,18 @@ import numpy as np
 import torch
 
 from outpace.attention.base import AttentionMetadata, ForwardContext
+from outpace.kernels.argmax import argmax_rows
 from outpace.kernels.norm import gather_rms_norm
 from outpace.kernels.step_glue import accept, chained_inputs, loop_inputs
 from outpace.runner.chained_tables import ChainedTables
+from outpace.runner.fused_output import FusedOutput
 from outpace.runner.fused_penalties import FusedPenalties
 from outpace.runner.fused_prefill import FusedPrefill
-from outpace.kernels.argmax import argmax_rows
 from outpace.runner.fused_sampling import (BASE_MODES, GREEDY, MODES, FusedSampling, penalized,
-                                           samples, sampling_mode, token_logprobs,
-                                           with_logprobs)
-from outpace.spec.base import CommittedTokens, DraftBatch
+                                           samples, sampling_mode, with_logprobs)
+from outpace.spec.base import DraftBatch
 from outpace.spec.head_proposer import HeadProposer
-from outpace.types import RequestStepOutput, StepResult
+from outpace.types import StepResult
 
 
 @dataclass
@@ -106,7 +108,7 @@ class Launched:
         return self.key[2]
 
 
-class FusedStep(FusedPrefill, FusedSampling, FusedPenalties):
+class FusedStep(FusedPrefill, FusedSampling, FusedPenalties, FusedOutput):
     def __init__(self, runner):
         # Weak: the runner owns this step (see HeadProposer.bind for why no cycle)
         self.runner = weakref.proxy(runner)
@@ -299,96 +301,6 @@ class FusedStep(FusedPrefill, FusedSampling, FusedPenalties):
         event.record()
         return Launched(key, rows, host, event, time.perf_counter() - t0, prefill,
                         host_logprobs=host_logprobs)
-
-    def _copy_out(self, out: torch.Tensor) -> torch.Tensor:
-        """Queue the copy of a graph output into its pinned host buffer (two per shape: step
-        N's is read while N+1's copy is queued) -> that buffer."""
-        host = self._host_out.get((out.shape, out.dtype, self._parity))
-        if host is None:
-            host = self._host_out[(out.shape, out.dtype, self._parity)] = torch.empty(
-                out.shape, dtype=out.dtype, pin_memory=True)
-        host.copy_(out, non_blocking=True)
-        return host
-
-    def collect(self, launched: Launched, plan) -> StepResult:
-        """Wait for the step's output copy and turn it into the StepResult of `plan` (the
-        requests of launched.rows that are still running, in that order)."""
-        t1 = time.perf_counter()
-        if launched.event is not None:
-            while not launched.event.query():  # poll: waits for this step only
-                pass
-        t2 = time.perf_counter()
-        out = launched.host.numpy()  # sync-ok: host memory, its copy was waited for above
-        row_of = {rid: i for i, rid in enumerate(launched.rows)}
-        order = [row_of[sr.request.request_id] for sr in plan.scheduled]
-        out = out[order]
-        logprobs = None
-        if launched.host_logprobs is not None:
-            logprobs = launched.host_logprobs.numpy()[order]  # sync-ok: waited for above
-        _, q, kd, _ = launched.key
-        result = self._result(plan, out, q, kd, logprobs)
-        if launched.prefill:  # the counters and timings below are decode steps'
-            return result
-        self.replays += 1
-        self.mode_steps[launched.mode] += 1
-        tm = self.timing
-        tm["launch_s"] += launched.t_launch
-        tm["wait_s"] += t2 - t1
-        tm["unpack_s"] += time.perf_counter() - t2
-        return result
-
-    def _result(self, plan, out: np.ndarray, q: int, kd: int,
-                logprobs: Optional[np.ndarray] = None) -> StepResult:
-        runner = self.runner
-        proposer = runner.proposer
-        result = StepResult()
-        committed, ks = [], []
-        batch_size = plan.draft_batch_size
-        # A head at a batch size where the policy drafts nothing (k_schedule): no lengths to
-        # trim, no drafts to read. Skipping that per-request work keeps such a step as cheap on
-        # the host as a plain one (at batch 128 the host is the bottleneck). A host drafter is
-        # always called: it indexes the new tokens even when it proposes none.
-        drafting = proposer is not None and (self.host_drafter is not None
-                                             or proposer.policy.base_k(batch_size) > 0)
-        # One conversion of the whole output to Python ints; per-row numpy slicing and tolist
-        # cost ~1 us a request, on the host's critical path at batch 128.
-        rows = out.tolist()  # sync-ok: numpy, already on the host
-        outputs = result.outputs
-        adaptive = proposer is not None and proposer.policy.adaptive
-        observe = proposer.policy.observe if adaptive else None
-        # the policy's k, the same for every request unless it adapts per request
-        k_all = proposer.policy.base_k(batch_size) if drafting and not adaptive else None
-        for i, (sr, row) in enumerate(zip(plan.scheduled, rows)):
-            req = sr.request
-            nd = len(sr.draft_token_ids)
-            acc = row[q]
-            toks = row[:acc + 1]
-            outputs[req.request_id] = RequestStepOutput(
-                token_ids=toks, num_draft_tokens=nd, num_accepted_tokens=acc)
-            if logprobs is not None and req.sampling_params.logprobs is not None:
-                outputs[req.request_id].logprobs = token_logprobs(
-                    logprobs[i, :acc + 1], req.sampling_params.logprobs)
-            if observe is not None:
-                observe(req.request_id, nd, acc)
-            if drafting:
-                if self.host_drafter is not None:  # it reads the committed sequence's tail
-                    committed.append(CommittedTokens(req.prompt_token_ids,
-                                                     req.output_token_ids, toks))
-                ks.append(runner.draft_length(req, batch_size, req.num_tokens + len(toks),
-                                              k=k_all))
-        if not drafting:
-            return result
-        if self.head is not None:
-            drafts = [row[q + 1:q + 1 + min(k, kd)] for row, k in zip(rows, ks)]
-        else:
-            batch = DraftBatch(requests=[sr.request for sr in plan.scheduled],
-                               committed=committed, row_start=[], row_end=[],
-                               last_row=[len(c) - 2 for c in committed])
-            drafts = self.host_drafter.propose(batch, ks)
-        for sr, d, k in zip(plan.scheduled, drafts, ks):
-            if k > 0 and d:
-                result.outputs[sr.request.request_id].next_draft_token_ids = list(d[:k])
-        return result
 
     # ---- what the graph computes ----------------------------------------------------------
     def _chained_inputs(self, bucket: int, q: int) -> None:
