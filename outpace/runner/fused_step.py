@@ -156,7 +156,7 @@ class FusedStep(FusedPrefill, FusedSampling, FusedPenalties, FusedOutput):
         self._by_mode[GREEDY] = self._captured
         self._init_prefill(runner, dev)
         self._tables = ChainedTables(self.inputs.max_blocks)
-        self._host_out: dict = {}  # (shape, parity) -> pinned host tensor
+        self._host_out: dict = {}  # (shape, dtype, parity) -> pinned host tensor (_copy_out)
         self._parity = 0  # two output buffers: step N's is read while N+1's copy is queued
         self.is_cuda = dev.type == "cuda"
         self.replays = 0  # steps served (tests read it)
@@ -285,8 +285,8 @@ class FusedStep(FusedPrefill, FusedSampling, FusedPenalties, FusedOutput):
         return next((q for q in self.graphs.q_lens if q > longest), None)
 
     def _replay(self, key, rows, t0, entry=None, prefill: bool = False) -> Launched:
-        """Replay the graph of `key` (or `entry`, a (graph, packed) pair) and queue the copy
-        of its output."""
+        """Replay the graph of `key` (or `entry`, a (graph, outputs) pair) and queue the
+        copies of its outputs."""
         graph, outs = entry or self._captured[key]
         # a logprobs graph's outputs: (packed, logprobs); any other's: packed
         packed, logprobs = outs if isinstance(outs, tuple) else (outs, None)
