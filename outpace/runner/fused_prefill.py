@@ -250,10 +250,7 @@ class FusedPrefill:
                                                                             mode=mode)
         extra = [(self.prefill_last_row, np.array([n - 1], np.int64)),
                  (self.real, np.ones(1, bool))]
-        if samples(mode):
-            extra += self._sampling_rows(plan, 1)
-        if penalized(mode):
-            extra += self._penalty_rows(plan, 1)
+        extra += self._mode_rows(plan, 1, mode)
         if self.head is not None:  # the token after each row; the last one's is the sample
             next_ids = np.zeros(q, np.int64)
             next_ids[:n - 1] = hb.input_ids[1:n]

@@ -116,6 +116,12 @@ class FusedSampling:
                 (self.sample_min_p, cols[3].astype(np.float32)),
                 (self.sample_seed, cols[4].astype(np.int64))]
 
+    def _mode_rows(self, plan, bucket: int, mode: str) -> list:
+        """What a graph of `mode` stages per request, as (buffer, values) pairs: the sampling
+        rows of a racing graph, the penalties of a penalized one (FusedPenalties)."""
+        rows = self._sampling_rows(plan, bucket) if samples(mode) else []
+        return rows + (self._penalty_rows(plan, bucket) if penalized(mode) else [])
+
     def _sample(self, logits, ids, pos, bucket: int, q: int, mode: str) -> torch.Tensor:
         """[n] tokens of a sampled graph from its [n, V] float32 logits (rows with input ids
         `ids` at positions `pos`; penalized in place on CUDA): greedy rows' argmax, the others'

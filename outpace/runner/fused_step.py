@@ -220,10 +220,7 @@ class FusedStep(FusedPrefill, FusedSampling, FusedPenalties, FusedOutput):
         nd = np.zeros(bucket, np.int64)
         nd[:b] = [len(sr.draft_token_ids) for sr in plan.scheduled]
         extra = [(self.num_drafts, nd), (self.real, np.arange(bucket) < b)]
-        if samples(mode):
-            extra += self._sampling_rows(plan, bucket)
-        if penalized(mode):
-            extra += self._penalty_rows(plan, bucket)
+        extra += self._mode_rows(plan, bucket, mode)
         self.graphs.load_padded(hb, full_width=True, extra=tuple(extra))
         if penalized(mode):
             self._fill_penalty_tables(plan, bucket)
