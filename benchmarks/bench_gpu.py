@@ -297,6 +297,9 @@ EAGER_MIXED = "@eager-mixed"
 # "<config>@general-path": steps with penalized or logprobs requests on the general path (as
 # before session 22; run 30's penalties rows named it "@general-penalties")
 GENERAL_PATH = "@general-path"
+# "<config>@torch-logprobs": logprobs through torch's log_softmax and topk (as before session
+# 23) instead of kernels/logprobs.py, in the graphs and on the general path
+TORCH_LOGPROBS = "@torch-logprobs"
 
 
 def smol_configs(k, force_means, eagle, mtp, eagle_reduced=None) -> list:
@@ -391,6 +394,7 @@ def section_b128(args, results):
 
 def section_smol(args, results):
     from outpace.engine.engine import LLMEngine
+    import outpace.kernels.logprobs as logprobs_kernel
     from outpace.models.loader import load_model
     loaded = load_model(args.gguf, dtype=torch.bfloat16, device=torch.device("cuda"), quiet=True)
     prompts = prompt_set(loaded[2], max(args.batches) * 2)
@@ -405,6 +409,8 @@ def section_smol(args, results):
         # of several prefill chunks (or chunks beside decodes) run eagerly, as before run 24
         pool += [(f"{n}{EAGER_MIXED}", c) for n, c in pool if f"{n}{EAGER_MIXED}" in named]
         pool += [(f"{n}{GENERAL_PATH}", c) for n, c in pool if f"{n}{GENERAL_PATH}" in named]
+        pool += [(f"{n}{TORCH_LOGPROBS}", c) for n, c in pool
+                 if f"{n}{TORCH_LOGPROBS}" in named]
         configs = [c for c in pool if c[0] in named]
     # Process warm-up: the first engine of a process otherwise pays CUDA's lazy module loading
     # and first-use kernel selection inside its timed runs (seen as slow batch-1 prefill). Full
@@ -429,6 +435,7 @@ def section_smol(args, results):
             eng.runner.graphs.varlen_graphs.clear()
         if name.endswith(GENERAL_PATH) and eng.runner.fused is not None:
             extras_off_the_graphs(eng.runner.fused)
+        logprobs_kernel.ENABLED = not name.endswith(TORCH_LOGPROBS)  # graphs capture it
         pen = penalties(args)
         spec_k = 0 if spec is None else spec["num_speculative_tokens"]
         # Warm-up at every batch size: Triton compiles a kernel per new tile configuration;

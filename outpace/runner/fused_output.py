@@ -13,7 +13,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from outpace.runner.fused_sampling import token_logprobs
+from outpace.kernels.logprobs import token_logprobs
 from outpace.spec.base import CommittedTokens, DraftBatch
 from outpace.types import RequestStepOutput, StepResult
 

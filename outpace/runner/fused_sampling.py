@@ -21,6 +21,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from outpace.kernels.logprobs import row_logprobs
 from outpace.sample.logits_processing import SAMPLING_EPS
 from outpace.sample.race import masked_race_tokens, race_tokens
 from outpace.types import MAX_LOGPROBS
@@ -67,16 +68,6 @@ def penalized(mode: str) -> bool:
 
 def with_logprobs(mode: str) -> bool:
     return LOGPROBS in mode
-
-
-def token_logprobs(rows, n: int) -> list:
-    """[tokens, 1 + 2 * top] rows of a logprobs graph's output (FusedSampling._logprobs) ->
-    what SamplingStep._logprobs gives: per token (its logprob, {id: logprob} of the top n)."""
-    top = (rows.shape[1] - 1) // 2
-    out = []
-    for r in rows.tolist():  # sync-ok: numpy, the step's output copy (waited for)
-        out.append((r[0], {int(i): v for i, v in zip(r[1 + top:1 + top + n], r[1:1 + n])}))
-    return out
 
 
 class FusedSampling:
@@ -134,17 +125,15 @@ class FusedSampling:
             logits = self._penalize(logits, ids, bucket, q)
         return self._sample_logits(logits, pos, bucket, q, masks=masked(mode))
 
-    def _logprobs(self, logprobs, packed, bucket: int, q: int) -> torch.Tensor:
-        """[bucket, q, 1 + 2 * top] float32 from the rows' [n, V] log-softmax: each row's
+    def _logprobs(self, logits, packed, bucket: int, q: int) -> torch.Tensor:
+        """[bucket, q, 1 + 2 * top] float32 from the rows' [n, V] raw logits: each row's
         emitted token's logprob (packed[:, :q]; garbage past the accepted count, where the host
         reads nothing), then the top values, then their ids (exact in float32: below 2^24), so
         the step still ends in copies of two fixed buffers. The top `top` of every row, as the
-        general path takes them (SamplingStep._logprobs), sliced to each request's n on the
-        host."""
-        top = min(MAX_LOGPROBS, logprobs.shape[1])
-        emitted = packed[:, :q].reshape(-1, 1).clamp(min=0)
-        values, ids = logprobs.topk(top, dim=-1)
-        out = torch.cat([logprobs.gather(1, emitted), values, ids.to(torch.float32)], dim=1)
+        general path takes them (SamplingStep._logprobs, the same row_logprobs), sliced to each
+        request's n on the host."""
+        top = min(MAX_LOGPROBS, logits.shape[1])
+        out = row_logprobs(logits, packed[:, :q].reshape(-1), top)
         return out.view(bucket, q, 1 + 2 * top)
 
     def _sample_logits(self, logits, pos, bucket: int, q: int, masks: bool) -> torch.Tensor:

@@ -325,11 +325,11 @@ class FusedStep(FusedPrefill, FusedSampling, FusedPenalties, FusedOutput):
         capture = self.head.capture_layers if self.head is not None else ()
         hidden, aux = self.model(ids, pos, ctx, capture_layers=capture)
         # [n]: each row's token, the target's choice that accept verifies the drafts against
-        logits = logprobs = None
+        logits = raw = logprobs = None
         if samples(mode) or with_logprobs(mode):
             logits = self.model.compute_logits(hidden)  # [n, V] float32
-        if with_logprobs(mode):  # raw: before the penalties change the logits in place
-            logprobs = torch.log_softmax(logits, dim=-1)
+        if with_logprobs(mode):  # raw: as they were before the penalties change them in place
+            raw = logits.clone() if penalized(mode) else logits
         if samples(mode):
             target = self._sample(logits, ids, pos, bucket, q, mode)
         else:
@@ -354,8 +354,8 @@ class FusedStep(FusedPrefill, FusedSampling, FusedPenalties, FusedOutput):
                                             head=self.head is not None, carry=carry)
         if penalized(mode):  # what the next step's penalties read (fused_penalties.py)
             self._count_emitted(packed, q, bucket)
-        if logprobs is not None:
-            logprobs = self._logprobs(logprobs, packed, bucket, q)
+        if raw is not None:
+            logprobs = self._logprobs(raw, packed, bucket, q)
         if self.head is not None:
             # the drafts go to the output and to the next chained step's rows 1 .. kd
             outs = (packed[:, q + 1:],) + ((self.carry_tokens[:bucket, 1:1 + kd],)

@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 
 from outpace.errors import ConfigError
-
+from outpace.kernels.logprobs import row_logprobs, token_logprobs
 from outpace.sample.logits_processing import SAMPLING_EPS, SamplingRow, process_logits
 from outpace.sample.race import seed_word
 from outpace.sample.sampler import Sampler, probs_from_processed
@@ -190,18 +190,10 @@ class SamplingStep:
 
     @staticmethod
     def _logprobs(logits, first_row: int, tokens: list, n: int) -> list:
-        """Raw logprobs (vLLM's default) of each emitted token and the top-n at its row."""
-        lp = torch.log_softmax(logits[first_row:first_row + len(tokens)].float(), dim=-1)
-        chosen = lp.gather(1, torch.tensor(tokens, device=lp.device).unsqueeze(1)).squeeze(1)
-        result = []
-        # the top MAX_LOGPROBS, then the first n: what the fused graphs take (ties at the n-th
-        # value then fall the same way on both paths)
-        top_v, top_i = (lp.topk(min(MAX_LOGPROBS, lp.shape[1]), dim=-1) if n > 0
-                        else (None, None))
-        chosen_l = chosen.tolist()  # sync-ok: logprobs are part of the output copy
-        for j in range(len(tokens)):
-            top = {}
-            if n > 0:
-                top = dict(zip(top_i[j, :n].tolist(), top_v[j, :n].tolist()))  # sync-ok
-            result.append((chosen_l[j], top))
-        return result
+        """Raw logprobs (vLLM's default) of each emitted token and the top-n at its row: the
+        top MAX_LOGPROBS, then the first n, as the fused graphs take them (the same
+        row_logprobs, so ties at the n-th value fall the same way on both paths)."""
+        rows = logits[first_row:first_row + len(tokens)]
+        top = min(MAX_LOGPROBS, rows.shape[1]) if n > 0 else 0
+        got = row_logprobs(rows, torch.tensor(tokens, device=rows.device), top)
+        return token_logprobs(got.cpu(), n)  # sync-ok: logprobs are part of the output copy

@@ -1,6 +1,7 @@
 """Logprobs in the fused step on CUDA (the +logprobs graphs): requests asking for logprobs
 beside requests that don't, greedy, sampled, masked and penalized.
 
+* kernels/logprobs.py against its reference on fresh random rows (ties to the lower id);
 * graph replay gives the eager CUDA engine's tokens, and the CPU engine's (tiny fp32 target),
   with their logprobs to float32 rounding, chained, relaunched or step by step;
 * logprobs decode steps do not sync with the host (DESIGN idea 9).
@@ -21,6 +22,18 @@ from tests.gpu.test_fused_step import (CASES, gpu_engine, spec_for,  # noqa: E40
                                        steps_without_sync)
 from tests.spec.spec_helpers import repetitive_prompts, tiny_target  # noqa: E402
 from tests.spec.test_fused_logprobs import close, params_for  # noqa: E402
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("rows,vocab,top", [(1, 49152, 20), (3, 32000, 5), (96, 49152, 20),
+                                            (7, 151936, 20), (5, 4099, 1), (4, 49152, 0)])
+def test_logprobs_kernel_matches_reference(rows, vocab, top, dtype):
+    from outpace.kernels.logprobs import row_logprobs
+    from tests.unit import logprobs_cases
+    logits, tokens = logprobs_cases.make_case(rows, vocab, seed=rows + vocab + top, dtype=dtype)
+    logits, tokens = logits.cuda(), tokens.cuda()
+    got = row_logprobs(logits, tokens, top)
+    logprobs_cases.check(got, logprobs_cases.stable_ref(logits, tokens, top), top, tol=2e-5)
 
 
 def outputs(eng, prompts, params) -> list:

@@ -208,6 +208,8 @@ if IN_CHILD:
     from outpace.kernels.store_kv import store_kv_triton
     from outpace.kernels.penalties import (count_emitted_ref, count_emitted_triton,
                                            penalize_rows_ref, penalize_rows_triton)
+    from outpace.kernels.logprobs import row_logprobs_triton
+    from tests.unit import logprobs_cases
     from tests.unit.kernel_cases import COMPOSITIONS, make_batch
     from tests.unit.kernel_cases import check_attention as verify_attention
     import triton
@@ -1066,3 +1068,20 @@ def check_count_emitted(bucket, q):
     count_emitted_triton(packed, q, counts)
     assert torch.equal(counts, want)
     assert want.sum() - counts.sum() == 0 and (packed[:, :q] >= 0).sum() > 0
+
+
+@pytest.mark.parametrize("rows,vocab,top,chunk", [(5, 300, 20, 64), (2, 3000, 20, 2048),
+                                                  (4, 97, 5, 32), (1, 20, 20, 16),
+                                                  (4, 1000, 0, 256)])
+def check_row_logprobs(rows, vocab, top, chunk, monkeypatch):
+    """Each row's token logprob and its top `top` (ties to the lower id) against the stable
+    reference, the pieces (several a row: chunk) merged; a garbage row (NaN) still yields ids in
+    range."""
+    import outpace.kernels.logprobs as logprobs
+    monkeypatch.setattr(logprobs, "CHUNK", chunk)
+    logits, tokens = logprobs_cases.make_case(rows, vocab, seed=rows * vocab + top)
+    logprobs_cases.check(row_logprobs_triton(logits, tokens, top),
+                         logprobs_cases.stable_ref(logits, tokens, top), top)
+    logits[0, ::3] = float("nan")
+    ids = row_logprobs_triton(logits, tokens, top)[:, 1 + top:]
+    assert bool(((ids >= 0) & (ids < vocab)).all())
