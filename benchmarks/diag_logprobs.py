@@ -1,7 +1,7 @@
 """What a +logprobs graph's logprobs cost: kernels/logprobs.py's two passes against the torch
 ops they replace (log_softmax, topk, gather, cat: row_logprobs_ref), on [n, 49152] float32
 rows, 20 calls to a CUDA graph. No model. Checks the kernel's ids and values against the stable
-reference first; `--sweep` also times (CHUNK, WARPS) pairs.
+reference first; `--sweep` also times (CHUNK, WARPS, MERGE_WARPS) choices.
 
     PYTHONPATH=$PWD python3 benchmarks/diag_logprobs.py --out $OUT [--sweep]
 
@@ -35,9 +35,12 @@ def main() -> None:
     args = ap.parse_args()
     out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "time": time.strftime("%Y-%m-%d %H:%M:%S"), "us_per_call": {}, "kernels": {}}
-    shapes = [(lp.CHUNK, lp.WARPS)]
+    shapes = [(lp.CHUNK, lp.WARPS, lp.MERGE_WARPS)]
     if args.sweep:
-        shapes += [(1024, 4), (2048, 8), (4096, 8), (4096, 16), (1024, 2)]
+        shapes += [(c, w, m) for c, w, m in ((2048, 4, 1), (2048, 4, 2), (2048, 4, 4),
+                                             (1024, 4, 1), (1024, 2, 1), (1024, 4, 2),
+                                             (4096, 8, 1), (512, 2, 1), (512, 4, 2))
+                   if (c, w, m) != shapes[0]]
     for n in [int(x) for x in args.rows.split(",")]:
         logits, tokens = logprobs_cases.make_case(n, VOCAB, seed=n)
         logits, tokens = logits.cuda(), tokens.cuda()
@@ -45,13 +48,14 @@ def main() -> None:
         us = time_graph(lambda: lp.row_logprobs_ref(logits, tokens, TOP))[1]
         out["us_per_call"][f"torch_n{n}"] = round(us, 2)
         print(f"n={n:3d} torch            {us:8.2f} us", flush=True)
-        for chunk, warps in shapes:
-            lp.CHUNK, lp.WARPS = chunk, warps
+        for chunk, warps, merge_warps in shapes:
+            lp.CHUNK, lp.WARPS, lp.MERGE_WARPS = chunk, warps, merge_warps
             logprobs_cases.check(lp.row_logprobs_triton(logits, tokens, TOP), want, TOP, 2e-5)
             us = time_graph(lambda: lp.row_logprobs_triton(logits, tokens, TOP))[1]
-            out["us_per_call"][f"kernel_{chunk}_{warps}_n{n}"] = round(us, 2)
-            print(f"n={n:3d} kernel {chunk:5d} x{warps:<2d}  {us:8.2f} us", flush=True)
-        lp.CHUNK, lp.WARPS = shapes[0]
+            out["us_per_call"][f"kernel_{chunk}_{warps}_{merge_warps}_n{n}"] = round(us, 2)
+            print(f"n={n:3d} kernel {chunk:5d} x{warps:<2d} merge x{merge_warps}  {us:8.2f} us",
+                  flush=True)
+        lp.CHUNK, lp.WARPS, lp.MERGE_WARPS = shapes[0]
         if n in (1, 24):
             for name, fn in (("torch", lambda: lp.row_logprobs_ref(logits, tokens, TOP)),
                              ("kernel", lambda: lp.row_logprobs_triton(logits, tokens, TOP))):

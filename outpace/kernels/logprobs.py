@@ -30,7 +30,8 @@ except Exception:  # pragma: no cover
     tl = None
 
 CHUNK = 2048  # columns per pass-1 program: 24 programs for a 49152-entry row
-WARPS = 4  # per program, both passes
+WARPS = 4  # per pass-1 program
+MERGE_WARPS = 4  # per pass-2 program
 ENABLED = True  # False: the torch reference on CUDA too (the benchmark's A/B, "@torch-logprobs")
 
 
@@ -64,16 +65,17 @@ def row_logprobs_triton(logits: torch.Tensor, tokens: torch.Tensor, top: int) ->
         logits = logits.contiguous()
     chunk = min(CHUNK, max(16, next_pow2(vocab)))
     chunks = triton.cdiv(vocab, chunk)
-    top_pow2 = max(1, next_pow2(top))
     maxes = torch.empty(n, chunks, dtype=torch.float32, device=logits.device)
     sums = torch.empty_like(maxes)
-    cands = torch.empty(n, chunks, top_pow2, dtype=torch.int64, device=logits.device)
+    cands = torch.empty(n, chunks * top, dtype=torch.int64, device=logits.device)
     opts = pdl.launch_options(logits)
     _chunks_kernel[(n, chunks)](logits, maxes, sums, cands, vocab, logits.stride(0), chunks,
-                                TOP=top, TOP_POW2=top_pow2, CHUNK=chunk, num_warps=WARPS, **opts)
+                                TOP=top, CHUNK=chunk, num_warps=WARPS, **opts)
     _merge_kernel[(n,)](logits, tokens, maxes, sums, cands, out, vocab, logits.stride(0),
-                        tokens.stride(0), chunks, out.stride(0), TOP=top, TOP_POW2=top_pow2,
-                        CHUNKS_POW2=max(2, next_pow2(chunks)), num_warps=WARPS, **opts)
+                        tokens.stride(0), chunks, out.stride(0), TOP=top,
+                        CHUNKS_POW2=max(2, next_pow2(chunks)),
+                        CANDS_POW2=max(2, next_pow2(chunks * top)), num_warps=MERGE_WARPS,
+                        **opts)
     return out
 
 
@@ -109,8 +111,7 @@ if triton is not None:
 
     @triton.jit
     def _chunks_kernel(x_ptr, max_ptr, sum_ptr, cand_ptr, V, stride_x, num_chunks,
-                       TOP: tl.constexpr, TOP_POW2: tl.constexpr, CHUNK: tl.constexpr,
-                       USE_PDL: tl.constexpr):
+                       TOP: tl.constexpr, CHUNK: tl.constexpr, USE_PDL: tl.constexpr):
         wait_then_release(USE_PDL)
         row = tl.program_id(0).to(tl.int64)
         c = tl.program_id(1)
@@ -133,13 +134,13 @@ if triton is not None:
             keys = tl.where(mask, _key(x, cols), _LOWEST)
             for i in tl.static_range(TOP):
                 best = tl.max(keys, axis=0)
-                tl.store(cand_ptr + piece * TOP_POW2 + i, best)
+                tl.store(cand_ptr + piece * TOP + i, best)
                 keys = tl.where(keys == best, _LOWEST, keys)
 
     @triton.jit
     def _merge_kernel(x_ptr, tok_ptr, max_ptr, sum_ptr, cand_ptr, out_ptr, V, stride_x,
                       stride_t, num_chunks, stride_o, TOP: tl.constexpr,
-                      TOP_POW2: tl.constexpr, CHUNKS_POW2: tl.constexpr,
+                      CHUNKS_POW2: tl.constexpr, CANDS_POW2: tl.constexpr,
                       USE_PDL: tl.constexpr):
         wait_then_release(USE_PDL)
         row = tl.program_id(0).to(tl.int64)
@@ -156,12 +157,9 @@ if triton is not None:
         tl.store(out_ptr + row * stride_o, (x_tok - big) - log_sum)
         if TOP > 0:
             # every piece's candidates, then the best TOP of them as pass 1 took its own
-            offs = tl.arange(0, CHUNKS_POW2 * TOP_POW2)
-            piece = offs // TOP_POW2
-            slot = offs % TOP_POW2
-            keys = tl.load(cand_ptr + (row * num_chunks + piece) * TOP_POW2 + slot,
-                           mask=(piece < num_chunks) & (slot < TOP),
-                           other=_LOWEST)
+            offs = tl.arange(0, CANDS_POW2)
+            keys = tl.load(cand_ptr + row * num_chunks * TOP + offs,
+                           mask=offs < num_chunks * TOP, other=_LOWEST)
             for i in tl.static_range(TOP):
                 best = tl.max(keys, axis=0)
                 keys = tl.where(keys == best, _LOWEST, keys)

@@ -374,11 +374,11 @@ def test_logprobs_kernels_compile():
     from outpace.kernels.logprobs import _chunks_kernel, _merge_kernel
     k = compile_for_h200(_chunks_kernel, {"x_ptr": "fp32", "max_ptr": "fp32", "sum_ptr": "fp32",
                                           "cand_ptr": "i64"}, (),
-                         {"TOP": 20, "TOP_POW2": 32, "CHUNK": 2048, "USE_PDL": True},
+                         {"TOP": 20, "CHUNK": 2048, "USE_PDL": True},
                          num_warps=4)
     assert k.asm["cubin"] and "griddepcontrol.wait" in k.asm["ptx"]
     k = compile_for_h200(_merge_kernel, {"x_ptr": "fp32", "tok_ptr": "i64", "max_ptr": "fp32",
                                          "sum_ptr": "fp32", "cand_ptr": "i64", "out_ptr": "fp32"},
-                         (), {"TOP": 20, "TOP_POW2": 32, "CHUNKS_POW2": 32,
+                         (), {"TOP": 20, "CHUNKS_POW2": 32, "CANDS_POW2": 512,
                               "USE_PDL": True}, num_warps=4)
     assert k.asm["cubin"] and "griddepcontrol.wait" in k.asm["ptx"]
