@@ -9,7 +9,7 @@ host is ~3x faster than the device machine's, so compare configurations and vers
 not absolute numbers.
 
     python benchmarks/diag_host.py [--batch 128] [--tokens 96] [--spec none,eagle3,ngram,suffix]
-        [--output-kind cumulative,final_only] [--profile]
+        [--output-kind cumulative,final_only] [--logprobs N] [--profile]
 """
 from __future__ import annotations
 
@@ -61,6 +61,7 @@ def main():
     ap.add_argument("--spec", default="none,eagle3")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--output-kind", default="cumulative,final_only")
+    ap.add_argument("--logprobs", type=int, default=None, help="every request asks for these")
     args = ap.parse_args()
     torch.set_num_threads(1)  # as a CUDA engine's host (builder.limit_host_threads)
     from outpace import SamplingParams
@@ -83,7 +84,7 @@ def main():
     for name, kind in [(n, k) for n in args.spec.split(",")
                        for k in args.output_kind.split(",")]:
         sp = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True,
-                            output_kind=kind)
+                            output_kind=kind, logprobs=args.logprobs)
         spec = None
         if name in ("ngram", "suffix"):  # model-free: drafted on the host after the copy
             spec = {"method": name, "num_speculative_tokens": 4}

@@ -13,7 +13,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from outpace.kernels.logprobs import token_logprobs
+from outpace.kernels.logprobs import logprob_lists, token_logprobs
 from outpace.spec.base import CommittedTokens, DraftBatch
 from outpace.types import RequestStepOutput, StepResult
 
@@ -76,6 +76,10 @@ class FusedOutput:
         # cost ~1 us a request, on the host's critical path at batch 128.
         rows = out.tolist()  # sync-ok: numpy, already on the host
         outputs = result.outputs
+        lp_rows = None  # the most any request here asks for, in one conversion
+        if logprobs is not None:
+            lp_rows = logprob_lists(logprobs, max(
+                sr.request.sampling_params.logprobs or 0 for sr in plan.scheduled))
         adaptive = proposer is not None and proposer.policy.adaptive
         observe = proposer.policy.observe if adaptive else None
         # the policy's k, the same for every request unless it adapts per request
@@ -87,9 +91,9 @@ class FusedOutput:
             toks = row[:acc + 1]
             outputs[req.request_id] = RequestStepOutput(
                 token_ids=toks, num_draft_tokens=nd, num_accepted_tokens=acc)
-            if logprobs is not None and req.sampling_params.logprobs is not None:
+            if lp_rows is not None and req.sampling_params.logprobs is not None:
                 outputs[req.request_id].logprobs = token_logprobs(
-                    logprobs[i, :acc + 1], req.sampling_params.logprobs)
+                    lp_rows[i][:acc + 1], req.sampling_params.logprobs)
             if observe is not None:
                 observe(req.request_id, nd, acc)
             if drafting:

@@ -14,7 +14,9 @@ family, as the decode graphs have), runs the head's pass and draft loop from it,
 token, drafts and position in the carry and in an output laid out as a one-token decode step's.
 So the first decode step chains from the prefill too, rather than waiting for the host to read
 the token (run 16: that unchained step took 1.0 / 1.2 ms against 0.55 / 0.77 chained; a sampled
-request's prefill took the general path until run 29: TTFT 2.2 ms against greedy's 1.4).
+request's prefill took the general path until run 29: TTFT 2.2 ms against greedy's 1.4). A
+logprobs family's tail also leaves the first token's logprobs in a second output, as its decode
+graphs do (until session 23 such prefills took the general path: TTFT +0.5 ms at batch 1).
 
 Varlen (a head only): a step that replays a varlen graph of T tokens (several prompts' chunks,
 chunks beside decodes) samples on the host, then replays the head's graph for T
@@ -190,6 +192,7 @@ class FusedPrefill:
 
         def fn():
             first = pos.index_select(0, self.prefill_last_row)
+            logprobs = None
             if tail:
                 packed = torch.zeros(1, 2 + kd, dtype=torch.long, device=pos.device)
                 if not samples(mode):
@@ -203,6 +206,8 @@ class FusedPrefill:
                     self.carry_tokens[:1, 0].copy_(tok)
                     if penalized(mode):  # the first output token, for the next step
                         self._count_emitted(packed, 1, 1)
+                if with_logprobs(mode):  # the raw logits (penalties went to a clone)
+                    logprobs = self._logprobs(logits, packed, 1, 1)
                 if self.head is not None:
                     self.prefill_next_ids[:q].index_copy_(0, self.prefill_last_row, tok)
                 torch.add(first, 1, out=self.carry_pos[:1])
@@ -214,19 +219,17 @@ class FusedPrefill:
                             ForwardContext(self.backend, meta), self.prefill_last_row,
                             first, buf.block_tables[:1], kd, outs)
             if tail:
-                return packed
+                return packed if logprobs is None else (packed, logprobs)
             return outs if kd else ()
         return self.graphs.capture(fn)
 
     def can_launch_prefill(self, plan, q: int) -> bool:
         """Whether launch_prefill serves plan (one request's prefill chunk that samples, padded
-        to prefill graph q, with a tail of its sampling family; a penalized family's tail is
-        captured by launch_prefill when first needed)."""
+        to prefill graph q, with a tail of its sampling family; the tail of a family with
+        penalties or logprobs is captured by launch_prefill when first needed)."""
         sr = plan.scheduled[0]
         mode = sampling_mode([sr.request.sampling_params])
-        if with_logprobs(mode):  # (the general path computes the first token's)
-            return False
-        if penalized(mode):
+        if mode not in BASE_MODES:  # penalties or logprobs: a tail captured when needed
             return sr.sample and self.chainable and q in self.graphs.prefill_graphs
         return sr.sample and (mode, q, self.draft_steps(plan.draft_batch_size)) \
             in self._prefill_tails
@@ -242,7 +245,7 @@ class FusedPrefill:
         kd = self.draft_steps(plan.draft_batch_size)
         n = plan.scheduled[0].num_new_tokens
         mode = sampling_mode([plan.scheduled[0].request.sampling_params])
-        if penalized(mode) and (mode, q, kd) not in self._prefill_tails:
+        if mode not in BASE_MODES and (mode, q, kd) not in self._prefill_tails:
             # Nothing is in flight (launch_prefill follows can_launch, as launch does): the
             # tail, and the decode graphs that chain from it
             self._capture_later((1, self.next_q(kd), kd, False), mode)

@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 
 from outpace.errors import ConfigError
-from outpace.kernels.logprobs import row_logprobs, token_logprobs
+from outpace.kernels.logprobs import logprob_lists, row_logprobs, token_logprobs
 from outpace.sample.logits_processing import SAMPLING_EPS, SamplingRow, process_logits
 from outpace.sample.race import seed_word
 from outpace.sample.sampler import Sampler, probs_from_processed
@@ -152,14 +152,11 @@ class SamplingStep:
         if spec:
             self._verify(plan, spec, logits, rows, targets, emitted)
 
-        for g in groups:
-            i, first, nd = g
+        logprobs = self._logprobs(plan, logits, groups, emitted)
+        for i, _, nd in groups:
             toks, acc = emitted[i]
-            out = RequestStepOutput(token_ids=toks, num_draft_tokens=nd, num_accepted_tokens=acc)
-            if plan.scheduled[i].request.sampling_params.logprobs is not None:
-                out.logprobs = self._logprobs(logits, first, toks,
-                                              plan.scheduled[i].request.sampling_params.logprobs)
-            outputs[i] = out
+            outputs[i] = RequestStepOutput(token_ids=toks, num_draft_tokens=nd,
+                                           num_accepted_tokens=acc, logprobs=logprobs.get(i))
         return outputs
 
     def _verify(self, plan, groups, logits, rows, targets, emitted):
@@ -189,11 +186,27 @@ class SamplingStep:
             emitted[g[0]] = (o[:a + 1], a)
 
     @staticmethod
-    def _logprobs(logits, first_row: int, tokens: list, n: int) -> list:
-        """Raw logprobs (vLLM's default) of each emitted token and the top-n at its row: the
-        top MAX_LOGPROBS, then the first n, as the fused graphs take them (the same
-        row_logprobs, so ties at the n-th value fall the same way on both paths)."""
-        rows = logits[first_row:first_row + len(tokens)]
-        top = min(MAX_LOGPROBS, rows.shape[1]) if n > 0 else 0
-        got = row_logprobs(rows, torch.tensor(tokens, device=rows.device), top)
-        return token_logprobs(got.cpu(), n)  # sync-ok: logprobs are part of the output copy
+    def _logprobs(plan, logits, groups, emitted) -> dict:
+        """Raw logprobs (vLLM's default) of each emitted token and the top n at its row, for
+        the requests of `groups` that ask for them -> {plan index: [(logprob, {id: logprob})]}:
+        the top MAX_LOGPROBS, then each request's first n, as the fused graphs take them (the
+        same row_logprobs, so ties at the n-th value fall the same way on both paths); every
+        request's rows in one launch and one copy (a varlen step of 32 prompts made 32)."""
+        rows, tokens, spans, n_max = [], [], [], 0
+        for i, first, _ in groups:
+            n = plan.scheduled[i].request.sampling_params.logprobs
+            if n is None:
+                continue
+            toks = emitted[i][0]
+            spans.append((i, len(rows), len(toks), n))
+            rows.extend(range(first, first + len(toks)))
+            tokens.extend(toks)
+            n_max = max(n_max, n)
+        if not spans:
+            return {}
+        dev = logits.device
+        top = min(MAX_LOGPROBS, logits.shape[1]) if n_max > 0 else 0
+        got = row_logprobs(logits[torch.tensor(rows, device=dev)],
+                           torch.tensor(tokens, device=dev), top)
+        lists = logprob_lists(got.cpu().numpy(), n_max)  # sync-ok: part of the output copy
+        return {i: token_logprobs(lists[s:s + k], n) for i, s, k, n in spans}

@@ -3,7 +3,8 @@ beside requests that don't, greedy, sampled, masked and penalized.
 
 * kernels/logprobs.py against its reference on fresh random rows (ties to the lower id);
 * graph replay gives the eager CUDA engine's tokens, and the CPU engine's (tiny fp32 target),
-  with their logprobs to float32 rounding, chained, relaunched or step by step;
+  with their logprobs to float32 rounding, chained, relaunched or step by step; a lone
+  request's prefill launched like a decode step (its family's prefill tail) too;
 * logprobs decode steps do not sync with the host (DESIGN idea 9).
 """
 
@@ -21,7 +22,7 @@ from tests.engine_helpers import make_engine, run_batch_outputs  # noqa: E402
 from tests.gpu.test_fused_step import (CASES, gpu_engine, spec_for,  # noqa: E402
                                        steps_without_sync)
 from tests.spec.spec_helpers import repetitive_prompts, tiny_target  # noqa: E402
-from tests.spec.test_fused_logprobs import close, params_for  # noqa: E402
+from tests.spec.test_fused_logprobs import PARAMS, close, params_for  # noqa: E402
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -79,3 +80,18 @@ def test_logprobs_decode_steps_do_not_sync_with_host(cuda_loaded, cuda_heads, me
     done = steps_without_sync(eng, prompts, params)
     served = sum(n for mode, n in done.items() if mode.endswith(LOGPROBS))
     assert done["replays"] == served == 10
+
+
+@pytest.mark.parametrize("method,k", [(None, 0), ("eagle3", 3)], ids=["plain", "eagle3"])
+def test_logprobs_prefill_tail_equals_eager(cuda_loaded, cuda_heads, method, k):
+    spec = spec_for(cuda_heads, method, k)
+    graphed = gpu_engine(cuda_loaded, spec, eager=False)
+    eager = gpu_engine(cuda_loaded, spec, eager=True)
+    fused = graphed.runner.fused
+    prompts = repetitive_prompts(len(PARAMS), 13)
+    for n, (prompt, p) in enumerate(zip(prompts, PARAMS)):
+        launches = fused.prefill_launches
+        got, want = outputs(graphed, [prompt], [p]), outputs(eager, [prompt], [p])
+        assert [t for t, _ in got] == [t for t, _ in want], n
+        assert all(close(a, b) for (_, a), (_, b) in zip(got, want)), n
+        assert fused.prefill_launches - launches == 1, n

@@ -3,7 +3,7 @@ fake_graph_capture stand-in: requests asking for logprobs (only the chosen token
 most there are), greedy, sampled, masked and penalized, beside requests without them, run in
 the logprobs graphs and get what the general path gives them, token for token and logprob for
 logprob, without speculation and with n-gram, EAGLE-3 and MTP drafting, chained, relaunched or
-launched step by step.
+launched step by step; a logprobs request's prefill is launched like a decode step too.
 """
 
 from __future__ import annotations
@@ -13,9 +13,10 @@ import math
 import pytest
 
 from outpace import SamplingParams
-from outpace.runner.fused_sampling import LOGPROBS, MODES
+from outpace.runner.fused_sampling import LOGPROBS, MODES, sampling_mode
 from outpace.types import MAX_LOGPROBS
-from tests.spec.spec_helpers import run_waves
+from tests.engine_helpers import make_engine, run_batch_outputs
+from tests.spec.spec_helpers import repetitive_prompts, run_waves
 from tests.spec.test_draft_plane import waves
 from tests.spec.test_fused_step import SMALL, enable_graphs, spec_for
 
@@ -68,3 +69,29 @@ def test_logprobs_fused_step_equals_eager(tiny_loaded, tiny_heads, fake_graph_ca
         assert steps.chained > 10, "no logprobs step was launched from its predecessor's"
     if overlap and method == "ngram":
         assert steps.relaunched > 10
+
+
+@pytest.mark.parametrize("method,k", [(None, 0), ("eagle3", 2)])
+def test_logprobs_prefill_launched_like_a_decode_step(tiny_loaded, tiny_heads,
+                                                      fake_graph_capture, method, k):
+    """A logprobs request's prefill (one chunk) runs its family's prefill tail, which leaves
+    the first token's logprobs beside it; its decode steps chain from it. Tokens and logprobs
+    are the eager engine's."""
+    spec = spec_for(tiny_heads, method, k)
+    eng = make_engine(tiny_loaded, speculative_config=spec, overlap=True, **SMALL)
+    enable_graphs(eng, k)
+    eager = make_engine(tiny_loaded, speculative_config=spec, **SMALL)
+    fused = eng.runner.fused
+    prompts = repetitive_prompts(len(PARAMS), 13, period=4, repeats=3)  # one chunk each
+    for n, (prompt, p) in enumerate(zip(prompts, PARAMS)):
+        if p.logprobs is None:
+            continue
+        own = sampling_mode([p])
+        launches, chained, steps = fused.prefill_launches, fused.chained, fused.mode_steps[own]
+        got = run_batch_outputs(eng, [prompt], p)[0]
+        want = run_batch_outputs(eager, [prompt], p)[0]
+        assert got.token_ids == want.token_ids, n
+        assert close(got.outputs[0].logprobs, want.outputs[0].logprobs), n
+        assert len(got.outputs[0].logprobs) == len(got.token_ids) == p.max_tokens
+        assert fused.prefill_launches - launches == 1, (n, own)
+        assert fused.chained - chained >= 1 and fused.mode_steps[own] - steps >= 5
