@@ -11,7 +11,10 @@ script shows which engine steps take it:
   * device timeline (torch.profiler, after the timed part): the GPU's idle gaps over one
     request, the largest listed with the kernels on either side, and the total busy time.
 
-    python benchmarks/diag_request.py --gguf PATH [--out DIR]
+    python benchmarks/diag_request.py --gguf PATH [--out DIR] [--penalties 1]
+
+--penalties 1: every request with repetition_penalty 1.1 and frequency_penalty 0.3 (the
+penalized families' graphs and prefill tails, and the table fill on the host).
 """
 from __future__ import annotations
 
@@ -28,11 +31,14 @@ from benchmarks.bench_gpu import diag_setup, make_heads, run_engine  # noqa: E40
 from benchmarks.bench_gpu import graph_ms as gpu_ms  # noqa: E402
 
 
+PENALTIES: dict = {}  # the requests' penalties (--penalties)
+
+
 def traced_request(eng, prompt, max_tokens):
     """Run one request alone -> list of per-step dicts (wall us, tokens committed, kind)."""
     from outpace import SamplingParams
     sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
-                        output_kind="final_only")
+                        output_kind="final_only", **PENALTIES)
     fused = eng.runner.fused
     t_add = time.perf_counter()
     eng.add_request(f"trace-{time.monotonic_ns()}", prompt, sp)
@@ -108,13 +114,14 @@ def prefill_phases(eng, prompts, reps: int = 3) -> dict:
     from outpace.runner.inputs import InputBuffers, Segment
     from outpace.scheduler.scheduler import Scheduler
     sp = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True,
-                        output_kind="final_only")
+                        output_kind="final_only", **PENALTIES)
     timer = PhaseTimer()
     wrapped = [(LLMEngine, "add_request"), (Scheduler, "schedule"),
                (type(eng.runner), "can_launch"), (type(eng.runner), "_host_batch"),
                (FusedStep, "launch_prefill"), (GraphRunner, "load_padded"),
                (InputBuffers, "stage"), (Segment, "copy"), (torch.cuda.CUDAGraph, "replay"),
                (FusedStep, "_replay"), (LLMEngine, "_chain"),
+               (FusedStep, "_fill_penalty_tables"), (FusedStep, "_mode_rows"),
                (FusedStep, "collect"), (LLMEngine, "_commit")]
     n, first = 0, 0.0
     for _ in range(reps):
@@ -147,7 +154,7 @@ def prefill_profile(eng, prompts, reps: int = 5, top: int = 40) -> dict:
     import pstats
     from outpace import SamplingParams
     sp = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True,
-                        output_kind="final_only")
+                        output_kind="final_only", **PENALTIES)
     prof, n = cProfile.Profile(), 0
     for _ in range(reps):
         for p in prompts:
@@ -170,7 +177,9 @@ def prefill_profile(eng, prompts, reps: int = 5, top: int = 40) -> dict:
 
 
 def main():
-    args, loaded, prompts = diag_setup(6, extra=(("--max-tokens", "128"),))
+    args, loaded, prompts = diag_setup(6, extra=(("--max-tokens", "128"), ("--penalties", "0")))
+    if args.penalties != "0":
+        PENALTIES.update(repetition_penalty=1.1, frequency_penalty=0.3)
     from outpace.engine.engine import LLMEngine
     max_tokens = int(args.max_tokens)
     eagle, _ = make_heads(args.gguf, tempfile.mkdtemp())
@@ -183,8 +192,10 @@ def main():
         eng = LLMEngine.from_args(args.gguf, loaded=loaded, device="cuda", dtype="bfloat16",
                                   speculative_config=spec, max_num_seqs=8, num_kv_blocks=2048,
                                   quiet=True, enable_prefix_caching=False)
-        run_engine(eng, prompts[:2], 1, 16)
-        run_engine(eng, prompts[:2], 1, max_tokens)
+        # every prompt once (a penalized family's prefill tail is captured per prefill graph
+        # when first needed), then two at full length
+        run_engine(eng, prompts, 1, 16, penalties=PENALTIES or None)
+        run_engine(eng, prompts[:2], 1, max_tokens, penalties=PENALTIES or None)
         g, _ = eng.runner.fused._captured[(1, k + 1, k, True)]
         graph_us = 1000 * gpu_ms(g)
         reqs = []
@@ -208,7 +219,8 @@ def main():
     for name, eng in engines:
         report[name]["device"] = gaps = device_gaps(eng, prompts[2], max_tokens)
         print(name, "device", json.dumps(gaps), flush=True)
-    (Path(args.out) / "diag_request.json").write_text(json.dumps(report, indent=1) + "\n")
+    name = "diag_request_penalized.json" if PENALTIES else "diag_request.json"
+    (Path(args.out) / name).write_text(json.dumps(report, indent=1) + "\n")
 
 
 if __name__ == "__main__":
