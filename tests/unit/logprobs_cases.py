@@ -1,24 +1,20 @@
 """Rows for the logprobs kernel (kernels/logprobs.py), shared by the interpreter check and the
-GPU test: random rows at several scales, rows of ties (integer logits, a constant row: the
-lower id first), a cut vocabulary (-inf entries), tokens of -1 (past an accepted count); and
-the reference with that tie rule (a stable sort; torch.topk orders ties as it likes)."""
+GPU test: the masked race's hard rows (several scales, rows of ties: the lower id first, a cut
+vocabulary), tokens of -1 (past an accepted count); and the reference with that tie rule (a
+stable sort; torch.topk orders ties as it likes)."""
 
 from __future__ import annotations
 
-import math
-
 import torch
+
+from tests.unit.masked_race_cases import hard_logits
 
 
 def make_case(rows: int, vocab: int, seed: int, dtype=torch.float32):
-    """-> (logits [rows, vocab], tokens [rows] int64, some -1)."""
+    """-> (logits [rows, vocab] (masked_race_cases.hard_logits), tokens [rows] int64, some
+    -1)."""
     g = torch.Generator().manual_seed(seed)
-    scale = torch.tensor([1.0, 3.0, 8.0])[torch.arange(rows) % 3].unsqueeze(1)
-    logits = torch.randn(rows, vocab, generator=g) * scale
-    if rows > 3:
-        logits[1] = torch.randint(-3, 4, (vocab,), generator=g).float()  # ties everywhere
-        logits[2, vocab // 3:] = -math.inf  # a cut vocabulary
-        logits[3] = 1.5  # one value
+    logits = hard_logits(rows, vocab, g)
     tokens = torch.randint(-1, vocab, (rows,), generator=g)
     return logits.to(dtype), tokens
 

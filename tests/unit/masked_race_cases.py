@@ -18,16 +18,22 @@ PARAMS = [(0.8, 0, 0.9, 0.0), (1.0, 0, 0.5, 0.0), (1.3, 50, 1.0, 0.0), (1.0, 1, 
           (2.0, 20, 0.99, 0.0), (1.5, 40, 0.95, 0.0), (3.0, 30, 0.5, 0.0), (4.0, 60, 0.7, 0.0)]
 
 
-def make_case(rows: int, vocab: int, seed: int, dtype=torch.float32):
-    """-> (logits [rows, vocab], words, positions, temperature, top_k, top_p, min_p)."""
-    g = torch.Generator().manual_seed(seed)
+def hard_logits(rows: int, vocab: int, g: torch.Generator) -> torch.Tensor:
+    """[rows, vocab] float32 logits at three scales; with 5+ rows, rows of ties everywhere, a
+    cut vocabulary (-inf entries) and one value (the lowest ids win every tie)."""
     scale = torch.tensor([1.0, 3.0, 8.0])[torch.arange(rows) % 3].unsqueeze(1)
     logits = torch.randn(rows, vocab, generator=g) * scale
     if rows > 4:
         logits[2] = torch.randint(-3, 4, (vocab,), generator=g).float()  # ties everywhere
         logits[3, vocab // 3:] = -math.inf  # a cut vocabulary
         logits[4] = 1.5  # one value: the lowest ids win every tie
-    logits = logits.to(dtype)
+    return logits
+
+
+def make_case(rows: int, vocab: int, seed: int, dtype=torch.float32):
+    """-> (logits [rows, vocab], words, positions, temperature, top_k, top_p, min_p)."""
+    g = torch.Generator().manual_seed(seed)
+    logits = hard_logits(rows, vocab, g).to(dtype)
     params = [PARAMS[(i + seed) % len(PARAMS)] for i in range(rows)]
     temp, top_k, top_p, min_p = (torch.tensor(c) for c in zip(*params))
     words = torch.randint(0, 1 << 32, (rows,), generator=g)

@@ -1071,8 +1071,8 @@ def check_count_emitted(bucket, q):
 
 
 @pytest.mark.parametrize("rows,vocab,top,chunk", [(5, 300, 20, 64), (2, 3000, 20, 2048),
-                                                  (4, 97, 5, 32), (1, 20, 20, 16),
-                                                  (4, 1000, 0, 256)])
+                                                  (6, 97, 5, 32), (1, 20, 20, 16),
+                                                  (5, 1000, 0, 256)])
 def check_row_logprobs(rows, vocab, top, chunk, monkeypatch):
     """Each row's token logprob and its top `top` (ties to the lower id) against the stable
     reference, the pieces (several a row: chunk) merged; a garbage row (NaN) still yields ids in
