@@ -86,6 +86,7 @@ def logprob_lists(rows: np.ndarray, n: int) -> list:
     Python numbers at once (per-request slicing and tolist cost ~1 us a request, and a
     request wants only its n of the top 20)."""
     top = (rows.shape[-1] - 1) // 2
+    n = min(n, top)  # (a vocabulary smaller than the n asked for has fewer)
     return np.concatenate([rows[..., :1 + n], rows[..., 1 + top:1 + top + n]],
                           axis=-1).tolist()
 
@@ -94,7 +95,8 @@ def token_logprobs(rows: list, n: int) -> list:
     """Rows of logprob_lists (n <= their width) -> what a request's output holds: per token
     (its logprob, {id: logprob} of the top n)."""
     width = (len(rows[0]) - 1) // 2 if rows else 0
-    return [(r[0], {int(r[1 + width + j]): r[1 + j] for j in range(n)}) for r in rows]
+    return [(r[0], {int(r[1 + width + j]): r[1 + j] for j in range(min(n, width))})
+            for r in rows]
 
 
 if triton is not None:
