@@ -40,4 +40,7 @@ def test_a_vocabulary_smaller_than_n_gives_every_id():
     logits = torch.randn(2, 7)
     rows = row_logprobs(logits, torch.tensor([1, -1]), 7).numpy()  # top = the vocabulary
     got = token_logprobs(logprob_lists(rows, 20), 20)
-    assert all(sorted(top) == list(range(7)) for _, top in got)
+    lp = torch.log_softmax(logits, dim=-1)
+    for r, (_, top) in enumerate(got):
+        assert len(top) == 7 and sorted(top) == list(range(7))
+        assert all(math.isclose(v, lp[r, i].item(), rel_tol=1e-6) for i, v in top.items())
