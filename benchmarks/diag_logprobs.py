@@ -1,7 +1,8 @@
 """What a +logprobs graph's logprobs cost: kernels/logprobs.py's two passes against the torch
 ops they replace (log_softmax, topk, gather, cat: row_logprobs_ref), on [n, 49152] float32
 rows, 20 calls to a CUDA graph. No model. Checks the kernel's ids and values against the stable
-reference first; `--sweep` also times (CHUNK, WARPS, MERGE_WARPS) choices.
+reference first; then with a count of 0, 1 and 5 (a graph's: only the first of the top);
+`--sweep` also times (CHUNK, WARPS, MERGE_WARPS) choices.
 
     PYTHONPATH=$PWD python3 benchmarks/diag_logprobs.py --out $OUT [--sweep]
 
@@ -56,6 +57,11 @@ def main() -> None:
             print(f"n={n:3d} kernel {chunk:5d} x{warps:<2d} merge x{merge_warps}  {us:8.2f} us",
                   flush=True)
         lp.CHUNK, lp.WARPS, lp.MERGE_WARPS = shapes[0]
+        for count in (0, 1, 5):  # a graph's count: only the first of the top computed
+            c = torch.tensor([count], dtype=torch.int32, device="cuda")
+            us = time_graph(lambda: lp.row_logprobs_triton(logits, tokens, TOP, c))[1]
+            out["us_per_call"][f"kernel_count{count}_n{n}"] = round(us, 2)
+            print(f"n={n:3d} kernel count {count:2d}       {us:8.2f} us", flush=True)
         if n in (1, 24):
             for name, fn in (("torch", lambda: lp.row_logprobs_ref(logits, tokens, TOP)),
                              ("kernel", lambda: lp.row_logprobs_triton(logits, tokens, TOP))):

@@ -18,6 +18,8 @@ Output rows: [logprob of the emitted token, the top values, their ids as float32
 
 from __future__ import annotations
 
+from typing import Optional
+
 import numpy as np
 import torch
 
@@ -48,16 +50,22 @@ def row_logprobs_ref(logits: torch.Tensor, tokens: torch.Tensor, top: int) -> to
     return torch.cat([chosen, values, ids.to(torch.float32)], dim=1)
 
 
-def row_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top: int) -> torch.Tensor:
-    """row_logprobs_ref; on CUDA the two Triton passes (graph-capturable: shapes only)."""
+def row_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top: int,
+                 count: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """row_logprobs_ref; on CUDA the two Triton passes (graph-capturable: shapes only).
+    `count` (a [1] int32 device tensor, read when the kernels run): on CUDA only the first
+    min(count, top) of each row's top are computed, the rest of the row left as it was (a
+    graph's output is `top` wide; its steps need only their requests' largest n, and each of
+    the top costs a reduction over the row)."""
     if top < 0 or top > logits.shape[1]:
         raise ValueError(f"top must be in [0, {logits.shape[1]}], got {top}")
     if not ENABLED or not use_triton(logits) or logits.shape[1] >= 2 ** 31 - 1:
         return row_logprobs_ref(logits, tokens, top)
-    return row_logprobs_triton(logits, tokens, top)
+    return row_logprobs_triton(logits, tokens, top, count)
 
 
-def row_logprobs_triton(logits: torch.Tensor, tokens: torch.Tensor, top: int) -> torch.Tensor:
+def row_logprobs_triton(logits: torch.Tensor, tokens: torch.Tensor, top: int,
+                        count: Optional[torch.Tensor] = None) -> torch.Tensor:
     n, vocab = logits.shape
     out = torch.empty(n, 1 + 2 * top, dtype=torch.float32, device=logits.device)
     if n == 0:
@@ -69,11 +77,13 @@ def row_logprobs_triton(logits: torch.Tensor, tokens: torch.Tensor, top: int) ->
     maxes = torch.empty(n, chunks, dtype=torch.float32, device=logits.device)
     sums = torch.empty_like(maxes)
     cands = torch.empty(n, chunks * top, dtype=torch.int64, device=logits.device)
+    if count is None:
+        count = torch.full((1,), top, dtype=torch.int32, device=logits.device)
     opts = pdl.launch_options(logits)
-    _chunks_kernel[(n, chunks)](logits, maxes, sums, cands, vocab, logits.stride(0), chunks,
-                                TOP=top, CHUNK=chunk, num_warps=WARPS, **opts)
-    _merge_kernel[(n,)](logits, tokens, maxes, sums, cands, out, vocab, logits.stride(0),
-                        tokens.stride(0), chunks, out.stride(0), TOP=top,
+    _chunks_kernel[(n, chunks)](logits, count, maxes, sums, cands, vocab, logits.stride(0),
+                                chunks, TOP=top, CHUNK=chunk, num_warps=WARPS, **opts)
+    _merge_kernel[(n,)](logits, tokens, count, maxes, sums, cands, out, vocab,
+                        logits.stride(0), tokens.stride(0), chunks, out.stride(0), TOP=top,
                         CHUNKS_POW2=max(2, next_pow2(chunks)),
                         CANDS_POW2=max(2, next_pow2(chunks * top)), num_warps=MERGE_WARPS,
                         **opts)
@@ -122,7 +132,7 @@ if triton is not None:
         return bits.to(tl.float32, bitcast=True), 0x7FFFFFFF - (key & 0x7FFFFFFF)
 
     @triton.jit
-    def _chunks_kernel(x_ptr, max_ptr, sum_ptr, cand_ptr, V, stride_x, num_chunks,
+    def _chunks_kernel(x_ptr, count_ptr, max_ptr, sum_ptr, cand_ptr, V, stride_x, num_chunks,
                        TOP: tl.constexpr, CHUNK: tl.constexpr, USE_PDL: tl.constexpr):
         wait_then_release(USE_PDL)
         row = tl.program_id(0).to(tl.int64)
@@ -139,19 +149,20 @@ if triton is not None:
         tl.store(max_ptr + piece, m)
         tl.store(sum_ptr + piece, s)
         if TOP > 0:
-            # the piece's best TOP, best first: the largest key, TOP times, each then removed
-            # (a piece of fewer real columns runs out into the masked ones' lowest key, which
-            # the merge never takes). TOP reductions of one key each beat a sort of the piece:
-            # a bitonic sort of 2048 keys compiles to ~350 barriers.
+            # the piece's best `count`, best first: the largest key, count times, each then
+            # removed (a piece of fewer real columns runs out into the masked ones' lowest
+            # key, which the merge never takes). A reduction of one key each beats a sort of
+            # the piece: a bitonic sort of 2048 keys compiles to ~350 barriers.
+            count = tl.minimum(tl.maximum(tl.load(count_ptr), 0), TOP)
             keys = tl.where(mask, _key(x, cols), _LOWEST)
-            for i in tl.static_range(TOP):
+            for i in range(count):
                 best = tl.max(keys, axis=0)
                 tl.store(cand_ptr + piece * TOP + i, best)
                 keys = tl.where(keys == best, _LOWEST, keys)
 
     @triton.jit
-    def _merge_kernel(x_ptr, tok_ptr, max_ptr, sum_ptr, cand_ptr, out_ptr, V, stride_x,
-                      stride_t, num_chunks, stride_o, TOP: tl.constexpr,
+    def _merge_kernel(x_ptr, tok_ptr, count_ptr, max_ptr, sum_ptr, cand_ptr, out_ptr, V,
+                      stride_x, stride_t, num_chunks, stride_o, TOP: tl.constexpr,
                       CHUNKS_POW2: tl.constexpr, CANDS_POW2: tl.constexpr,
                       USE_PDL: tl.constexpr):
         wait_then_release(USE_PDL)
@@ -168,11 +179,13 @@ if triton is not None:
         x_tok = tl.load(x_ptr + row * stride_x + tok).to(tl.float32)
         tl.store(out_ptr + row * stride_o, (x_tok - big) - log_sum)
         if TOP > 0:
-            # every piece's candidates, then the best TOP of them as pass 1 took its own
+            # every piece's `count` candidates, then the best of them as pass 1 took its own
+            count = tl.minimum(tl.maximum(tl.load(count_ptr), 0), TOP)
             offs = tl.arange(0, CANDS_POW2)
             keys = tl.load(cand_ptr + row * num_chunks * TOP + offs,
-                           mask=offs < num_chunks * TOP, other=_LOWEST)
-            for i in tl.static_range(TOP):
+                           mask=(offs < num_chunks * TOP) & (offs % TOP < count),
+                           other=_LOWEST)
+            for i in range(count):
                 best = tl.max(keys, axis=0)
                 keys = tl.where(keys == best, _LOWEST, keys)
                 value, col = _unkey(best)

@@ -84,6 +84,9 @@ class FusedSampling:
          self.sample_seed) = self.inputs.add_buffers([
              ((m,), torch.float32), ((m,), torch.long), ((m,), torch.float32),
              ((m,), torch.float32), ((m,), torch.long)])
+        # A logprobs graph's count: how many of each row's top its requests ask for at most
+        # (its output holds MAX_LOGPROBS; on CUDA only these are computed, kernels/logprobs.py)
+        (self.logprobs_count,) = self.inputs.add_buffers([((1,), torch.int32)])
 
     def _greedy_rows(self, bucket: int) -> None:
         """Every row of a bucket greedy (graphs are captured over such a dummy batch)."""
@@ -109,8 +112,12 @@ class FusedSampling:
 
     def _mode_rows(self, plan, bucket: int, mode: str) -> list:
         """What a graph of `mode` stages per request, as (buffer, values) pairs: the sampling
-        rows of a racing graph, the penalties of a penalized one (FusedPenalties)."""
+        rows of a racing graph, a logprobs graph's count, the penalties of a penalized one
+        (FusedPenalties)."""
         rows = self._sampling_rows(plan, bucket) if samples(mode) else []
+        if with_logprobs(mode):
+            rows.append((self.logprobs_count, np.array([max(
+                sr.request.sampling_params.logprobs or 0 for sr in plan.scheduled)], np.int32)))
         return rows + (self._penalty_rows(plan, bucket) if penalized(mode) else [])
 
     def _sample(self, logits, ids, pos, bucket: int, q: int, mode: str) -> torch.Tensor:
@@ -133,7 +140,7 @@ class FusedSampling:
         general path takes them (SamplingStep._logprobs, the same row_logprobs), sliced to each
         request's n on the host."""
         top = min(MAX_LOGPROBS, logits.shape[1])
-        out = row_logprobs(logits, packed[:, :q].reshape(-1), top)
+        out = row_logprobs(logits, packed[:, :q].reshape(-1), top, self.logprobs_count)
         return out.view(bucket, q, 1 + 2 * top)
 
     def _sample_logits(self, logits, pos, bucket: int, q: int, masks: bool) -> torch.Tensor:

@@ -207,6 +207,7 @@ class SamplingStep:
         dev = logits.device
         top = min(MAX_LOGPROBS, logits.shape[1]) if n_max > 0 else 0
         got = row_logprobs(logits[torch.tensor(rows, device=dev)],
-                           torch.tensor(tokens, device=dev), top)
+                           torch.tensor(tokens, device=dev), top,
+                           torch.tensor([n_max], dtype=torch.int32, device=dev))
         lists = logprob_lists(got.cpu().numpy(), n_max)  # sync-ok: part of the output copy
         return {i: token_logprobs(lists[s:s + k], n) for i, s, k, n in spans}

@@ -369,16 +369,19 @@ def test_penalty_kernels_compile(fusion):
 
 
 def test_logprobs_kernels_compile():
-    """kernels/logprobs.py as launched for a 49152-id row and the top 20: the pieces' pass (a
-    top 20 of 2048 keys) and the merge (24 pieces' candidates), both after the PDL wait."""
+    """kernels/logprobs.py as launched for a 49152-id row and the top 20: the pieces' pass (up
+    to 20 of 2048 keys, as many as the count says) and the merge (24 pieces' candidates), both
+    after the PDL wait."""
     from outpace.kernels.logprobs import _chunks_kernel, _merge_kernel
-    k = compile_for_h200(_chunks_kernel, {"x_ptr": "fp32", "max_ptr": "fp32", "sum_ptr": "fp32",
+    k = compile_for_h200(_chunks_kernel, {"x_ptr": "fp32", "count_ptr": "i32",
+                                          "max_ptr": "fp32", "sum_ptr": "fp32",
                                           "cand_ptr": "i64"}, (),
                          {"TOP": 20, "CHUNK": 2048, "USE_PDL": True},
                          num_warps=4)
     assert k.asm["cubin"] and "griddepcontrol.wait" in k.asm["ptx"]
-    k = compile_for_h200(_merge_kernel, {"x_ptr": "fp32", "tok_ptr": "i64", "max_ptr": "fp32",
-                                         "sum_ptr": "fp32", "cand_ptr": "i64", "out_ptr": "fp32"},
+    k = compile_for_h200(_merge_kernel, {"x_ptr": "fp32", "tok_ptr": "i64", "count_ptr": "i32",
+                                         "max_ptr": "fp32", "sum_ptr": "fp32", "cand_ptr": "i64",
+                                         "out_ptr": "fp32"},
                          (), {"TOP": 20, "CHUNKS_POW2": 32, "CANDS_POW2": 512,
                               "USE_PDL": True}, num_warps=4)
     assert k.asm["cubin"] and "griddepcontrol.wait" in k.asm["ptx"]

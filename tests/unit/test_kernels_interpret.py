@@ -1075,13 +1075,20 @@ def check_count_emitted(bucket, q):
                                                   (5, 1000, 0, 256)])
 def check_row_logprobs(rows, vocab, top, chunk, monkeypatch):
     """Each row's token logprob and its top `top` (ties to the lower id) against the stable
-    reference, the pieces (several a row: chunk) merged; a garbage row (NaN) still yields ids in
-    range."""
+    reference, the pieces (several a row: chunk) merged, and the first of them when a count
+    asks for fewer; a garbage row (NaN) still yields ids in range."""
     import outpace.kernels.logprobs as logprobs
     monkeypatch.setattr(logprobs, "CHUNK", chunk)
     logits, tokens = logprobs_cases.make_case(rows, vocab, seed=rows * vocab + top)
-    logprobs_cases.check(row_logprobs_triton(logits, tokens, top),
-                         logprobs_cases.stable_ref(logits, tokens, top), top)
+    want = logprobs_cases.stable_ref(logits, tokens, top)
+    logprobs_cases.check(row_logprobs_triton(logits, tokens, top), want, top)
+    for count in {0, min(3, top)}:  # a graph's count: the first `count` of the top
+        cols = [0, *range(1, 1 + count), *range(1 + top, 1 + top + count)]
+        # (logits far below 0 too: a slot past the count that were read would win then)
+        for shift in (0.0, -100.0):
+            got = row_logprobs_triton(logits + shift, tokens, top,
+                                      torch.tensor([count], dtype=torch.int32))
+            logprobs_cases.check(got[:, cols], want[:, cols], count, tol=1e-6 - shift * 1e-6)
     logits[0, ::3] = float("nan")
     ids = row_logprobs_triton(logits, tokens, top)[:, 1 + top:]
     assert bool(((ids >= 0) & (ids < vocab)).all())
