@@ -136,9 +136,10 @@ class FusedSampling:
         """[bucket, q, 1 + 2 * top] float32 from the rows' [n, V] raw logits: each row's
         emitted token's logprob (packed[:, :q]; garbage past the accepted count, where the host
         reads nothing), then the top values, then their ids (exact in float32: below 2^24), so
-        the step still ends in copies of two fixed buffers. The top `top` of every row, as the
-        general path takes them (SamplingStep._logprobs, the same row_logprobs), sliced to each
-        request's n on the host."""
+        the step still ends in copies of two fixed buffers. Of each row's top only the first
+        logprobs_count (the launch's largest n) are computed on CUDA, as the general path
+        computes them (SamplingStep._logprobs, the same row_logprobs); each request's n of them
+        are read on the host."""
         top = min(MAX_LOGPROBS, logits.shape[1])
         out = row_logprobs(logits, packed[:, :q].reshape(-1), top, self.logprobs_count)
         return out.view(bucket, q, 1 + 2 * top)

@@ -189,9 +189,10 @@ class SamplingStep:
     def _logprobs(plan, logits, groups, emitted) -> dict:
         """Raw logprobs (vLLM's default) of each emitted token and the top n at its row, for
         the requests of `groups` that ask for them -> {plan index: [(logprob, {id: logprob})]}:
-        the top MAX_LOGPROBS, then each request's first n, as the fused graphs take them (the
-        same row_logprobs, so ties at the n-th value fall the same way on both paths); every
-        request's rows in one launch and one copy (a varlen step of 32 prompts made 32)."""
+        the first of each row's top up to the largest n asked for, then each request's own n,
+        as the fused graphs take them (the same row_logprobs, so ties at the n-th value fall
+        the same way on both paths); every request's rows in one launch and one copy (a varlen
+        step of 32 prompts made 32)."""
         rows, tokens, spans, n_max = [], [], [], 0
         for i, first, _ in groups:
             n = plan.scheduled[i].request.sampling_params.logprobs
