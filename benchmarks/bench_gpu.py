@@ -18,6 +18,9 @@ Sections
   overlap SmolLM2-shaped random bf16 model, batch 1, no-spec and EAGLE-3 force-accept 3, with
           and without overlap, and with the qkv + rope + KV store kernel switched the other way
           (no model file needed)
+  spec_exact  greedy output with speculation (EAGLE-3, MTP, n-gram; verified for real) against
+          the same engine without it, on the GPU in bf16 and fp32, one request at a time and
+          20 at once: how often the two differ, and where
 """
 
 from __future__ import annotations
@@ -254,6 +257,55 @@ def section_check(args, results):
                         "bf16_weights_fp32_activations_b1": speed["auto"],
                         "bf16_weights_bf16_kv_fp32_activations_b1": speed["bfloat16"]}
     print("check:", results["check"], flush=True)
+
+
+def section_spec_exact(args, results):
+    """Greedy output with speculation against the same engine without it, on the GPU. The CPU
+    tests prove the two equal in fp32 (a row's arithmetic there does not depend on the step's
+    other rows). On the GPU a verify step's rows go through launches of k + 1 rows a request
+    where a plain decode step's row goes through a one-row launch, and the few-row kernels
+    choose their layout (and so their order of summation) from the row count: a logit can
+    differ in its last bits, and where two logits nearly tie a token can flip. This measures
+    how often that happens. The random heads are verified for real (no force-accept): nearly
+    all their drafts are rejected, so nearly every token comes from row 0 of a verify step."""
+    from outpace import LLM, SamplingParams
+    tmp = tempfile.mkdtemp()
+    eagle, mtp = make_heads(args.gguf, tmp)
+    specs = [("eagle3-k2", {"method": "eagle3", "model": str(eagle),
+                            "num_speculative_tokens": 2}),
+             ("mtp-k2", {"method": "mtp", "model": str(mtp), "num_speculative_tokens": 2,
+                         "mtp_mode": "eagle"}),
+             ("ngram-k4", {"method": "ngram", "num_speculative_tokens": 4})]
+    n, max_tokens = args.check_prompts, args.max_tokens
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    out = {"prompts": n, "max_tokens": max_tokens}
+    for dtype in ("bfloat16", "float32"):
+        for seqs in (1, n):
+            rows = {}
+            ref = None
+            for name, spec in [("no-spec", None)] + specs:
+                llm = LLM(args.gguf, device="cuda", dtype=dtype, speculative_config=spec,
+                          max_num_seqs=seqs, quiet=True, enable_prefix_caching=PREFIX_CACHING)
+                prompts = prompt_set(llm.tokenizer, n)
+                got = [o.token_ids for o in llm.generate(prompts, sp)]
+                stats = llm.engine.stats()["spec"]
+                del llm
+                if ref is None:
+                    ref = got
+                    continue
+                first = [next((i for i, (u, v) in enumerate(zip(a, b)) if u != v),
+                              min(len(a), len(b))) for a, b in zip(got, ref)]
+                drafts = stats.get("num_drafts") or 0
+                rows[name] = {
+                    "identical": sum(a == b for a, b in zip(got, ref)),
+                    "identical_64": sum(a[:64] == b[:64] for a, b in zip(got, ref)),
+                    "first_divergence_of_others": [d for d, a, b in zip(first, got, ref)
+                                                   if a != b],
+                    "mean_acceptance_length": (round(1 + stats["num_accepted_tokens"] / drafts,
+                                                     3) if drafts else None)}
+            out[f"{dtype}_max_num_seqs_{seqs}"] = rows
+            print(f"spec_exact {dtype} max_num_seqs={seqs}:", rows, flush=True)
+    results["spec_exact"] = out
 
 
 def hf_greedy(gguf, prompts, max_tokens):
