@@ -143,7 +143,20 @@ def policies(orig):
             return orig(m, n, k, **kw)
         return orig(1, n, k, **kw)
 
+    def row_invariant(like: int):
+        # every launch of at most 16 rows with one configuration whatever its row count, so a
+        # row's order of summation (and bits) does not depend on the rows beside it: the one a
+        # launch of `like` rows gets (1: four warps over one padded tile; 3: the verify's one
+        # warp with the tail split), one row a program; tl.dot launches (LM heads) as at one row
+        def f(m, n, k, **kw):
+            if m > 16:
+                return orig(m, n, k, **kw)
+            b = orig(like, n, k, **kw)
+            return orig(1, n, k, **kw) if b.use_dot else b
+        return f
+
     return {"current": orig, "dot": dot, "as_m1": as_one_row,
+            "inv_m1": row_invariant(1), "inv_m3": row_invariant(3),
             # a warp a row (the default at 2 and 4 rows), in other shapes and at 3 rows
             "no_rw": constants(_ROW_WARPS={}), "rw": row_warps(), "rw_n4": row_warps(block_n=4),
             "rw_m2": row_warps(block_m=2), "rw3_m2n4": row_warps((3,), 4, 2, 1536),
