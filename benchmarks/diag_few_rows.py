@@ -155,7 +155,25 @@ def policies(orig):
             return orig(1, n, k, **kw) if b.use_dot else b
         return f
 
+    def row_invariant_rw(m3_rows: int):
+        # every launch of at most 16 rows of a small weight (K <= 1536, N <= 4096) a warp a
+        # row (row_warps_blocks: each row reduced inside its own warp, in an order set by K
+        # alone): 1 row a program at M = 1, 2 at M = 2, m3_rows at M = 3 (4: one program with a
+        # padding warp; 1: three one-warp programs), 4 above; LM heads (tl.dot) as at one row
+        from outpace.kernels.small_linear_blocks import row_warps_blocks
+
+        def f(m, n, k, **kw):
+            if m > 16:
+                return orig(m, n, k, **kw)
+            b = orig(1, n, k, **kw)
+            if b.use_dot or k > 1536 or n > 4096:
+                return b
+            bm = {1: 1, 2: 2, 3: m3_rows}.get(m, 4)
+            return row_warps_blocks(k, bm, 2)
+        return f
+
     return {"current": orig, "dot": dot, "as_m1": as_one_row,
+            "inv_rw4": row_invariant_rw(4), "inv_rw1": row_invariant_rw(1),
             "inv_m1": row_invariant(1), "inv_m3": row_invariant(3),
             # a warp a row (the default at 2 and 4 rows), in other shapes and at 3 rows
             "no_rw": constants(_ROW_WARPS={}), "rw": row_warps(), "rw_n4": row_warps(block_n=4),
