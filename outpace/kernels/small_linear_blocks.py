@@ -51,7 +51,8 @@ _DOT_K_ROW_BLOCKS = 128  # ...with K steps of at most this (the sweep's; 256 not
 # weight tile (an L2 hit). Two at most: in the k = 2 verify graph (3 rows) blocks of 2 beat
 # blocks of 4, 0.846 vs 0.864 ms a step (run 10, benchmarks/diag_few_rows.py).
 _SUM_ROWS = 2
-# ...and one at these row counts (one-warp programs, below, multiply their rows in turn). Step
+# ...and one at these row counts (one-warp programs, below, multiply their rows in turn; rows
+# wider than _ROW_WARPS_MAX_K, since 2 and 3 rows take a warp a row below). Step
 # graphs on the H200 (run 18, diag_few_rows_run18c.json; rows = batch x query length): 2 rows
 # 0.667 -> 0.620 ms, 3 rows (k = 2 verify) 0.754 -> 0.727; 4 rows 0.713 -> 0.785 (each weight
 # tile read four times, not two), so 4 keeps blocks of 2.
@@ -73,10 +74,13 @@ _SUM_MAX_M = 4
 # on the H200 (run 25, diag_few_rows_run25b-g.json; no-spec batch 2 / 4 decode, rows = batch):
 # 2 rows 0.596 -> 0.528 ms, 4 rows 0.675 -> 0.604 (2 rows, 4 columns a program; all 4 rows in
 # one program of 4 warps: 0.733; the rest of K = 576 as a masked 256-wide step instead of 64
-# columns: 0.548 / 0.648). 3 rows (k = 2 verify at batch 1) lost in every form: one program of
-# 4 warps 0.636 -> 0.787 ms, two of 2 warps 0.679-0.795, one row a program 0.702, any one
-# projection alone 0.646-0.712; so 3 rows keep the one-warp programs.
-_ROW_WARPS = {2: (2, 2), 4: (2, 4)}
+# columns: 0.548 / 0.648). 3 rows (k = 2 verify at batch 1) lost in every form then (one
+# program of 4 warps 0.636 -> 0.787 ms, two of 2 warps 0.679-0.795, one row a program 0.702),
+# measured before the rest of K got its own width. Since, one row a program (three one-warp
+# programs, 2 columns each) wins: the EAGLE-3 k = 2 step graph 0.6435 -> 0.5935 ms with every
+# launch of up to 16 rows taking it (run 32, diag_few_rows_run32b.json "inv_rw1"; no-spec's
+# one-row step lost 0.474 -> 0.514 that way, so one row keeps its four-warp program).
+_ROW_WARPS = {2: (2, 2), 3: (1, 2), 4: (2, 4)}
 _ROW_WARPS_MAX_K = 1536  # measured up to down's 1536; wider rows would hold more registers
 
 
