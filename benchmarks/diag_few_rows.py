@@ -172,7 +172,20 @@ def policies(orig):
             return row_warps_blocks(k, bm, 2)
         return f
 
-    return {"current": orig, "dot": dot, "as_m1": as_one_row,
+    def one_row_rw(base):
+        # one-row launches of small weights a warp a row (one-warp programs), others as `base`
+        from outpace.kernels.small_linear_blocks import row_warps_blocks
+
+        def f(m, n, k, **kw):
+            b = base(m, n, k, **kw)
+            if m != 1 or b.use_dot or k > 1536 or n > 4096:
+                return b
+            return row_warps_blocks(k, 1, 2)
+        return f
+
+    old3 = constants(_ROW_WARPS={2: (2, 2), 4: (2, 4)})  # 3 rows as before run 32
+    return {"current": orig, "dot": dot, "as_m1": as_one_row, "old3": old3,
+            "m1_rw1": one_row_rw(orig), "m1_rw1_old3": one_row_rw(old3),
             "inv_rw4": row_invariant_rw(4), "inv_rw1": row_invariant_rw(1),
             "inv_m1": row_invariant(1), "inv_m3": row_invariant(3),
             # a warp a row (the default at 2 and 4 rows), in other shapes and at 3 rows
