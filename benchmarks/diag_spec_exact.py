@@ -23,6 +23,7 @@ import json
 import sys
 import tempfile
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -33,14 +34,23 @@ from benchmarks.bench_gpu import diag_setup, make_heads  # noqa: E402
 KINDS = ("qkv", "attention", "o_proj", "gate_up", "down")
 
 
+@dataclass
+class Recording:
+    """One engine's run of one prompt: rows[(layer, kind, slot)] and the slots in the order
+    their positions were first computed (the LM head is layer num_layers)."""
+    rows: dict
+    order: list
+    num_layers: int
+
+
 class Recorder:
     """Wraps the few-row forward's kernels; rows[(layer, kind, slot)] = the row (on the host)."""
 
     def __init__(self, num_layers: int):
         import outpace.models.llama as llama
         self.llama, self.num_layers = llama, num_layers
-        self.rows, self.order = {}, []  # order: slots in the order they were first recorded
-        self.layer, self.slots, self.calls = None, None, 0
+        self.layer, self.calls = None, 0
+        self.reset()
         self._orig = {}
 
     def _put(self, kind: str, out: torch.Tensor) -> None:
@@ -112,8 +122,11 @@ class Recorder:
     def reset(self) -> None:
         self.rows, self.order, self.seen, self.slots = {}, [], set(), None
 
+    def recording(self) -> Recording:
+        return Recording(self.rows, self.order, self.num_layers)
 
-def first_difference(a: Recorder, b: Recorder):
+
+def first_difference(a: Recording, b: Recording):
     """-> (position index, layer, kind) of the first row that differs, or None."""
     for p, slot in enumerate(a.order):
         for layer in range(a.num_layers + 1):
@@ -166,9 +179,7 @@ def main():
                     if o.finished:
                         toks = list(o.token_ids)
             outs[name] = toks
-            snap = Recorder.__new__(Recorder)
-            snap.rows, snap.order, snap.num_layers = rec.rows, rec.order, num_layers
-            recs[name] = snap
+            recs[name] = rec.recording()
         a, b = outs["no-spec"], outs["eagle3-k2"]
         tok = next((j for j, (u, v) in enumerate(zip(a, b)) if u != v), None)
         first = first_difference(recs["no-spec"], recs["eagle3-k2"])
