@@ -261,8 +261,9 @@ def section_check(args, results):
 
 def section_spec_exact(args, results):
     """Greedy output with speculation against the same engine without it, on the GPU. The CPU
-    tests prove the two equal in fp32 (a row's arithmetic there does not depend on the step's
-    other rows). On the GPU a verify step's rows go through launches of k + 1 rows a request
+    tests find the two equal in fp32 (a row's sums may move by ~1e-7 with the step's row count
+    there, too little to flip a token in them). On the GPU a verify step's rows go through
+    launches of k + 1 rows a request
     where a plain decode step's row goes through a one-row launch, and the few-row kernels
     choose their layout (and so their order of summation) from the row count: a logit can
     differ in its last bits, and where two logits nearly tie a token can flip. This measures
@@ -532,6 +533,8 @@ def section_smol(args, results):
                           Path(args.out) / f"host_profile_{name}_b1.txt")
         del eng
         torch.cuda.empty_cache()
+    slb._ROW_WARPS = row_warps
+    slb.choose_blocks.cache_clear()
     results["smol"] = rows
 
 
