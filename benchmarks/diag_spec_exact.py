@@ -51,7 +51,6 @@ class Recorder:
         self.llama, self.num_layers = llama, num_layers
         self.layer, self.calls = None, 0
         self.reset()
-        self._orig = {}
 
     def _put(self, kind: str, out: torch.Tensor) -> None:
         if self.layer is None:
@@ -87,7 +86,6 @@ class Recorder:
                 out = fn(*a, **kw)
                 rec._put(kind_of(), out)
                 return out
-            self._orig[name] = fn
             setattr(llama, name, wrapped)
 
         def small_linear_kind():  # o_proj, then down, in each layer
@@ -96,7 +94,6 @@ class Recorder:
         wrap("norm_qkv_rope_store", lambda: "qkv")
         wrap("small_linear", small_linear_kind)
         wrap("norm_small_linear_silu_mul", lambda: "gate_up")
-        self._orig["forward_few_rows"] = orig_forward
         layer_cls.forward_few_rows = forward_few_rows
         from outpace.attention.torch_ref import TorchRefBackend
         from outpace.attention.triton_paged import TritonPagedBackend
