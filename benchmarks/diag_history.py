@@ -1,0 +1,168 @@
+"""Does what an engine ran before move its batch-1 speculative step, on the GPU machine?
+
+Run 32 timed EAGLE-3 force-accept 3 (k = 2) at batch 1 in bench's smol section after two
+warm-up histories: batches `1 32` and `1 8 32`. The 3-row warp-a-row policy measured 2.24x
+no-spec after the first and 2.07x after the second (the old policy ~2% apart), each history in
+its own process, so possibly on another machine. Here both histories and both policies run in
+one process, interleaved, each on a fresh engine:
+
+  * per (round, policy, history): the timed batch-1 runs' tok/s, step_ms, the host's wait on
+    the GPU, and the KV block ids the timed requests were given (first and spread);
+  * GPU clocks, power and temperature sampled by nvidia-smi beside the whole run
+    (`smi.csv`, when nvidia-smi is there);
+  * last (torch.profiler slows later launches on the host): the kernels of one batch-1 step
+    after each history, summed by kernel name, fast history against slow.
+
+    python benchmarks/diag_history.py --gguf PATH [--out DIR] [--rounds 2]
+"""
+from __future__ import annotations
+
+import collections
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.bench_gpu import diag_setup, make_heads, run_engine  # noqa: E402
+from benchmarks.diag_step import profiled_requests  # noqa: E402
+
+HISTORIES = {"b1_32": (1, 32), "b1_8_32": (1, 8, 32)}
+BATCH1_REQUESTS = 4  # bench's --batch1-requests
+MAX_TOKENS = 128
+
+
+def set_policy(name: str) -> None:
+    """'old': the default few-row policy; 'rw3': 3 rows a warp a row, one row a program."""
+    import outpace.kernels.small_linear_blocks as slb
+    slb._ROW_WARPS.pop(3, None)
+    if name == "rw3":
+        slb._ROW_WARPS[3] = slb.ROW_WARPS_3
+    slb.choose_blocks.cache_clear()
+
+
+def fresh_engine(args, loaded, spec, history):
+    from outpace.engine.engine import LLMEngine
+    return LLMEngine.from_args(args.gguf, loaded=loaded, device="cuda", dtype="bfloat16",
+                               speculative_config=spec, max_num_seqs=max(history),
+                               num_kv_blocks=8192, quiet=True, enable_prefix_caching=False)
+
+
+def warm_up(eng, prompts, history) -> None:
+    """bench's smol warm-up: every batch size, the largest at full length."""
+    for b in history:
+        run_engine(eng, prompts[:b if b > 1 else BATCH1_REQUESTS], b,
+                   MAX_TOKENS if b == max(history) else 4)
+
+
+def record_allocations(eng) -> list:
+    """Wrap the block pool's allocate: -> the list each allocation's ids are appended to."""
+    pool = eng.kv.pool
+    got, allocate = [], pool.allocate
+
+    def recording(n):
+        out = allocate(n)
+        got.append(list(out))
+        return out
+    pool.allocate = recording
+    return got
+
+
+def timed(eng, prompts, reps: int = 3) -> dict:
+    got = record_allocations(eng)
+    runs = sorted((run_engine(eng, prompts[:BATCH1_REQUESTS], 1, MAX_TOKENS)
+                   for _ in range(reps)), key=lambda r: r["tok_s"])
+    r = runs[len(runs) // 2]
+    ids = [b for chunk in got for b in chunk]
+    return {"tok_s": r["tok_s"], "tok_s_runs": [x["tok_s"] for x in runs],
+            "step_ms": r.get("step_ms"), "wait_ms": r.get("wait_ms"),
+            "launch_ms": r.get("launch_ms"),
+            "blocks_first": ids[:12], "blocks_min": min(ids, default=None),
+            "blocks_max": max(ids, default=None), "blocks_n": len(ids)}
+
+
+def step_kernels(eng, prompt) -> dict:
+    """Kernel name -> us summed over the chained steps of one profiled batch-1 request, per
+    step (the mean over its steps)."""
+    evs = profiled_requests(eng, [prompt], MAX_TOKENS)
+    steps, cur = [], []
+    for e in evs:
+        if e.name.startswith("_chained_inputs_kernel") and cur:
+            steps.append(cur)
+            cur = []
+        cur.append(e)
+    steps.append(cur)
+    chained = steps[1:]  # steps[0]: the prefill and what precedes the first chained step
+    by_name = collections.Counter()
+    for s in chained:
+        for e in s:
+            by_name[e.name[:70]] += (e.time_range.end - e.time_range.start) / len(chained)
+    spans = [s[-1].time_range.end - s[0].time_range.start for s in chained[1:-1]]
+    return {"steps": len(chained), "span_us_median": round(statistics.median(spans), 1),
+            "busy_us": round(sum(by_name.values()), 1),
+            "by_kernel_us": {n: round(v, 2) for n, v in by_name.most_common()}}
+
+
+def main():
+    args, loaded, prompts = diag_setup(64, (("--rounds", "2"),))
+    smi = None
+    try:
+        smi = subprocess.Popen(
+            ["nvidia-smi", "--query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,"
+             "temperature.gpu,utilization.gpu", "--format=csv", "-lms", "200"],
+            stdout=open(Path(args.out) / "smi.csv", "w"), stderr=subprocess.DEVNULL)
+    except OSError:
+        pass
+    eagle, _ = make_heads(args.gguf, tempfile.mkdtemp())
+    spec = {"method": "eagle3", "model": str(eagle), "num_speculative_tokens": 2,
+            "force_accept_mean": 3.0, "k_schedule": [[32, 2], [128, 1]]}
+    rows = []
+    # The process's first engine pays CUDA's lazy loading: one untimed pass first.
+    eng = fresh_engine(args, loaded, spec, (1, 8, 32))
+    warm_up(eng, prompts, (1, 8, 32))
+    del eng
+    for rnd in range(int(args.rounds)):
+        for pol in ("old", "rw3"):
+            for hname, history in HISTORIES.items():
+                set_policy(pol)
+                eng = fresh_engine(args, loaded, spec, history)
+                warm_up(eng, prompts, history)
+                row = {"round": rnd, "policy": pol, "history": hname, **timed(eng, prompts)}
+                rows.append(row)
+                print(row, flush=True)
+                del eng
+                torch.cuda.empty_cache()
+    profiles = {}
+    for pol in ("old", "rw3"):
+        for hname, history in HISTORIES.items():
+            set_policy(pol)
+            eng = fresh_engine(args, loaded, spec, history)
+            warm_up(eng, prompts, history)
+            timed(eng, prompts, reps=1)
+            profiles[f"{pol}/{hname}"] = step_kernels(eng, prompts[0])
+            print(pol, hname, {k: v for k, v in profiles[f"{pol}/{hname}"].items()
+                               if k != "by_kernel_us"}, flush=True)
+            del eng
+            torch.cuda.empty_cache()
+    set_policy("old")
+    if smi is not None:
+        smi.terminate()
+    out = {"rows": rows, "profiles": profiles}
+    (Path(args.out) / "diag_history.json").write_text(json.dumps(out, indent=1) + "\n")
+    for pol in ("old", "rw3"):
+        a, b = profiles[f"{pol}/b1_32"], profiles[f"{pol}/b1_8_32"]
+        print(f"{pol}: span {a['span_us_median']} vs {b['span_us_median']} us; largest "
+              "kernel differences (b1_32 - b1_8_32, us a step):")
+        names = set(a["by_kernel_us"]) | set(b["by_kernel_us"])
+        diffs = sorted(((a["by_kernel_us"].get(n, 0) - b["by_kernel_us"].get(n, 0), n)
+                        for n in names), key=lambda x: -abs(x[0]))
+        for d, n in diffs[:8]:
+            print(f"  {d:+7.2f}  {n}")
+
+
+if __name__ == "__main__":
+    main()
