@@ -32,6 +32,11 @@ from benchmarks.bench_gpu import diag_setup, make_heads, run_engine  # noqa: E40
 from benchmarks.diag_step import profiled_requests  # noqa: E402
 
 HISTORIES = {"b1_32": (1, 32), "b1_8_32": (1, 8, 32)}
+# More orders (--more): which part of the batch-8 warm-up moves the step, and whether
+# releasing the allocator's cached memory afterwards undoes it.
+MORE = {"b1_32_8": (1, 32, 8), "b8_1_32": (8, 1, 32), "b1_8_32+empty": (1, 8, 32),
+        "b1_8full_32": (1, 8, 32)}
+MAX_SEQS = 32
 BATCH1_REQUESTS = 4  # bench's --batch1-requests
 MAX_TOKENS = 128
 
@@ -45,18 +50,22 @@ def set_policy(name: str) -> None:
     slb.choose_blocks.cache_clear()
 
 
-def fresh_engine(args, loaded, spec, history):
+def fresh_engine(args, loaded, spec):
     from outpace.engine.engine import LLMEngine
     return LLMEngine.from_args(args.gguf, loaded=loaded, device="cuda", dtype="bfloat16",
-                               speculative_config=spec, max_num_seqs=max(history),
+                               speculative_config=spec, max_num_seqs=MAX_SEQS,
                                num_kv_blocks=8192, quiet=True, enable_prefix_caching=False)
 
 
-def warm_up(eng, prompts, history) -> None:
-    """bench's smol warm-up: every batch size, the largest at full length."""
+def warm_up(eng, prompts, name, history) -> None:
+    """bench's smol warm-up: every batch size, the largest at full length ("8full": batch 8
+    at full length too; "+empty": the allocator's cached blocks released after)."""
     for b in history:
-        run_engine(eng, prompts[:b if b > 1 else BATCH1_REQUESTS], b,
-                   MAX_TOKENS if b == max(history) else 4)
+        full = b == max(history) or (b == 8 and "8full" in name)
+        run_engine(eng, prompts[:b if b > 1 else BATCH1_REQUESTS], b, MAX_TOKENS if full else 4)
+    if name.endswith("+empty"):
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
 
 
 def record_allocations(eng) -> list:
@@ -72,17 +81,33 @@ def record_allocations(eng) -> list:
     return got
 
 
+def counters(eng) -> dict:
+    f = eng.runner.fused
+    return {"replays": f.replays, "chained": f.chained, "relaunched": f.relaunched,
+            "varlen": eng.runner.graphs.varlen_replays}
+
+
 def timed(eng, prompts, reps: int = 3) -> dict:
     got = record_allocations(eng)
+    c0 = counters(eng)
     runs = sorted((run_engine(eng, prompts[:BATCH1_REQUESTS], 1, MAX_TOKENS)
                    for _ in range(reps)), key=lambda r: r["tok_s"])
     r = runs[len(runs) // 2]
     ids = [b for chunk in got for b in chunk]
-    return {"tok_s": r["tok_s"], "tok_s_runs": [x["tok_s"] for x in runs],
+    c1 = counters(eng)
+    return {"paths": {k: c1[k] - c0[k] for k in c0}, "tok_s": r["tok_s"],
+            "tok_s_runs": [x["tok_s"] for x in runs],
             "step_ms": r.get("step_ms"), "wait_ms": r.get("wait_ms"),
             "launch_ms": r.get("launch_ms"),
             "blocks_first": ids[:12], "blocks_min": min(ids, default=None),
             "blocks_max": max(ids, default=None), "blocks_n": len(ids)}
+
+
+def listing(step) -> list:
+    """One step's kernels: (start us from the step's first, duration us, name)."""
+    t0 = step[0].time_range.start
+    return [(round(e.time_range.start - t0, 2), round(e.time_range.end - e.time_range.start, 2),
+             e.name[:50]) for e in step]
 
 
 def step_kernels(eng, prompt) -> dict:
@@ -104,11 +129,16 @@ def step_kernels(eng, prompt) -> dict:
     spans = [s[-1].time_range.end - s[0].time_range.start for s in chained[1:-1]]
     return {"steps": len(chained), "span_us_median": round(statistics.median(spans), 1),
             "busy_us": round(sum(by_name.values()), 1),
+            "kernels_a_step": [len(s) for s in chained[:3]],
+            "mid_steps": [listing(s) for s in chained[len(chained) // 2:][:2]],
             "by_kernel_us": {n: round(v, 2) for n, v in by_name.most_common()}}
 
 
 def main():
-    args, loaded, prompts = diag_setup(64, (("--rounds", "2"),))
+    args, loaded, prompts = diag_setup(64, (("--rounds", "2"), ("--more", "0"),
+                                            ("--policies", "old,rw3")))
+    histories = {**HISTORIES, **(MORE if int(args.more) else {})}
+    pols = args.policies.split(",")
     smi = None
     try:
         smi = subprocess.Popen(
@@ -122,30 +152,30 @@ def main():
             "force_accept_mean": 3.0, "k_schedule": [[32, 2], [128, 1]]}
     rows = []
     # The process's first engine pays CUDA's lazy loading: one untimed pass first.
-    eng = fresh_engine(args, loaded, spec, (1, 8, 32))
-    warm_up(eng, prompts, (1, 8, 32))
+    eng = fresh_engine(args, loaded, spec)
+    warm_up(eng, prompts, "first", (1, 8, 32))
     del eng
     for rnd in range(int(args.rounds)):
-        for pol in ("old", "rw3"):
-            for hname, history in HISTORIES.items():
+        for pol in pols:
+            for hname, history in histories.items():
                 set_policy(pol)
-                eng = fresh_engine(args, loaded, spec, history)
-                warm_up(eng, prompts, history)
+                eng = fresh_engine(args, loaded, spec)
+                warm_up(eng, prompts, hname, history)
                 row = {"round": rnd, "policy": pol, "history": hname, **timed(eng, prompts)}
                 rows.append(row)
                 print(row, flush=True)
                 del eng
                 torch.cuda.empty_cache()
     profiles = {}
-    for pol in ("old", "rw3"):
+    for pol in pols:
         for hname, history in HISTORIES.items():
             set_policy(pol)
-            eng = fresh_engine(args, loaded, spec, history)
-            warm_up(eng, prompts, history)
+            eng = fresh_engine(args, loaded, spec)
+            warm_up(eng, prompts, hname, history)
             timed(eng, prompts, reps=1)
             profiles[f"{pol}/{hname}"] = step_kernels(eng, prompts[0])
             print(pol, hname, {k: v for k, v in profiles[f"{pol}/{hname}"].items()
-                               if k != "by_kernel_us"}, flush=True)
+                               if k not in ("by_kernel_us", "mid_steps")}, flush=True)
             del eng
             torch.cuda.empty_cache()
     set_policy("old")
@@ -153,7 +183,7 @@ def main():
         smi.terminate()
     out = {"rows": rows, "profiles": profiles}
     (Path(args.out) / "diag_history.json").write_text(json.dumps(out, indent=1) + "\n")
-    for pol in ("old", "rw3"):
+    for pol in pols:
         a, b = profiles[f"{pol}/b1_32"], profiles[f"{pol}/b1_8_32"]
         print(f"{pol}: span {a['span_us_median']} vs {b['span_us_median']} us; largest "
               "kernel differences (b1_32 - b1_8_32, us a step):")
