@@ -13,7 +13,11 @@ one process, interleaved, each on a fresh engine:
   * last (torch.profiler slows later launches on the host): the kernels of one batch-1 step
     after each history, summed by kernel name, fast history against slow.
 
-    python benchmarks/diag_history.py --gguf PATH [--out DIR] [--rounds 2]
+  * with --probe 1, instead: after the fast history, one extra run of another kind (PROBES),
+    to find which part of the batch-8 warm-up moves the step.
+
+    python benchmarks/diag_history.py --gguf PATH [--out DIR] [--rounds 2] [--more 1]
+        [--probe 1 --profile 0] [--policies old,rw3]
 """
 from __future__ import annotations
 
@@ -37,6 +41,9 @@ HISTORIES = {"b1_32": (1, 32), "b1_8_32": (1, 8, 32)}
 MORE = {"b1_32_8": (1, 32, 8), "b8_1_32": (8, 1, 32), "b1_8_32+empty": (1, 8, 32),
         "b1_8full_32": (1, 8, 32)}
 MAX_SEQS = 32
+# Probes (--probe): after the fast history (1, 32), one extra run -> is the step slow after it?
+# "recapture": the slow history, then every fused graph captured again.
+PROBES = ("none", "b8_prefill", "b8_staggered", "b2", "slow", "slow+recapture")
 BATCH1_REQUESTS = 4  # bench's --batch1-requests
 MAX_TOKENS = 128
 
@@ -79,6 +86,34 @@ def record_allocations(eng) -> list:
         return out
     pool.allocate = recording
     return got
+
+
+def staggered(eng, prompts, n: int, max_tokens: int) -> None:
+    """n requests added one an engine step (each prefilled alone, decoded together)."""
+    from outpace import SamplingParams
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
+                        output_kind="final_only")
+    for i, p in enumerate(prompts[:n]):
+        eng.add_request(f"stagger-{i}", p, sp)
+        eng.step()
+    while eng.has_unfinished_requests():
+        eng.step()
+
+
+def probe(eng, prompts, name: str) -> None:
+    if name == "slow" or name == "slow+recapture":
+        warm_up(eng, prompts, "", (8,))
+    if name == "slow+recapture":
+        f = eng.runner.fused
+        for mode, table in f._by_mode.items():
+            for key in list(table):
+                table[key] = f._capture(*key, mode=mode)
+    elif name == "b8_prefill":
+        run_engine(eng, prompts[:8], 8, 1)
+    elif name == "b8_staggered":
+        staggered(eng, prompts, 8, 4)
+    elif name == "b2":
+        run_engine(eng, prompts[:2], 2, 4)
 
 
 def counters(eng) -> dict:
@@ -135,9 +170,12 @@ def step_kernels(eng, prompt) -> dict:
 
 
 def main():
-    args, loaded, prompts = diag_setup(64, (("--rounds", "2"), ("--more", "0"),
-                                            ("--policies", "old,rw3")))
+    args, loaded, prompts = diag_setup(64, (
+        ("--rounds", "2"), ("--more", "0"), ("--policies", "old,rw3"), ("--probe", "0"),
+        ("--profile", "1")))
     histories = {**HISTORIES, **(MORE if int(args.more) else {})}
+    if int(args.probe):
+        histories = {}
     pols = args.policies.split(",")
     smi = None
     try:
@@ -166,8 +204,21 @@ def main():
                 print(row, flush=True)
                 del eng
                 torch.cuda.empty_cache()
+    for rnd in range(int(args.rounds) if int(args.probe) else 0):
+        for pol in pols:
+            for name in PROBES:
+                set_policy(pol)
+                eng = fresh_engine(args, loaded, spec)
+                warm_up(eng, prompts, "", (1, 32))
+                probe(eng, prompts, name)
+                row = {"round": rnd, "policy": pol, "probe": name, **timed(eng, prompts)}
+                row.pop("blocks_first")
+                rows.append(row)
+                print(row, flush=True)
+                del eng
+                torch.cuda.empty_cache()
     profiles = {}
-    for pol in pols:
+    for pol in pols if int(args.profile) else ():
         for hname, history in HISTORIES.items():
             set_policy(pol)
             eng = fresh_engine(args, loaded, spec)
@@ -183,7 +234,7 @@ def main():
         smi.terminate()
     out = {"rows": rows, "profiles": profiles}
     (Path(args.out) / "diag_history.json").write_text(json.dumps(out, indent=1) + "\n")
-    for pol in pols:
+    for pol in pols if profiles else ():
         a, b = profiles[f"{pol}/b1_32"], profiles[f"{pol}/b1_8_32"]
         print(f"{pol}: span {a['span_us_median']} vs {b['span_us_median']} us; largest "
               "kernel differences (b1_32 - b1_8_32, us a step):")
