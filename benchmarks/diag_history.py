@@ -13,7 +13,8 @@ one process, interleaved, each on a fresh engine:
   * last (torch.profiler slows later launches on the host): the kernels of one batch-1 step
     after each history, summed by kernel name, fast history against slow.
 
-  * with --probe 1, instead: after the fast history, one extra run of another kind (PROBES),
+  * with --probe 1 (or 2), instead: after the fast history, one extra run of another kind
+    (PROBES; PROBES_2: what re-capturing the graphs resets),
     to find which part of the batch-8 warm-up moves the step.
 
     python benchmarks/diag_history.py --gguf PATH [--out DIR] [--rounds 2] [--more 1]
@@ -44,6 +45,11 @@ MAX_SEQS = 32
 # Probes (--probe): after the fast history (1, 32), one extra run -> is the step slow after it?
 # "recapture": the slow history, then every fused graph captured again.
 PROBES = ("none", "b8_prefill", "b8_staggered", "b2", "slow", "slow+recapture")
+# --probe 2: what the recapture resets (the null block's contents; the fixed input buffers'
+# rows past the batch; the batch-1 graphs alone), and garbage in the null block after the
+# fast history.
+PROBES_2 = ("none", "slow", "slow+zero_null", "fast+randn_null", "slow+reset_rows",
+            "slow+recapture_b1")
 BATCH1_REQUESTS = 4  # bench's --batch1-requests
 MAX_TOKENS = 128
 
@@ -101,9 +107,26 @@ def staggered(eng, prompts, n: int, max_tokens: int) -> None:
 
 
 def probe(eng, prompts, name: str) -> None:
-    if name == "slow" or name == "slow+recapture":
+    f, kv = eng.runner.fused, eng.runner.kv_cache
+    if name.startswith("slow"):
         warm_up(eng, prompts, "", (8,))
-    if name == "slow+recapture":
+    torch.cuda.synchronize()
+    if name == "slow+zero_null":
+        kv[:, :, 0].zero_()
+    elif name == "fast+randn_null":
+        kv[:, :, 0].copy_(torch.randn_like(kv[:, :, 0]))
+    elif name == "slow+reset_rows":
+        m = eng.runner.max_num_seqs
+        f.graphs.fill_dummy(m, 1)
+        for t in (f.num_drafts, f.real, f.carry_pos, f.carry_tokens):
+            t.zero_()
+        if f.graphs.tile_map is not None:
+            f.graphs.tile_map.zero_()
+    elif name == "slow+recapture_b1":
+        for mode, table in f._by_mode.items():
+            for key in [k for k in table if k[0] == 1]:
+                table[key] = f._capture(*key, mode=mode)
+    elif name == "slow+recapture":
         f = eng.runner.fused
         for mode, table in f._by_mode.items():
             for key in list(table):
@@ -206,7 +229,7 @@ def main():
                 torch.cuda.empty_cache()
     for rnd in range(int(args.rounds) if int(args.probe) else 0):
         for pol in pols:
-            for name in PROBES:
+            for name in PROBES if int(args.probe) == 1 else PROBES_2:
                 set_policy(pol)
                 eng = fresh_engine(args, loaded, spec)
                 warm_up(eng, prompts, "", (1, 32))
