@@ -50,6 +50,10 @@ PROBES = ("none", "b8_prefill", "b8_staggered", "b2", "slow", "slow+recapture")
 # fast history.
 PROBES_2 = ("none", "slow", "slow+zero_null", "fast+randn_null", "slow+reset_rows",
             "slow+recapture_b1")
+# --probe 3: the random fill's data, or its launches? (copies of zeros and of random values
+# into the null block, random values into a scratch tensor and into a block no request holds)
+PROBES_3 = ("none", "fast+zeros_null", "fast+randn_scratch", "fast+randn_last_block",
+            "fast+randn_null", "slow+recapture_chained")
 BATCH1_REQUESTS = 4  # bench's --batch1-requests
 MAX_TOKENS = 128
 
@@ -115,6 +119,18 @@ def probe(eng, prompts, name: str) -> None:
         kv[:, :, 0].zero_()
     elif name == "fast+randn_null":
         kv[:, :, 0].copy_(torch.randn_like(kv[:, :, 0]))
+    elif name == "fast+zeros_null":
+        kv[:, :, 0].copy_(torch.zeros_like(kv[:, :, 0]))
+    elif name == "fast+randn_scratch":
+        scratch = torch.randn_like(kv[:, :, 0])
+        scratch.add_(1.0)
+        del scratch
+    elif name == "fast+randn_last_block":
+        kv[:, :, -1].copy_(torch.randn_like(kv[:, :, -1]))
+    elif name == "slow+recapture_chained":
+        for mode, table in f._by_mode.items():
+            for key in [k for k in table if k[0] == 1 and k[3]]:
+                table[key] = f._capture(*key, mode=mode)
     elif name == "slow+reset_rows":
         m = eng.runner.max_num_seqs
         f.graphs.fill_dummy(m, 1)
@@ -229,7 +245,7 @@ def main():
                 torch.cuda.empty_cache()
     for rnd in range(int(args.rounds) if int(args.probe) else 0):
         for pol in pols:
-            for name in PROBES if int(args.probe) == 1 else PROBES_2:
+            for name in {1: PROBES, 2: PROBES_2, 3: PROBES_3}[int(args.probe)]:
                 set_policy(pol)
                 eng = fresh_engine(args, loaded, spec)
                 warm_up(eng, prompts, "", (1, 32))
