@@ -54,6 +54,10 @@ PROBES_2 = ("none", "slow", "slow+zero_null", "fast+randn_null", "slow+reset_row
 # into the null block, random values into a scratch tensor and into a block no request holds)
 PROBES_3 = ("none", "fast+zeros_null", "fast+randn_scratch", "fast+randn_last_block",
             "fast+randn_null", "slow+recapture_chained")
+# --probe 4: is it a new allocator segment (cudaMalloc) after capture? A large tensor taken and
+# kept cached; the same released to the driver; a small one; a graph captured in its own pool.
+PROBES_4 = ("none", "fast+large_kept", "fast+large_released", "fast+small",
+            "fast+own_graph", "slow")
 BATCH1_REQUESTS = 4  # bench's --batch1-requests
 MAX_TOKENS = 128
 
@@ -127,6 +131,22 @@ def probe(eng, prompts, name: str) -> None:
         del scratch
     elif name == "fast+randn_last_block":
         kv[:, :, -1].copy_(torch.randn_like(kv[:, :, -1]))
+    elif name in ("fast+large_kept", "fast+large_released"):
+        x = torch.empty(256 << 20, dtype=torch.uint8, device=kv.device)
+        x.fill_(1)
+        del x
+        if name == "fast+large_released":
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+    elif name == "fast+small":
+        x = torch.empty(1000, dtype=torch.uint8, device=kv.device)
+        x.fill_(1)
+        del x
+    elif name == "fast+own_graph":
+        g, x = torch.cuda.CUDAGraph(), torch.zeros(1000, device=kv.device)
+        with torch.cuda.graph(g):
+            x.add_(1.0)
+        g.replay()
     elif name == "slow+recapture_chained":
         for mode, table in f._by_mode.items():
             for key in [k for k in table if k[0] == 1 and k[3]]:
@@ -245,12 +265,15 @@ def main():
                 torch.cuda.empty_cache()
     for rnd in range(int(args.rounds) if int(args.probe) else 0):
         for pol in pols:
-            for name in {1: PROBES, 2: PROBES_2, 3: PROBES_3}[int(args.probe)]:
+            for name in {1: PROBES, 2: PROBES_2, 3: PROBES_3, 4: PROBES_4}[int(args.probe)]:
                 set_policy(pol)
                 eng = fresh_engine(args, loaded, spec)
                 warm_up(eng, prompts, "", (1, 32))
+                seg0 = torch.cuda.memory_stats()["segment.all.current"]
                 probe(eng, prompts, name)
+                seg1 = torch.cuda.memory_stats()["segment.all.current"]
                 row = {"round": rnd, "policy": pol, "probe": name, **timed(eng, prompts)}
+                row["segments"] = [seg0, seg1, torch.cuda.memory_stats()["segment.all.current"]]
                 row.pop("blocks_first")
                 rows.append(row)
                 print(row, flush=True)
