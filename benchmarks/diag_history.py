@@ -58,6 +58,11 @@ PROBES_3 = ("none", "fast+zeros_null", "fast+randn_scratch", "fast+randn_last_bl
 # kept cached; the same released to the driver; a small one; a graph captured in its own pool.
 PROBES_4 = ("none", "fast+large_kept", "fast+large_released", "fast+small",
             "fast+own_graph", "slow")
+# --probe 5: one small torch kernel makes it slow (probe 4). Is it the last eager kernel's kind
+# that matters: the small fill followed by one PDL-launched Triton kernel, by a cuBLAS matmul,
+# or by the chained step's own kernels run eagerly (no capture)?
+PROBES_5 = ("none", "fast+small", "fast+small+triton_norm", "fast+small+matmul",
+            "fast+small+eager_step")
 BATCH1_REQUESTS = 4  # bench's --batch1-requests
 MAX_TOKENS = 128
 
@@ -138,10 +143,25 @@ def probe(eng, prompts, name: str) -> None:
         if name == "fast+large_released":
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
-    elif name == "fast+small":
+    elif name.startswith("fast+small"):
         x = torch.empty(1000, dtype=torch.uint8, device=kv.device)
         x.fill_(1)
         del x
+        if name.endswith("+triton_norm"):
+            from outpace.kernels.norm import rms_norm_triton
+            w = torch.ones(576, dtype=torch.bfloat16, device=kv.device)
+            rms_norm_triton(torch.randn(3, 576, dtype=torch.bfloat16, device=kv.device), w, 1e-5)
+        elif name.endswith("+matmul"):
+            a = torch.randn(64, 64, device=kv.device)
+            a @ a
+        elif name.endswith("+eager_step"):
+            key = next(k for k in f._captured if k[0] == 1 and k[3])
+            f.graphs.fill_dummy(1, key[1])
+            for t in (f.num_drafts, f.real, f.carry_pos, f.carry_tokens):
+                t[:1].zero_()
+            f._greedy_rows(1)
+            f._no_penalty_rows(1)
+            f._compute(*key)
     elif name == "fast+own_graph":
         g, x = torch.cuda.CUDAGraph(), torch.zeros(1000, device=kv.device)
         with torch.cuda.graph(g):
@@ -265,7 +285,8 @@ def main():
                 torch.cuda.empty_cache()
     for rnd in range(int(args.rounds) if int(args.probe) else 0):
         for pol in pols:
-            for name in {1: PROBES, 2: PROBES_2, 3: PROBES_3, 4: PROBES_4}[int(args.probe)]:
+            for name in {1: PROBES, 2: PROBES_2, 3: PROBES_3, 4: PROBES_4,
+                          5: PROBES_5}[int(args.probe)]:
                 set_policy(pol)
                 eng = fresh_engine(args, loaded, spec)
                 warm_up(eng, prompts, "", (1, 32))
