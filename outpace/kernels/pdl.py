@@ -61,6 +61,21 @@ def supported(device: torch.device) -> bool:
     return ok
 
 
+def prime(device: torch.device) -> None:
+    """Launch one empty PDL kernel on the current stream, where PDL is on: call it after work
+    launched eagerly and before replaying a CUDA graph of PDL kernels.
+
+    Why (benchmarks/diag_history.py, run 33): a graph's replays ran at a speed set by the last
+    kernel launched eagerly on the stream before them. After a torch or cuBLAS kernel (one
+    fill of 1000 bytes is enough) the batch-1 EAGLE-3 step graph took 0.69 ms a step, after a
+    PDL-launched Triton kernel 0.62, for as long as nothing else was launched eagerly: every
+    target layer's kernels overlapped less. Graph replays and memory copies leave it as it
+    is. The engine's host-launched graph steps follow eager work (a varlen step's sampling,
+    a general-path step), so they prime first; chained steps follow a graph."""
+    if ENABLED and supported(device):
+        _primer_kernel[(1,)](USE_PDL=True, launch_pdl=True)
+
+
 def launch_options(t: torch.Tensor) -> dict:
     """Keyword arguments for a kernel launch on t's device: {'USE_PDL': bool} plus
     'launch_pdl': True when PDL is on. Pass them to kernels that call wait_then_release."""
@@ -78,3 +93,8 @@ if triton is not None:
         if USE_PDL:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
+
+    @triton.jit
+    def _primer_kernel(USE_PDL: tl.constexpr):
+        # `prime`'s kernel: the protocol's wait and release, nothing else
+        wait_then_release(USE_PDL)

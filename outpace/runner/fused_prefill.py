@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from outpace.attention.base import ForwardContext
+from outpace.kernels import pdl
 from outpace.kernels.argmax import argmax_rows
 from outpace.runner.fused_sampling import (BASE_MODES, GREEDY, masked, penalized, samples,
                                            sampling_mode, with_logprobs)
@@ -258,6 +259,8 @@ class FusedPrefill:
             next_ids = np.zeros(q, np.int64)
             next_ids[:n - 1] = hb.input_ids[1:n]
             extra.append((self.prefill_next_ids, next_ids))
+        if self.is_cuda:  # eager kernels may precede it (kernels/pdl.prime)
+            pdl.prime(self.device)
         self.graphs.run_prefill(hb, extra=tuple(extra))  # staged with the batch
         if penalized(mode):
             # row 0's tables, queued between the prefill graph (which doesn't read them) and

@@ -75,6 +75,7 @@ import numpy as np
 import torch
 
 from outpace.attention.base import AttentionMetadata, ForwardContext
+from outpace.kernels import pdl
 from outpace.kernels.argmax import argmax_rows
 from outpace.kernels.norm import gather_rms_norm
 from outpace.kernels.step_glue import accept, chained_inputs, loop_inputs
@@ -159,6 +160,7 @@ class FusedStep(FusedPrefill, FusedSampling, FusedPenalties, FusedOutput):
         self._host_out: dict = {}  # (shape, dtype, parity) -> pinned host tensor (_copy_out)
         self._parity = 0  # two output buffers: step N's is read while N+1's copy is queued
         self.is_cuda = dev.type == "cuda"
+        self.device = dev
         self.replays = 0  # steps served (tests read it)
         self.chained = 0  # of which launched from the previous step's outputs
         self.relaunched = 0  # of which a host drafter's, launched from the previous carry
@@ -245,7 +247,7 @@ class FusedStep(FusedPrefill, FusedSampling, FusedPenalties, FusedOutput):
         bt = self._tables.update(prev.rows, bucket, block_tables)
         self.inputs.put_if_changed(self.inputs.block_tables, bt)
         self.chained += 1
-        launched = self._replay(key, prev.rows, t0, entry=table[key])
+        launched = self._replay(key, prev.rows, t0, entry=table[key], chained=True)
         launched.mode = prev.mode
         return launched
 
@@ -281,10 +283,14 @@ class FusedStep(FusedPrefill, FusedSampling, FusedPenalties, FusedOutput):
         """Query length of a relaunched step whose longest draft is `longest` tokens."""
         return next((q for q in self.graphs.q_lens if q > longest), None)
 
-    def _replay(self, key, rows, t0, entry=None, prefill: bool = False) -> Launched:
+    def _replay(self, key, rows, t0, entry=None, prefill: bool = False,
+                chained: bool = False) -> Launched:
         """Replay the graph of `key` (or `entry`, a (graph, outputs) pair) and queue the
-        copies of its outputs."""
+        copies of its outputs. A step launched from the host may follow eager kernels: PDL is
+        primed first (kernels/pdl.prime: after a torch kernel the graph ran ~10% slower)."""
         graph, outs = entry or self._captured[key]
+        if not chained and self.is_cuda:
+            pdl.prime(self.device)
         # a logprobs graph's outputs: (packed, logprobs); any other's: packed
         packed, logprobs = outs if isinstance(outs, tuple) else (outs, None)
         graph.replay()

@@ -105,3 +105,23 @@ def test_pdl_consumer_waits_for_a_slow_producer(monkeypatch):
     assert torch.equal(got, want)
     torch.testing.assert_close(got[-1], small_linear_ref(a, w_down, residual=x), atol=2 ** -5,
                                rtol=2 ** -7)
+
+
+def test_prime_launches_one_pdl_kernel(monkeypatch):
+    """pdl.prime: one launch of the empty PDL kernel on the current stream where PDL is on,
+    nothing where it is off."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def kernels():
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            pdl.prime(torch.device(DEV))
+            torch.cuda.synchronize()
+        return [e.name for e in prof.events()
+                if e.device_type == torch.autograd.DeviceType.CUDA]
+
+    pdl.prime(torch.device(DEV))  # compile outside the profile
+    if pdl.supported(torch.device(DEV)):
+        assert kernels() == ["_primer_kernel"]
+    monkeypatch.setattr(pdl, "ENABLED", False)
+    assert kernels() == []

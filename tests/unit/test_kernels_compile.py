@@ -385,3 +385,12 @@ def test_logprobs_kernels_compile():
                          (), {"TOP": 20, "CHUNKS_POW2": 32, "CANDS_POW2": 512,
                               "USE_PDL": True}, num_warps=4)
     assert k.asm["cubin"] and "griddepcontrol.wait" in k.asm["ptx"]
+
+
+def test_pdl_primer_kernel_compiles():
+    """kernels/pdl.prime's empty kernel: the grid-dependency wait and release, launched with
+    PDL."""
+    from outpace.kernels.pdl import _primer_kernel
+    k = compile_for_h200(_primer_kernel, {}, (), {"USE_PDL": True}, num_warps=1)
+    assert k.asm["cubin"] and "griddepcontrol.wait" in k.asm["ptx"]
+    assert "griddepcontrol.launch_dependents" in k.asm["ptx"]
