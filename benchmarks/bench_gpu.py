@@ -353,9 +353,9 @@ GENERAL_PATH = "@general-path"
 # "<config>@torch-logprobs": logprobs through torch's log_softmax and topk (as before session
 # 23) instead of kernels/logprobs.py, in the graphs and on the general path
 TORCH_LOGPROBS = "@torch-logprobs"
-# "<config>@rw3": the few-row projections at 3 rows a warp a row, one row a program
-# (small_linear_blocks.ROW_WARPS_3) instead of one-warp broadcast programs, for that engine
-RW3 = "@rw3"
+# "<config>@old3": the few-row projections' launch policy at 3 rows as before run 32 (one-warp
+# broadcast programs, K read 512 + 64) instead of a warp a row, for that engine's graphs
+OLD3 = "@old3"
 
 
 def smol_configs(k, force_means, eagle, mtp, eagle_reduced=None) -> list:
@@ -467,7 +467,7 @@ def section_smol(args, results):
         pool += [(f"{n}{GENERAL_PATH}", c) for n, c in pool if f"{n}{GENERAL_PATH}" in named]
         pool += [(f"{n}{TORCH_LOGPROBS}", c) for n, c in pool
                  if f"{n}{TORCH_LOGPROBS}" in named]
-        pool += [(f"{n}{RW3}", c) for n, c in pool if f"{n}{RW3}" in named]
+        pool += [(f"{n}{OLD3}", c) for n, c in pool if f"{n}{OLD3}" in named]
         configs = [c for c in pool if c[0] in named]
     # Process warm-up: the first engine of a process otherwise pays CUDA's lazy module loading
     # and first-use kernel selection inside its timed runs (seen as slow batch-1 prefill). Full
@@ -486,8 +486,8 @@ def section_smol(args, results):
     import outpace.kernels.small_linear_blocks as slb
     row_warps = dict(slb._ROW_WARPS)
     for name, spec in configs:
-        slb._ROW_WARPS = ({**row_warps, 3: slb.ROW_WARPS_3} if name.endswith(RW3)
-                          else dict(row_warps))
+        slb._ROW_WARPS = ({m: v for m, v in row_warps.items() if m != 3}
+                          if name.endswith(OLD3) else dict(row_warps))
         slb.choose_blocks.cache_clear()
         eng = LLMEngine.from_args(args.gguf, loaded=loaded, device="cuda", dtype="bfloat16",
                                   speculative_config=spec, max_num_seqs=max(args.batches),

@@ -51,7 +51,8 @@ _DOT_K_ROW_BLOCKS = 128  # ...with K steps of at most this (the sweep's; 256 not
 # weight tile (an L2 hit). Two at most: in the k = 2 verify graph (3 rows) blocks of 2 beat
 # blocks of 4, 0.846 vs 0.864 ms a step (run 10, benchmarks/diag_few_rows.py).
 _SUM_ROWS = 2
-# ...and one at these row counts (one-warp programs, below, multiply their rows in turn). Step
+# ...and one at these row counts (one-warp programs, below, multiply their rows in turn; rows
+# wider than _ROW_WARPS_MAX_K, since 2 and 3 rows take a warp a row below). Step
 # graphs on the H200 (run 18, diag_few_rows_run18c.json; rows = batch x query length): 2 rows
 # 0.667 -> 0.620 ms, 3 rows (k = 2 verify) 0.754 -> 0.727; 4 rows 0.713 -> 0.785 (each weight
 # tile read four times, not two), so 4 keeps blocks of 2.
@@ -75,14 +76,15 @@ _SUM_MAX_M = 4
 # one program of 4 warps: 0.733; the rest of K = 576 as a masked 256-wide step instead of 64
 # columns: 0.548 / 0.648). 3 rows (k = 2 verify at batch 1) lost in every form then (one
 # program of 4 warps 0.636 -> 0.787 ms, two of 2 warps 0.679-0.795, one row a program 0.702),
-# measured before the rest of K got its own width. Re-measured in run 32 as three one-warp
-# programs of 2 columns (ROW_WARPS_3, benchmarks/bench_gpu.py's "@rw3" arm), its effect on
-# real batch-1 requests depended on the benchmark run, not on anything known: EAGLE-3 k = 2
-# +6.4% tok/s in both bench runs of batches 1 and 32 (4601 / 4659 against 4354 / 4378) and
-# +7% in diag_few_rows, but -1.2% and -2.6% in runs of batches 1, 8 and 32 (4226 / 4184
-# against 4278 / 4297; gpu_h200_run32_rw3*.json). Not adopted until that is understood.
-_ROW_WARPS = {2: (2, 2), 4: (2, 4)}
-ROW_WARPS_3 = (1, 2)  # the candidate for 3 rows above (rows a program, columns a program)
+# measured before the rest of K got its own width. Since, one row a program (three one-warp
+# programs, 2 columns each) wins: the EAGLE-3 k = 2 step graph 0.6435 -> 0.5935 ms with every
+# launch of up to 16 rows taking it (run 32, diag_few_rows_run32b.json "inv_rw1"; no-spec's
+# one-row step lost 0.474 -> 0.514 that way, so one row keeps its four-warp program). Its gain
+# on real requests first moved from run to run: the step graph's replays ran at a speed set by
+# the last kernel launched eagerly before them, which the engine now keeps a PDL kernel
+# (kernels/pdl.prime). Since (run 33, bench batches 1 8 32): EAGLE-3 k = 2 4315 -> 4606 tok/s.
+ROW_WARPS_3 = (1, 2)  # 3 rows: rows a program, columns a program (bench's "@old3" arm: without)
+_ROW_WARPS = {2: (2, 2), 3: ROW_WARPS_3, 4: (2, 4)}
 _ROW_WARPS_MAX_K = 1536  # measured up to down's 1536; wider rows would hold more registers
 
 

@@ -289,7 +289,7 @@ class FusedStep(FusedPrefill, FusedSampling, FusedPenalties, FusedOutput):
         copies of its outputs. A step launched from the host may follow eager kernels: PDL is
         primed first (kernels/pdl.prime: after a torch kernel the graph ran ~10% slower)."""
         graph, outs = entry or self._captured[key]
-        if not chained and self.is_cuda:
+        if not chained:
             pdl.prime(self.device)
         # a logprobs graph's outputs: (packed, logprobs); any other's: packed
         packed, logprobs = outs if isinstance(outs, tuple) else (outs, None)

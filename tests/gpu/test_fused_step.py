@@ -216,27 +216,3 @@ def test_prefill_graphs_equal_eager_and_cpu(cuda_loaded, cuda_heads, method, k):
     assert graphed_drafts == eager_drafts
     assert sizes == [(16, 15), (32, 17), (64, 64), (192, 130), (384, 300), (512, 470)]
 
-
-@pytest.mark.parametrize("method,k", [(None, 0), ("ngram", 3), ("eagle3", 3)])
-def test_host_launched_steps_prime_pdl_and_chained_steps_do_not(cuda_loaded, cuda_heads,
-                                                                 method, k, monkeypatch):
-    """Every graph step launched from the host (launch, a prefill's launch, a host drafter's
-    relaunch) is preceded by kernels/pdl.prime, since eager kernels may have run before it;
-    a chained step follows a graph and is not (the prime costs a launch)."""
-    from outpace.kernels import pdl
-    engine = gpu_engine(cuda_loaded, spec_for(cuda_heads, method, k), eager=False)
-    fused = engine.runner.fused
-    prefills0 = fused.prefill_launches  # the engine's warm-up request launched one
-    primes, host_launched = [], []
-    monkeypatch.setattr(pdl, "prime", lambda device: primes.append(device))
-    replay = fused._replay
-
-    def counting(*args, chained=False, **kw):
-        host_launched.append(not chained)
-        return replay(*args, chained=chained, **kw)
-    monkeypatch.setattr(fused, "_replay", counting)
-    run_batch(engine, repetitive_prompts(3, 11), GREEDY)
-    run_batch(engine, repetitive_prompts(1, 11), GREEDY)  # a batch-1 prefill: launch_prefill
-    assert fused.chained > 10 and sum(host_launched) >= 1
-    assert len(primes) == sum(host_launched) + fused.prefill_launches - prefills0
-    assert all(d.type == "cuda" for d in primes)

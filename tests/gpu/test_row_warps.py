@@ -1,5 +1,5 @@
 """The few-row projections with a warp a row (small_linear_blocks.row_warps_blocks, the
-launch policy's pick at 2 and 4 rows) against the references, for every fused variant: plain,
+launch policy's pick at 2, 3 and 4 rows) against the references, for every fused variant: plain,
 residual, norm, norm + gate_up + silu, norm + qkv + rope + KV store, an int8 weight; bf16 and
 fp32 activations, fp32 over bf16 weights. Each case also runs with the path turned off
 (small_linear_blocks' _ROW_WARPS emptied), so the one-row programs it replaced stay covered.
@@ -18,7 +18,7 @@ import outpace.kernels.small_linear_blocks as sl  # noqa: E402
 from tests.gpu import test_kernels as tk  # noqa: E402
 from tests.gpu import test_rope_store as tr  # noqa: E402
 
-ROWS = [2, 4]
+ROWS = [2, 3, 4]
 # (activation dtype, weight dtype); the last: fp32 over bf16 weights (weight_dtype)
 X_W_DTYPES = [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32),
               (torch.float32, torch.bfloat16)]

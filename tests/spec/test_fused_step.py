@@ -426,3 +426,37 @@ def test_prefill_launched_like_a_decode_step(tiny_loaded, tiny_heads, fake_graph
         got = next(o.token_ids for o in reversed(outs) if o.finished)
         assert got == run_batch(eager, [prompt], params)[0], n
     assert eng.stats()["spec"] == eager.stats()["spec"]
+
+
+@pytest.mark.parametrize("method,k", [(None, 0), ("ngram", 3), ("eagle3", 3)])
+def test_host_launched_steps_prime_pdl_and_chained_steps_do_not(tiny_loaded, tiny_heads,
+                                                                 fake_graph_capture, method, k,
+                                                                 monkeypatch):
+    """Every graph step launched from the host (launch, a prefill's launch and the prefill
+    graph before it, a host drafter's relaunch) is preceded by kernels/pdl.prime, since eager
+    kernels may have run before it; a chained step follows a graph and is not (the prime costs
+    a launch). (pdl.prime itself launches nothing on CPU; tests/gpu/test_pdl.py runs it.)"""
+    from outpace.kernels import pdl
+    eng = make_engine(tiny_loaded, speculative_config=spec_for(tiny_heads, method, k),
+                      overlap=True)
+    enable_graphs(eng, k)
+    fused = eng.runner.fused
+    prefills0 = fused.prefill_launches
+    primes, host_launched = [], []
+    monkeypatch.setattr(pdl, "prime", lambda device: primes.append(device))
+    replay = fused._replay
+
+    def counting(*args, chained=False, **kw):
+        host_launched.append(not chained)
+        return replay(*args, chained=chained, **kw)
+    monkeypatch.setattr(fused, "_replay", counting)
+    run_batch(eng, repetitive_prompts(3, 11), GREEDY)
+    run_batch(eng, repetitive_prompts(1, 11), GREEDY)  # a batch-1 prefill: launch_prefill
+    assert sum(host_launched) >= 1
+    if fused.chainable:
+        assert fused.chained > 10  # steps that did not prime
+        assert fused.prefill_launches - prefills0 >= 1
+    else:  # a host drafter's steps are relaunched from the host: each primes
+        assert fused.relaunched > 10 and fused.chained == 0
+    assert len(primes) == sum(host_launched) + fused.prefill_launches - prefills0
+    assert all(d == fused.device for d in primes)

@@ -160,10 +160,11 @@ def test_small_linear_kernel_compiles(norm, silu, rope, residual, block_m, block
 
 
 # (HAS_NORM, SILU_MUL, ROPE_STORE, HAS_RESIDUAL, rows, K): choose_blocks' warp-a-row launches
-# (2 and 4 rows: programs of 2 warps) for SmolLM2's norm + gate_up + silu, norm + qkv + rope +
+# (2 and 4 rows: programs of 2 warps; 3 rows: of one) for SmolLM2's norm + gate_up + silu, norm + qkv + rope +
 # store, o and down (K = 1536: 4 + 2 steps)
 ROW_WARPS = [(True, True, False, False, 2, 576), (True, False, True, False, 4, 576),
-             (False, False, False, True, 2, 576), (False, False, False, True, 4, 1536)]
+             (False, False, False, True, 2, 576), (False, False, False, True, 4, 1536),
+             (True, True, False, False, 3, 576), (False, False, False, True, 3, 1536)]
 
 
 @pytest.mark.parametrize("norm,silu,rope,residual,m,k", ROW_WARPS, ids=str)
@@ -174,7 +175,7 @@ def test_small_linear_row_warps_layout(norm, silu, rope, residual, m, k):
     from outpace.kernels.small_linear import choose_blocks
     from outpace.kernels.small_linear_kernels import _small_linear_kernel
     cfg = choose_blocks(m, 1536 if silu else 576, k, gate_up=silu or rope, norm=norm)
-    assert cfg.rw_steps and cfg.num_warps == cfg.block_m == 2
+    assert cfg.rw_steps and cfg.num_warps == cfg.block_m == (1 if m == 3 else 2)
     kern = compile_for_h200(_small_linear_kernel, _LINEAR_PTRS, ("eps",), _linear_constexprs(
         norm, silu, rope, residual, cfg.block_m, cfg.block_n, cfg.block_k, 0, cfg.rw_steps,
         cfg.rw_rest, cfg.rw_rest_w), num_warps=cfg.num_warps, aligned=_ALIGNED)

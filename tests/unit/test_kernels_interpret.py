@@ -504,7 +504,7 @@ def check_int8_linear(shape, dtype):
 
 # (M, N, K, rows a program, columns a program): K = 576 is 2 steps of 256 and a masked one, 1536
 # 4 + 2 steps, 1728 4 + 4 (masked past K), 64 one step; 3 rows in a program of 4, and in three
-# one-warp programs (small_linear_blocks.ROW_WARPS_3, the bench's "@rw3" arm)
+# one-warp programs (choose_blocks' pick at 3 rows)
 ROW_WARPS_CASES = [(2, 24, 576, 2, 2), (4, 20, 1536, 2, 4), (3, 12, 1728, 4, 2),
                    (4, 8, 64, 2, 4), (3, 12, 576, 1, 2)]
 
@@ -536,7 +536,7 @@ def check_small_linear_row_warps(case, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("m,k", [(2, 576), (4, 1536)])
+@pytest.mark.parametrize("m,k", [(2, 576), (3, 576), (4, 1536)])
 def check_norm_qkv_rope_store_row_warps(dtype, m, k):
     """The rope + store epilogue after a warp-a-row product (choose_blocks' own pick)."""
     import outpace.kernels.small_linear as sl

@@ -165,8 +165,20 @@ def test_one_row_programs_keep_one_padded_tile():
         assert choose_blocks(1, n, k).tail_k == 0
 
 
+@pytest.fixture
+def no_row_warps(monkeypatch):
+    """The broadcast path's several-row programs, which 2-4 rows of up to _ROW_WARPS_MAX_K
+    columns no longer take (a warp a row instead): still the policy for wider rows, and what
+    the row-warps switch of the GPU tests turns back on."""
+    import outpace.kernels.small_linear_blocks as slb
+    monkeypatch.setattr(slb, "_ROW_WARPS", {})
+    choose_blocks.cache_clear()
+    yield
+    choose_blocks.cache_clear()
+
+
 @pytest.mark.parametrize("m", [3])
-def test_several_row_programs_split_off_their_padding(m):
+def test_several_row_programs_split_off_their_padding(m, no_row_warps):
     """K = 576 (SmolLM2's hidden size) reads 512 + 64 columns, not a 1024-wide tile of which
     448 are masked; K = 1536 reads 1024 + 512; a power of two, or a K whose split saves
     nothing (960 = 512 + 448 -> 512 + 512), keeps one tile."""
@@ -179,14 +191,18 @@ def test_several_row_programs_split_off_their_padding(m):
         assert choose_blocks(m, 576, k).block_k == next_pow2(k)
 
 
-def test_three_rows_take_one_row_a_program():
-    """The k = 2 verify runs a program per row and column block (run 18: step graph 0.754 ->
-    0.727 ms; run 25: a warp a row lost, 0.635 -> 0.787; run 32: a one-warp warp-a-row program
-    per row moved with the engine's history, ROW_WARPS_3)."""
+def test_three_rows_take_one_warp_a_row_a_program():
+    """The k = 2 verify runs a one-warp program per row and column block, the row read as
+    256-column steps and a rest (run 32, EAGLE-3 k = 2 step graph 0.6435 -> 0.5935 ms); rows
+    wider than measured keep a broadcast program per row."""
     for n, k, gate_up in [(480, 576, True), (576, 576, False), (1536, 576, True),
                           (576, 1536, False)]:
         b = choose_blocks(3, n, k, gate_up=gate_up)
-        assert b.block_m == 1 and not b.rw_steps
+        assert (b.block_m, b.block_n, b.num_warps) == (1, 2, 1)
+        assert (b.rw_steps, b.rw_rest, b.rw_rest_w) == ((2, 1, 64) if k == 576
+                                                        else (4, 2, 256))
+    b = choose_blocks(3, 576, 1728)  # EAGLE-3's fc
+    assert b.block_m == 1 and not b.rw_steps
 
 
 def test_two_and_four_rows_take_a_warp_a_row():
@@ -206,9 +222,9 @@ def test_two_and_four_rows_take_a_warp_a_row():
     assert row_warps_blocks(1152, 2, 2)[-3:] == (4, 1, 128)
 
 
-def test_several_row_broadcast_programs_run_one_warp():
-    """The k = 2 verify (3 rows) of every SmolLM2 projection runs one-warp programs (run 14:
-    0.825 -> 0.803 ms a step); one-row programs and larger products keep 4 warps."""
+def test_several_row_broadcast_programs_run_one_warp(no_row_warps):
+    """Several-row broadcast programs (3 rows of every SmolLM2 projection) run one warp (run
+    14: 0.825 -> 0.803 ms a step); one-row programs and larger products keep 4 warps."""
     for n, k, gate_up in [(480, 576, False), (576, 576, False), (1536, 576, True),
                           (576, 1536, False), (576, 1728, False)]:  # the last: EAGLE-3's fc
         assert choose_blocks(3, n, k, gate_up=gate_up).num_warps == 1
