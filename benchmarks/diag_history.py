@@ -34,7 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.bench_gpu import diag_setup, make_heads, run_engine  # noqa: E402
-from benchmarks.diag_step import profiled_requests  # noqa: E402
+from benchmarks.diag_step import profiled_requests, split_steps  # noqa: E402
 
 HISTORIES = {"b1_32": (1, 32), "b1_8_32": (1, 8, 32)}
 # More orders (--more): which part of the batch-8 warm-up moves the step, and whether
@@ -227,15 +227,7 @@ def listing(step) -> list:
 def step_kernels(eng, prompt) -> dict:
     """Kernel name -> us summed over the chained steps of one profiled batch-1 request, per
     step (the mean over its steps)."""
-    evs = profiled_requests(eng, [prompt], MAX_TOKENS)
-    steps, cur = [], []
-    for e in evs:
-        if e.name.startswith("_chained_inputs_kernel") and cur:
-            steps.append(cur)
-            cur = []
-        cur.append(e)
-    steps.append(cur)
-    chained = steps[1:]  # steps[0]: the prefill and what precedes the first chained step
+    chained = split_steps(profiled_requests(eng, [prompt], MAX_TOKENS))[1:]  # [0]: the prefill
     by_name = collections.Counter()
     for s in chained:
         for e in s:

@@ -64,15 +64,10 @@ def profiled_requests(eng, prompts, max_tokens: int) -> list:
                   key=lambda e: e.time_range.start)
 
 
-def request_listing(eng, prompts, max_tokens: int = 128) -> str:
-    """The kernels of one chained step in the middle of real requests, all submitted at once
-    (profiled; one prompt: batch 1).
-    Not the captured graph replayed in a loop: each replay moves the sequence on by its
-    accepted tokens past the blocks the request holds (up to run 20 the listings' EAGLE-3
-    attention read a 754-token context, 29 of its blocks the null block, against no-spec's
-    434), so replayed listings compare different contexts."""
-    evs = profiled_requests(eng, prompts, max_tokens)
-    # A chained step starts with the kernel that makes its inputs from the carry.
+def split_steps(evs) -> list:
+    """Device events in start order -> groups, one per chained step (a chained step starts with
+    the kernel that makes its inputs from the carry); the first group is everything before the
+    first chained step (the prefill and its tail)."""
     steps, cur = [], []
     for e in evs:
         if e.name.startswith("_chained_inputs_kernel") and cur:
@@ -80,6 +75,17 @@ def request_listing(eng, prompts, max_tokens: int = 128) -> str:
             cur = []
         cur.append(e)
     steps.append(cur)
+    return steps
+
+
+def request_listing(eng, prompts, max_tokens: int = 128) -> str:
+    """The kernels of one chained step in the middle of real requests, all submitted at once
+    (profiled; one prompt: batch 1).
+    Not the captured graph replayed in a loop: each replay moves the sequence on by its
+    accepted tokens past the blocks the request holds (up to run 20 the listings' EAGLE-3
+    attention read a 754-token context, 29 of its blocks the null block, against no-spec's
+    434), so replayed listings compare different contexts."""
+    steps = split_steps(profiled_requests(eng, prompts, max_tokens))
     mid = len(steps) // 2
     # the first group: everything before the first chained step (the prefill and its tail)
     by_name = collections.Counter()
