@@ -259,7 +259,7 @@ class FusedPrefill:
             next_ids = np.zeros(q, np.int64)
             next_ids[:n - 1] = hb.input_ids[1:n]
             extra.append((self.prefill_next_ids, next_ids))
-        pdl.prime(self.device)  # eager kernels may precede it (kernels/pdl.prime)
+        pdl.prime(self.runner.device)  # eager kernels may precede it (kernels/pdl.prime)
         self.graphs.run_prefill(hb, extra=tuple(extra))  # staged with the batch
         if penalized(mode):
             # row 0's tables, queued between the prefill graph (which doesn't read them) and

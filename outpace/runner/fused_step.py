@@ -160,7 +160,6 @@ class FusedStep(FusedPrefill, FusedSampling, FusedPenalties, FusedOutput):
         self._host_out: dict = {}  # (shape, dtype, parity) -> pinned host tensor (_copy_out)
         self._parity = 0  # two output buffers: step N's is read while N+1's copy is queued
         self.is_cuda = dev.type == "cuda"
-        self.device = dev
         self.replays = 0  # steps served (tests read it)
         self.chained = 0  # of which launched from the previous step's outputs
         self.relaunched = 0  # of which a host drafter's, launched from the previous carry
@@ -290,7 +289,7 @@ class FusedStep(FusedPrefill, FusedSampling, FusedPenalties, FusedOutput):
         primed first (kernels/pdl.prime: after a torch kernel the graph ran ~10% slower)."""
         graph, outs = entry or self._captured[key]
         if not chained:
-            pdl.prime(self.device)
+            pdl.prime(self.runner.device)
         # a logprobs graph's outputs: (packed, logprobs); any other's: packed
         packed, logprobs = outs if isinstance(outs, tuple) else (outs, None)
         graph.replay()

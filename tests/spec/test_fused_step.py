@@ -459,4 +459,4 @@ def test_host_launched_steps_prime_pdl_and_chained_steps_do_not(tiny_loaded, tin
     else:  # a host drafter's steps are relaunched from the host: each primes
         assert fused.relaunched > 10 and fused.chained == 0
     assert len(primes) == sum(host_launched) + fused.prefill_launches - prefills0
-    assert all(d == fused.device for d in primes)
+    assert all(d == eng.runner.device for d in primes)
