@@ -356,6 +356,9 @@ TORCH_LOGPROBS = "@torch-logprobs"
 # "<config>@old3": the few-row projections' launch policy at 3 rows as before run 32 (one-warp
 # broadcast programs, K read 512 + 64) instead of a warp a row, for that engine's graphs
 OLD3 = "@old3"
+# "<config>@noprime": no PDL prime before the graphs replayed from the host (kernels/pdl.prime;
+# run 34 measures the sites added after run 33: general-path, prefill, varlen and head graphs)
+NOPRIME = "@noprime"
 
 
 def smol_configs(k, force_means, eagle, mtp, eagle_reduced=None) -> list:
@@ -451,6 +454,7 @@ def section_b128(args, results):
 def section_smol(args, results):
     from outpace.engine.engine import LLMEngine
     import outpace.kernels.logprobs as logprobs_kernel
+    from outpace.kernels import pdl
     from outpace.models.loader import load_model
     loaded = load_model(args.gguf, dtype=torch.bfloat16, device=torch.device("cuda"), quiet=True)
     prompts = prompt_set(loaded[2], max(args.batches) * 2)
@@ -468,6 +472,7 @@ def section_smol(args, results):
         pool += [(f"{n}{TORCH_LOGPROBS}", c) for n, c in pool
                  if f"{n}{TORCH_LOGPROBS}" in named]
         pool += [(f"{n}{OLD3}", c) for n, c in pool if f"{n}{OLD3}" in named]
+        pool += [(f"{n}{NOPRIME}", c) for n, c in pool if f"{n}{NOPRIME}" in named]
         configs = [c for c in pool if c[0] in named]
     # Process warm-up: the first engine of a process otherwise pays CUDA's lazy module loading
     # and first-use kernel selection inside its timed runs (seen as slow batch-1 prefill). Full
@@ -498,6 +503,7 @@ def section_smol(args, results):
         if name.endswith(GENERAL_PATH) and eng.runner.fused is not None:
             extras_off_the_graphs(eng.runner.fused)
         logprobs_kernel.ENABLED = not name.endswith(TORCH_LOGPROBS)  # graphs capture it
+        pdl.PRIME = not name.endswith(NOPRIME)
         pen = penalties(args)
         spec_k = 0 if spec is None else spec["num_speculative_tokens"]
         # Warm-up at every batch size: Triton compiles a kernel per new tile configuration;
@@ -526,6 +532,8 @@ def section_smol(args, results):
         for r in rows:
             if r["config"] == name:
                 r["graph_ms"] = graph_ms.get(r["batch"])
+        results["smol"] = rows
+        save(args, results)
         if name in ("no-spec", "eagle3-fa3.0"):
             defer_profile(profile_graph, eng, spec_k, Path(args.out) / f"profile_{name}_b1.txt",
                           20, sampling_mode(args))
@@ -535,6 +543,7 @@ def section_smol(args, results):
         torch.cuda.empty_cache()
     slb._ROW_WARPS = row_warps
     slb.choose_blocks.cache_clear()
+    pdl.PRIME = True
     results["smol"] = rows
 
 
@@ -802,6 +811,16 @@ def section_big(args, results):
     print("big:", results["big"], flush=True)
 
 
+def save(args, results) -> None:
+    """Write what is measured so far (after each section, and after each smol configuration:
+    a call cut off by the device's time limit keeps the rows it finished)."""
+    write_result(Path(args.out) / "gpu_bench.json", {
+        "benchmark": "gpu_side_by_side", "device": device_name("cuda"),
+        "torch": torch.__version__, "model": "smollm2-135m (Q4_1 GGUF -> bf16)",
+        "max_tokens": args.max_tokens, "k": args.k, "prefix_caching": PREFIX_CACHING,
+        **results})
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--gguf", required=True)
@@ -845,11 +864,7 @@ def main():
             traceback.print_exc()
             results[f"{s}_error"] = repr(e)
         print(f"[section {s}: {time.perf_counter() - t0:.1f} s]", flush=True)
-        write_result(Path(args.out) / "gpu_bench.json", {
-            "benchmark": "gpu_side_by_side", "device": device_name("cuda"),
-            "torch": torch.__version__, "model": "smollm2-135m (Q4_1 GGUF -> bf16)",
-            "max_tokens": args.max_tokens, "k": args.k, "prefix_caching": PREFIX_CACHING,
-            **results})
+        save(args, results)
     run_deferred_profiles()
     rows = [r for r in results.get("smol", [])] + results.get("hf", [])
     print_table(rows, ["system", "config", "batch", "tok_s", "tpot_ms", "graph_ms", "step_ms",

@@ -37,6 +37,7 @@ except Exception:  # pragma: no cover - exercised only where triton is missing
     tl = None
 
 ENABLED = True
+PRIME = True  # prime() switch, for benchmarks' A/B of it (bench_gpu's "@noprime" arm)
 _by_device: dict = {}
 
 
@@ -72,7 +73,7 @@ def prime(device: torch.device) -> None:
     target layer's kernels overlapped less. Graph replays and memory copies leave it as it
     is. The engine's host-launched graph steps follow eager work (a varlen step's sampling,
     a general-path step), so they prime first; chained steps follow a graph."""
-    if ENABLED and supported(device):
+    if ENABLED and PRIME and supported(device):
         _primer_kernel[(1,)](USE_PDL=True, launch_pdl=True)
 
 

@@ -36,7 +36,6 @@ import numpy as np
 import torch
 
 from outpace.attention.base import ForwardContext
-from outpace.kernels import pdl
 from outpace.kernels.argmax import argmax_rows
 from outpace.runner.fused_sampling import (BASE_MODES, GREEDY, masked, penalized, samples,
                                            sampling_mode, with_logprobs)
@@ -109,7 +108,7 @@ class FusedPrefill:
         if kd:  # only the draft loop reads the row that drafts
             staged.append((self.prefill_last_row, np.array([last_row], np.int64)))
         self.inputs.put_all(staged)
-        graph.replay()
+        self.graphs.replay(graph)  # after the step's eager sampling
         self.prefill_replays += 1
         if kd == 0:
             return []
@@ -141,7 +140,7 @@ class FusedPrefill:
         for i, (last, end) in enumerate(zip(last_rows, ends)):
             rows[i] = last if last >= 0 else end - 1
         self.inputs.put_all([(self.varlen_next_ids, next_ids), (self.varlen_last_rows, rows)])
-        graph.replay()
+        self.graphs.replay(graph)  # after the step's eager sampling
         self.varlen_head_replays += 1
         if kd == 0:
             return [[] for _ in ks]
@@ -259,8 +258,7 @@ class FusedPrefill:
             next_ids = np.zeros(q, np.int64)
             next_ids[:n - 1] = hb.input_ids[1:n]
             extra.append((self.prefill_next_ids, next_ids))
-        pdl.prime(self.runner.device)  # eager kernels may precede it (kernels/pdl.prime)
-        self.graphs.run_prefill(hb, extra=tuple(extra))  # staged with the batch
+        self.graphs.run_prefill(hb, extra=tuple(extra))  # staged with the batch (primed)
         if penalized(mode):
             # row 0's tables, queued between the prefill graph (which doesn't read them) and
             # the tail (which does): their ~0.2 ms of host launches (run 31) then run while

@@ -75,7 +75,6 @@ import numpy as np
 import torch
 
 from outpace.attention.base import AttentionMetadata, ForwardContext
-from outpace.kernels import pdl
 from outpace.kernels.argmax import argmax_rows
 from outpace.kernels.norm import gather_rms_norm
 from outpace.kernels.step_glue import accept, chained_inputs, loop_inputs
@@ -288,11 +287,12 @@ class FusedStep(FusedPrefill, FusedSampling, FusedPenalties, FusedOutput):
         copies of its outputs. A step launched from the host may follow eager kernels: PDL is
         primed first (kernels/pdl.prime: after a torch kernel the graph ran ~10% slower)."""
         graph, outs = entry or self._captured[key]
-        if not chained:
-            pdl.prime(self.runner.device)
         # a logprobs graph's outputs: (packed, logprobs); any other's: packed
         packed, logprobs = outs if isinstance(outs, tuple) else (outs, None)
-        graph.replay()
+        if chained:
+            graph.replay()
+        else:
+            self.graphs.replay(graph)  # primed
         if not self.is_cuda:  # CPU stand-in: the "graph" already ran
             return Launched(key, rows, packed.clone(), None, time.perf_counter() - t0, prefill,
                             host_logprobs=None if logprobs is None else logprobs.clone())

@@ -19,6 +19,7 @@ import pytest
 
 from outpace import SamplingParams
 from tests.engine_helpers import make_engine, run_batch
+from tests.spec.conftest import RerunGraph
 from tests.spec.spec_helpers import TINY_BLOCK, repetitive_prompts, run_waves
 from tests.spec.test_draft_plane import PlaneChecker, head_spec, waves
 
@@ -429,34 +430,50 @@ def test_prefill_launched_like_a_decode_step(tiny_loaded, tiny_heads, fake_graph
 
 
 @pytest.mark.parametrize("method,k", [(None, 0), ("ngram", 3), ("eagle3", 3)])
-def test_host_launched_steps_prime_pdl_and_chained_steps_do_not(tiny_loaded, tiny_heads,
+def test_host_launched_graphs_prime_pdl_and_chained_steps_do_not(tiny_loaded, tiny_heads,
                                                                  fake_graph_capture, method, k,
                                                                  monkeypatch):
-    """Every graph step launched from the host (launch, a prefill's launch and the prefill
-    graph before it, a host drafter's relaunch) is preceded by kernels/pdl.prime, since eager
-    kernels may have run before it; a chained step follows a graph and is not (the prime costs
-    a launch). (pdl.prime itself launches nothing on CPU; tests/gpu/test_pdl.py runs it.)"""
+    """Every graph replayed from the host (a step's launch, a host drafter's relaunch, a
+    prefill graph and the tail after it, a varlen step and the head's graph after it) is
+    preceded by kernels/pdl.prime, since eager kernels may have run before it; a chained step
+    follows a graph and is not (the prime costs a launch). (pdl.prime itself launches nothing
+    on CPU; tests/gpu/test_pdl.py runs it.)"""
     from outpace.kernels import pdl
     eng = make_engine(tiny_loaded, speculative_config=spec_for(tiny_heads, method, k),
                       overlap=True)
     enable_graphs(eng, k)
-    fused = eng.runner.fused
-    prefills0 = fused.prefill_launches
-    primes, host_launched = [], []
-    monkeypatch.setattr(pdl, "prime", lambda device: primes.append(device))
-    replay = fused._replay
+    fused, graphs = eng.runner.fused, eng.runner.graphs
+    before = (fused.prefill_launches, graphs.varlen_replays,
+              fused.prefill_replays + fused.varlen_head_replays)
+    events, devices = [], []  # "prime", "chained" (a chained step's replay next), "replay"
 
-    def counting(*args, chained=False, **kw):
-        host_launched.append(not chained)
-        return replay(*args, chained=chained, **kw)
-    monkeypatch.setattr(fused, "_replay", counting)
-    run_batch(eng, repetitive_prompts(3, 11), GREEDY)
-    run_batch(eng, repetitive_prompts(1, 11), GREEDY)  # a batch-1 prefill: launch_prefill
-    assert sum(host_launched) >= 1
-    if fused.chainable:
-        assert fused.chained > 10  # steps that did not prime
-        assert fused.prefill_launches - prefills0 >= 1
+    def prime(device):
+        events.append("prime")
+        devices.append(device)
+    monkeypatch.setattr(pdl, "prime", prime)
+    fused_replay = fused._replay
+
+    def tagging(*args, chained=False, **kw):
+        if chained:
+            events.append("chained")
+        return fused_replay(*args, chained=chained, **kw)
+    monkeypatch.setattr(fused, "_replay", tagging)
+    graph_replay = RerunGraph.replay
+    monkeypatch.setattr(RerunGraph, "replay",
+                        lambda graph: (events.append("replay"), graph_replay(graph)))
+    run_batch(eng, repetitive_prompts(3, 11), GREEDY)  # its first step: a varlen graph
+    run_batch(eng, repetitive_prompts(1, 11), GREEDY)  # a batch-1 prefill
+    # every replay follows a prime, or is a chained step's
+    pairs = list(zip(events, events[1:]))
+    replays = events.count("replay")
+    assert replays == pairs.count(("prime", "replay")) + pairs.count(("chained", "replay"))
+    assert events.count("prime") == pairs.count(("prime", "replay"))  # each primes a replay
+    assert graphs.varlen_replays > before[1]  # the sites: a varlen step,
+    if method == "eagle3":  # the head's graph after it,
+        assert fused.prefill_replays + fused.varlen_head_replays > before[2]
+    if fused.chainable:  # chained steps (no prime), a fused prefill
+        assert events.count("chained") > 10
+        assert fused.prefill_launches > before[0]
     else:  # a host drafter's steps are relaunched from the host: each primes
-        assert fused.relaunched > 10 and fused.chained == 0
-    assert len(primes) == sum(host_launched) + fused.prefill_launches - prefills0
-    assert all(d == eng.runner.device for d in primes)
+        assert fused.relaunched > 10 and fused.chained == 0 and "chained" not in events
+    assert all(d == eng.runner.device for d in devices)
