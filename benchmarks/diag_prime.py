@@ -1,0 +1,65 @@
+"""What the PDL prime before host-replayed graphs does to TTFT and tok/s, on the GPU machine.
+
+Run 34's bench gave the "@noprime" arms (kernels/pdl.PRIME off) a lower batch-1 tok/s for
+EAGLE-3 (4186 against 4660) but a lower TTFT too (1.44 ms against 1.77 at batch 1, 6.3
+against 7.9 at batch 32), while no-spec's TTFT was lower with the prime. Those were separate
+engines timed minutes apart. Here one engine per configuration is timed with the prime on
+and off in alternating order, round by round (pdl.PRIME is read at every replay), so both
+arms share the engine, its graphs and the host's moment:
+
+  * per (config, prime, batch): the median over rounds of tok/s, TTFT and TPOT.
+
+    python benchmarks/diag_prime.py --gguf PATH [--out DIR] [--rounds 5]
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.bench_gpu import diag_setup, make_heads, run_engine  # noqa: E402
+
+BATCHES = (1, 8, 32)
+MAX_TOKENS = 128
+
+
+def main():
+    args, loaded, prompts = diag_setup(32, (("--rounds", "5"),))
+    from outpace.engine.engine import LLMEngine
+    from outpace.kernels import pdl
+    eagle, _ = make_heads(args.gguf, tempfile.mkdtemp())
+    configs = {"no-spec": None,
+               "eagle3-fa3-k2": {"method": "eagle3", "model": str(eagle),
+                                 "num_speculative_tokens": 2, "force_accept_mean": 3.0,
+                                 "k_schedule": [[32, 2], [128, 1]]}}
+    out = {}
+    for name, spec in configs.items():
+        eng = LLMEngine.from_args(args.gguf, loaded=loaded, device="cuda", dtype="bfloat16",
+                                  speculative_config=spec, max_num_seqs=max(BATCHES),
+                                  num_kv_blocks=4096, quiet=True, enable_prefix_caching=False)
+        for b in BATCHES:  # warm-up (Triton compiles, graphs captured)
+            run_engine(eng, prompts[:b if b > 1 else 4], b, MAX_TOKENS)
+        runs = {(p, b): [] for p in (True, False) for b in BATCHES}
+        for rnd in range(int(args.rounds)):
+            for prime in ((True, False) if rnd % 2 == 0 else (False, True)):
+                pdl.PRIME = prime
+                for b in BATCHES:
+                    r = run_engine(eng, prompts[:b if b > 1 else 4], b, MAX_TOKENS)
+                    runs[(prime, b)].append({k: r[k] for k in ("tok_s", "ttft_ms", "tpot_ms")})
+        pdl.PRIME = True
+        med = statistics.median
+        out[name] = {f"{'prime' if p else 'noprime'}_b{b}": {
+            k: med(x[k] for x in v) for k in ("tok_s", "ttft_ms", "tpot_ms")} | {"runs": v}
+            for (p, b), v in runs.items()}
+        for key, v in out[name].items():
+            print(name, key, {k: v[k] for k in ("tok_s", "ttft_ms", "tpot_ms")}, flush=True)
+        del eng
+    path = Path(args.out) / "diag_prime.json"
+    path.write_text(json.dumps(out, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
