@@ -9,6 +9,8 @@ arms share the engine, its graphs and the host's moment:
 
   * per (config, prime, batch): the median over rounds of tok/s, TTFT and TPOT.
 
+  * first, the host's cost of one prime (pdl.prime) against one small torch kernel launch.
+
     python benchmarks/diag_prime.py --gguf PATH [--out DIR] [--rounds 5]
 """
 from __future__ import annotations
@@ -17,6 +19,7 @@ import json
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -26,16 +29,36 @@ BATCHES = (1, 8, 32)
 MAX_TOKENS = 128
 
 
+def host_us(fn, n: int = 2000) -> float:
+    """Median host microseconds of fn() over 5 batches of n calls (the device drained first)."""
+    import torch
+    fn()
+    per = []
+    for _ in range(5):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        per.append(1e6 * (time.perf_counter() - t0) / n)
+        torch.cuda.synchronize()
+    return round(statistics.median(per), 2)
+
+
 def main():
     args, loaded, prompts = diag_setup(32, (("--rounds", "5"),))
+    import torch
     from outpace.engine.engine import LLMEngine
     from outpace.kernels import pdl
+    dev = torch.device("cuda")
+    x = torch.zeros(1, device=dev)
+    out = {"host_us": {"prime": host_us(lambda: pdl.prime(dev)),
+                       "torch_fill": host_us(lambda: x.fill_(1.0))}}
+    print(out, flush=True)
     eagle, _ = make_heads(args.gguf, tempfile.mkdtemp())
     configs = {"no-spec": None,
                "eagle3-fa3-k2": {"method": "eagle3", "model": str(eagle),
                                  "num_speculative_tokens": 2, "force_accept_mean": 3.0,
                                  "k_schedule": [[32, 2], [128, 1]]}}
-    out = {}
     for name, spec in configs.items():
         eng = LLMEngine.from_args(args.gguf, loaded=loaded, device="cuda", dtype="bfloat16",
                                   speculative_config=spec, max_num_seqs=max(BATCHES),
