@@ -9,9 +9,12 @@ arms share the engine, its graphs and the host's moment:
 
   * per (config, prime, batch): the median over rounds of tok/s, TTFT and TPOT.
 
-  * first, the host's cost of one prime (pdl.prime) against one small torch kernel launch.
+  * first, the host's cost of one prime (pdl.prime) against one small torch kernel launch;
+  * with --graphs 1, instead of the requests: the GPU time of single graph replays (prefill,
+    varlen and the batch-1 fused step's graphs) right after an eager torch kernel, with and
+    without a prime between them.
 
-    python benchmarks/diag_prime.py --gguf PATH [--out DIR] [--rounds 5]
+    python benchmarks/diag_prime.py --gguf PATH [--out DIR] [--rounds 5] [--graphs 1]
 """
 from __future__ import annotations
 
@@ -44,8 +47,49 @@ def host_us(fn, n: int = 2000) -> float:
     return round(statistics.median(per), 2)
 
 
+def after_eager_ms(graph, prime: bool, x, reps: int = 30) -> float:
+    """Median GPU ms of [a one-element fill (eager torch), a prime if asked, graph.replay()],
+    each alone on the stream (the prime's own ~2 us included)."""
+    import torch
+    from outpace.kernels import pdl
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        x.fill_(1.0)
+        if prime:
+            pdl.prime(x.device)
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return round(statistics.median(times), 4)
+
+
+def graph_times(eng, x) -> dict:
+    """after_eager_ms of an engine's prefill, varlen and batch-1 fused graphs, prime on / off
+    alternating -> {graph: {"prime": ms, "noprime": ms}}."""
+    from benchmarks.bench_gpu import fused_graphs
+    g = eng.runner.graphs
+    graphs = {f"prefill_q{q}": g.prefill_graphs[q][0] for q in (16, 64, 256)
+              if q in g.prefill_graphs}
+    graphs.update({f"varlen_t{t}": g.varlen_graphs[t][0] for t in (64, 256, 1024)
+                   if t in g.varlen_graphs})
+    fused = fused_graphs(eng, "greedy")
+    graphs.update({f"fused_{k}": v[0] for k, v in fused.items() if k[0] == 1})
+    out = {}
+    for name, graph in graphs.items():
+        runs = {"prime": [], "noprime": []}
+        for rnd in range(4):
+            for prime in ((True, False) if rnd % 2 == 0 else (False, True)):
+                runs["prime" if prime else "noprime"].append(after_eager_ms(graph, prime, x))
+        out[name] = {k: statistics.median(v) for k, v in runs.items()}
+        print(name, out[name], flush=True)
+    return out
+
+
 def main():
-    args, loaded, prompts = diag_setup(32, (("--rounds", "5"),))
+    args, loaded, prompts = diag_setup(32, (("--rounds", "5"), ("--graphs", "0")))
     import torch
     from outpace.engine.engine import LLMEngine
     from outpace.kernels import pdl
@@ -65,6 +109,10 @@ def main():
                                   num_kv_blocks=4096, quiet=True, enable_prefix_caching=False)
         for b in BATCHES:  # warm-up (Triton compiles, graphs captured)
             run_engine(eng, prompts[:b if b > 1 else 4], b, MAX_TOKENS)
+        if args.graphs != "0":
+            out[name] = graph_times(eng, x)
+            del eng
+            continue
         runs = {(p, b): [] for p in (True, False) for b in BATCHES}
         for rnd in range(int(args.rounds)):
             for prime in ((True, False) if rnd % 2 == 0 else (False, True)):
