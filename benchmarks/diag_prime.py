@@ -29,6 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.bench_gpu import diag_setup, make_heads, run_engine  # noqa: E402
 
 BATCHES = (1, 8, 32)
+# The arms: the graph kinds not primed (pdl.PRIME_SKIP); None: no prime at all
+ARMS = {"all": frozenset(), "step+prefill": frozenset({"varlen", "head", "plain"}),
+        "step": frozenset({"prefill", "varlen", "head", "plain"}), "none": None}
 MAX_TOKENS = 128
 
 
@@ -113,18 +116,20 @@ def main():
             out[name] = graph_times(eng, x)
             del eng
             continue
-        runs = {(p, b): [] for p in (True, False) for b in BATCHES}
+        runs = {(a, b): [] for a in ARMS for b in BATCHES}
         for rnd in range(int(args.rounds)):
-            for prime in ((True, False) if rnd % 2 == 0 else (False, True)):
-                pdl.PRIME = prime
+            shift = rnd % len(ARMS)
+            for arm in list(ARMS)[shift:] + list(ARMS)[:shift]:
+                pdl.PRIME = ARMS[arm] is not None
+                pdl.PRIME_SKIP = ARMS[arm] or frozenset()
                 for b in BATCHES:
                     r = run_engine(eng, prompts[:b if b > 1 else 4], b, MAX_TOKENS)
-                    runs[(prime, b)].append({k: r[k] for k in ("tok_s", "ttft_ms", "tpot_ms")})
-        pdl.PRIME = True
+                    runs[(arm, b)].append({k: r[k] for k in ("tok_s", "ttft_ms", "tpot_ms")})
+        pdl.PRIME, pdl.PRIME_SKIP = True, frozenset()
         med = statistics.median
-        out[name] = {f"{'prime' if p else 'noprime'}_b{b}": {
-            k: med(x[k] for x in v) for k in ("tok_s", "ttft_ms", "tpot_ms")} | {"runs": v}
-            for (p, b), v in runs.items()}
+        out[name] = {f"{a}_b{b}": {k: med(x[k] for x in v) for k in ("tok_s", "ttft_ms",
+                                                                      "tpot_ms")} | {"runs": v}
+                     for (a, b), v in runs.items()}
         for key, v in out[name].items():
             print(name, key, {k: v[k] for k in ("tok_s", "ttft_ms", "tpot_ms")}, flush=True)
         del eng

@@ -38,6 +38,18 @@ except Exception:  # pragma: no cover - exercised only where triton is missing
 
 ENABLED = True
 PRIME = True  # prime() switch, for benchmarks' A/B of it (bench_gpu's "@noprime" arm)
+# The kinds of graph replayed from the host (prime's site): "step" (a fused step: launch,
+# relaunch, a prefill's tail), "prefill" (a single request's prefill graph), "varlen", "head"
+# (a draft head's graph after a prefill or varlen step), "plain" (the general path's decode
+# graphs). Those in PRIME_SKIP are not primed. Run 34 (benchmarks/diag_prime.py, one engine,
+# the arms interleaved): priming varlen and head graphs too raised EAGLE-3's batch-8 / 32
+# TTFT by 0.75 / 0.83 ms (no-spec's by at most 0.07) and cost its batch-32 tok/s (67.5k
+# against 72.0k); a single varlen graph of 256 tokens replayed after a prime took 10% longer
+# (64: the same, 1024: 5% less). Without the prefill graph's prime, batch-1 EAGLE-3 runs
+# started slow (4133, 4386, 4672 tok/s, three runs in a row, against a steady ~4650 with
+# it), though a prefill graph of 256 rows alone took 9% longer after a prime (16, 64
+# rows: within 4%). "plain" was not measured; it is left unprimed.
+PRIME_SKIP: frozenset = frozenset({"varlen", "head", "plain"})
 _by_device: dict = {}
 
 
@@ -62,7 +74,7 @@ def supported(device: torch.device) -> bool:
     return ok
 
 
-def prime(device: torch.device) -> None:
+def prime(device: torch.device, site: str = "step") -> None:
     """Launch one empty PDL kernel on the current stream, where PDL is on: call it after work
     launched eagerly and before replaying a CUDA graph of PDL kernels.
 
@@ -72,8 +84,11 @@ def prime(device: torch.device) -> None:
     PDL-launched Triton kernel 0.62, for as long as nothing else was launched eagerly: every
     target layer's kernels overlapped less. Graph replays and memory copies leave it as it
     is. The engine's host-launched graph steps follow eager work (a varlen step's sampling,
-    a general-path step), so they prime first; chained steps follow a graph."""
-    if ENABLED and PRIME and supported(device):
+    a general-path step), so they prime first; chained steps follow a graph.
+
+    site: the kind of graph about to be replayed; those in PRIME_SKIP are not primed (the
+    effect is not the same for every graph: see PRIME_SKIP)."""
+    if ENABLED and PRIME and site not in PRIME_SKIP and supported(device):
         _primer_kernel[(1,)](USE_PDL=True, launch_pdl=True)
 
 

@@ -87,11 +87,12 @@ class GraphRunner:
             (self.tile_map,) = inputs.add_buffers([((self.max_tiles, 2), torch.int32)])
         self.pool = None
 
-    def replay(self, graph) -> None:
+    def replay(self, graph, site: str) -> None:
         """Replay a graph launched from the host: eager kernels (sampling, an eager step) may
-        have run before it, so PDL is primed first (kernels/pdl.prime: after a torch kernel a
-        graph of PDL kernels replayed ~10% slower)."""
-        pdl.prime(self.inputs.device)
+        have run before it, so PDL is primed first where that pays (kernels/pdl.prime: after a
+        torch kernel the batch-1 decode graph replayed ~10% slower). site: which kind of graph
+        (pdl.PRIME_SKIP: the kinds not primed)."""
+        pdl.prime(self.inputs.device, site)
         graph.replay()
 
     def bucket_for(self, num_seqs: int):
@@ -223,7 +224,7 @@ class GraphRunner:
         n, num = len(hb.input_ids), len(hb.logits_indices)
         self.load_varlen(hb, t)
         graph, hidden, aux = self.varlen_graphs[t]
-        self.replay(graph)
+        self.replay(graph, "varlen")
         self.varlen_replays += 1
         rows = hidden.index_select(0, self.inputs.logits_indices[:num])
         return hidden[:n], [a[:n] for a in aux], logits_fn(rows), self._meta_of(hb)
@@ -296,7 +297,7 @@ class GraphRunner:
         b = len(hb.seq_lens)
         n = b * q
         graph, hidden, aux, logits = self.graphs[(bucket, q)]
-        self.replay(graph)
+        self.replay(graph, "plain")
         li = self.inputs.logits_indices[:len(hb.logits_indices)]
         return hidden[:n], [a[:n] for a in aux], logits.index_select(0, li), self._meta_of(hb)
 
@@ -315,7 +316,7 @@ class GraphRunner:
         # the null block, not a stale entry from an earlier step.
         self.load_padded(hb, full_width=True, extra=extra)
         graph, hidden, aux, logits = self.prefill_graphs[q]
-        self.replay(graph)
+        self.replay(graph, "prefill")
         # The padded rows' sequence length passes the request's blocks: the proposer's
         # attention over these rows needs the full-width table too.
         return hidden, aux, logits[:num_sampled], self._meta_of(hb, full_width=True)

@@ -108,7 +108,7 @@ class FusedPrefill:
         if kd:  # only the draft loop reads the row that drafts
             staged.append((self.prefill_last_row, np.array([last_row], np.int64)))
         self.inputs.put_all(staged)
-        self.graphs.replay(graph)  # after the step's eager sampling
+        self.graphs.replay(graph, "head")  # after the step's eager sampling
         self.prefill_replays += 1
         if kd == 0:
             return []
@@ -140,7 +140,7 @@ class FusedPrefill:
         for i, (last, end) in enumerate(zip(last_rows, ends)):
             rows[i] = last if last >= 0 else end - 1
         self.inputs.put_all([(self.varlen_next_ids, next_ids), (self.varlen_last_rows, rows)])
-        self.graphs.replay(graph)  # after the step's eager sampling
+        self.graphs.replay(graph, "head")  # after the step's eager sampling
         self.varlen_head_replays += 1
         if kd == 0:
             return [[] for _ in ks]

@@ -292,7 +292,7 @@ class FusedStep(FusedPrefill, FusedSampling, FusedPenalties, FusedOutput):
         if chained:
             graph.replay()
         else:
-            self.graphs.replay(graph)  # primed
+            self.graphs.replay(graph, "step")  # primed
         if not self.is_cuda:  # CPU stand-in: the "graph" already ran
             return Launched(key, rows, packed.clone(), None, time.perf_counter() - t0, prefill,
                             host_logprobs=None if logprobs is None else logprobs.clone())

@@ -109,13 +109,13 @@ def test_pdl_consumer_waits_for_a_slow_producer(monkeypatch):
 
 def test_prime_launches_one_pdl_kernel(monkeypatch):
     """pdl.prime: one launch of the empty PDL kernel on the current stream where PDL is on,
-    nothing where it is off."""
+    nothing where it is off, nothing at a site in PRIME_SKIP."""
     from torch.profiler import ProfilerActivity, profile
 
-    def kernels():
+    def kernels(site="step"):
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            pdl.prime(torch.device(DEV))
+            pdl.prime(torch.device(DEV), site)
             torch.cuda.synchronize()
         return [e.name for e in prof.events()
                 if e.device_type == torch.autograd.DeviceType.CUDA]
@@ -123,5 +123,7 @@ def test_prime_launches_one_pdl_kernel(monkeypatch):
     pdl.prime(torch.device(DEV))  # compile outside the profile
     if pdl.supported(torch.device(DEV)):
         assert kernels() == ["_primer_kernel"]
+        assert kernels("prefill") == ["_primer_kernel"]
+    assert kernels("varlen") == []  # skipped by default (pdl.PRIME_SKIP)
     monkeypatch.setattr(pdl, "ENABLED", False)
     assert kernels() == []

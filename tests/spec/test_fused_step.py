@@ -445,11 +445,13 @@ def test_host_launched_graphs_prime_pdl_and_chained_steps_do_not(tiny_loaded, ti
     fused, graphs = eng.runner.fused, eng.runner.graphs
     before = (fused.prefill_launches, graphs.varlen_replays,
               fused.prefill_replays + fused.varlen_head_replays)
-    events, devices = [], []  # "prime", "chained" (a chained step's replay next), "replay"
+    events, devices, sites = [], [], []  # events: "prime", "chained" (a chained step's
+    # replay next), "replay"
 
-    def prime(device):
+    def prime(device, site="step"):
         events.append("prime")
         devices.append(device)
+        sites.append(site)
     monkeypatch.setattr(pdl, "prime", prime)
     fused_replay = fused._replay
 
@@ -468,12 +470,15 @@ def test_host_launched_graphs_prime_pdl_and_chained_steps_do_not(tiny_loaded, ti
     replays = events.count("replay")
     assert replays == pairs.count(("prime", "replay")) + pairs.count(("chained", "replay"))
     assert events.count("prime") == pairs.count(("prime", "replay"))  # each primes a replay
-    assert graphs.varlen_replays > before[1]  # the sites: a varlen step,
+    # the sites (pdl.PRIME_SKIP decides which of them launch the primer): a varlen step,
+    assert graphs.varlen_replays > before[1] and "varlen" in sites
     if method == "eagle3":  # the head's graph after it,
         assert fused.prefill_replays + fused.varlen_head_replays > before[2]
+        assert "head" in sites
+    assert "step" in sites  # host-launched steps
     if fused.chainable:  # chained steps (no prime), a fused prefill
         assert events.count("chained") > 10
-        assert fused.prefill_launches > before[0]
+        assert fused.prefill_launches > before[0] and "prefill" in sites
     else:  # a host drafter's steps are relaunched from the host: each primes
         assert fused.relaunched > 10 and fused.chained == 0 and "chained" not in events
     assert all(d == eng.runner.device for d in devices)
