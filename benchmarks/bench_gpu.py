@@ -356,8 +356,8 @@ TORCH_LOGPROBS = "@torch-logprobs"
 # "<config>@old3": the few-row projections' launch policy at 3 rows as before run 32 (one-warp
 # broadcast programs, K read 512 + 64) instead of a warp a row, for that engine's graphs
 OLD3 = "@old3"
-# "<config>@noprime": no PDL prime before the graphs replayed from the host (kernels/pdl.prime;
-# run 34 measures the sites added after run 33: general-path, prefill, varlen and head graphs)
+# "<config>@noprime": no PDL prime before any graph replayed from the host (kernels/pdl.prime,
+# as before run 33)
 NOPRIME = "@noprime"
 
 

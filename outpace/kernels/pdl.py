@@ -41,14 +41,11 @@ PRIME = True  # prime() switch, for benchmarks' A/B of it (bench_gpu's "@noprime
 # The kinds of graph replayed from the host (prime's site): "step" (a fused step: launch,
 # relaunch, a prefill's tail), "prefill" (a single request's prefill graph), "varlen", "head"
 # (a draft head's graph after a prefill or varlen step), "plain" (the general path's decode
-# graphs). Those in PRIME_SKIP are not primed. Run 34 (benchmarks/diag_prime.py, one engine,
-# the arms interleaved): priming varlen and head graphs too raised EAGLE-3's batch-8 / 32
-# TTFT by 0.75 / 0.83 ms (no-spec's by at most 0.07) and cost its batch-32 tok/s (67.5k
-# against 72.0k); a single varlen graph of 256 tokens replayed after a prime took 10% longer
-# (64: the same, 1024: 5% less). Without the prefill graph's prime, batch-1 EAGLE-3 runs
-# started slow (4133, 4386, 4672 tok/s, three runs in a row, against a steady ~4650 with
-# it), though a prefill graph of 256 rows alone took 9% longer after a prime (16, 64
-# rows: within 4%). "plain" was not measured; it is left unprimed.
+# graphs). Those in PRIME_SKIP are not primed: a prime does not help every graph (run 34,
+# benchmarks/diag_prime.py; docs/decisions.md, session 26). Priming varlen and head graphs
+# raised EAGLE-3's batch-8 / 32 TTFT by ~0.8 ms and cost ~6% of its batch-32 tok/s; without
+# the prefill graph's prime a fresh engine's batch-1 EAGLE-3 runs started ~10% slow.
+# "plain" was not measured and is left unprimed.
 PRIME_SKIP: frozenset = frozenset({"varlen", "head", "plain"})
 _by_device: dict = {}
 
