@@ -487,7 +487,7 @@ def section_smol(args, results):
     for b in args.batches:
         run_engine(eng, prompts[:b if b > 1 else args.batch1_requests], b, args.max_tokens)
     del eng
-    rows = []
+    rows = results["smol"] = []  # filled configuration by configuration (save)
     import outpace.kernels.small_linear_blocks as slb
     row_warps = dict(slb._ROW_WARPS)
     for name, spec in configs:
@@ -532,8 +532,7 @@ def section_smol(args, results):
         for r in rows:
             if r["config"] == name:
                 r["graph_ms"] = graph_ms.get(r["batch"])
-        results["smol"] = rows
-        save(args, results)
+        save(args, results)  # results["smol"] is rows
         if name in ("no-spec", "eagle3-fa3.0"):
             defer_profile(profile_graph, eng, spec_k, Path(args.out) / f"profile_{name}_b1.txt",
                           20, sampling_mode(args))
@@ -544,7 +543,6 @@ def section_smol(args, results):
     slb._ROW_WARPS = row_warps
     slb.choose_blocks.cache_clear()
     pdl.PRIME = True
-    results["smol"] = rows
 
 
 def fused_graphs(eng, mode: str) -> dict:

@@ -26,11 +26,14 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.bench_gpu import diag_setup, make_heads, run_engine  # noqa: E402
+from benchmarks.bench_gpu import diag_setup, make_heads, run_engine, smol_configs  # noqa: E402
+from outpace.kernels import pdl  # noqa: E402
 
 BATCHES = (1, 8, 32)
-# The arms: the graph kinds not primed (pdl.PRIME_SKIP); None: no prime at all
-ARMS = {"all": frozenset(), "step+prefill": frozenset({"varlen", "head", "plain"}),
+# The arms: the graph kinds not primed (pdl.PRIME_SKIP); None: no prime at all. "default":
+# the engine's own PRIME_SKIP (since run 34: steps and prefill graphs primed; named
+# "step+prefill" in diag_prime_run34_sites.json)
+ARMS = {"all": frozenset(), "default": pdl.PRIME_SKIP,
         "step": frozenset({"prefill", "varlen", "head", "plain"}), "none": None}
 MAX_TOKENS = 128
 
@@ -54,7 +57,6 @@ def after_eager_ms(graph, prime: bool, x, reps: int = 30) -> float:
     """Median GPU ms of [a one-element fill (eager torch), a prime if asked, graph.replay()],
     each alone on the stream (the prime's own ~2 us included)."""
     import torch
-    from outpace.kernels import pdl
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -95,17 +97,15 @@ def main():
     args, loaded, prompts = diag_setup(32, (("--rounds", "5"), ("--graphs", "0")))
     import torch
     from outpace.engine.engine import LLMEngine
-    from outpace.kernels import pdl
     dev = torch.device("cuda")
     x = torch.zeros(1, device=dev)
     out = {"host_us": {"prime": host_us(lambda: pdl.prime(dev)),
                        "torch_fill": host_us(lambda: x.fill_(1.0))}}
     print(out, flush=True)
-    eagle, _ = make_heads(args.gguf, tempfile.mkdtemp())
-    configs = {"no-spec": None,
-               "eagle3-fa3-k2": {"method": "eagle3", "model": str(eagle),
-                                 "num_speculative_tokens": 2, "force_accept_mean": 3.0,
-                                 "k_schedule": [[32, 2], [128, 1]]}}
+    eagle, mtp = make_heads(args.gguf, tempfile.mkdtemp())
+    configs = {name: spec for name, spec in smol_configs(2, [3.0], eagle, mtp)
+               if name in ("no-spec", "eagle3-fa3-k2")}  # the benchmark's configurations
+    default_skip = pdl.PRIME_SKIP
     for name, spec in configs.items():
         eng = LLMEngine.from_args(args.gguf, loaded=loaded, device="cuda", dtype="bfloat16",
                                   speculative_config=spec, max_num_seqs=max(BATCHES),
@@ -125,7 +125,7 @@ def main():
                 for b in BATCHES:
                     r = run_engine(eng, prompts[:b if b > 1 else 4], b, MAX_TOKENS)
                     runs[(arm, b)].append({k: r[k] for k in ("tok_s", "ttft_ms", "tpot_ms")})
-        pdl.PRIME, pdl.PRIME_SKIP = True, frozenset()
+        pdl.PRIME, pdl.PRIME_SKIP = True, default_skip
         med = statistics.median
         out[name] = {f"{a}_b{b}": {k: med(x[k] for x in v) for k in ("tok_s", "ttft_ms",
                                                                       "tpot_ms")} | {"runs": v}
