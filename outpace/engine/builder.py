@@ -76,7 +76,8 @@ def build_engine(cls, model: str, *, device: str = "auto", dtype: str = "auto",
     runner_cfg = RunnerConfig(device=device, dtype=dtype, weight_dtype=weight_dtype,
                               kv_cache_dtype=kv_cache_dtype, enforce_eager=enforce_eager,
                               seed=seed, overlap=overlap)
-    spec_cfg = SpecConfig.from_dict(speculative_config)
+    from outpace.models.shipped_heads import with_shipped_head
+    spec_cfg = SpecConfig.from_dict(with_shipped_head(speculative_config, model))
     torch_device = torch.device(device)
     torch.manual_seed(seed)
 

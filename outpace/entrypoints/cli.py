@@ -1,4 +1,4 @@
-"""`outpace` command line: generate, chat, serve, init-draft."""
+"""`outpace` command line: generate, chat, serve, init-draft, train-draft, eval-draft."""
 
 from __future__ import annotations
 
@@ -191,6 +191,36 @@ def cmd_init_draft(a) -> int:
     return 0
 
 
+def cmd_train_draft(a) -> int:
+    from outpace.training.config import TrainConfig
+    from outpace.training.trainer import train_draft
+    cfg = TrainConfig(method=a.method, target=a.target, data=a.data, out=a.out,
+                      draft_vocab=a.draft_vocab, ttt_steps=a.ttt_steps,
+                      num_modules=a.num_modules, epochs=a.epochs, lr=a.lr, seed=a.seed,
+                      device=a.device, batch_tokens=a.batch_tokens, max_len=a.max_len,
+                      answer_tokens=a.answer_tokens, samples=a.samples,
+                      temperature=a.temperature, max_prompts=a.max_prompts, holdout=a.holdout,
+                      save_every=a.save_every, data_cache=a.data_cache, resume=a.resume,
+                      max_minutes=a.max_minutes, warmup=a.warmup, quiet=a.quiet)
+    train_draft(cfg)
+    return 0
+
+
+def cmd_eval_draft(a) -> int:
+    from outpace.training.evaluate import eval_draft
+    sets = {}
+    for item in a.prompts:
+        name, sep, path = item.partition("=")
+        if not sep:
+            from pathlib import Path
+            name, path = Path(item).stem, item
+        sets[name] = path
+    eval_draft(a.method, a.draft, a.target, sets, ks=a.k, max_tokens=a.max_tokens,
+               max_prompts=a.max_prompts, device=a.device, dtype=a.dtype,
+               max_num_seqs=a.max_num_seqs, out_json=a.out, out_png=a.plot, quiet=a.quiet)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="outpace", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -222,6 +252,61 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--quiet", action="store_true")
     d.set_defaults(func=cmd_init_draft)
+    t = sub.add_parser("train-draft", help="self-distill and train an EAGLE-3 or MTP head")
+    t.add_argument("--method", required=True, choices=["eagle3", "mtp"])
+    t.add_argument("--target", default="smollm2-135m",
+                   help="catalog name, HF folder or .gguf file")
+    t.add_argument("--data", required=True,
+                   help='training prompts, JSONL with one {"prompt": ...} per line')
+    t.add_argument("--out", required=True, help="folder for the head (and its checkpoints)")
+    t.add_argument("--draft-vocab", type=int, default=None,
+                   help="EAGLE-3 draft vocabulary size (default 8192, or the target's if "
+                   "smaller)")
+    t.add_argument("--ttt-steps", type=int, default=None,
+                   help="training-time-test steps (default 7 for EAGLE-3, 3 for MTP)")
+    t.add_argument("--num-modules", type=int, default=1,
+                   help="MTP modules (more than one trains depths mode)")
+    t.add_argument("--epochs", type=float, default=1.0)
+    t.add_argument("--lr", type=float, default=5e-4)
+    t.add_argument("--warmup", type=float, default=0.03, help="share of steps warming up")
+    t.add_argument("--batch-tokens", type=int, default=16384, help="padded tokens a batch")
+    t.add_argument("--max-len", type=int, default=2048, help="tokens a sequence at most")
+    t.add_argument("--answer-tokens", type=int, default=512,
+                   help="max tokens of each self-distilled answer")
+    t.add_argument("--samples", type=int, default=0,
+                   help="sampled answers per prompt beside the greedy one")
+    t.add_argument("--temperature", type=float, default=0.8, help="of the sampled answers")
+    t.add_argument("--max-prompts", type=int, default=None, help="use the first N prompts")
+    t.add_argument("--holdout", type=int, default=0,
+                   help="hold the last N prompts out and report their TTT accuracy")
+    t.add_argument("--save-every", type=int, default=500, help="steps between checkpoints")
+    t.add_argument("--data-cache", default=None,
+                   help="the self-distilled answers' JSONL (default OUT/selfdistill.jsonl)")
+    t.add_argument("--resume", default=None,
+                   help="a checkpoint folder, or the OUT folder of an earlier run")
+    t.add_argument("--max-minutes", type=float, default=None,
+                   help="time budget of the training steps (the schedule fits to it)")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--device", default="auto", help="cpu or cuda (auto: cuda when available)")
+    t.add_argument("--quiet", action="store_true")
+    t.set_defaults(func=cmd_train_draft)
+    e = sub.add_parser("eval-draft", help="a head's acceptance per position, through the engine")
+    e.add_argument("--method", required=True, choices=["eagle3", "mtp"])
+    e.add_argument("--draft", default=None,
+                   help="draft head folder (default: the head shipped for the target)")
+    e.add_argument("--target", default="smollm2-135m")
+    e.add_argument("--prompts", nargs="+", required=True, metavar="[NAME=]FILE",
+                   help="prompt sets (JSONL), e.g. mtbench=mtbench.jsonl")
+    e.add_argument("--k", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6, 7])
+    e.add_argument("--max-tokens", type=int, default=256)
+    e.add_argument("--max-prompts", type=int, default=None)
+    e.add_argument("--max-num-seqs", type=int, default=64)
+    e.add_argument("--device", default="auto")
+    e.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+    e.add_argument("--out", default="eval_draft.json", help="JSON results")
+    e.add_argument("--plot", default=None, help="PNG of acceptance per position")
+    e.add_argument("--quiet", action="store_true")
+    e.set_defaults(func=cmd_eval_draft)
     return p
 
 

@@ -1,0 +1,261 @@
+"""The shipped heads' recipe on one GPU: self-distill, train EAGLE-3 and MTP, evaluate, benchmark.
+
+    python benchmarks/train_heads.py --gguf PATH --work DIR --out DIR --phases train
+    python benchmarks/train_heads.py --gguf PATH --work DIR --out DIR --phases eval,bench
+
+Phases (run in the background on the device machine and polled by benchmarks/poll_gpu.sh,
+so that they may outlast one device call of 10 minutes):
+  train   the target answers data/sharegpt_prompts.jsonl (greedy, then one sampled answer each
+          when the greedy ones were quick enough; cached in WORK), then `train_draft` for
+          EAGLE-3 and for MTP (one module), each under its time budget. The heads (with their
+          checkpoints and training.json) stay in WORK.
+  eval    `eval_draft` of both heads: chain acceptance per position and mean acceptance length
+          for k = 1..7 on MT-bench and HumanEval (greedy, bf16, the engine's verify).
+  bench   tok/s side by side in one process: no speculation, EAGLE-3 k = 1..5, MTP k = 1..3
+          (trained heads, real acceptance), and EAGLE-3 k = 2 under force-accept 3 (synthetic),
+          at batch 1, 32 and 128 on MT-bench prompts, 128 new tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import traceback
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from benchmarks.common import device_name, git_commit  # noqa: E402
+
+DATA = ROOT / "data" / "sharegpt_prompts.jsonl"
+PROMPTS = ROOT / "benchmarks" / "prompts"
+T0 = time.monotonic()
+
+
+def left(args) -> float:
+    return args.deadline_s - (time.monotonic() - T0)
+
+
+def log(msg: str) -> None:
+    print(f"[{time.monotonic() - T0:6.1f}s] {msg}", flush=True)
+
+
+def empty_cache() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def phase_train(args, loaded) -> dict:
+    from outpace.training.config import TrainConfig
+    from outpace.training.selfdistill import read_prompts, regenerate
+    from outpace.training.trainer import Trainer
+    work = Path(args.work)
+    cache = work / "selfdistill.jsonl"
+    prompts = read_prompts(DATA, limit=args.max_prompts)
+    t = time.monotonic()
+    regenerate(args.gguf, prompts, cache, loaded=loaded, device=args.device,
+               max_tokens=args.answer_tokens, samples=0, seed=0)
+    greedy_s = time.monotonic() - t
+    log(f"greedy answers: {greedy_s:.0f} s")
+    samples = 0
+    if args.samples and greedy_s < args.max_regen_s / (1 + args.samples):
+        t = time.monotonic()
+        regenerate(args.gguf, prompts, cache, loaded=loaded, device=args.device,
+                   max_tokens=args.answer_tokens, samples=args.samples, seed=0)
+        samples = args.samples
+        log(f"sampled answers: {time.monotonic() - t:.0f} s")
+    empty_cache()
+    report = {"greedy_s": round(greedy_s, 1), "samples": samples}
+    plans = {"eagle3": (args.eagle_minutes, dict(draft_vocab=args.draft_vocab, lr=args.lr_eagle,
+                                                 batch_tokens=args.batch_tokens)),
+             "mtp": (args.mtp_minutes, dict(lr=args.lr_mtp,
+                                            batch_tokens=args.batch_tokens // 2))}
+    for method in args.heads:
+        minutes, extra = plans[method]
+        cfg = TrainConfig(method=method, target=args.gguf, data=str(DATA),
+                          out=str(work / method), data_cache=str(cache), samples=samples,
+                          answer_tokens=args.answer_tokens, holdout=args.holdout,
+                          epochs=args.epochs, max_minutes=minutes, save_every=200,
+                          warmup=0.01, max_prompts=args.max_prompts, device=args.device,
+                          **extra)
+        t = time.monotonic()
+        try:
+            trainer = Trainer(cfg, loaded=loaded)
+            head_dir = trainer.run()
+        except Exception:  # the other head and the later phases still run
+            traceback.print_exc()
+            report[method] = {"error": traceback.format_exc(limit=3)}
+            continue
+        finally:
+            trainer = None
+            empty_cache()
+        info = json.loads((head_dir / "training.json").read_text())
+        report[method] = {k: info[k] for k in ("steps", "planned_steps", "train_seconds",
+                                               "sequences", "answer_tokens",
+                                               "draft_vocab_coverage", "coverage_by_size",
+                                               "holdout") if k in info}
+        report[method]["wall_s"] = round(time.monotonic() - t, 1)
+        log(f"{method}: {report[method]}")
+        dest = Path(args.out) / method
+        dest.mkdir(parents=True, exist_ok=True)
+        for f in ("config.json", "model.safetensors", "training.json"):
+            shutil.copy(head_dir / f, dest / f)
+    return report
+
+
+def phase_eval(args, loaded) -> dict:
+    from outpace.training.evaluate import eval_draft
+    out = {}
+    for method in args.heads:
+        head = Path(args.work) / method
+        if not (head / "config.json").is_file():
+            continue
+        res = eval_draft(method, str(head), args.gguf,
+                         {"mtbench": PROMPTS / "mtbench.jsonl",
+                          "humaneval": PROMPTS / "humaneval.jsonl"},
+                         ks=args.eval_ks, max_tokens=args.eval_tokens, device=args.device,
+                         max_prompts=args.eval_prompts,
+                         max_num_seqs=128, loaded=loaded, quiet=False,
+                         out_json=Path(args.out) / f"eval_{method}.json")
+        out[method] = res
+        log(f"eval {method} done")
+    return out
+
+
+def _run(engine, prompts, batch, max_tokens) -> dict:
+    """`batch` requests at a time over `prompts`, greedy, to EOS or max_tokens -> tok/s."""
+    from outpace import SamplingParams
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, output_kind="final_only")
+    spec0 = dict(engine.stats()["spec"])
+    n_tok, t0 = 0, time.perf_counter()
+    for i in range(0, len(prompts), batch):
+        for j, p in enumerate(prompts[i:i + batch]):
+            engine.add_request(f"b{i}-{j}-{time.monotonic_ns()}", p, sp)
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                if o.finished:
+                    n_tok += len(o.token_ids)
+    wall = time.perf_counter() - t0
+    s1 = engine.stats()["spec"]
+    drafts = s1["num_drafts"] - spec0["num_drafts"]
+    acc = s1["num_accepted_tokens"] - spec0["num_accepted_tokens"]
+    return {"tokens": n_tok, "wall_s": round(wall, 4), "tok_s": round(n_tok / wall, 1),
+            "mean_acceptance_length": round(1 + acc / drafts, 3) if drafts else None}
+
+
+def phase_bench(args, loaded) -> dict:
+    from outpace.engine.engine import LLMEngine
+    from outpace.training.selfdistill import prompt_ids, read_prompts
+    tok = loaded[2]
+    mt = [prompt_ids(tok, p["prompt"]) for p in read_prompts(PROMPTS / "mtbench.jsonl")]
+    sets = {1: mt[:args.b1_requests], 32: mt[:64], 128: (mt * 2)[:128]}
+    sets = {b: ps for b, ps in sets.items() if b in args.batches}
+    work = Path(args.work)
+    configs = [("no-spec", None)]
+    for k in args.eagle_ks:
+        configs.append((f"eagle3-k{k}", {"method": "eagle3", "model": str(work / "eagle3"),
+                                         "num_speculative_tokens": k}))
+    for k in args.mtp_ks:
+        configs.append((f"mtp-k{k}", {"method": "mtp", "model": str(work / "mtp"),
+                                      "num_speculative_tokens": k}))
+    configs.append(("eagle3-k2-force-accept3 (synthetic)",
+                    {"method": "eagle3", "model": str(work / "eagle3"),
+                     "num_speculative_tokens": 2, "force_accept_mean": 3.0}))
+    configs = [(n, c) for n, c in configs
+               if c is None or Path(c["model"]).joinpath("config.json").is_file()]
+    # process warm-up (lazy CUDA module loading, first kernel selections)
+    eng = LLMEngine.from_args(args.gguf, loaded=loaded, device=args.device, dtype=args.dtype,
+                              max_num_seqs=128, num_kv_blocks=args.kv_blocks,
+                              enable_prefix_caching=False, quiet=True)
+    for b, ps in sets.items():
+        _run(eng, ps[:max(b, 1)], b, 16)
+    del eng
+    rows = []
+    for name, spec in configs:
+        if left(args) < 25:
+            log(f"bench: out of time before {name}")
+            break
+        eng = LLMEngine.from_args(args.gguf, loaded=loaded, device=args.device, dtype=args.dtype,
+                                  speculative_config=spec, max_num_seqs=128,
+                                  num_kv_blocks=args.kv_blocks, enable_prefix_caching=False,
+                                  quiet=True)
+        for b, ps in sets.items():
+            _run(eng, ps[:b], b, 8 if b < 128 else args.bench_tokens)  # warm-up
+        for b, ps in sets.items():
+            runs = sorted((_run(eng, ps, b, args.bench_tokens) for _ in range(args.reps)),
+                          key=lambda r: r["tok_s"])
+            r = dict(runs[len(runs) // 2], config=name, batch=b,
+                     tok_s_runs=[x["tok_s"] for x in runs])
+            rows.append(r)
+            log(f"bench {name} b{b}: {r['tok_s']} tok/s, tau {r['mean_acceptance_length']}")
+        del eng
+        empty_cache()
+    base = {r["batch"]: r["tok_s"] for r in rows if r["config"] == "no-spec"}
+    for r in rows:
+        r["vs_no_spec"] = round(r["tok_s"] / base[r["batch"]], 3) if r["batch"] in base else None
+    return {"rows": rows, "max_tokens": args.bench_tokens, "reps": args.reps,
+            "b1_requests": args.b1_requests}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--gguf", required=True)
+    ap.add_argument("--work", required=True, help="heads, checkpoints and answers (kept)")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--phases", default="train")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--max-prompts", type=int, default=None, help="(CPU smoke runs)")
+    ap.add_argument("--heads", default="eagle3,mtp")
+    ap.add_argument("--deadline-s", type=float, default=1000,
+                    help="the bench phase stops starting configurations this late")
+    ap.add_argument("--answer-tokens", type=int, default=512)
+    ap.add_argument("--samples", type=int, default=1)
+    ap.add_argument("--draft-vocab", type=int, default=8192)
+    ap.add_argument("--epochs", type=float, default=30.0,
+                    help="planned epochs (the time budget decides how many steps run)")
+    ap.add_argument("--eagle-minutes", type=float, default=6.0)
+    ap.add_argument("--mtp-minutes", type=float, default=3.0)
+    ap.add_argument("--max-regen-s", type=float, default=150,
+                    help="sampled answers only when greedy and sampled fit this")
+    ap.add_argument("--lr-eagle", type=float, default=8e-4)
+    ap.add_argument("--lr-mtp", type=float, default=5e-4)
+    ap.add_argument("--batch-tokens", type=int, default=32768)
+    ap.add_argument("--holdout", type=int, default=100)
+    ap.add_argument("--eval-tokens", type=int, default=256)
+    ap.add_argument("--eval-ks", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6, 7])
+    ap.add_argument("--eval-prompts", type=int, default=None, help="first N of each set")
+    ap.add_argument("--bench-tokens", type=int, default=128)
+    ap.add_argument("--b1-requests", type=int, default=16)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 32, 128])
+    ap.add_argument("--kv-blocks", type=int, default=8192)
+    ap.add_argument("--eagle-ks", type=int, nargs="+", default=[1, 2, 3, 4, 5])
+    ap.add_argument("--mtp-ks", type=int, nargs="+", default=[1, 2, 3])
+    args = ap.parse_args()
+    args.heads = args.heads.split(",")
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    Path(args.work).mkdir(parents=True, exist_ok=True)
+    from outpace.models.loader import load_model
+    args.dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
+    loaded = load_model(args.gguf, dtype=getattr(torch, args.dtype),
+                        device=torch.device(args.device), quiet=True)
+    result = {"commit": git_commit(), "device": device_name(args.device), "torch": torch.__version__,
+              "time": time.strftime("%Y-%m-%d %H:%M:%S"), "args": vars(args)}
+    phases = {"train": phase_train, "eval": phase_eval, "bench": phase_bench}
+    for name in args.phases.split(","):
+        log(f"phase {name}")
+        result[name] = phases[name](args, loaded)
+        tag = "_".join(args.phases.split(","))
+        (Path(args.out) / f"heads_{tag}.json").write_text(json.dumps(result, indent=1) + "\n")
+    log("done")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    main()

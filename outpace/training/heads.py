@@ -1,0 +1,79 @@
+"""Trainable draft heads: new ones for a target (random, warm-started from the target's own
+weights where a head shares their role) and their export in the format the engine loads.
+
+Warm starts: an EAGLE-3 head's LM head starts as the target's LM head rows of its draft
+vocabulary and its final norm as the target's (the head's output is read the way the target's
+last hidden is); an MTP module's decoder layer starts as a copy of the target's last layer. The
+rest is init-draft's random initialisation (training/init_draft.py).
+
+Export: EAGLE-3 in the public checkpoint format (config.json with `LlamaForCausalLMEagle3`,
+`draft_vocab_size` and the aux layer ids; tensors fc, midlayer.*, norm, lm_head, d2t, t2d;
+model.safetensors), which SGLang and vLLM load too; MTP in the format models/draft_loader.py
+reads (`layers.{d}.*`, `num_nextn_predict_layers`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from outpace.models.draft_loader import (eagle3_config_dict, export_weights, head_slices,
+                                         mtp_config_dict, save_draft_head)
+from outpace.models.eagle3 import Eagle3Head
+from outpace.models.mtp import MTPHead
+from outpace.training.draft_vocab import draft_ids_of
+from outpace.training.init_draft import eagle3_config_for, random_head_tensors
+
+
+def fill_head_(head, tensors: dict) -> None:
+    """Copy {checkpoint name: tensor} into the head's (fused) parameters and buffers."""
+    with torch.no_grad():
+        for name, (dest, off, rows) in head_slices(head).items():
+            dest.narrow(0, off, rows).copy_(tensors[name])
+
+
+def new_eagle3_head(target, target_cfg, d2t: torch.Tensor, t2d: torch.Tensor, seed: int,
+                    device, warm_start: bool = True) -> Eagle3Head:
+    """An fp32 EAGLE-3 head over the draft vocabulary (d2t, t2d) for `target`."""
+    cfg = eagle3_config_for(target_cfg, d2t.numel())
+    head = Eagle3Head(cfg, target_cfg.num_hidden_layers, dtype=torch.float32, device=device)
+    tensors = random_head_tensors(head, seed)
+    tensors["d2t"], tensors["t2d"] = d2t.cpu(), t2d.cpu()
+    if warm_start:
+        ids = draft_ids_of(d2t.cpu()).to(target.lm_head_weight.device)
+        tensors["lm_head.weight"] = target.lm_head_weight.index_select(0, ids).float().cpu()
+        tensors["norm.weight"] = target.norm.weight.float().cpu()
+    fill_head_(head, tensors)
+    return head
+
+
+def new_mtp_head(target, target_cfg, num_modules: int, seed: int, device,
+                 warm_start: bool = True) -> MTPHead:
+    """An fp32 MTP head of `num_modules` modules shaped like the target's layers."""
+    head = MTPHead(target_cfg, num_modules, target_cfg.num_hidden_layers, dtype=torch.float32,
+                   device=device)
+    tensors = random_head_tensors(head, seed)
+    if warm_start:
+        last = len(target.layers) - 1
+        src = {name[len(f"model.layers.{last}."):]: (t, off, rows)
+               for name, (t, off, rows) in target.param_slices().items()
+               if name.startswith(f"model.layers.{last}.")}
+        for d in range(num_modules):
+            for rest, (t, off, rows) in src.items():
+                tensors[f"layers.{d}.{rest}"] = t.detach().narrow(0, off, rows).float().cpu()
+    fill_head_(head, tensors)
+    return head
+
+
+def export_head(head, out_dir, dtype: torch.dtype = torch.bfloat16) -> Path:
+    """Write the head as a draft head folder (config.json + model.safetensors), its floating
+    tensors in `dtype` (d2t int64, t2d bool)."""
+    if isinstance(head, Eagle3Head):
+        config = eagle3_config_dict(head.config)
+    else:
+        config = mtp_config_dict(head.config, head.num_modules)
+    config["torch_dtype"] = str(dtype).replace("torch.", "")
+    tensors = {n: (t.to(dtype) if t.is_floating_point() else t)
+               for n, t in export_weights(head).items()}
+    return save_draft_head(config, tensors, out_dir)

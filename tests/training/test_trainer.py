@@ -1,0 +1,112 @@
+"""train-draft on the tiny target: the loss falls, a resumed run continues bit for bit, options
+and checkpoints that can't work fail with errors that say what to change."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from outpace.errors import ConfigError
+from outpace.training.config import TrainConfig
+from outpace.training.trainer import Trainer, lr_at
+
+
+def _cfg(tiny_prompts, tmp_path, out, **kw):
+    base = dict(method="eagle3", target="tiny", data=str(tiny_prompts), out=str(tmp_path / out),
+                draft_vocab=48, answer_tokens=24, batch_tokens=256, max_len=64, epochs=2,
+                lr=3e-3, data_cache=str(tmp_path / "answers.jsonl"), quiet=True, save_every=4,
+                ttt_steps=3)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+@pytest.mark.parametrize("method,modules", [("eagle3", 1), ("mtp", 1), ("mtp", 2)])
+def test_training_lowers_the_loss(tiny_loaded, tiny_prompts, tmp_path, method, modules):
+    kw = dict(method=method, num_modules=modules, epochs=4)
+    if method == "mtp":
+        kw.update(draft_vocab=None, ttt_steps=None if modules > 1 else 2)
+    tr = Trainer(_cfg(tiny_prompts, tmp_path, "h", **kw), loaded=tiny_loaded)
+    first = tr.batches[0]
+    before, _, acc0, _ = tr.losses(tr.seqs, first, grad=False)
+    while tr.step < tr.total:
+        tr.train_step()
+    after, _, accs, _ = tr.losses(tr.seqs, first, grad=False)
+    assert float(after) < 0.5 * float(before), (float(before), float(after))
+    assert all(a > b + 0.1 for a, b in zip(accs, acc0)), (acc0, accs)
+
+
+def _final_weights(tr):
+    return {k: v.clone() for k, v in tr.head.state_dict().items()}
+
+
+def test_resume_continues_bit_identically(tiny_loaded, tiny_prompts, tmp_path):
+    whole = Trainer(_cfg(tiny_prompts, tmp_path, "whole", epochs=3), loaded=tiny_loaded)
+    whole.run()
+    want = _final_weights(whole)
+    # the stop below falls mid-run, past an epoch's end
+    assert whole.step == whole.total >= 2 * len(whole.batches) + 2
+    cut = Trainer(_cfg(tiny_prompts, tmp_path, "cut", epochs=3), loaded=tiny_loaded)
+    cut.run(max_steps=whole.total // 2 + 1)  # stops as a killed run would, after a checkpoint
+    again = Trainer(_cfg(tiny_prompts, tmp_path, "cut", epochs=3,
+                         resume=str(tmp_path / "cut")), loaded=tiny_loaded)
+    assert again.step == whole.total // 2 + 1
+    again.run()
+    got = _final_weights(again)
+    assert set(got) == set(want)
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+    # the exported heads are the same files
+    a = (tmp_path / "whole" / "model.safetensors").read_bytes()
+    assert a == (tmp_path / "cut" / "model.safetensors").read_bytes()
+    report = json.loads((tmp_path / "cut" / "training.json").read_text())
+    assert report["steps"] == whole.total
+
+
+def test_resume_refuses_other_options_and_missing_checkpoints(tiny_loaded, tiny_prompts,
+                                                              tmp_path):
+    tr = Trainer(_cfg(tiny_prompts, tmp_path, "a"), loaded=tiny_loaded)
+    tr.run(max_steps=2)
+    with pytest.raises(ConfigError, match="ttt_steps 3 there, 2 now"):
+        Trainer(_cfg(tiny_prompts, tmp_path, "a", ttt_steps=2, resume=str(tmp_path / "a")),
+                loaded=tiny_loaded)
+    with pytest.raises(ConfigError, match="not a checkpoint"):
+        Trainer(_cfg(tiny_prompts, tmp_path, "b", resume=str(tmp_path / "nothing")),
+                loaded=tiny_loaded)
+
+
+@pytest.mark.parametrize("kw,msg", [
+    (dict(method="medusa"), "--method 'medusa' is unknown"),
+    (dict(method="mtp", draft_vocab=100), "--draft-vocab applies to EAGLE-3 only"),
+    (dict(num_modules=2), "--num-modules applies to MTP only"),
+    (dict(method="mtp", draft_vocab=None, num_modules=3, ttt_steps=2), "--ttt-steps must be 3"),
+    (dict(ttt_steps=0), "--ttt-steps must be in 1..16"),
+    (dict(epochs=0), "--epochs must be > 0"),
+    (dict(max_len=64, batch_tokens=32), "--batch-tokens >= --max-len"),
+    (dict(samples=1, temperature=0.0), "sampled answers need --temperature > 0"),
+    (dict(export_dtype="int4"), "--export-dtype must be one of"),
+])
+def test_bad_options_name_the_flag(tiny_prompts, tmp_path, kw, msg):
+    with pytest.raises(ConfigError, match=msg):
+        _cfg(tiny_prompts, tmp_path, "x", **kw)
+
+
+def test_bad_data_is_a_clear_error(tiny_loaded, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "fine"}\n{"prompt": \n')
+    with pytest.raises(ConfigError, match="bad.jsonl:2 is not valid JSON"):
+        Trainer(_cfg(bad, tmp_path, "x"), loaded=tiny_loaded)
+    with pytest.raises(ConfigError, match="does not exist"):
+        Trainer(_cfg(tmp_path / "missing.jsonl", tmp_path, "x"), loaded=tiny_loaded)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ConfigError, match="is a file"):
+        Trainer(_cfg(bad, tmp_path, "file"), loaded=tiny_loaded)
+
+
+def test_schedule_warms_up_then_decays_to_the_floor():
+    cfg = TrainConfig(method="eagle3", target="t", data="d", out="o", lr=1.0, min_lr_ratio=0.1)
+    lrs = [lr_at(s, cfg, 100, 10) for s in range(100)]
+    assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
+    assert all(a >= b for a, b in zip(lrs[9:], lrs[10:]))
+    assert lrs[-1] == pytest.approx(0.1, abs=1e-3)
