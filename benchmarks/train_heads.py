@@ -70,6 +70,11 @@ def phase_train(args, loaded) -> dict:
                    max_tokens=args.answer_tokens, samples=args.samples, seed=0)
         samples = args.samples
         log(f"sampled answers: {time.monotonic() - t:.0f} s")
+    if args.keep_answers:  # the answers come back too (gzip), to study or to carry later
+        import gzip
+        with open(cache, "rb") as src, gzip.open(Path(args.out) / "selfdistill.jsonl.gz",
+                                                 "wb") as dst:
+            shutil.copyfileobj(src, dst)
     empty_cache()
     report = {"greedy_s": round(greedy_s, 1), "samples": samples}
     plans = {"eagle3": (args.eagle_minutes, dict(draft_vocab=args.draft_vocab, lr=args.lr_eagle,
@@ -235,6 +240,8 @@ def main():
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 32, 128])
     ap.add_argument("--kv-blocks", type=int, default=8192)
+    ap.add_argument("--keep-answers", action="store_true",
+                    help="write the self-distilled answers into OUT (gzip)")
     ap.add_argument("--eagle-ks", type=int, nargs="+", default=[1, 2, 3, 4, 5])
     ap.add_argument("--mtp-ks", type=int, nargs="+", default=[1, 2, 3])
     args = ap.parse_args()

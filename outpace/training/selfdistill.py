@@ -186,7 +186,7 @@ def regenerate(target: str, prompts: list, cache: Path, *, loaded=None, device: 
                    mininterval=0.2 if sys.stderr.isatty() else 15)
         try:
             with open(cache, "a", encoding="utf-8") as f:
-                for n, rec in enumerate(_generate(engine, jobs, 2 * seqs)):
+                for n, rec in enumerate(_generate(engine, jobs, seqs)):
                     f.write(json.dumps(rec) + "\n")
                     have[(rec["id"], rec["sample"])] = rec
                     bar.update(1)
@@ -208,18 +208,22 @@ def _sample_seed(seed: int, pid: str, sample: int) -> int:
 
 def _generate(engine, jobs: list, window: int):
     """Run jobs ([(prompt, sample, ids, params)]) through the engine, at most `window` in it at
-    a time (new ones join as others finish, so the batch stays full); yields each record as
-    its answer finishes."""
+    a time; yields each record as its answer finishes. New requests join in groups, once an
+    eighth of the window is free: a step that admits a prompt runs beside the decodes as a
+    mixed (varlen) step, so admitting them one by one would make nearly every step one."""
     import dataclasses
     live, nxt = {}, 0
+    group = max(1, window // 8)
     try:
         while nxt < len(jobs) or live:
-            while nxt < len(jobs) and len(live) < window:
-                p, s, ids, params = jobs[nxt]
-                key = f"sd-{nxt}"
-                engine.add_request(key, ids, dataclasses.replace(params, output_kind="final_only"))
-                live[key] = jobs[nxt]
-                nxt += 1
+            if not live or len(live) <= window - group:  # a group's worth of free slots
+                while nxt < len(jobs) and len(live) < window:
+                    p, s, ids, params = jobs[nxt]
+                    key = f"sd-{nxt}"
+                    engine.add_request(key, ids,
+                                       dataclasses.replace(params, output_kind="final_only"))
+                    live[key] = jobs[nxt]
+                    nxt += 1
             for out in engine.step():
                 if out.finished:
                     p, s, ids, _ = live.pop(out.request_id)
