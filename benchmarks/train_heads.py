@@ -5,9 +5,10 @@
 
 Phases (run in the background on the device machine and polled by benchmarks/poll_gpu.sh,
 so that they may outlast one device call of 10 minutes):
-  train   the target answers data/sharegpt_prompts.jsonl (greedy, then one sampled answer each
-          when the greedy ones were quick enough; cached in WORK), then `train_draft` for
-          EAGLE-3 and for MTP (one module), each under its time budget. The heads (with their
+  train   the target answers data/sharegpt_prompts.jsonl (greedy, then --samples sampled answers
+          each when the greedy ones were quick enough; cached in WORK), then `train_draft` for
+          EAGLE-3 and for MTP (one module), each under its time budget, on answers cut
+          --loop-tokens tokens after they start to loop. The heads (with their
           checkpoints and training.json) stay in WORK.
   eval    `eval_draft` of both heads: chain acceptance per position and mean acceptance length
           for k = 1..7 on MT-bench and HumanEval (greedy, bf16, the engine's verify).
@@ -60,14 +61,16 @@ def phase_train(args, loaded) -> dict:
     prompts = read_prompts(DATA, limit=args.max_prompts)
     t = time.monotonic()
     regenerate(args.gguf, prompts, cache, loaded=loaded, device=args.device,
-               max_tokens=args.answer_tokens, samples=0, seed=0)
+               max_tokens=args.answer_tokens, samples=0, seed=0,
+               temperature=args.temperature)
     greedy_s = time.monotonic() - t
     log(f"greedy answers: {greedy_s:.0f} s")
     samples = 0
     if args.samples and greedy_s < args.max_regen_s / (1 + args.samples):
         t = time.monotonic()
         regenerate(args.gguf, prompts, cache, loaded=loaded, device=args.device,
-                   max_tokens=args.answer_tokens, samples=args.samples, seed=0)
+                   max_tokens=args.answer_tokens, samples=args.samples, seed=0,
+                   temperature=args.temperature)
         samples = args.samples
         log(f"sampled answers: {time.monotonic() - t:.0f} s")
     if args.keep_answers:  # the answers come back too (gzip), to study or to carry later
@@ -83,14 +86,16 @@ def phase_train(args, loaded) -> dict:
                                             batch_tokens=args.batch_tokens // 2))}
     for method in args.heads:
         minutes, extra = plans[method]
-        cfg = TrainConfig(method=method, target=args.gguf, data=str(DATA),
-                          out=str(work / method), data_cache=str(cache), samples=samples,
-                          answer_tokens=args.answer_tokens, holdout=args.holdout,
-                          epochs=args.epochs, max_minutes=minutes, save_every=200,
-                          warmup=0.01, max_prompts=args.max_prompts, device=args.device,
-                          **extra)
         t = time.monotonic()
+        trainer = None
         try:
+            cfg = TrainConfig(method=method, target=args.gguf, data=str(DATA),
+                              out=str(work / method), data_cache=str(cache), samples=samples,
+                              answer_tokens=args.answer_tokens, holdout=args.holdout,
+                              temperature=args.temperature, loop_tokens=args.loop_tokens,
+                              epochs=args.epochs, max_minutes=minutes, save_every=200,
+                              warmup=0.01, max_prompts=args.max_prompts, device=args.device,
+                              resume=str(work / method) if args.resume else None, **extra)
             trainer = Trainer(cfg, loaded=loaded)
             head_dir = trainer.run()
         except Exception:  # the other head and the later phases still run
@@ -219,14 +224,17 @@ def main():
     ap.add_argument("--heads", default="eagle3,mtp")
     ap.add_argument("--deadline-s", type=float, default=1000,
                     help="the bench phase stops starting configurations this late")
-    ap.add_argument("--answer-tokens", type=int, default=512)
-    ap.add_argument("--samples", type=int, default=1)
+    ap.add_argument("--answer-tokens", type=int, default=384)
+    ap.add_argument("--samples", type=int, default=2)
+    ap.add_argument("--temperature", type=float, default=0.8, help="of the sampled answers")
+    ap.add_argument("--loop-tokens", type=int, default=64,
+                    help="answer tokens kept once an answer loops (-1: all)")
     ap.add_argument("--draft-vocab", type=int, default=8192)
     ap.add_argument("--epochs", type=float, default=30.0,
                     help="planned epochs (the time budget decides how many steps run)")
-    ap.add_argument("--eagle-minutes", type=float, default=6.0)
-    ap.add_argument("--mtp-minutes", type=float, default=3.0)
-    ap.add_argument("--max-regen-s", type=float, default=150,
+    ap.add_argument("--eagle-minutes", type=float, default=8.0)
+    ap.add_argument("--mtp-minutes", type=float, default=2.5)
+    ap.add_argument("--max-regen-s", type=float, default=330,
                     help="sampled answers only when greedy and sampled fit this")
     ap.add_argument("--lr-eagle", type=float, default=8e-4)
     ap.add_argument("--lr-mtp", type=float, default=5e-4)
@@ -240,12 +248,16 @@ def main():
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 32, 128])
     ap.add_argument("--kv-blocks", type=int, default=8192)
+    ap.add_argument("--resume", action="store_true",
+                    help="continue the heads in WORK (pass other --epochs for a new schedule)")
     ap.add_argument("--keep-answers", action="store_true",
                     help="write the self-distilled answers into OUT (gzip)")
     ap.add_argument("--eagle-ks", type=int, nargs="+", default=[1, 2, 3, 4, 5])
     ap.add_argument("--mtp-ks", type=int, nargs="+", default=[1, 2, 3])
     args = ap.parse_args()
     args.heads = args.heads.split(",")
+    if args.loop_tokens < 0:
+        args.loop_tokens = None
     Path(args.out).mkdir(parents=True, exist_ok=True)
     Path(args.work).mkdir(parents=True, exist_ok=True)
     from outpace.models.loader import load_model

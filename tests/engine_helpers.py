@@ -9,12 +9,13 @@ from outpace.engine.engine import LLMEngine
 _ids = itertools.count()
 
 
-def make_engine(loaded, **kwargs) -> LLMEngine:
-    """A fresh engine (own KV pool, scheduler) over an already loaded (model, cfg, tokenizer)."""
+def make_engine(loaded, model: str = "loaded", **kwargs) -> LLMEngine:
+    """A fresh engine (own KV pool, scheduler) over an already loaded (model, cfg, tokenizer);
+    `model`: the name it was loaded by (a catalog name finds its shipped draft heads)."""
     kwargs.setdefault("device", "cpu")
     kwargs.setdefault("dtype", "float32")
     kwargs.setdefault("num_kv_blocks", 400)
-    engine = LLMEngine.from_args("loaded", loaded=loaded, quiet=True, **kwargs)
+    engine = LLMEngine.from_args(model, loaded=loaded, quiet=True, **kwargs)
     _ENGINES.append(engine)
     return engine
 

@@ -199,7 +199,8 @@ def cmd_train_draft(a) -> int:
                       num_modules=a.num_modules, epochs=a.epochs, lr=a.lr, seed=a.seed,
                       device=a.device, batch_tokens=a.batch_tokens, max_len=a.max_len,
                       answer_tokens=a.answer_tokens, samples=a.samples,
-                      temperature=a.temperature, max_prompts=a.max_prompts, holdout=a.holdout,
+                      temperature=a.temperature, loop_tokens=None if a.loop_tokens < 0
+                      else a.loop_tokens, max_prompts=a.max_prompts, holdout=a.holdout,
                       save_every=a.save_every, data_cache=a.data_cache, resume=a.resume,
                       max_minutes=a.max_minutes, warmup=a.warmup, quiet=a.quiet)
     train_draft(cfg)
@@ -276,6 +277,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--samples", type=int, default=0,
                    help="sampled answers per prompt beside the greedy one")
     t.add_argument("--temperature", type=float, default=0.8, help="of the sampled answers")
+    t.add_argument("--loop-tokens", type=int, default=64,
+                   help="answer tokens kept once an answer starts repeating itself verbatim "
+                        "(-1: keep them all)")
     t.add_argument("--max-prompts", type=int, default=None, help="use the first N prompts")
     t.add_argument("--holdout", type=int, default=0,
                    help="hold the last N prompts out and report their TTT accuracy")

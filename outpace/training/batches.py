@@ -1,7 +1,9 @@
 """Training batches: conversations -> token sequences with a loss mask, grouped by length.
 
 A sequence is the chat-templated prompt followed by the target's answer; only answer tokens are
-predicted (the mask is 1 there). Sequences are sorted by length and cut into batches of at most
+predicted (the mask is 1 there). A small target's long greedy answers often end in a verbatim
+loop (the same span again and again); past `loop_tokens` tokens of it an answer is cut, so that
+copies, which a head learns at once, do not outweigh the text it must learn to predict. Sequences are sorted by length and cut into batches of at most
 `batch_tokens` padded tokens, so little of a batch is padding; each epoch visits the batches in
 an order drawn from (seed, epoch) alone, which is what makes a resumed run see exactly the batches
 an uninterrupted one would.
@@ -9,7 +11,9 @@ an uninterrupted one would.
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -20,12 +24,37 @@ class Sequence:
     answer_start: int  # ids[answer_start:] are the answer's
 
 
-def sequences_from_records(records: list, max_len: int) -> list:
-    """Self-distillation records -> [Sequence], each cut to max_len tokens; a record left with
+LOOP_SPAN = 32  # an answer loops from the first token at which a span this long repeats
+
+
+def loop_start(answer: list, span: int = LOOP_SPAN) -> Optional[int]:
+    """The index of the first token whose `span`-token run (answer[i:i + span]) already
+    appeared earlier in the answer, or None: from there on the answer copies itself."""
+    if len(answer) <= span:
+        return None
+    raw = array("q", answer).tobytes()
+    width = 8 * span
+    seen = set()
+    for i in range(len(answer) - span + 1):
+        key = raw[8 * i:8 * i + width]
+        if key in seen:
+            return i
+        seen.add(key)
+    return None
+
+
+def sequences_from_records(records: list, max_len: int,
+                           loop_tokens: Optional[int] = None) -> list:
+    """Self-distillation records -> [Sequence], each cut to max_len tokens, and an answer that
+    loops cut `loop_tokens` tokens after its loop starts (None: never); a record left with
     fewer than 2 answer tokens (nothing a head could learn from) is dropped."""
     out = []
     for r in records:
         prompt, answer = list(r["prompt_ids"]), list(r["answer_ids"])
+        if loop_tokens is not None:
+            start = loop_start(answer)
+            if start is not None:
+                answer = answer[:start + loop_tokens]
         ids = (prompt + answer)[:max_len]
         if len(ids) - len(prompt) >= 2:
             out.append(Sequence(ids=tuple(ids), answer_start=len(prompt)))

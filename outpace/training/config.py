@@ -16,7 +16,7 @@ EXPORT_DTYPES = ("bfloat16", "float16", "float32")
 # the run then continues, but no longer as the uninterrupted one would have.)
 TRAJECTORY = ("method", "draft_vocab", "ttt_steps", "num_modules", "mtp_mode", "batch_tokens",
               "max_len", "seed", "loss_decay", "answer_tokens", "samples", "temperature",
-              "top_p", "max_prompts", "holdout", "warm_start")
+              "top_p", "loop_tokens", "max_prompts", "holdout", "warm_start")
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,8 @@ class TrainConfig:
     seed: int = 0
     device: str = "auto"
     answer_tokens: int = 512  # max tokens of each self-distilled answer
+    # answer tokens kept once an answer starts repeating itself verbatim (None: all of them)
+    loop_tokens: Optional[int] = 64
     samples: int = 0  # sampled answers per prompt, beside the greedy one
     temperature: float = 0.8
     top_p: float = 0.95
@@ -89,6 +91,8 @@ class TrainConfig:
                 f"least one whole sequence), got {self.max_len} and {self.batch_tokens}")
         if self.answer_tokens < 1 or self.samples < 0:
             bad("--answer-tokens must be >= 1 and --samples >= 0")
+        if self.loop_tokens is not None and self.loop_tokens < 0:
+            bad(f"--loop-tokens must be >= 0, got {self.loop_tokens}")
         if self.samples and not (self.temperature > 0 and 0 < self.top_p <= 1):
             bad("sampled answers need --temperature > 0 and --top-p in (0, 1]")
         if self.max_prompts is not None and self.max_prompts < 1:

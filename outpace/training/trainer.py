@@ -40,9 +40,38 @@ from outpace.training.target_features import target_features
 from outpace.training.ttt import Eagle3Unroll, MTPUnroll, unroll
 
 DEFAULT_DRAFT_VOCAB = 8192
-# Steps timed before a --max-minutes budget sets the number of steps (the first ones include
-# kernel selection and allocator warm-up, so the estimate starts after them).
-_CALIBRATE_AFTER, _CALIBRATE_STEPS = 3, 8
+
+
+class TimeBudget:
+    """How many training steps fit `seconds`, estimated after every step from the steps timed
+    so far. A step's time follows its batch's sequence length, and batches come in random
+    order, so the estimate is kept up to date rather than fixed from the first few steps. The
+    first `skip` steps (kernel selection, allocator warm-up) are not timed."""
+
+    def __init__(self, seconds: float, start_step: int, skip: int = 3, min_timed: int = 8,
+                 clock=time.perf_counter):
+        self.seconds, self.start_step, self.skip, self.min_timed = seconds, start_step, skip, \
+            min_timed
+        self.clock = clock
+        self.t0 = clock()
+        self.mark = None  # (time, step) once the untimed steps are done
+        self.estimates = 0
+        self.per_step = None
+
+    def total(self, step: int, planned: int):
+        """After `step` steps: the run's total under the budget (at most `planned`, at least
+        `step`), or None while too few steps are timed to say."""
+        now = self.clock()
+        if self.mark is None and step - self.start_step >= self.skip:
+            self.mark = (now, step)
+        if now - self.t0 >= self.seconds:
+            return step
+        if self.mark is None or step - self.mark[1] < self.min_timed:
+            return None
+        self.per_step = (now - self.mark[0]) / (step - self.mark[1])
+        self.estimates += 1
+        left = self.seconds - (now - self.t0)
+        return max(step, min(planned, step + int(left / self.per_step)))
 
 
 def lr_at(step: int, cfg: TrainConfig, total: int, warmup: int) -> float:
@@ -65,8 +94,13 @@ class Trainer:
         if self.out.exists() and not self.out.is_dir():
             raise ConfigError(f"--out {self.out} is a file; pass a folder for the draft head")
         self.device = torch.device(_resolve_device(cfg.device))
+        # the prompt file first: a bad one is an error before a model is loaded
+        prompts = read_prompts(cfg.data, limit=cfg.max_prompts)
+        if cfg.holdout >= len(prompts):
+            raise ConfigError(f"--holdout {cfg.holdout} leaves no training prompts of "
+                              f"{len(prompts)}")
         self._load_target(loaded)
-        self._load_data()
+        self._load_data(prompts)
         self._build_head()
         params = [p for p in self.head.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8,
@@ -90,12 +124,8 @@ class Trainer:
         for p in self.target.parameters():
             p.requires_grad_(False)
 
-    def _load_data(self) -> None:
+    def _load_data(self, prompts: list) -> None:
         cfg = self.cfg
-        prompts = read_prompts(cfg.data, limit=cfg.max_prompts)
-        if cfg.holdout >= len(prompts):
-            raise ConfigError(f"--holdout {cfg.holdout} leaves no training prompts of "
-                              f"{len(prompts)}")
         cache = Path(cfg.data_cache).expanduser() if cfg.data_cache else \
             self.out / "selfdistill.jsonl"
         records = regenerate(cfg.target, prompts, cache, loaded=(self.target, self.target_cfg,
@@ -107,9 +137,9 @@ class Trainer:
             torch.cuda.empty_cache()  # the engine's KV pool
         held = {p["id"] for p in prompts[len(prompts) - cfg.holdout:]} if cfg.holdout else set()
         train = [r for r in records if r["id"] not in held]
-        self.seqs = sequences_from_records(train, cfg.max_len)
+        self.seqs = sequences_from_records(train, cfg.max_len, cfg.loop_tokens)
         self.held_seqs = sequences_from_records([r for r in records if r["id"] in held],
-                                                cfg.max_len)
+                                                cfg.max_len, cfg.loop_tokens)
         if not self.seqs:
             raise ConfigError("no training sequence has two answer tokens or more; give more "
                               "prompts or a larger --answer-tokens")
@@ -279,11 +309,14 @@ class Trainer:
                    unit="step", file=sys.stderr, disable=cfg.quiet, dynamic_ncols=True,
                    mininterval=0.2 if sys.stderr.isatty() else 20)
         start = time.perf_counter()
-        calib_t0, ema, tok_s = None, None, 0.0
-        budget_s = cfg.max_minutes * 60 if cfg.max_minutes else None
+        ema, tok_s = None, 0.0
+        budget = TimeBudget(cfg.max_minutes * 60, self.step) if cfg.max_minutes else None
         first_step = self.step
-        stop = self.total if max_steps is None else min(self.total, self.step + max_steps)
-        while self.step < stop:
+
+        def stop_at() -> int:
+            return self.total if max_steps is None else min(self.total, first_step + max_steps)
+
+        while self.step < stop_at():
             t0 = time.perf_counter()
             rec = self.train_step()
             dt = time.perf_counter() - t0
@@ -291,21 +324,15 @@ class Trainer:
             ema = rec["acc"] if ema is None else [0.9 * e + 0.1 * a for e, a in zip(ema, rec["acc"])]
             if self.step % 10 == 0 or self.step == self.total:
                 self.history.append({k: rec[k] for k in ("step", "loss", "acc", "lr")})
-            done = self.step - first_step
-            if budget_s is not None:
-                if done == _CALIBRATE_AFTER:
-                    calib_t0 = time.perf_counter()
-                elif done == _CALIBRATE_AFTER + _CALIBRATE_STEPS:
-                    per = (time.perf_counter() - calib_t0) / _CALIBRATE_STEPS
-                    left = budget_s - (time.perf_counter() - start)
-                    fits = self.step + max(0, int(left / per))
-                    if fits < self.total:
-                        self.total = fits
-                        bar.total = fits
-                        self._log(f"--max-minutes {cfg.max_minutes}: {fits} steps fit "
-                                  f"({per * 1000:.0f} ms a step), of {self.planned} planned")
-                elif time.perf_counter() - start > budget_s * 1.05:
-                    self.total = self.step  # over budget (slower steps than measured)
+            if budget is not None:
+                fits = budget.total(self.step, self.planned)
+                if fits is not None and fits != self.total:
+                    if budget.estimates == 1:
+                        self._log(f"--max-minutes {cfg.max_minutes}: about {fits} steps fit "
+                                  f"({budget.per_step * 1000:.0f} ms a step), of "
+                                  f"{self.planned} planned")
+                    self.total = fits
+                    bar.total = fits
             bar.update(1)
             bar.set_postfix_str(f"loss {rec['loss']:.3f} acc "
                                 + "/".join(f"{a:.2f}" for a in ema)
@@ -313,7 +340,6 @@ class Trainer:
             if self.step % cfg.save_every == 0 and self.step < self.total:
                 save_checkpoint(ckpt_dir, self.step, self.head, self.optimizer, self._state(),
                                 cfg.keep_checkpoints)
-            stop = min(stop, self.total)  # a time budget may have shortened the run
         bar.close()
         save_checkpoint(ckpt_dir, self.step, self.head, self.optimizer, self._state(),
                         cfg.keep_checkpoints)

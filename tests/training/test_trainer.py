@@ -10,7 +10,7 @@ import torch
 
 from outpace.errors import ConfigError
 from outpace.training.config import TrainConfig
-from outpace.training.trainer import Trainer, lr_at
+from outpace.training.trainer import TimeBudget, Trainer, lr_at
 
 
 def _cfg(tiny_prompts, tmp_path, out, **kw):
@@ -110,3 +110,46 @@ def test_schedule_warms_up_then_decays_to_the_floor():
     assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
     assert all(a >= b for a, b in zip(lrs[9:], lrs[10:]))
     assert lrs[-1] == pytest.approx(0.1, abs=1e-3)
+
+
+class _Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_time_budget_follows_the_steps_actually_timed():
+    clock = _Clock()
+    b = TimeBudget(100.0, start_step=10, skip=2, min_timed=4, clock=clock)
+    step = 10
+    got = []
+    # two slow warm-up steps (untimed), then 1 s steps: 100 s hold ~ 2 + 10 s warm-up ... steps
+    for dt in [5.0, 5.0] + [1.0] * 6:
+        clock.now += dt
+        step += 1
+        got.append(b.total(step, planned=10_000))
+    assert got[:5] == [None] * 5  # warm-up, then fewer than 4 timed steps
+    # 6 timed steps at 1 s, 84 s left -> 84 more steps
+    assert got[-1] == step + 84 and b.per_step == pytest.approx(1.0)
+    # the steps slow down: the estimate follows them (planned caps it)
+    for _ in range(4):
+        clock.now += 5.0
+        step += 1
+    slower = b.total(step, planned=10_000)
+    assert step < slower < got[-1]
+    assert b.total(step, planned=step + 3) == step + 3
+    # past the budget: stop now
+    clock.now = 100.0
+    assert b.total(step + 1, planned=10_000) == step + 1
+
+
+def test_a_time_budget_ends_the_run_with_an_export(tiny_loaded, tiny_prompts, tmp_path):
+    tr = Trainer(_cfg(tiny_prompts, tmp_path, "b", epochs=1000, max_minutes=0.05),
+                 loaded=tiny_loaded)
+    assert tr.total == tr.planned
+    out = tr.run()
+    assert tr.step < tr.planned and tr.total == tr.step
+    info = json.loads((out / "training.json").read_text())
+    assert info["steps"] == tr.step and info["train_seconds"] < 10

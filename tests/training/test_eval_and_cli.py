@@ -1,0 +1,54 @@
+"""eval-draft through the engine (tiny target, a trained head), and the two commands' flags."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from outpace.entrypoints.cli import build_parser, main
+from outpace.training.config import TrainConfig
+from outpace.training.evaluate import eval_draft
+from outpace.training.trainer import Trainer
+
+
+def test_eval_draft_reports_chain_acceptance_per_k(tiny_loaded, tiny_prompts, tmp_path):
+    head = Trainer(TrainConfig(method="eagle3", target="tiny", data=str(tiny_prompts),
+                               out=str(tmp_path / "h"), draft_vocab=48, answer_tokens=24,
+                               batch_tokens=256, max_len=64, epochs=6, lr=3e-3, ttt_steps=3,
+                               quiet=True), loaded=tiny_loaded).run()
+    res = eval_draft("eagle3", str(head), "tiny", {"tiny": tiny_prompts}, ks=(1, 3),
+                     max_tokens=24, max_prompts=6, device="cpu", loaded=tiny_loaded,
+                     out_json=tmp_path / "e.json", out_png=tmp_path / "e.png", quiet=True)
+    assert json.loads((tmp_path / "e.json").read_text()) == json.loads(json.dumps(res))
+    rows = res["sets"]["tiny"]
+    assert set(rows) == {"1", "3"}
+    r3 = rows["3"]
+    per = r3["acceptance_per_position"]
+    assert len(per) == 3 and per == sorted(per, reverse=True)  # a chain: never rises
+    assert r3["mean_acceptance_length"] == pytest.approx(1 + sum(per), abs=1e-3)
+    assert r3["mean_acceptance_length"] > 1.5  # the trained head drafts the tiny loops
+    assert (tmp_path / "e.png").stat().st_size > 1000
+
+
+def test_train_draft_flags_reach_the_config():
+    a = build_parser().parse_args(["train-draft", "--method", "mtp", "--data", "d.jsonl",
+                                   "--out", "o", "--num-modules", "2", "--epochs", "3",
+                                   "--lr", "1e-4", "--resume", "o", "--device", "cpu",
+                                   "--max-minutes", "5"])
+    assert (a.method, a.num_modules, a.epochs, a.lr, a.resume, a.max_minutes) == \
+        ("mtp", 2, 3.0, 1e-4, "o", 5.0)
+    assert a.loop_tokens == 64  # answers are cut 64 tokens into a loop unless told otherwise
+    keep = build_parser().parse_args(["train-draft", "--method", "eagle3", "--data", "d.jsonl",
+                                      "--out", "o", "--loop-tokens", "-1"])
+    assert keep.loop_tokens == -1
+    e = build_parser().parse_args(["eval-draft", "--method", "eagle3", "--prompts",
+                                   "mt=a.jsonl", "b.jsonl", "--k", "1", "5"])
+    assert e.prompts == ["mt=a.jsonl", "b.jsonl"] and e.k == [1, 5] and e.draft is None
+
+
+def test_train_draft_with_a_missing_prompt_file_fails_fast(tmp_path, capsys):
+    rc = main(["train-draft", "--method", "eagle3", "--data", str(tmp_path / "none.jsonl"),
+               "--out", str(tmp_path / "o"), "--quiet"])
+    assert rc == 2
+    assert "does not exist" in capsys.readouterr().err

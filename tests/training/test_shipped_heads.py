@@ -1,0 +1,88 @@
+"""The heads shipped for the default model: found without a draft path, an error naming
+train-draft for other targets, and on the real model (CPU fp32) lossless with a real
+acceptance floor, so a broken or random head fails here."""
+
+from __future__ import annotations
+
+import pytest
+
+from outpace import SamplingParams
+from outpace.entrypoints.cli import build_parser, engine_kwargs
+from outpace.errors import ConfigError
+from outpace.models.shipped_heads import (HEADS_DIR, SHIPPED, catalog_name_of, shipped_head,
+                                          with_shipped_head)
+from tests.engine_helpers import chat_ids, make_engine, run_batch_outputs
+
+# The shipped heads reach a mean acceptance length of 2.06 (EAGLE-3, k = 5) and 1.48 (MTP,
+# k = 3) on 80 MT-bench prompts x 256 tokens (docs/performance.md), 1.62 and 1.22 on this test's
+# three prompts x 48 tokens (CPU fp32); random heads reach ~1.0, so a broken head fails here.
+FLOOR = {"eagle3": 1.5, "mtp": 1.15}
+
+
+def test_every_shipped_head_is_in_the_package_and_small():
+    total = 0
+    for folder in SHIPPED.values():
+        d = HEADS_DIR / folder
+        assert (d / "config.json").is_file() and (d / "model.safetensors").is_file(), d
+        total += sum(f.stat().st_size for f in d.iterdir())
+    assert total <= 32 * 2**20  # the issue's cap on all shipped head files together
+
+
+def test_lookup_by_name_and_the_error_for_other_targets(tmp_path):
+    assert shipped_head("SmolLM2-135M", "eagle3") == HEADS_DIR / "smollm2-135m-eagle3"
+    assert shipped_head("smollm2-135m", "mtp") == HEADS_DIR / "smollm2-135m-mtp"
+    other = tmp_path / "model.gguf"
+    other.write_bytes(b"GGUF" + bytes(60))
+    assert catalog_name_of(other) is None and catalog_name_of(tmp_path / "nope") is None
+    with pytest.raises(ConfigError, match="outpace train-draft --method eagle3"):
+        with_shipped_head({"method": "eagle3"}, str(other))
+    # a draft path, or a model-free method, is left as given
+    assert with_shipped_head({"method": "eagle3", "model": "/d"}, str(other))["model"] == "/d"
+    assert with_shipped_head({"method": "ngram"}, str(other)) == {"method": "ngram"}
+    assert with_shipped_head(None, str(other)) is None
+
+
+def test_the_cli_leaves_the_draft_to_the_lookup():
+    kw = engine_kwargs(build_parser().parse_args(["generate", "hi", "--spec", "eagle3"]))
+    assert "model" not in kw["speculative_config"]
+    got = with_shipped_head(kw["speculative_config"], "smollm2-135m")
+    assert got["model"] == str(HEADS_DIR / "smollm2-135m-eagle3")
+
+
+@pytest.mark.slow
+def test_the_default_model_file_is_recognised(default_model_path):
+    assert catalog_name_of(default_model_path) == "smollm2-135m"
+    assert with_shipped_head({"method": "mtp"}, str(default_model_path))["model"] == \
+        str(HEADS_DIR / "smollm2-135m-mtp")
+
+
+MT_BENCH = ["Compose an engaging travel blog post about a recent trip to Hawaii, highlighting "
+            "cultural experiences and must-see attractions.",
+            "Draft a professional email seeking your supervisor's feedback on the 'Quarterly "
+            "Financial Report' you prepared. Ask specifically about the data analysis, "
+            "presentation style, and the clarity of conclusions drawn. Keep the email short "
+            "and to the point.",
+            "Imagine you are writing a blog post comparing two popular smartphone models. "
+            "Develop an outline for the blog post, including key points and subheadings to "
+            "effectively compare and contrast the features, performance, and user experience "
+            "of the two models. Please answer in fewer than 200 words."]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method,k", [("eagle3", 5), ("mtp", 3)])
+def test_shipped_head_is_lossless_and_reaches_its_acceptance_floor(loaded_default, method, k):
+    prompts = chat_ids(loaded_default[2], MT_BENCH)
+    params = SamplingParams(max_tokens=48, temperature=0.0)
+    plain = [o.token_ids for o in run_batch_outputs(make_engine(loaded_default), prompts,
+                                                    params)]
+    # the catalog name: the engine finds the shipped head itself
+    spec = make_engine(loaded_default, model="smollm2-135m",
+                       speculative_config={"method": method, "num_speculative_tokens": k})
+    assert spec.config.spec.model == str(HEADS_DIR / f"smollm2-135m-{method}")
+    outs = run_batch_outputs(spec, prompts, params)
+    assert [o.token_ids for o in outs] == plain
+    drafts = sum(o.spec_stats.num_drafts for o in outs)
+    accepted = sum(o.spec_stats.num_accepted_tokens for o in outs)
+    tau = 1 + accepted / drafts
+    print(f"\n{method} k={k}: mean acceptance length {tau:.3f} over {drafts} verify steps")
+    assert tau >= FLOOR[method], tau
