@@ -10,9 +10,9 @@ so that they may outlast one device call of 10 minutes):
           EAGLE-3 and for MTP (one module), each under its time budget, on answers cut
           --loop-tokens tokens after they start to loop. The heads (with their
           checkpoints and training.json) stay in WORK.
-  eval    `eval_draft` of both heads: chain acceptance per position and mean acceptance length
+  eval    `eval_draft` of both heads (WORK's, else the ones shipped for the target): chain acceptance per position and mean acceptance length
           for k = 1..7 on MT-bench and HumanEval (greedy, bf16, the engine's verify).
-  bench   tok/s side by side in one process: no speculation, EAGLE-3 k = 1..5, MTP k = 1..3
+  bench   tok/s side by side in one process (WORK's heads, else the shipped ones): no speculation, EAGLE-3 k = 1..5, MTP k = 1..3
           (trained heads, real acceptance), and EAGLE-3 k = 2 under force-accept 3 (synthetic),
           at batch 1, 32 and 128 on MT-bench prompts, 128 new tokens.
 """
@@ -119,12 +119,20 @@ def phase_train(args, loaded) -> dict:
     return report
 
 
+def head_dir(args, method: str):
+    """WORK/<method> when this recipe trained one there, else the head shipped for the target
+    (or None)."""
+    from outpace.models.shipped_heads import shipped_head
+    own = Path(args.work) / method
+    return own if (own / "config.json").is_file() else shipped_head(args.gguf, method)
+
+
 def phase_eval(args, loaded) -> dict:
     from outpace.training.evaluate import eval_draft
     out = {}
     for method in args.heads:
-        head = Path(args.work) / method
-        if not (head / "config.json").is_file():
+        head = head_dir(args, method)
+        if head is None:
             continue
         res = eval_draft(method, str(head), args.gguf,
                          {"mtbench": PROMPTS / "mtbench.jsonl",
@@ -166,19 +174,18 @@ def phase_bench(args, loaded) -> dict:
     mt = [prompt_ids(tok, p["prompt"]) for p in read_prompts(PROMPTS / "mtbench.jsonl")]
     sets = {1: mt[:args.b1_requests], 32: mt[:64], 128: (mt * 2)[:128]}
     sets = {b: ps for b, ps in sets.items() if b in args.batches}
-    work = Path(args.work)
+    heads = {m: head_dir(args, m) for m in ("eagle3", "mtp")}
     configs = [("no-spec", None)]
     for k in args.eagle_ks:
-        configs.append((f"eagle3-k{k}", {"method": "eagle3", "model": str(work / "eagle3"),
+        configs.append((f"eagle3-k{k}", {"method": "eagle3", "model": str(heads["eagle3"]),
                                          "num_speculative_tokens": k}))
     for k in args.mtp_ks:
-        configs.append((f"mtp-k{k}", {"method": "mtp", "model": str(work / "mtp"),
+        configs.append((f"mtp-k{k}", {"method": "mtp", "model": str(heads["mtp"]),
                                       "num_speculative_tokens": k}))
     configs.append(("eagle3-k2-force-accept3 (synthetic)",
-                    {"method": "eagle3", "model": str(work / "eagle3"),
+                    {"method": "eagle3", "model": str(heads["eagle3"]),
                      "num_speculative_tokens": 2, "force_accept_mean": 3.0}))
-    configs = [(n, c) for n, c in configs
-               if c is None or Path(c["model"]).joinpath("config.json").is_file()]
+    configs = [(n, c) for n, c in configs if c is None or heads[c["method"]] is not None]
     # process warm-up (lazy CUDA module loading, first kernel selections)
     eng = LLMEngine.from_args(args.gguf, loaded=loaded, device=args.device, dtype=args.dtype,
                               max_num_seqs=128, num_kv_blocks=args.kv_blocks,
