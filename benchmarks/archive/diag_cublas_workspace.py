@@ -26,7 +26,7 @@ CASES = ("nothing", "empty_cache", "clear_workspaces", "clear_workspaces_empty_c
 
 def child(case: str, big: bool) -> None:
     import torch
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     from benchmarks.bench_gpu import (_NullTokenizer, graph_ms, llama8b_shaped, run_engine,
                                       smollm2_shaped)
     from outpace.engine.engine import LLMEngine

@@ -26,8 +26,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.diag_step import launch_cost  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from benchmarks.archive.diag_step import launch_cost  # noqa: E402
 
 def capture(fn):
     for _ in range(2):

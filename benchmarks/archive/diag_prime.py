@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from benchmarks.bench_gpu import diag_setup, make_heads, run_engine, smol_configs  # noqa: E402
 from outpace.kernels import pdl  # noqa: E402
 

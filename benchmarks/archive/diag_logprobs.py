@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.diag_sampling import kernel_table, time_graph  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from benchmarks.archive.diag_sampling import kernel_table, time_graph  # noqa: E402
 
 VOCAB = 49152
 TOP = 20

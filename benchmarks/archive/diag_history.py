@@ -32,9 +32,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from benchmarks.bench_gpu import diag_setup, make_heads, run_engine  # noqa: E402
-from benchmarks.diag_step import profiled_requests, split_steps  # noqa: E402
+from benchmarks.archive.diag_step import profiled_requests, split_steps  # noqa: E402
 
 HISTORIES = {"b1_32": (1, 32), "b1_8_32": (1, 8, 32)}
 # More orders (--more): which part of the batch-8 warm-up moves the step, and whether

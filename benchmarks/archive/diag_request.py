@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from benchmarks.bench_gpu import diag_setup, make_heads, run_engine  # noqa: E402
 from benchmarks.bench_gpu import graph_ms as gpu_ms  # noqa: E402
 
@@ -80,7 +80,7 @@ def summarize(steps, total_us, graph_us):
 
 def device_gaps(eng, prompt, max_tokens, top: int = 15):
     """GPU idle gaps over one request (profiled): total busy / span, the largest gaps."""
-    from benchmarks.diag_step import profiled_requests
+    from benchmarks.archive.diag_step import profiled_requests
     evs = profiled_requests(eng, [prompt], max_tokens)
     if not evs:
         return {"error": "no device events"}
@@ -106,7 +106,7 @@ def prefill_phases(eng, prompts, reps: int = 3) -> dict:
     """Host us per phase of add_request and the engine step that runs a batch-1 prefill (no
     profiler: wrapped methods, nested ones counted in their callers too). FusedStep.collect
     waits for the prefill graph and its tail on the device."""
-    from benchmarks.diag_step import PhaseTimer
+    from benchmarks.archive.diag_step import PhaseTimer
     from outpace import SamplingParams
     from outpace.engine.engine import LLMEngine
     from outpace.runner.cuda_graph import GraphRunner

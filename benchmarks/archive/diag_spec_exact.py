@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from benchmarks.bench_gpu import diag_setup, make_heads  # noqa: E402
 
 KINDS = ("qkv", "attention", "o_proj", "gate_up", "down")
@@ -143,7 +143,7 @@ def main():
     args, loaded, prompts = diag_setup(20, extra=(("--prompts", "8"), ("--max-tokens", "64"),
                                                   ("--policy", "current")))
     import outpace.kernels.small_linear as sl
-    from benchmarks.diag_few_rows import policies
+    from benchmarks.archive.diag_few_rows import policies
     sl.choose_blocks = policies(sl.choose_blocks)[args.policy]
     from outpace import SamplingParams
     from outpace.engine.engine import LLMEngine

@@ -24,9 +24,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks import diag_l2_persist  # noqa: E402
-from benchmarks.diag_l2_persist import step_fn, step_weights  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from benchmarks.archive import diag_l2_persist  # noqa: E402
+from benchmarks.archive.diag_l2_persist import step_fn, step_weights  # noqa: E402
 from outpace.kernels.int8_linear import (  # noqa: E402
     int8_linear_ref, int8_linear_triton, quantize_int8_rows)
 from outpace.kernels.small_linear import Blocks, choose_blocks, small_linear_triton  # noqa: E402
