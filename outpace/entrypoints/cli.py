@@ -39,7 +39,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec", default=None, choices=["ngram", "suffix", "mtp", "eagle3"],
                    help="speculative decoding method")
     p.add_argument("--draft", default=None, help="draft head folder (mtp, eagle3)")
-    p.add_argument("--k", type=int, default=3, help="draft tokens per step")
+    p.add_argument("--k", type=int, default=None, help="draft tokens per step (default 3)")
     p.add_argument("--spec-option", action="append", default=[], metavar="KEY=VALUE",
                    help="extra speculative option (repeatable), e.g. force_accept_mean=3")
     p.add_argument("--quiet", action="store_true", help="no progress output")
@@ -56,8 +56,14 @@ def _parse_value(v: str):
 
 def engine_kwargs(a: argparse.Namespace) -> dict:
     spec = None
-    if a.spec:
-        spec = {"method": a.spec, "num_speculative_tokens": a.k}
+    if not a.spec:
+        given = [f for f, v in (("--draft", a.draft), ("--k", a.k),
+                                ("--spec-option", a.spec_option or None)) if v is not None]
+        if given:
+            raise OutpaceError(f"speculative options without --spec ({', '.join(given)}): add "
+                               f"--spec eagle3|mtp|ngram|suffix, or leave them out")
+    else:
+        spec = {"method": a.spec, "num_speculative_tokens": 3 if a.k is None else a.k}
         if a.draft:
             spec["model"] = a.draft
         for kv in a.spec_option:

@@ -30,6 +30,13 @@ def test_spec_options_are_parsed():
                                         "model": "/d", "force_accept_mean": 3, "x": True}
 
 
+def test_k_defaults_to_3_and_spec_flags_without_spec_are_errors():
+    assert _kwargs("--spec", "ngram")["speculative_config"]["num_speculative_tokens"] == 3
+    for argv in (["--k", "2"], ["--draft", "/d"], ["--spec-option", "adaptive=true"]):
+        with pytest.raises(OutpaceError, match="without --spec .*add --spec"):
+            _kwargs(*argv)
+
+
 def test_malformed_spec_option_is_a_clear_error():
     with pytest.raises(OutpaceError, match="KEY=VALUE"):
         _kwargs("--spec", "ngram", "--spec-option", "oops")
