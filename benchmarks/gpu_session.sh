@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One GPU call's work on the device machine (see ../shared/device/README.md): rebuild the staged
+# One GPU call's work on the device machine: rebuild the staged
 # model, install the carried gguf wheel, then run what is asked:
 #   bash benchmarks/gpu_session.sh tests            pytest tests/gpu
 #   bash benchmarks/gpu_session.sh bench SECTIONS   bench_gpu.py --sections SECTIONS

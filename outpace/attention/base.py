@@ -5,8 +5,9 @@ KV pool layout (one tensor for the target and every draft head):
     kv_cache[layer_slot, 0|1 (K|V), block_id, offset_in_block, kv_head, head_dim]
 
 Layer slots 0..L-1 are the target's layers; slots L.. are draft-head layers (the draft KV plane,
-DESIGN idea 1), addressed through the same block tables. Block 0 is the null block: the block
-pool never hands it out, so padded rows (slot -1) may be written there and nothing reads it.
+docs/design.md, "Pool layout"), addressed through the same block tables. Block 0 is the null
+block: the block pool never hands it out, so padded rows (slot -1) may be written there and
+nothing reads it.
 
 A token's slot is `block_table[seq, pos // block_size] * block_size + pos % block_size`.
 Query token i of sequence s sits at position seq_lens[s] - q_len(s) + i and attends to every

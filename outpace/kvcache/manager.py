@@ -1,21 +1,24 @@
 """Per-request block tables over the shared block pool, with prefix caching and lookahead.
 
 One block table per request serves the target and every draft-head layer slot (the draft KV
-plane, DESIGN idea 1), so this manager knows nothing about layers. For one request:
+plane: docs/design.md, "Pool layout"), so this manager knows nothing about layers. For one
+request:
 
     positions   0 ......... bs-1 | bs ....... 2bs-1 | 2bs ..... c-1 c ........ c+n-1 | ...+L
     blocks      [ cached, shared ]  [ cached, shared ] [ own, partially full           ]
                  ^ prefix hit (touched)                 ^ allocate_slots: computed c, n new,
-                                                          L lookahead (draft KV, DESIGN idea 3)
+                                                          L lookahead (draft KV; docs/design.md,
+                                                          "Scheduling and lookahead reservation")
 
 cache_committed() hashes a block once all its tokens are committed and their KV is written
 (prompt tokens and accepted outputs, never unverified drafts), so a block the runner may still
 overwrite (a rejected draft's slot) is never findable by another request.
 
-Prefix-cache trim (DESIGN idea 4): with a draft KV plane, the last draft entry of a matched block
-depends on the first token of the next block, which its hash does not fix. With
-`trim_last_matched_block` the last matched block of a hit is not inherited but recomputed; the
-entries of the blocks before it are fixed by the next block's hash, which did match.
+Prefix-cache trim (docs/design.md, "Prefix caching"): with a draft KV plane, the last draft
+entry of a matched block depends on the first token of the next block, which its hash does not
+fix. With `trim_last_matched_block` the last matched block of a hit is not inherited but
+recomputed; the entries of the blocks before it are fixed by the next block's hash, which did
+match.
 """
 
 from __future__ import annotations

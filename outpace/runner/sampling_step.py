@@ -13,9 +13,10 @@ position is judged by exactly the distribution a non-speculative step would samp
                   for the same seed, and a draft d is accepted with probability p(d), as
                   rejection sampling against a deterministic drafter would
 
-Relaxed acceptance (opt-in, lossy, DESIGN idea 7): with `relaxed` set, a draft inside a thinking
-span (per-request ThinkingSpanTracker over the committed tokens and the drafts before it) is also
-accepted when relaxed_accept_batched passes it; outside a span verification stays exact.
+Relaxed acceptance (opt-in, lossy; docs/design.md, "Verification and exactness"): with `relaxed`
+set, a draft inside a thinking span (per-request ThinkingSpanTracker over the committed tokens
+and the drafts before it) is also accepted when relaxed_accept_batched passes it; outside a span
+verification stays exact.
 """
 
 from __future__ import annotations

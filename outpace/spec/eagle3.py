@@ -1,8 +1,9 @@
 """EAGLE-3 proposer: fuse three captured target layers, then chain-draft with one layer.
 
 The target exposes the residual stream after layers (1, L/2-1, L-4) (or the head config's ids)
-for every row of the step; `fc` fuses them into the head's input hidden (DESIGN idea 6). Drafts
-come from the head's reduced vocabulary, mapped to target ids by `d2t`.
+for every row of the step; `fc` fuses them into the head's input hidden (docs/design.md,
+"EAGLE-3 feature capture"). Drafts come from the head's reduced vocabulary, mapped to target ids
+by `d2t`.
 """
 
 from __future__ import annotations

@@ -42,7 +42,8 @@ def build_proposer(spec: SpecConfig, target, model_cfg, runner_cfg):
         raise ConfigError(f"unknown speculative method {spec.method!r}")
     p.k = spec.num_speculative_tokens
     p.options = opts
-    # Lookahead (DESIGN idea 3): a head's draft loop writes draft KV up to k-1 positions past
-    # the verify block; model-free drafters write nothing.
+    # Lookahead (docs/design.md, "Scheduling and lookahead reservation"): a head's draft loop
+    # writes draft KV up to k-1 positions past the verify block; model-free drafters write
+    # nothing.
     p.num_lookahead_tokens = max(0, spec.num_speculative_tokens - 1) if p.num_kv_layers else 0
     return p

@@ -1,7 +1,7 @@
 """Chain drafting with a one-layer head whose KV lives in the target's pool (EAGLE-3, MTP).
 
-Roll-by-one (DESIGN idea 2): the draft KV entry at position q is computed from the target's
-hidden at q and the token at q+1. Each step has two phases:
+Roll-by-one (docs/design.md, "Roll-by-one"): the draft KV entry at position q is computed from
+the target's hidden at q and the token at q+1. Each step has two phases:
 
   first pass   the head runs over *every* target row of the step (prefill chunks and verify
                blocks alike), with input token = token at position+1. Rows whose next token is
@@ -11,7 +11,8 @@ hidden at q and the token at q+1. Each step has two phases:
                f-2 predicts draft 1 (the token at f). Draft step j >= 1 runs one row at
                position f-2+j with the head's previous output as hidden and draft j as token,
                and predicts draft j+1. It writes draft KV up to f+k-3 = p+a+k-1 <= p+2k-1,
-               the lookahead the scheduler reserved (DESIGN idea 3).
+               the lookahead the scheduler reserved (docs/design.md, "Scheduling and
+               lookahead reservation").
 
     positions:  ... f-3  f-2 | f-1      f       f+1 ...
     tokens:     ...  c    c  |  x(c)   d1      d2
@@ -20,7 +21,8 @@ hidden at q and the token at q+1. Each step has two phases:
 
 The invariant "entries below the first row of a step are exact" holds by induction, which is
 why a rejected draft needs no rewind. The draft loop uses its own input buffers, so nothing the
-target's step shares is touched (DESIGN idea 8).
+target's step shares is touched (docs/design.md, "The draft phase leaves the target's step
+alone").
 """
 
 from __future__ import annotations

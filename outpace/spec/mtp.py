@@ -4,7 +4,8 @@ Two modes:
   eagle   (default with one module, or mtp_mode="eagle"): module 0 applied k times, chained
           exactly like an EAGLE head (see head_proposer.py).
   depths  (mtp_mode="depths", D modules): depth d uses module d, over the frontier-anchored
-          window of DESIGN idea 5 (see mtp_window.py).
+          window (see mtp_window.py; docs/design.md, "MTP: eagle mode and the
+          frontier-anchored window").
 """
 
 from __future__ import annotations

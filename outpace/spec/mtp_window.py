@@ -1,4 +1,5 @@
-"""MTP "depths" mode: module d drafts token d+1, over a frontier-anchored window (DESIGN idea 5).
+"""MTP "depths" mode: module d drafts token d+1, over a frontier-anchored window (docs/design.md,
+"MTP: eagle mode and the frontier-anchored window").
 
 Module d (0-based) at position i reads h^d_i (h^0 = the target's hidden at i) and the token
 t[i+d+1]; its output h^{d+1}_i predicts t[i+d+2]. With f committed tokens (t[0..f-1]; target

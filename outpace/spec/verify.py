@@ -1,4 +1,4 @@
-"""Draft verification (DESIGN idea 7, vLLM's vocabulary).
+"""Draft verification (docs/design.md, "Verification and exactness"; vLLM's vocabulary).
 
 One verify step of a request with k drafts d_0..d_{k-1} scores k+1 target positions: position i
 holds the target's distribution for the token after d_{i-1} (position 0: after the committed

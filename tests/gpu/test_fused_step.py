@@ -5,8 +5,9 @@ forward + verify/accept + the head's draft loop.
   EAGLE-3 and MTP drafting (tiny random target, fp32, so rounding can't differ by path), and
   the CUDA engine the same tokens as the CPU engine;
 * after warm-up, decode steps run under torch.cuda.set_sync_debug_mode("error"): nothing between
-  a step's start and its one output copy waits for the GPU (DESIGN idea 9), with and without
-  overlap (steps launched from their predecessor's outputs before those are read).
+  a step's start and its one output copy waits for the GPU (docs/design.md, "Overlap and no
+  host syncs"), with and without overlap (steps launched from their predecessor's outputs
+  before those are read).
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ beside requests that don't, greedy, sampled, masked and penalized.
 * graph replay gives the eager CUDA engine's tokens, and the CPU engine's (tiny fp32 target),
   with their logprobs to float32 rounding, chained, relaunched or step by step; a lone
   request's prefill launched like a decode step (its family's prefill tail) too;
-* logprobs decode steps do not sync with the host (DESIGN idea 9).
+* logprobs decode steps do not sync with the host (docs/design.md, "Overlap and no host
+  syncs").
 """
 
 from __future__ import annotations

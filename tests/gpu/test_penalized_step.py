@@ -5,8 +5,8 @@ presence penalties, greedy and sampled, with masks or not, beside requests witho
   chained, relaunched or launched step by step;
 * a request's output is the same with and without speculation (a verify row counts the drafts
   before it);
-* penalized decode steps do not sync with the host (DESIGN idea 9), the steps launched from the
-  host (which fill the tables) included.
+* penalized decode steps do not sync with the host (docs/design.md, "Overlap and no host
+  syncs"), the steps launched from the host (which fill the tables) included.
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ sample/race.py): temperature, top-k, top-p and min-p requests, seeded or not, be
 * graph replay gives the eager engine's tokens, and the CPU engine's (tiny fp32 target);
 * a request's output is the same with and without speculation (the race keys each token by
   seed and position; drafts are verified against it);
-* sampled decode steps do not sync with the host (DESIGN idea 9), chained or not.
+* sampled decode steps do not sync with the host (docs/design.md, "Overlap and no host
+  syncs"), chained or not.
 """
 
 from __future__ import annotations

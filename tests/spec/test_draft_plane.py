@@ -11,8 +11,9 @@ against oracles recomputed from scratch:
   enhancer), chunked prefill, prefix-cache hits (trimmed last block) and preemption.
 
 Also: the draft phase leaves the target's inputs and metadata untouched, even when the head
-raises (DESIGN idea 8); a raising drafter never takes the engine down; lookahead reservation
-keeps every draft write inside the request's own blocks; relaxed acceptance in thinking spans.
+raises (docs/design.md, "The draft phase leaves the target's step alone"); a raising drafter
+never takes the engine down; lookahead reservation keeps every draft write inside the request's
+own blocks; relaxed acceptance in thinking spans.
 """
 
 from __future__ import annotations
@@ -155,7 +156,8 @@ def aligned_pair():
 
 def test_prefix_hit_recomputes_the_last_matched_block(tiny_loaded, tiny_heads):
     """B matches A's blocks 0..2; block 2's last draft entry was computed from A's token 12,
-    so B must not inherit it (idea 4's trim): its own entry at 11 uses its own token 12."""
+    so B must not inherit it (the trim, docs/design.md "Prefix caching"): its own entry at 11
+    uses its own token 12."""
     a, b = aligned_pair()
     checker = PlaneChecker(tiny_loaded)
     run = run_waves(tiny_loaded, [[a], [b]], GREEDY, after_step=checker,
@@ -180,7 +182,7 @@ def test_prefix_hit_through_a_block_with_another_successor(tiny_loaded, tiny_hea
     assert not checker.failures, checker.failures[0]
 
 
-# ---- DESIGN idea 8: the draft phase leaves the target's step state alone --------------------
+# ---- docs/design.md, "The draft phase leaves the target's step alone" ------------------------
 
 
 def target_state(runner, batch):
@@ -289,7 +291,7 @@ def test_model_free_drafter_that_raises_does_not_kill_the_engine(tiny_loaded, ca
     assert sum(DRAFTER_RAISED in r.getMessage() for r in caplog.records) == 1
 
 
-# ---- DESIGN idea 3: lookahead reservation ------------------------------------------------------
+# ---- docs/design.md, "Scheduling and lookahead reservation" ----------------------------------
 
 
 class WriteChecker:
