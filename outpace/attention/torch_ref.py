@@ -4,7 +4,10 @@ It is the oracle the Triton kernels are compared with, and the CPU engine's back
 the host mirrors of the metadata, so it is not graph-capturable.
 
 On CPU a step where every sequence has one query token (plain decode) takes a batched path
-(see DecodePlan): a decode step is hundreds of tiny ops, so their count is what costs.
+(see DecodePlan): a decode step is hundreds of tiny ops, so their count is what costs. So does
+a step of one sequence with a few query tokens (a verify step at batch 1, the draft head's
+first pass over it): one 4-D SDPA (the flash kernel) with a causal mask made once per step,
+where the general path builds the mask in every layer and takes SDPA's slower math kernel.
 """
 
 from __future__ import annotations
@@ -57,6 +60,10 @@ class DecodePlan:
       mask       [B, 1, 1, kv_len] float, -inf past a shorter sequence's end (None: all equal)
       pad        [1, B, kv_len, 1, 1] bool, the same positions: their gathered K/V are zeroed
                  so that stale values there (even inf/nan) can't leak through 0 * x
+      q_len      query tokens per sequence: 1, or n > 1 for a single sequence (a verify step
+                 at batch 1); mask is then the causal
+                 [n * group, kv_len] float mask of the folded queries (row i * group + g:
+                 query i, position kv_len - n + i)
     """
 
     slots: torch.Tensor
@@ -65,15 +72,25 @@ class DecodePlan:
     kv_len: int
     mask: Optional[torch.Tensor] = None
     pad: Optional[torch.Tensor] = None
+    q_len: int = 1
 
 
-def make_decode_plan(meta: AttentionMetadata, block_size: int,
-                     dtype=torch.float32) -> Optional[DecodePlan]:
-    """A DecodePlan when every sequence has exactly one query token and the host mirrors are
-    there (the CPU engine's decode steps); None otherwise (prefill, verify, graph metadata).
-    dtype: the queries' (the mask's)."""
+# Single-sequence steps of at most this many query tokens take the DecodePlan path too (a
+# verify block, the draft head's first pass over it); longer ones (prefill chunks) the general.
+_FEW_QUERY_MAX = 16
+
+
+def make_decode_plan(meta: AttentionMetadata, block_size: int, dtype=torch.float32,
+                     group: int = 1) -> Optional[DecodePlan]:
+    """A DecodePlan when every sequence has exactly one query token, or when a single sequence
+    has a few (2.._FEW_QUERY_MAX), and the host mirrors are there (the
+    CPU engine's decode and batch-1 verify steps); None otherwise (prefill, batched verify,
+    graph metadata). dtype: the queries' (the mask's); group: query heads per KV head."""
     qsl, seq_lens = meta.query_start_loc_host, meta.seq_lens_host
     b = len(seq_lens)
+    if b == 1 and len(qsl) == 2 and qsl[0] == 0 and 1 < qsl[1] <= min(_FEW_QUERY_MAX,
+                                                                          seq_lens[0]):
+        return _few_query_plan(meta, block_size, dtype, group, qsl[1], seq_lens[0])
     if b == 0 or len(qsl) != b + 1 or qsl != list(range(b + 1)) or min(seq_lens) < 1:
         return None
     slots = meta.slot_mapping[:b]
@@ -96,6 +113,23 @@ def make_decode_plan(meta: AttentionMetadata, block_size: int,
     return plan
 
 
+def _few_query_plan(meta: AttentionMetadata, block_size: int, dtype, group: int, n: int,
+                    kv_len: int) -> Optional[DecodePlan]:
+    """make_decode_plan for one sequence of n > 1 query tokens: attention reads a view of the
+    pool when its blocks are consecutive, else gathers them (one copy a layer)."""
+    nb = (kv_len + block_size - 1) // block_size
+    table = meta.block_tables[0, :nb]
+    slots = meta.slot_mapping[:n]
+    slots = torch.where(slots < 0, NULL_BLOCK * block_size, slots)
+    # query i (position kv_len - n + i) sees kv j <= kv_len - n + i; rows i * group + g
+    mask = torch.zeros(n * group, kv_len, dtype=dtype, device=slots.device).masked_fill_(
+        ~causal_mask(n, kv_len, slots.device).repeat_interleave(group, 0), float("-inf"))
+    ids = table.tolist()  # sync-ok: a CPU tensor
+    if ids[0] != NULL_BLOCK and ids == list(range(ids[0], ids[0] + nb)):
+        return DecodePlan(slots, ids[0] * block_size, None, kv_len, mask=mask, q_len=n)
+    return DecodePlan(slots, None, table.long(), kv_len, mask=mask, q_len=n)
+
+
 class TorchRefBackend(AttentionBackend):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -108,7 +142,8 @@ class TorchRefBackend(AttentionBackend):
             # plan made at its first layer serves them all.
             if meta is not self._plan_meta:
                 self._plan_meta = meta
-                self._plan = make_decode_plan(meta, self.block_size, q.dtype)
+                self._plan = make_decode_plan(meta, self.block_size, q.dtype,
+                                              self.num_heads // self.num_kv_heads)
             if self._plan is not None:
                 return self.decode(layer, q, k, v, self._plan)
         return self.attend_each(layer, q, k, v, meta)
@@ -145,7 +180,8 @@ class TorchRefBackend(AttentionBackend):
         return out
 
     def decode(self, layer, q, k, v, plan: DecodePlan):
-        """One query token per sequence: q [B, Hq, D], k/v [B, Hkv, D] -> [B, Hq, D].
+        """One query token per sequence: q [B, Hq, D], k/v [B, Hkv, D] -> [B, Hq, D]; or one
+        sequence of plan.q_len tokens: q [n, Hq, D], k/v [n, Hkv, D] -> [n, Hq, D].
 
         Every sequence in one 4-D SDPA call (the CPU flash kernel reads the strided K/V views
         as they are), padded to the longest one; GQA folds each KV head's query group into
@@ -154,7 +190,7 @@ class TorchRefBackend(AttentionBackend):
         pool = self.kv_cache[layer].view(2, num_blocks * bs, hkv, d)  # [K|V, slot, Hkv, D]
         pool[0].index_copy_(0, plan.slots, k.to(pool.dtype))
         pool[1].index_copy_(0, plan.slots, v.to(pool.dtype))
-        b, n = q.shape[0], plan.kv_len
+        b, n = (q.shape[0] if plan.q_len == 1 else 1), plan.kv_len
         if plan.kv_start is not None:
             kv = pool[:, plan.kv_start:plan.kv_start + n].unsqueeze(1)  # [2, 1, L, Hkv, D]
         else:
@@ -165,6 +201,13 @@ class TorchRefBackend(AttentionBackend):
         if kv.dtype != q.dtype:
             kv = kv.to(q.dtype)
         ks, vs = kv[0].transpose(1, 2), kv[1].transpose(1, 2)  # [B, Hkv, L, D]
+        if plan.q_len > 1:  # one sequence, q [n, Hq, D]: fold (query, group) into one axis
+            hkv, group = self.num_kv_heads, self.num_heads // self.num_kv_heads
+            t = plan.q_len
+            qs = q.view(t, hkv, group, d).transpose(0, 1).reshape(1, hkv, t * group, d)
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=plan.mask,
+                                               scale=self.scale)  # [1, Hkv, n * group, D]
+            return o.view(hkv, t, group, d).transpose(0, 1).reshape(t, self.num_heads, d)
         qs = q.reshape(b, hkv, self.num_heads // hkv, d)  # [B, Hkv, group, D], a view here
         o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=plan.mask, scale=self.scale)
         return o.reshape(b, self.num_heads, d)

@@ -17,6 +17,10 @@ from outpace.models.weight_dtype import upcast_linear
 # Weight copies (see add_weight_copies_): one row uses the transposed copy where there is one;
 # more rows use the oneDNN-packed copy.
 _FEW_ROWS = 1
+# ... and fewer rows than this are padded with zero rows to it: oneDNN's packed kernel streams
+# the weight much more slowly for 2 or 3 rows than for 4, and a batch-1 verify step is k + 1
+# rows (docs/decisions.md, "CPU speculative step").
+_PAD_ROWS_TO = 4
 # Multi-token-query forwards of at most this many tokens run single-threaded on CPU (see
 # cpu_threads_for).
 _ONE_THREAD_MAX_TOKENS = 16
@@ -38,6 +42,11 @@ def linear(x: torch.Tensor, module: nn.Module, name: str, bias=None) -> torch.Te
     else:
         packed = copies.get(name + "_packed")
         if packed is not None:
+            m = x.shape[0]
+            if m < _PAD_ROWS_TO:
+                xp = x.new_zeros(_PAD_ROWS_TO, x.shape[1])
+                xp[:m] = x
+                return torch.ops.mkldnn._linear_pointwise(xp, packed, bias, "none", [], "")[:m]
             return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return upcast_linear(x, w, bias)
 
@@ -84,7 +93,7 @@ def add_weight_copies_(model: nn.Module, dtype: torch.dtype) -> None:
     weights (weight_dtype) the copies are fp32, so the CPU keeps fp32 speed but not bf16 memory."""
     for m in model.modules():
         for name in ("qkv_weight", "o_weight", "gate_up_weight", "down_weight",
-                     "lm_head_weight"):
+                     "lm_head_weight", "fc_weight", "eh_proj_weight"):  # (EAGLE-3's fc, MTP's eh_proj)
             p = getattr(m, name, None)
             if not isinstance(p, torch.Tensor) or p.dim() != 2 or p.is_cuda:
                 continue

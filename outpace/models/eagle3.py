@@ -39,6 +39,7 @@ from outpace.errors import ConfigError, ModelLoadError
 from outpace.kernels import head_input
 from outpace.kernels.argmax import argmax_rows
 from outpace.kernels.small_linear import small_linear
+from outpace.models.cpu_fast_paths import linear
 from outpace.models.llama import LlamaDecoderLayer, RMSNorm
 from outpace.models.rotary import RotaryEmbedding
 from outpace.models.weight_dtype import upcast_linear
@@ -163,8 +164,10 @@ class Eagle3Head(nn.Module):
         # reference: upcast_linear's F.linear. The few-row target writes the three side by
         # side already (no concatenation kernel then).
         joined = side_by_side(aux)
-        return small_linear(joined if joined is not None else torch.cat(aux, dim=-1),
-                            self.fc_weight)
+        x = joined if joined is not None else torch.cat(aux, dim=-1)
+        if x.is_cuda:
+            return small_linear(x, self.fc_weight)
+        return linear(x, self, "fc_weight")  # CPU: the fast weight copies, where there are
 
     def embed(self, input_ids: torch.Tensor,
               embed_fn: Optional[Callable] = None) -> torch.Tensor:
@@ -222,6 +225,7 @@ class Eagle3Head(nn.Module):
 
     def greedy_target_ids_normed(self, normed: torch.Tensor, also: tuple = ()) -> torch.Tensor:
         # the same from norm(hidden), with d2t added inside the argmax kernel (and the ids
-        # also written into `also`: argmax_rows)
-        return argmax_rows(upcast_linear(normed, self.lm_head_weight), offsets=self.d2t,
+        # also written into `also`: argmax_rows). linear: upcast_linear, or on CPU the fast
+        # weight copies where the proposer added them (cpu_fast_paths.add_weight_copies_)
+        return argmax_rows(linear(normed, self, "lm_head_weight"), offsets=self.d2t,
                            also=also)

@@ -25,7 +25,7 @@ from outpace.config import ModelConfig
 from outpace.kernels import head_input
 from outpace.models.llama import LlamaDecoderLayer, RMSNorm
 from outpace.models.rotary import RotaryEmbedding
-from outpace.models.weight_dtype import upcast_linear
+from outpace.models.cpu_fast_paths import linear
 
 
 class MTPModule(nn.Module):
@@ -71,7 +71,7 @@ class MTPHead(nn.Module):
         if x_in is None:
             emb = embed_fn(input_ids).to(hidden.dtype)
             x_in = torch.cat([m.enorm(emb), m.hnorm(hidden)], dim=-1)
-        x = upcast_linear(x_in, m.eh_proj_weight)
+        x = linear(x_in, m, "eh_proj_weight")  # upcast_linear, or a CPU fast copy
         cos_sin = self.rotary(positions)
         if m.layer.takes_few_rows(x):
             # draft steps have few rows: the target's few-row kernels (norms fused into the

@@ -36,6 +36,7 @@ from outpace.errors import ConfigError
 from outpace.kernels.argmax import argmax_rows
 from outpace.kernels.int8_linear import int8_linear, quantize_int8_rows
 from outpace.kernels.small_linear import SMALL_M_MAX
+from outpace.models.cpu_fast_paths import cpu_threads_for
 from outpace.runner.inputs import InputBuffers, build_host_batch
 from outpace.spec.base import DraftBatch, Proposer
 from outpace.spec.draft_length import DraftLengthPolicy
@@ -147,6 +148,12 @@ class HeadProposer(Proposer):
 
     # ---- the two phases -------------------------------------------------------------------
     def propose(self, batch: DraftBatch, k: list) -> list:
+        # On CPU a small step's drafting (the first pass over a verify block, one-row draft
+        # steps) runs on one thread, as the target's forward does (cpu_threads_for)
+        with cpu_threads_for(batch.positions, batch.meta.max_query_len):
+            return self._propose(batch, k)
+
+    def _propose(self, batch: DraftBatch, k: list) -> list:
         ctx = ForwardContext(self.runner.backend, batch.meta)
         h = self.step(self.first_hidden(batch), batch.next_token_ids, batch.positions, ctx)
         active = [i for i, ki in enumerate(k) if ki > 0 and batch.last_row[i] >= 0]

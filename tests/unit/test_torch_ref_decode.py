@@ -97,3 +97,42 @@ def test_decode_bfloat16_unequal_lengths():
     assert torch.isfinite(out_fast.float()).all()
     torch.testing.assert_close(out_fast.float(), out_general.float(), atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(pool_fast, pool_general, atol=0, rtol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("q_len,kv_len", [(2, 2), (2, 40), (3, 17), (5, 64), (16, 100)])
+@pytest.mark.parametrize("hkv,group,head_dim", [(3, 3, 64), (1, 4, 16)])
+def test_few_query_single_sequence_matches_general_path(q_len, kv_len, hkv, group, head_dim):
+    """A batch-1 verify block (2..16 query tokens of one sequence) takes the planned path:
+    causal within the block, the same outputs and KV writes as the general path."""
+    b = make_batch([(q_len, kv_len)], hkv, group, head_dim, torch.float32, "cpu",
+                   seed=q_len * 100 + kv_len + group)
+    plan = make_decode_plan(b.meta, 16, torch.float32, group)
+    assert plan is not None and plan.q_len == q_len
+    check(*run_both(b.q, b.k, b.v, b.kv_cache, b.meta, b.layer, hkv))
+
+
+@pytest.mark.parametrize("contiguous", [True, False])
+def test_few_query_reads_consecutive_blocks_in_place(contiguous):
+    g = torch.Generator().manual_seed(11)
+    hkv, group, d, bs, num_blocks, kv_len, n = 3, 3, 64, 16, 24, 40, 4
+    nb = (kv_len + bs - 1) // bs
+    blocks = list(range(5, 5 + nb)) if contiguous else [5 + 2 * i for i in range(nb)]
+    kv_cache = torch.randn(2, 2, num_blocks, bs, hkv, d, generator=g)
+    table = torch.zeros(1, 10, dtype=torch.int32)
+    table[0, :nb] = torch.tensor(blocks, dtype=torch.int32)
+    slots = [blocks[p // bs] * bs + p % bs for p in range(kv_len - n, kv_len)]
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots), query_start_loc=torch.tensor([0, n], dtype=torch.int32),
+        seq_lens=torch.tensor([kv_len], dtype=torch.int32), block_tables=table,
+        query_start_loc_host=[0, n], seq_lens_host=[kv_len], max_query_len=n,
+        max_seq_len=kv_len)
+    plan = make_decode_plan(meta, bs, torch.float32, group)
+    assert plan.q_len == n and (plan.kv_start is not None) == contiguous
+    qkv = torch.randn(n, hkv * (group + 2), d, generator=g)
+    q, k, v = qkv[:, :hkv * group], qkv[:, hkv * group:-hkv], qkv[:, -hkv:]
+    check(*run_both(q, k, v, kv_cache, meta, 1, hkv))
+
+
+def test_no_plan_past_the_few_query_bound():
+    b = make_batch([(17, 30)], 3, 3, 64, torch.float32, "cpu")
+    assert make_decode_plan(b.meta, 16) is None
