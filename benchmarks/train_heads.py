@@ -10,9 +10,11 @@ so that they may outlast one device call of 10 minutes):
           EAGLE-3 and for MTP (one module), each under its time budget, on answers cut
           --loop-tokens tokens after they start to loop. The heads (with their
           checkpoints and training.json) stay in WORK.
-  eval    `eval_draft` of both heads (WORK's, else the ones shipped for the target): chain acceptance per position and mean acceptance length
+  eval    `eval_draft` of both heads (WORK's, else the ones shipped for the target): chain
+          acceptance per position and mean acceptance length
           for k = 1..7 on MT-bench and HumanEval (greedy, bf16, the engine's verify).
-  bench   tok/s side by side in one process (WORK's heads, else the shipped ones): no speculation, EAGLE-3 k = 1..5, MTP k = 1..3
+  bench   tok/s side by side in one process (WORK's heads, else the shipped ones): no
+          speculation, EAGLE-3 k = 1..5, MTP k = 1..3
           (trained heads, real acceptance), and EAGLE-3 k = 2 under force-accept 3 (synthetic),
           at batch 1, 32 and 128 on MT-bench prompts, 128 new tokens.
 """

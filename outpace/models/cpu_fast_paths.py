@@ -93,7 +93,7 @@ def add_weight_copies_(model: nn.Module, dtype: torch.dtype) -> None:
     weights (weight_dtype) the copies are fp32, so the CPU keeps fp32 speed but not bf16 memory."""
     for m in model.modules():
         for name in ("qkv_weight", "o_weight", "gate_up_weight", "down_weight",
-                     "lm_head_weight", "fc_weight", "eh_proj_weight"):  # (EAGLE-3's fc, MTP's eh_proj)
+                     "lm_head_weight", "fc_weight", "eh_proj_weight"):  # fc: EAGLE-3; eh_proj: MTP
             p = getattr(m, name, None)
             if not isinstance(p, torch.Tensor) or p.dim() != 2 or p.is_cuda:
                 continue

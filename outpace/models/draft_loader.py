@@ -18,6 +18,7 @@ import torch
 
 from outpace.config import ModelConfig
 from outpace.errors import ConfigError, ModelLoadError
+from outpace.models.cpu_fast_paths import add_weight_copies_
 from outpace.models.eagle3 import Eagle3Config, Eagle3Head
 from outpace.models.mtp import MTPHead
 from outpace.models.weight_dtype import store_weights_in_
@@ -316,4 +317,7 @@ def load_draft_head(method: str, path: Union[str, Path], target_cfg: ModelConfig
     _copy_weights(head, tensors, path)
     if weight_dtype is not None and weight_dtype != dtype:
         store_weights_in_(head, weight_dtype)
+    if torch.device(device).type == "cpu":
+        # the target's CPU fast paths for the head's matrices too (as the model loader does)
+        add_weight_copies_(head, dtype)
     return head.eval()

@@ -226,6 +226,6 @@ class Eagle3Head(nn.Module):
     def greedy_target_ids_normed(self, normed: torch.Tensor, also: tuple = ()) -> torch.Tensor:
         # the same from norm(hidden), with d2t added inside the argmax kernel (and the ids
         # also written into `also`: argmax_rows). linear: upcast_linear, or on CPU the fast
-        # weight copies where the proposer added them (cpu_fast_paths.add_weight_copies_)
+        # weight copies that load_draft_head adds (cpu_fast_paths.add_weight_copies_)
         return argmax_rows(linear(normed, self, "lm_head_weight"), offsets=self.d2t,
                            also=also)

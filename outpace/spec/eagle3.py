@@ -8,9 +8,6 @@ by `d2t`.
 
 from __future__ import annotations
 
-import torch
-
-from outpace.models.cpu_fast_paths import add_weight_copies_
 from outpace.spec.head_proposer import HeadProposer
 
 
@@ -22,11 +19,6 @@ class Eagle3Proposer(HeadProposer):
                                     first_layer_slot=model_cfg.num_hidden_layers,
                                     dtype=runner_cfg.torch_dtype, device=runner_cfg.device,
                                     weight_dtype=runner_cfg.torch_weight_dtype)
-        if torch.device(runner_cfg.device).type == "cpu":
-            # the target's CPU fast paths for the head's projections, fc and LM head too
-            # (transposed copies for one row, oneDNN-packed for more), which F.linear on the
-            # row-major weights reads more slowly
-            add_weight_copies_(self.head, runner_cfg.torch_dtype)
         self.num_kv_layers = 1
         self.capture_layers = tuple(self.head.aux_layer_ids)
 

@@ -10,23 +10,16 @@ Two modes:
 
 from __future__ import annotations
 
-import torch
-
 from outpace.errors import ConfigError
-from outpace.models.cpu_fast_paths import add_weight_copies_
 from outpace.spec.head_proposer import HeadProposer
 
 
 def load_mtp_head(spec, model_cfg, runner_cfg):
     from outpace.models.draft_loader import load_draft_head
-    head = load_draft_head("mtp", spec.model, model_cfg,
+    return load_draft_head("mtp", spec.model, model_cfg,
                            first_layer_slot=model_cfg.num_hidden_layers,
                            dtype=runner_cfg.torch_dtype, device=runner_cfg.device,
                            weight_dtype=runner_cfg.torch_weight_dtype)
-    if torch.device(runner_cfg.device).type == "cpu":
-        # the target's CPU fast paths for the modules' projections (cpu_fast_paths.py)
-        add_weight_copies_(head, runner_cfg.torch_dtype)
-    return head
 
 
 class MTPEagleProposer(HeadProposer):

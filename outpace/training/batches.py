@@ -3,7 +3,8 @@
 A sequence is the chat-templated prompt followed by the target's answer; only answer tokens are
 predicted (the mask is 1 there). A small target's long greedy answers often end in a verbatim
 loop (the same span again and again); past `loop_tokens` tokens of it an answer is cut, so that
-copies, which a head learns at once, do not outweigh the text it must learn to predict. Sequences are sorted by length and cut into batches of at most
+copies, which a head learns at once, do not outweigh the text it must learn to predict.
+Sequences are sorted by length and cut into batches of at most
 `batch_tokens` padded tokens, so little of a batch is padding; each epoch visits the batches in
 an order drawn from (seed, epoch) alone, which is what makes a resumed run see exactly the batches
 an uninterrupted one would.

@@ -50,9 +50,8 @@ class TimeBudget:
 
     def __init__(self, seconds: float, start_step: int, skip: int = 3, min_timed: int = 8,
                  clock=time.perf_counter):
-        self.seconds, self.start_step, self.skip, self.min_timed = seconds, start_step, skip, \
-            min_timed
-        self.clock = clock
+        self.seconds, self.start_step, self.clock = seconds, start_step, clock
+        self.skip, self.min_timed = skip, min_timed
         self.t0 = clock()
         self.mark = None  # (time, step) once the untimed steps are done
         self.estimates = 0

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from outpace.attention.base import ForwardContext
+from outpace.models.cpu_fast_paths import add_weight_copies_
 from outpace.models.draft_loader import load_draft_head
 from outpace.training.draft_vocab import choose_draft_vocab, count_tokens, coverage, draft_ids_of
 from outpace.training.heads import export_head, new_eagle3_head, new_mtp_head
@@ -83,6 +84,9 @@ def test_export_then_load_gives_the_same_outputs(tiny_loaded, tmp_path, method):
             p.add_(0.01 * torch.randn_like(p))
     out = export_head(head, tmp_path / method, torch.float32)
     loaded = load_draft_head(method, out, cfg, first_layer_slot=L)
+    # the loader gives a CPU head the target's fast weight copies; the same for the original,
+    # so both compute through the same kernels
+    add_weight_copies_(head, torch.float32)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, cfg.vocab_size, (6,), generator=g)
     hidden = torch.randn(6, cfg.hidden_size, generator=g)
