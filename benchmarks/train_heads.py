@@ -86,39 +86,80 @@ def phase_train(args, loaded) -> dict:
                                                  batch_tokens=args.batch_tokens)),
              "mtp": (args.mtp_minutes, dict(lr=args.lr_mtp,
                                             batch_tokens=args.batch_tokens // 2))}
+    runs = []  # (method, folder name, extra options)
     for method in args.heads:
+        if method == "eagle3" and len(args.aux_layers) > 1:
+            runs += [(method, "eagle3-" + "-".join(map(str, a)), {"aux_layers": a})
+                     for a in args.aux_layers]
+        elif method == "eagle3" and args.aux_layers:
+            runs.append((method, method, {"aux_layers": args.aux_layers[0]}))
+        else:
+            runs.append((method, method, {}))
+    for method, name, variant in runs:
         minutes, extra = plans[method]
+        extra = dict(extra, **variant)
         t = time.monotonic()
         trainer = None
         try:
             cfg = TrainConfig(method=method, target=args.gguf, data=str(DATA),
-                              out=str(work / method), data_cache=str(cache), samples=samples,
+                              out=str(work / name), data_cache=str(cache), samples=samples,
                               answer_tokens=args.answer_tokens, holdout=args.holdout,
                               temperature=args.temperature, loop_tokens=args.loop_tokens,
                               epochs=args.epochs, max_minutes=minutes, save_every=200,
                               warmup=0.01, max_prompts=args.max_prompts, device=args.device,
-                              resume=str(work / method) if args.resume else None, **extra)
+                              resume=str(work / name) if args.resume else None, **extra)
             trainer = Trainer(cfg, loaded=loaded)
             head_dir = trainer.run()
         except Exception:  # the other head and the later phases still run
             traceback.print_exc()
-            report[method] = {"error": traceback.format_exc(limit=3)}
+            report[name] = {"error": traceback.format_exc(limit=3)}
             continue
         finally:
             trainer = None
             empty_cache()
         info = json.loads((head_dir / "training.json").read_text())
-        report[method] = {k: info[k] for k in ("steps", "planned_steps", "train_seconds",
-                                               "sequences", "answer_tokens",
-                                               "draft_vocab_coverage", "coverage_by_size",
-                                               "holdout") if k in info}
-        report[method]["wall_s"] = round(time.monotonic() - t, 1)
-        log(f"{method}: {report[method]}")
-        dest = Path(args.out) / method
-        dest.mkdir(parents=True, exist_ok=True)
-        for f in ("config.json", "model.safetensors", "training.json"):
-            shutil.copy(head_dir / f, dest / f)
+        report[name] = {k: info[k] for k in ("steps", "planned_steps", "train_seconds",
+                                             "sequences", "answer_tokens",
+                                             "draft_vocab_coverage", "coverage_by_size",
+                                             "holdout") if k in info}
+        report[name]["wall_s"] = round(time.monotonic() - t, 1)
+        if name != method:  # a variant: its acceptance decides which one the later phases use
+            report[name]["mtbench"] = quick_eval(args, loaded, method, head_dir)
+        log(f"{name}: {report[name]}")
+        if name == method:
+            export(args, method, head_dir)
+    variants = {n: r["mtbench"]["mean_acceptance_length"] for n, r in report.items()
+                if isinstance(r, dict) and "mtbench" in r}
+    if variants:
+        best = max(variants, key=variants.get)
+        log(f"variants (MT-bench mean acceptance length at k = {args.variant_k}): {variants}; "
+            f"{best} goes on as {work / 'eagle3'}")
+        shutil.rmtree(work / "eagle3", ignore_errors=True)
+        shutil.copytree(work / best, work / "eagle3")
+        export(args, "eagle3", work / "eagle3")
+        report["variant_choice"] = {"k": args.variant_k, "mean_acceptance_length": variants,
+                                    "chosen": best}
     return report
+
+
+def export(args, method: str, head: Path) -> None:
+    """The head's files into OUT/<method> (they come back from the device machine)."""
+    dest = Path(args.out) / method
+    dest.mkdir(parents=True, exist_ok=True)
+    for f in ("config.json", "model.safetensors", "training.json"):
+        shutil.copy(head / f, dest / f)
+
+
+def quick_eval(args, loaded, method: str, head: Path) -> dict:
+    """Mean acceptance length at k = --variant-k on the first --variant-prompts MT-bench
+    prompts: what ranks the variants."""
+    from outpace.training.evaluate import eval_draft
+    res = eval_draft(method, str(head), args.gguf, {"mtbench": PROMPTS / "mtbench.jsonl"},
+                     ks=[args.variant_k], max_tokens=args.eval_tokens, device=args.device,
+                     max_prompts=args.variant_prompts, max_num_seqs=128, loaded=loaded,
+                     quiet=True)
+    empty_cache()
+    return res["sets"]["mtbench"][str(args.variant_k)]
 
 
 def head_dir(args, method: str):
@@ -261,10 +302,18 @@ def main():
                     help="continue the heads in WORK (pass other --epochs for a new schedule)")
     ap.add_argument("--keep-answers", action="store_true",
                     help="write the self-distilled answers into OUT (gzip)")
+    ap.add_argument("--aux-layers", nargs="+", default=[],
+                    help="EAGLE-3 aux layer sets, each I,J,K; with more than one, each trains "
+                         "under the same budget, the best by MT-bench acceptance goes on")
+    ap.add_argument("--variant-k", type=int, default=5)
+    ap.add_argument("--variant-prompts", type=int, default=80)
     ap.add_argument("--eagle-ks", type=int, nargs="+", default=[1, 2, 3, 4, 5])
     ap.add_argument("--mtp-ks", type=int, nargs="+", default=[1, 2, 3])
     args = ap.parse_args()
     args.heads = args.heads.split(",")
+    args.aux_layers = [tuple(int(i) for i in a.split(",")) for a in args.aux_layers]
+    if args.resume and len(args.aux_layers) > 1:
+        ap.error("--resume continues one head: pass one --aux-layers set (the head's)")
     if args.loop_tokens < 0:
         args.loop_tokens = None
     Path(args.out).mkdir(parents=True, exist_ok=True)

@@ -202,6 +202,7 @@ def cmd_train_draft(a) -> int:
     from outpace.training.trainer import train_draft
     cfg = TrainConfig(method=a.method, target=a.target, data=a.data, out=a.out,
                       draft_vocab=a.draft_vocab, ttt_steps=a.ttt_steps,
+                      aux_layers=tuple(a.aux_layers) if a.aux_layers else None,
                       num_modules=a.num_modules, epochs=a.epochs, lr=a.lr, seed=a.seed,
                       device=a.device, batch_tokens=a.batch_tokens, max_len=a.max_len,
                       answer_tokens=a.answer_tokens, samples=a.samples,
@@ -269,6 +270,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--draft-vocab", type=int, default=None,
                    help="EAGLE-3 draft vocabulary size (default 8192, or the target's if "
                    "smaller)")
+    t.add_argument("--aux-layers", type=int, nargs=3, default=None, metavar="I",
+                   help="EAGLE-3: the 3 target layers whose outputs the head fuses (default "
+                   "1, L/2-1, L-4)")
     t.add_argument("--ttt-steps", type=int, default=None,
                    help="training-time-test steps (default 7 for EAGLE-3, 3 for MTP)")
     t.add_argument("--num-modules", type=int, default=1,

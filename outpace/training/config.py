@@ -16,7 +16,7 @@ EXPORT_DTYPES = ("bfloat16", "float16", "float32")
 # the run then continues, but no longer as the uninterrupted one would have.)
 TRAJECTORY = ("method", "draft_vocab", "ttt_steps", "num_modules", "mtp_mode", "batch_tokens",
               "max_len", "seed", "loss_decay", "answer_tokens", "samples", "temperature",
-              "top_p", "loop_tokens", "max_prompts", "holdout", "warm_start")
+              "top_p", "loop_tokens", "max_prompts", "holdout", "warm_start", "aux_layers")
 
 
 @dataclass(frozen=True)
@@ -26,6 +26,8 @@ class TrainConfig:
     data: str  # training prompts (JSONL)
     out: str  # the exported head's folder (checkpoints and the answer cache inside it)
     draft_vocab: Optional[int] = None  # EAGLE-3: draft vocabulary size (None: 8192 or V)
+    # EAGLE-3: the 3 target layers whose output fc fuses (None: (1, L/2-1, L-4))
+    aux_layers: Optional[tuple] = None
     ttt_steps: Optional[int] = None  # training-time-test steps (None: 7 EAGLE-3, 3 MTP)
     num_modules: int = 1  # MTP modules; more than one trains depths mode
     epochs: float = 1.0
@@ -65,6 +67,15 @@ class TrainConfig:
             bad("--draft-vocab applies to EAGLE-3 only; MTP heads share the target's LM head")
         if self.draft_vocab is not None and self.draft_vocab < 1:
             bad(f"--draft-vocab must be >= 1, got {self.draft_vocab}")
+        if self.aux_layers is not None:
+            if self.method != "eagle3":
+                bad("--aux-layers applies to EAGLE-3 only (an MTP head reads the last hidden "
+                    "state)")
+            if len(self.aux_layers) != 3 or any(
+                    isinstance(i, bool) or not isinstance(i, int) or i < 0
+                    for i in self.aux_layers):
+                bad(f"--aux-layers takes 3 target layer indices >= 0 (fc fuses 3 hidden "
+                    f"states), got {list(self.aux_layers)}")
         if self.method == "eagle3" and self.num_modules != 1:
             bad(f"--num-modules applies to MTP only (an EAGLE-3 head has one layer), got "
                 f"{self.num_modules}")
@@ -122,4 +133,6 @@ class TrainConfig:
     def trajectory(self) -> dict:
         d = dataclasses.asdict(self)
         d["ttt_steps"], d["mtp_mode"] = self.steps, self.mtp_mode
+        if d["aux_layers"] is not None:  # a list once a checkpoint's JSON is read back
+            d["aux_layers"] = list(d["aux_layers"])
         return {k: d[k] for k in TRAJECTORY}

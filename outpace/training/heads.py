@@ -34,9 +34,10 @@ def fill_head_(head, tensors: dict) -> None:
 
 
 def new_eagle3_head(target, target_cfg, d2t: torch.Tensor, t2d: torch.Tensor, seed: int,
-                    device, warm_start: bool = True) -> Eagle3Head:
-    """An fp32 EAGLE-3 head over the draft vocabulary (d2t, t2d) for `target`."""
-    cfg = eagle3_config_for(target_cfg, d2t.numel())
+                    device, warm_start: bool = True, aux_layer_ids=None) -> Eagle3Head:
+    """An fp32 EAGLE-3 head over the draft vocabulary (d2t, t2d) for `target`, fusing the
+    output of target layers `aux_layer_ids` (None: the default ones)."""
+    cfg = eagle3_config_for(target_cfg, d2t.numel(), aux_layer_ids)
     head = Eagle3Head(cfg, target_cfg.num_hidden_layers, dtype=torch.float32, device=device)
     tensors = random_head_tensors(head, seed)
     tensors["d2t"], tensors["t2d"] = d2t.cpu(), t2d.cpu()

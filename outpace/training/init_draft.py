@@ -27,16 +27,23 @@ from outpace.models.mtp import MTPHead
 INIT_STD = 0.02
 
 
-def eagle3_config_for(target_cfg: ModelConfig, draft_vocab_size: Optional[int] = None
-                      ) -> Eagle3Config:
-    """An EAGLE-3 head shaped like one target layer, reading the default aux layers."""
+def eagle3_config_for(target_cfg: ModelConfig, draft_vocab_size: Optional[int] = None,
+                      aux_layer_ids: Optional[tuple] = None) -> Eagle3Config:
+    """An EAGLE-3 head shaped like one target layer, reading `aux_layer_ids` (the output of
+    those target layers; None: the default ones)."""
     v, n = target_cfg.vocab_size, target_cfg.num_hidden_layers
     dv = v if draft_vocab_size is None else int(draft_vocab_size)
     if not 1 <= dv <= v:
         raise ConfigError(f"draft_vocab_size must be in 1..{v} (the target vocabulary), got {dv}")
-    # Shallow targets (< 4 layers) can't have (1, L/2-1, L-4): clamp into range, written out
-    # explicitly in config.json so the loader reads the same ids.
-    aux = tuple(min(max(i, 0), n - 1) for i in default_aux_layer_ids(n))
+    if aux_layer_ids is not None:
+        aux = tuple(int(i) for i in aux_layer_ids)
+        if len(aux) != 3 or not all(0 <= i < n for i in aux):
+            raise ConfigError(f"aux layers {list(aux)}: an EAGLE-3 head fuses 3 of the "
+                              f"target's {n} layers, each in 0..{n - 1}")
+    else:
+        # Shallow targets (< 4 layers) can't have (1, L/2-1, L-4): clamp into range, written
+        # out explicitly in config.json so the loader reads the same ids.
+        aux = tuple(min(max(i, 0), n - 1) for i in default_aux_layer_ids(n))
     layer = ModelConfig(
         architecture="llama", vocab_size=v, hidden_size=target_cfg.hidden_size,
         intermediate_size=target_cfg.intermediate_size, num_hidden_layers=1,

@@ -165,7 +165,7 @@ class Trainer:
                                      for n in (1024, 2048, 4096, 8192, 16384, 32768)
                                      if n <= tcfg.vocab_size}
             self.head = new_eagle3_head(self.target, tcfg, d2t, t2d, cfg.seed, self.device,
-                                        cfg.warm_start)
+                                        cfg.warm_start, cfg.aux_layers)
             self.unroll = Eagle3Unroll(self.head, self.target.embed_weight)
             self.capture = tuple(self.head.aux_layer_ids)
         else:

@@ -86,10 +86,32 @@ def test_resume_refuses_other_options_and_missing_checkpoints(tiny_loaded, tiny_
     (dict(max_len=64, batch_tokens=32), "--batch-tokens >= --max-len"),
     (dict(samples=1, temperature=0.0), "sampled answers need --temperature > 0"),
     (dict(export_dtype="int4"), "--export-dtype must be one of"),
+    (dict(aux_layers=(0, 1)), "--aux-layers takes 3 target layer indices"),
+    (dict(aux_layers=(0, -1, 1)), "--aux-layers takes 3 target layer indices"),
+    (dict(method="mtp", draft_vocab=None, aux_layers=(0, 1, 1)),
+     "--aux-layers applies to EAGLE-3 only"),
 ])
 def test_bad_options_name_the_flag(tiny_prompts, tmp_path, kw, msg):
     with pytest.raises(ConfigError, match=msg):
         _cfg(tiny_prompts, tmp_path, "x", **kw)
+
+
+def test_aux_layers_reach_the_head_its_export_and_resume(tiny_loaded, tiny_prompts, tmp_path):
+    n = tiny_loaded[1].num_hidden_layers
+    last = (0, n // 2, n - 1)  # the last layer's output, which the default never reads
+    tr = Trainer(_cfg(tiny_prompts, tmp_path, "a", aux_layers=last), loaded=tiny_loaded)
+    assert tr.capture == last and tuple(tr.head.aux_layer_ids) == last
+    out = tr.run()
+    config = json.loads((out / "config.json").read_text())
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == list(last)
+    again = Trainer(_cfg(tiny_prompts, tmp_path, "a", aux_layers=last,
+                         resume=str(tmp_path / "a")), loaded=tiny_loaded)
+    assert again.step == tr.total
+    with pytest.raises(ConfigError, match="aux_layers"):
+        Trainer(_cfg(tiny_prompts, tmp_path, "a", resume=str(tmp_path / "a")),
+                loaded=tiny_loaded)
+    with pytest.raises(ConfigError, match=f"each in 0..{n - 1}"):
+        Trainer(_cfg(tiny_prompts, tmp_path, "b", aux_layers=(0, 1, n)), loaded=tiny_loaded)
 
 
 def test_bad_data_is_a_clear_error(tiny_loaded, tmp_path):
