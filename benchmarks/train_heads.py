@@ -13,6 +13,7 @@ so that they may outlast one device call of 10 minutes):
   eval    `eval_draft` of both heads (WORK's, else the ones shipped for the target): chain
           acceptance per position and mean acceptance length
           for k = 1..7 on MT-bench and HumanEval (greedy, bf16, the engine's verify).
+  profile where an EAGLE-3 training step's time goes (torch.profiler, --profile-steps)
   bench   tok/s side by side in one process (WORK's heads, else the shipped ones): no
           speculation, EAGLE-3 k = 1..5, MTP k = 1..3
           (trained heads, real acceptance), and EAGLE-3 k = 2 under force-accept 3 (synthetic),
@@ -162,6 +163,59 @@ def quick_eval(args, loaded, method: str, head: Path) -> dict:
     return res["sets"]["mtbench"][str(args.variant_k)]
 
 
+def phase_profile(args, loaded) -> dict:
+    """Where an EAGLE-3 training step's time goes: --profile-steps steps after as many warm-up
+    steps, under torch.profiler (kernel table in OUT/profile_eagle3.txt), and the mean wall time
+    of a step with and without the profiler. Uses WORK's cached answers (greedy only when the
+    train phase has not run)."""
+    from outpace.training.config import TrainConfig
+    from outpace.training.selfdistill import read_prompts, regenerate
+    from outpace.training.trainer import Trainer
+    work = Path(args.work)
+    cache = work / "selfdistill.jsonl"
+    prompts = read_prompts(DATA, limit=args.max_prompts)
+    regenerate(args.gguf, prompts, cache, loaded=loaded, device=args.device,
+               max_tokens=args.answer_tokens, samples=0, seed=0, temperature=args.temperature)
+    samples = args.samples if len(cache.read_text().splitlines()) > len(prompts) + 1 else 0
+    cfg = TrainConfig(method="eagle3", target=args.gguf, data=str(DATA),
+                      out=str(work / "profile"), data_cache=str(cache), samples=samples,
+                      answer_tokens=args.answer_tokens, holdout=args.holdout,
+                      temperature=args.temperature, loop_tokens=args.loop_tokens, epochs=1,
+                      max_prompts=args.max_prompts, device=args.device,
+                      draft_vocab=args.draft_vocab, lr=args.lr_eagle,
+                      batch_tokens=args.batch_tokens, quiet=True)
+    trainer = Trainer(cfg, loaded=loaded)
+    n = args.profile_steps
+
+    def timed() -> float:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(n):
+            trainer.train_step()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return (time.perf_counter() - t) / n
+
+    timed()  # warm-up
+    plain = timed()
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=acts) as prof:
+        profiled = timed()
+    key = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
+    table = prof.key_averages().table(sort_by=key, row_limit=60)
+    (Path(args.out) / "profile_eagle3.txt").write_text(
+        f"{n} steps of {args.batch_tokens} tokens: {plain * 1e3:.1f} ms a step "
+        f"({profiled * 1e3:.1f} under the profiler)\n\n{table}\n")
+    log(f"profile: {plain * 1e3:.1f} ms a step")
+    trainer = None
+    empty_cache()
+    return {"steps": n, "step_ms": round(plain * 1e3, 2),
+            "profiled_step_ms": round(profiled * 1e3, 2)}
+
+
 def head_dir(args, method: str):
     """WORK/<method> when this recipe trained one there, else the head shipped for the target
     (or None)."""
@@ -305,6 +359,8 @@ def main():
     ap.add_argument("--aux-layers", nargs="+", default=[],
                     help="EAGLE-3 aux layer sets, each I,J,K; with more than one, each trains "
                          "under the same budget, the best by MT-bench acceptance goes on")
+    ap.add_argument("--profile-steps", type=int, default=10,
+                    help="profile phase: steps timed (after as many warm-up steps)")
     ap.add_argument("--variant-k", type=int, default=5)
     ap.add_argument("--variant-prompts", type=int, default=80)
     ap.add_argument("--eagle-ks", type=int, nargs="+", default=[1, 2, 3, 4, 5])
@@ -324,7 +380,8 @@ def main():
                         device=torch.device(args.device), quiet=True)
     result = {"commit": git_commit(), "device": device_name(args.device), "torch": torch.__version__,
               "time": time.strftime("%Y-%m-%d %H:%M:%S"), "args": vars(args)}
-    phases = {"train": phase_train, "eval": phase_eval, "bench": phase_bench}
+    phases = {"train": phase_train, "eval": phase_eval, "bench": phase_bench,
+              "profile": phase_profile}
     for name in args.phases.split(","):
         log(f"phase {name}")
         result[name] = phases[name](args, loaded)
