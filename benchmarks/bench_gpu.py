@@ -488,7 +488,7 @@ def section_smol(args, results):
         run_engine(eng, prompts[:b if b > 1 else args.batch1_requests], b, args.max_tokens)
     del eng
     rows = results["smol"] = []  # filled configuration by configuration (save)
-    import outpace.kernels.small_linear_blocks as slb
+    import outpace.kernels.skinny_gemm.blocks as slb
     row_warps = dict(slb._ROW_WARPS)
     for name, spec in configs:
         slb._ROW_WARPS = ({m: v for m, v in row_warps.items() if m != 3}

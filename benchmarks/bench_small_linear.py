@@ -1,4 +1,4 @@
-"""Few-row linear kernels (outpace.kernels.small_linear) against torch on the GPU.
+"""Few-row linear kernels (outpace.kernels.skinny_gemm) against torch on the GPU.
 
     PYTHONPATH=$PWD python benchmarks/bench_small_linear.py --out $OUT [--total-s 50]
 
@@ -34,7 +34,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import device_name, print_table, write_result  # noqa: E402
 from outpace.kernels.norm import rms_norm  # noqa: E402
-from outpace.kernels.small_linear import (  # noqa: E402
+from outpace.kernels.skinny_gemm import (  # noqa: E402
     choose_blocks, norm_small_linear_ref, norm_small_linear_silu_mul_ref,
     norm_small_linear_silu_mul_triton, norm_small_linear_triton, silu_mul_ref, silu_mul_triton,
     small_linear_ref, small_linear_silu_mul_ref, small_linear_silu_mul_triton,

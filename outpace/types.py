@@ -82,7 +82,7 @@ class SamplingParams:
             if not is_num(v) or not -2.0 <= v <= 2.0:
                 bad(f"{name} must be in [-2, 2], got {v!r}")
         # signed or unsigned 64-bit, as the OpenAI server takes them (the race keys on the
-        # seed's 64 bits: sample/race.py)
+        # seed's 64 bits: sample/gumbel.py)
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
                                       or not -(1 << 63) <= self.seed < 1 << 64):
             bad(f"seed must fit in 64 bits (-2**63 .. 2**64 - 1), got {self.seed!r}")

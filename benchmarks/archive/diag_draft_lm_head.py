@@ -29,7 +29,7 @@ from benchmarks.archive import diag_l2_persist  # noqa: E402
 from benchmarks.archive.diag_l2_persist import step_fn, step_weights  # noqa: E402
 from outpace.kernels.int8_linear import (  # noqa: E402
     int8_linear_ref, int8_linear_triton, quantize_int8_rows)
-from outpace.kernels.small_linear import Blocks, choose_blocks, small_linear_triton  # noqa: E402
+from outpace.kernels.skinny_gemm import Blocks, choose_blocks, small_linear_triton  # noqa: E402
 
 DEV = "cuda"
 H = 576

@@ -27,7 +27,7 @@ def policies(orig):
     """name -> choose_blocks replacement (rows 2 .. 8 of small weights only). mMnNkKwW: the
     broadcast path with BLOCK_M, BLOCK_N, BLOCK_K (0: the whole row up to 2048, as choose_blocks
     takes it) and num_warps; dot: tl.dot as choose_blocks configures it."""
-    from outpace.kernels.small_linear_blocks import Blocks
+    from outpace.kernels.skinny_gemm.blocks import Blocks
 
     def few(m, n, k):
         return 2 <= m <= 8 and n <= 4096
@@ -109,7 +109,7 @@ def policies(orig):
 
     def constants(**values):
         # choose_blocks itself (uncached) with some of its module constants changed
-        import outpace.kernels.small_linear_blocks as sl
+        import outpace.kernels.skinny_gemm.blocks as sl
 
         def f(m, n, k, **kw):
             saved = {name: getattr(sl, name) for name in values}
@@ -126,7 +126,7 @@ def policies(orig):
         # a warp a row (small_linear_blocks.row_warps_blocks) at these row counts, for rows of
         # at most k_max columns and `only` these kinds of projection (None: all); block_m: rows a
         # program (0: all of them); warps: fewer warps than rows (each multiplies several)
-        from outpace.kernels.small_linear_blocks import row_warps_blocks
+        from outpace.kernels.skinny_gemm.blocks import row_warps_blocks
 
         def f(m, n, k, **kw):
             b = orig(m, n, k, **kw)
@@ -160,7 +160,7 @@ def policies(orig):
         # row (row_warps_blocks: each row reduced inside its own warp, in an order set by K
         # alone): 1 row a program at M = 1, 2 at M = 2, m3_rows at M = 3 (4: one program with a
         # padding warp; 1: three one-warp programs), 4 above; LM heads (tl.dot) as at one row
-        from outpace.kernels.small_linear_blocks import row_warps_blocks
+        from outpace.kernels.skinny_gemm.blocks import row_warps_blocks
 
         def f(m, n, k, **kw):
             if m > 16:
@@ -174,7 +174,7 @@ def policies(orig):
 
     def one_row_rw(base):
         # one-row launches of small weights a warp a row (one-warp programs), others as `base`
-        from outpace.kernels.small_linear_blocks import row_warps_blocks
+        from outpace.kernels.skinny_gemm.blocks import row_warps_blocks
 
         def f(m, n, k, **kw):
             b = base(m, n, k, **kw)
@@ -255,7 +255,7 @@ def main():
         # "cur" as the engine launches them, else SPLITS (a power of two) with "np" for the
         # variant that waits before its first load (no KV prefetch before the PDL wait)
         ("--head-attn", "cur")))
-    import outpace.kernels.small_linear as sl
+    import outpace.kernels.skinny_gemm as sl
     from outpace.engine.engine import LLMEngine
     eagle, _ = make_heads(args.gguf, tempfile.mkdtemp())
     engines = [("no-spec", None, 0)] + [

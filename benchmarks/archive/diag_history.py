@@ -69,7 +69,7 @@ MAX_TOKENS = 128
 
 def set_policy(name: str) -> None:
     """'old': the default few-row policy; 'rw3': 3 rows a warp a row, one row a program."""
-    import outpace.kernels.small_linear_blocks as slb
+    import outpace.kernels.skinny_gemm.blocks as slb
     slb._ROW_WARPS.pop(3, None)
     if name == "rw3":
         slb._ROW_WARPS[3] = slb.ROW_WARPS_3

@@ -91,7 +91,7 @@ def make_layers(n: int, gen: torch.Generator) -> list:
 
 
 def layer(x: torch.Tensor, p: dict) -> torch.Tensor:
-    from outpace.kernels.small_linear import (norm_small_linear, norm_small_linear_silu_mul,
+    from outpace.kernels.skinny_gemm import (norm_small_linear, norm_small_linear_silu_mul,
                                               small_linear)
     q = norm_small_linear(x, p["n1"], 1e-5, p["qkv"])
     h = small_linear(q[:, :H].contiguous(), p["o"], residual=x)
@@ -182,7 +182,7 @@ def gemv_times(g, reps: int = 20) -> list:
 
 
 def gemv_forms(vocab: int, reps: int) -> list:
-    from outpace.kernels.small_linear import small_linear
+    from outpace.kernels.skinny_gemm import small_linear
     gen = torch.Generator(device=DEV).manual_seed(1)
     w = (torch.randn(vocab, H, device=DEV, generator=gen) * 0.02).to(torch.bfloat16)
     wt = w.t().contiguous()

@@ -111,7 +111,7 @@ def prefill_phases(eng, prompts, reps: int = 3) -> dict:
     from outpace.engine.engine import LLMEngine
     from outpace.runner.cuda_graph import GraphRunner
     from outpace.runner.fused_step import FusedStep
-    from outpace.runner.inputs import InputBuffers, Segment
+    from outpace.attention.inputs import InputBuffers, Segment
     from outpace.scheduler.scheduler import Scheduler
     sp = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True,
                         output_kind="final_only", **PENALTIES)

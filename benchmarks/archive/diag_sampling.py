@@ -7,7 +7,7 @@ Variants, each 20 to a graph: `argmax` (a greedy graph's token), `race` (the noi
 alone), `temp_race` (what a sampled graph runs: the same with the temperature),
 `temp_minp_race` (and min-p: no sort), `full` (what a masked graph runs: temperature, top-k /
 top-p by the stable sort, min-p, the race), `sort` (the sort alone), `masked` (the same
-draw as `full` by kernels/masked_race.py, what a masked graph runs now), and top-k alone and
+draw as `full` by kernels/masked_gumbel.py, what a masked graph runs now), and top-k alone and
 top-k with top-p both ways; how many tokens the two ways share; then the kernel tables of one
 `full` and one `masked` replay. Writes $OUT/diag_sampling.json.
 """
@@ -31,7 +31,7 @@ VOCAB = 49152
 def variants(n: int):
     from outpace.kernels.argmax import argmax_rows
     from outpace.sample.logits_processing import apply_min_p, apply_sampling_params
-    from outpace.sample.race import masked_race_tokens, race_tokens
+    from outpace.sample.gumbel import masked_race_tokens, race_tokens
     g = torch.Generator(device=DEV).manual_seed(n)
     logits = torch.randn(n, VOCAB, device=DEV, generator=g) * 3
     temp = torch.full((n,), 0.8, device=DEV)
@@ -132,7 +132,7 @@ def main() -> None:
             for kname, count, us in table[:25]:
                 print(f"  {us:8.2f} us  x{count:<3d} {kname}", flush=True)
     if args.sweep:
-        from outpace.kernels import masked_race
+        from outpace.kernels import masked_gumbel as masked_race
         shapes = [(block, warps, masked_race.SPAN) for block, warps in
                   ((2048, 8), (2048, 16), (4096, 8), (4096, 16), (4096, 32), (8192, 16))]
         shapes += [(4096, 32, span) for span in (1, 2, 8)]

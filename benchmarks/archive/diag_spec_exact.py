@@ -142,7 +142,7 @@ def first_difference(a: Recording, b: Recording):
 def main():
     args, loaded, prompts = diag_setup(20, extra=(("--prompts", "8"), ("--max-tokens", "64"),
                                                   ("--policy", "current")))
-    import outpace.kernels.small_linear as sl
+    import outpace.kernels.skinny_gemm as sl
     from benchmarks.archive.diag_few_rows import policies
     sl.choose_blocks = policies(sl.choose_blocks)[args.policy]
     from outpace import SamplingParams

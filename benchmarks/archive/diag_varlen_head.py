@@ -32,7 +32,7 @@ def first_step_phases(eng, prompts, batch: int, reps: int = 3) -> dict:
     from outpace.runner.cuda_graph import GraphRunner
     from outpace.runner.model_runner import ModelRunner
     from outpace.runner.sampling_step import SamplingStep
-    from outpace.spec.head_proposer import HeadProposer
+    from outpace.speculative.head_proposer import HeadProposer
     sp = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True,
                         output_kind="final_only")
     proposer = eng.runner.proposer

@@ -1,4 +1,4 @@
-"""An experiment for the few-row projections (kernels/small_linear.py) at 2-3 rows, on the GPU:
+"""An experiment for the few-row projections (kernels/skinny_gemm/) at 2-3 rows, on the GPU:
 can one program take every row, with each warp owning whole output columns?
 
 Why: in the k = 2 verify step a target layer at 3 rows costs 4.8 us more than at one row on the
@@ -87,7 +87,7 @@ def main():
     ap.add_argument("--out", default="/tmp/out")
     args = ap.parse_args()
     from benchmarks.bench_small_linear import SMOL, Weights, max_err, time_graph, x_of
-    from outpace.kernels.small_linear import choose_blocks, small_linear_triton
+    from outpace.kernels.skinny_gemm import choose_blocks, small_linear_triton
     rows = []
     for layer in ("qkv", "o", "gate_up", "down"):
         n, k = SMOL[layer]

@@ -19,15 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from outpace.attention.base import NULL_BLOCK, AttentionBackend, AttentionMetadata
-
-
-def store_kv(kv_cache: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Write k/v [T, Hkv, D] at slot_mapping [T]; slot -1 (padding) lands in the null block."""
-    _, _, num_blocks, block_size, hkv, d = kv_cache.shape
-    slots = torch.where(slot_mapping < 0, NULL_BLOCK * block_size, slot_mapping)
-    kv_cache[layer, 0].view(num_blocks * block_size, hkv, d).index_copy_(0, slots, k.to(kv_cache.dtype))
-    kv_cache[layer, 1].view(num_blocks * block_size, hkv, d).index_copy_(0, slots, v.to(kv_cache.dtype))
+from outpace.kernels.store_kv import store_kv_ref as store_kv  # noqa: F401  (the reference write)
 
 
 def gather_kv(kv_cache: torch.Tensor, layer: int, block_table: torch.Tensor, seq_len: int):

@@ -35,7 +35,7 @@ Softmax runs in base 2 (qk is pre-scaled by scale * log2 e) with fp32 accumulati
 an fp32 pool uses three-pass TF32 dot products (tf32x3: each operand split into a TF32 high and
 low part, the low x low product dropped), so it matches the reference to ~1e-6 on the tensor
 cores (IEEE dot products ran on the CUDA cores); over a bf16 pool (kv_cache_dtype) q and the
-softmax weights go in three bf16 pieces (kernels/split_dot.py).
+softmax weights go in three bf16 pieces (kernels/bf16x3.py).
 
 PDL (kernels/pdl.py): the kernel waits on its predecessor (the q / k / v projection that wrote
 q and this step's K/V) before its first load, except for one sequence's decode / verify with

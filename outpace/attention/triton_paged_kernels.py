@@ -16,7 +16,7 @@ except Exception:  # pragma: no cover - exercised only where triton is missing
 
 if triton is not None:
     from outpace.kernels.pdl import wait_then_release
-    from outpace.kernels.split_dot import dot_fp32_bf16
+    from outpace.kernels.bf16x3 import dot_fp32_bf16
 
     @triton.jit
     def _attn_tile(acc, l_i, m_i, q, k, v, cols, cmask, qpos, qk_scale, MASKED: tl.constexpr,
@@ -25,7 +25,7 @@ if triton is not None:
         # loaded (columns outside cmask are 0). MASKED applies the causal mask (and cmask);
         # unmasked tiles are full tiles every row of the tile may see.
         # IS_FP32: fp32 q over an fp32 pool in three-pass TF32, over a bf16 pool (kv_cache_dtype)
-        # in three bf16 dots (kernels/split_dot.py); the same for p over v.
+        # in three bf16 dots (kernels/bf16x3.py); the same for p over v.
         if IS_FP32 and k.dtype == tl.bfloat16:
             qk = dot_fp32_bf16(q, k, tl.zeros([q.shape[0], k.shape[1]], dtype=tl.float32))
         elif IS_FP32:

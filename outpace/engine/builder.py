@@ -67,7 +67,7 @@ def build_engine(cls, model: str, *, device: str = "auto", dtype: str = "auto",
     from outpace.models.loader import load_model
     from outpace.runner.model_runner import ModelRunner
     from outpace.scheduler.scheduler import Scheduler
-    from outpace.spec.factory import build_proposer
+    from outpace.speculative.factory import build_proposer
 
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"

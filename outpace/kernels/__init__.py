@@ -4,15 +4,15 @@
     rope.py      apply_rope (+ apply_rope_ref, apply_rope_triton): neox style, in place
     rope.py      also apply_rope_and_store_triton: rope of q and k, k and v written to the pool
     store_kv.py  store_kv_triton: write K/V into the paged pool through the slot mapping
-    small_linear.py  few-row (M <= 16) projections with the norm, residual add, silu * mul or
-                 rope + KV store fused in, and silu_mul (kernels in small_linear_kernels.py)
+    skinny_gemm/  few-row (M <= 16) projections with the norm, residual add, silu * mul or
+                 rope + KV store fused in, and silu_mul (kernels in skinny_gemm/kernels.py)
     argmax.py    argmax_rows: two-pass row argmax of logits (+ offsets[idx]: EAGLE-3's d2t)
-    masked_race.py  masked_race_triton: the sampling race over the top-k / top-p / min-p
-                 nucleus without a sort (reference: sample/race.masked_race_tokens' CPU path)
+    masked_gumbel.py  masked_race_triton: the sampling race over the top-k / top-p / min-p
+                 nucleus without a sort (reference: sample/gumbel.masked_race_tokens' CPU path)
     penalties.py penalize_rows, count_emitted: a fused step's repetition / frequency / presence
                  penalties in one pass, and its emitted tokens counted (runner/fused_penalties.py)
-    head_input.py  embed_norm_cat: a draft head's [rms_norm(embedding), rms_norm(hidden)] input
-    step_glue.py the fused decode step's bookkeeping: chained_inputs, accept, loop_inputs
+    embed_norm_cat.py  embed_norm_cat: a draft head's [rms_norm(embedding), rms_norm(hidden)] input
+    step_bookkeeping.py the fused decode step's bookkeeping: chained_inputs, accept, loop_inputs
     pdl.py       programmatic dependent launch: launch_options, wait_then_release
 
 The paged attention kernel lives in outpace/attention/triton_paged.py.

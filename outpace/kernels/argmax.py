@@ -14,7 +14,7 @@ draft-vocabulary id to the target's (`id + d2t[id]`) without two more kernels (i
 loop writes each draft straight into its output and carry columns, without a stack and two
 copies after the loop.
 
-`race` (optional, a Race of [R] tensors) makes it the sampling race of sample/race.py: a row
+`race` (optional, a Race of [R] tensors) makes it the sampling race of sample/gumbel.py: a row
 whose seed word is >= 0 takes the argmax of x / temperature + Gumbel noise hashed from (its
 key, column), the key hashed from (seed word, position) (race_key); all of it in pass 1 as the
 row is read, where the reference makes ~30 elementwise tensors (~25 us of small kernels at

@@ -1,10 +1,10 @@
 """Few-row projections over an int8 weight with a per-row scale: a draft head's LM head stored
-at half a bf16 matrix's bytes (the speculative option draft_lm_head_dtype, spec/head_proposer.py).
+at half a bf16 matrix's bytes (the speculative option draft_lm_head_dtype, speculative/head_proposer.py).
 
     quantize_int8_rows(w)          w [N, K] -> (q int8 [N, K], scale fp32 [N]), w ~ q * scale
     int8_linear(x, q, scale)       y [M, N] = x @ (q * scale).T in x's dtype
 
-The kernel is small_linear's (kernels/small_linear_kernels.py): it converts each int8 tile to
+The kernel is small_linear's (kernels/skinny_gemm/kernels.py): it converts each int8 tile to
 the activation dtype in registers (exact, |q| <= 127), so its tl.dot and broadcast paths run
 unchanged, and multiplies by the column's scale before the output's one rounding (W_SCALE).
 Few rows only (M <= SMALL_M_MAX); the reference serves the rest and CPU.
@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 
 from outpace.kernels import use_triton
-from outpace.kernels.small_linear import (SMALL_M_MAX, Blocks, _copy_to, _launch, _out,
+from outpace.kernels.skinny_gemm import (SMALL_M_MAX, Blocks, _copy_to, _launch, _out,
                                           _unit_last)
 
 

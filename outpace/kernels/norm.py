@@ -58,7 +58,7 @@ if triton is not None:
     def normalize_row(xf, w, H, eps, ACT: tl.constexpr):
         # One row: xf its fp32 values (0 where masked), w the fp32 weight -> weight * normed in
         # fp32 with HF's roundings: fp32 statistics, normed rounded to ACT (the input dtype)
-        # before the weight. Shared with kernels/head_input.py, whose halves equal this.
+        # before the weight. Shared with kernels/embed_norm_cat.py, whose halves equal this.
         rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / H + eps)
         return (xf * rstd).to(ACT).to(tl.float32) * w
 

@@ -66,10 +66,10 @@ def apply_rope_ref(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: tor
 def apply_rope_and_store_ref(q, k, v, cos, sin, positions, kv_cache, layer, slot_mapping):
     """q rotated in place; rotated k and v written at slot_mapping in kv_cache[layer] (-1 rows
     skipped); k is left as it was. Returns q."""
-    from outpace.attention.torch_ref import store_kv
+    from outpace.kernels.store_kv import store_kv_ref
     k_rot = k.clone()
     apply_rope_ref(q, k_rot, cos, sin, positions)
-    store_kv(kv_cache, layer, k_rot, v, slot_mapping)
+    store_kv_ref(kv_cache, layer, k_rot, v, slot_mapping)
     return q
 
 

@@ -5,9 +5,8 @@ Pool layout (outpace/attention/base.py):
     kv_cache[layer_slot, 0|1, block_id, offset_in_block, kv_head, head_dim]
     slot = block_id * block_size + offset_in_block
 
-Padded rows carry slot -1 and write nothing (the reference writes them into the null block, which
-nobody reads, so the two agree on everything that is ever read). The reference is
-`outpace.attention.torch_ref.store_kv`.
+Padded rows carry slot -1 and write nothing (the reference, `store_kv_ref`, writes them into the
+null block 0, which nobody reads, so the two agree on everything that is ever read).
 """
 
 from __future__ import annotations
@@ -22,6 +21,18 @@ try:  # guarded: CPU machines may not have triton
 except Exception:  # pragma: no cover
     triton = None
     tl = None
+
+
+NULL_SLOT = 0  # the first slot of block 0, the pool's null block (attention/base.NULL_BLOCK)
+
+
+def store_kv_ref(kv_cache: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+    """Write k/v [T, Hkv, D] at slot_mapping [T]; slot -1 (padding) lands in the null block."""
+    _, _, num_blocks, block_size, hkv, d = kv_cache.shape
+    slots = torch.where(slot_mapping < 0, NULL_SLOT, slot_mapping)
+    kv_cache[layer, 0].view(num_blocks * block_size, hkv, d).index_copy_(0, slots, k.to(kv_cache.dtype))
+    kv_cache[layer, 1].view(num_blocks * block_size, hkv, d).index_copy_(0, slots, v.to(kv_cache.dtype))
 
 
 if triton is not None:

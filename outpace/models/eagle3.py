@@ -36,9 +36,9 @@ from torch import nn
 from outpace.attention.base import ForwardContext
 from outpace.config import ModelConfig
 from outpace.errors import ConfigError, ModelLoadError
-from outpace.kernels import head_input
+from outpace.kernels import embed_norm_cat
 from outpace.kernels.argmax import argmax_rows
-from outpace.kernels.small_linear import small_linear
+from outpace.kernels.skinny_gemm import small_linear
 from outpace.models.cpu_fast_paths import linear
 from outpace.models.llama import LlamaDecoderLayer, RMSNorm
 from outpace.models.rotary import RotaryEmbedding
@@ -186,10 +186,10 @@ class Eagle3Head(nn.Module):
         # position + 1), positions [T] -> new hidden [T, H], pre-norm: the one that recurs.
         # embed_weight: the table embed_fn gathers from, when its rows cast to hidden's dtype
         # are embed_fn's values (the proposer checks); it lets CUDA run the gather, both norms
-        # and the concatenation as one kernel (kernels/head_input.py)
+        # and the concatenation as one kernel (kernels/embed_norm_cat.py)
         table = self.embed_weight if self.embed_weight is not None else embed_weight
         in_norm = self.midlayer.input_layernorm
-        attn_in = head_input.fused_head_input(input_ids, table, in_norm, hidden,
+        attn_in = embed_norm_cat.fused_head_input(input_ids, table, in_norm, hidden,
                                               self.hidden_norm)  # [T, 2H] or None
         if attn_in is not None:
             normed = attn_in[:, hidden.shape[-1]:]  # a view: hidden_norm(hidden)

@@ -31,7 +31,7 @@ from outpace.errors import ModelLoadError
 from outpace.kernels import use_triton
 from outpace.kernels.argmax import argmax_rows
 from outpace.kernels.norm import fused_add_rms_norm, fused_add_rms_norm_triton, rms_norm_triton
-from outpace.kernels.small_linear import (SMALL_M_MAX, mid_rows_ok, norm_qkv_rope_store,
+from outpace.kernels.skinny_gemm import (SMALL_M_MAX, mid_rows_ok, norm_qkv_rope_store,
                                           norm_qkv_rope_store_triton, norm_small_linear,
                                           norm_small_linear_silu_mul, silu_mul, small_linear,
                                           small_linear_silu_mul_triton, small_linear_triton)
@@ -241,7 +241,7 @@ class LlamaDecoderLayer(nn.Module):
         FUSED_QKV_ROPE_STORE the qkv projection also applies rope and writes K/V into the pool
         (else a sixth kernel does), and split-KV attention merges its splits itself
         (attention/triton_paged.py). Each norm runs inside the
-        projection that reads it (kernels/small_linear.py), and o_proj / down_proj add their
+        projection that reads it (kernels/skinny_gemm/), and o_proj / down_proj add their
         output to the residual stream in fp32 before rounding once (forward() rounds the
         projection's output first, so bf16 values can differ by an ulp).
 

@@ -22,7 +22,7 @@ from torch import nn
 
 from outpace.attention.base import ForwardContext
 from outpace.config import ModelConfig
-from outpace.kernels import head_input
+from outpace.kernels import embed_norm_cat
 from outpace.models.llama import LlamaDecoderLayer, RMSNorm
 from outpace.models.rotary import RotaryEmbedding
 from outpace.models.cpu_fast_paths import linear
@@ -65,9 +65,9 @@ class MTPHead(nn.Module):
         # input_ids [T] (token at position + 1), positions [T] -> new hidden [T, H] (pre-norm).
         # embed_weight: the table embed_fn gathers from, when its rows cast to hidden's dtype
         # are embed_fn's values (the proposer checks); it lets CUDA run the gather, both norms
-        # and the concatenation as one kernel (kernels/head_input.py)
+        # and the concatenation as one kernel (kernels/embed_norm_cat.py)
         m = self.layers[depth]
-        x_in = head_input.fused_head_input(input_ids, embed_weight, m.enorm, hidden, m.hnorm)
+        x_in = embed_norm_cat.fused_head_input(input_ids, embed_weight, m.enorm, hidden, m.hnorm)
         if x_in is None:
             emb = embed_fn(input_ids).to(hidden.dtype)
             x_in = torch.cat([m.enorm(emb), m.hnorm(hidden)], dim=-1)

@@ -1,7 +1,7 @@
 """Rotary position embedding (neox style) for the Llama family: the inverse frequencies with the
 configured scaling (linear, llama3, GGUF per-frequency factors) and the cos/sin tables, computed
 once for every position. On CPU the model applies them itself; on CUDA the Triton kernels read the
-tables (kernels/rope.py, and the qkv projection's epilogue in kernels/small_linear.py).
+tables (kernels/rope.py, and the qkv projection's epilogue in kernels/skinny_gemm/).
 """
 
 from __future__ import annotations

@@ -10,9 +10,9 @@ prompts, all-bf16 on 7-8/20).
 
 Where such a weight meets an activation the weight is upcast (exactly) to the activation dtype
 and the product is computed there: `upcast_linear` and `upcast_embedding` here, the few-row
-Triton kernels (kernels/small_linear.py) on CUDA, and fp32 CPU weight copies
+Triton kernels (kernels/skinny_gemm/) on CUDA, and fp32 CPU weight copies
 (cpu_fast_paths.add_weight_copies_). Many rows of fp32 over a bf16 weight on CUDA skip the
-upcast: kernels/split_dot.split_mm multiplies three bf16 pieces of x on the tensor cores.
+upcast: kernels/bf16x3.split_mm multiplies three bf16 pieces of x on the tensor cores.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from outpace.kernels.small_linear import SMALL_M_MAX, small_linear
-from outpace.kernels.split_dot import split_mm, split_mm_ok
+from outpace.kernels.skinny_gemm import SMALL_M_MAX, small_linear
+from outpace.kernels.bf16x3 import split_mm, split_mm_ok
 
 # Attribute names of the parameters stored in the weight dtype, on any module of a target model
 # or draft head (llama.py, eagle3.py, mtp.py).

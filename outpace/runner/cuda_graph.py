@@ -45,7 +45,7 @@ import torch
 
 from outpace.attention.base import AttentionMetadata, ForwardContext
 from outpace.kernels import pdl
-from outpace.runner.inputs import HostBatch
+from outpace.attention.inputs import HostBatch
 
 log = logging.getLogger(__name__)
 

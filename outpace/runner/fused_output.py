@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from outpace.kernels.logprobs import logprob_lists, token_logprobs
-from outpace.spec.base import CommittedTokens, DraftBatch
+from outpace.speculative.base import CommittedTokens, DraftBatch
 from outpace.types import RequestStepOutput, StepResult
 
 

@@ -16,7 +16,7 @@ after accept, by each row's emitted tokens, so the steps chained or relaunched f
 nothing from the host. A row's token is chosen from its request's tables plus the drafts in the
 rows before it: exactly the history the general path gives that row, with the values of the
 same `penalize` (on CUDA one kernel per step for the penalties and one for the count,
-kernels/penalties.py), so graph and eager steps draw the same tokens.
+sample/penalty_kernels.py), so graph and eager steps draw the same tokens.
 
 Rows without penalties stage 1, 0, 0, which `penalize` leaves bit for bit unchanged, so a
 penalized graph serves them too. Penalized graphs (the "+penalties" modes) are captured when a
@@ -30,7 +30,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from outpace.kernels.penalties import count_emitted, penalize_rows
+from outpace.sample.penalty_kernels import count_emitted, penalize_rows
 
 
 class FusedPenalties:
@@ -99,7 +99,7 @@ class FusedPenalties:
                   q: int) -> torch.Tensor:
         """[n, V] float32 logits of a step's rows (n = bucket * q, input ids `ids`) -> penalized
         (in place on CUDA): each row's request's tables, its earlier drafts counted as output
-        (kernels/penalties.py)."""
+        (sample/penalty_kernels.py)."""
         return penalize_rows(logits, self.pen_prompt, self.pen_counts, ids, self.pen_rep,
                              self.pen_freq, self.pen_pres, bucket, q)
 

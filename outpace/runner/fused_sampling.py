@@ -2,9 +2,9 @@
 what a sampled graph stages for them, and the tokens it draws.
 
 Greedy, sampled and masked graphs share their keys (bucket, q, kd, chained) and differ only in
-how a row's token is chosen from the LM head's logits: the argmax; the race of sample/race.py
+how a row's token is chosen from the LM head's logits: the argmax; the race of sample/gumbel.py
 with the request's temperature, seed and the position sampled, all inside the argmax kernel; or
-that race over the top-k / top-p / min-p nucleus (`masked_race_tokens`: kernels/masked_race.py,
+that race over the top-k / top-p / min-p nucleus (`masked_race_tokens`: kernels/masked_gumbel.py,
 no sort). A request with repetition, frequency or presence penalties takes the sampled or masked
 graph with penalties (SAMPLE_PENALIZED, MASKED_PENALIZED: runner/fused_penalties.py), whose rows
 are penalized before the race; a greedy one races there with no noise (its argmax). A step
@@ -23,7 +23,7 @@ import torch
 
 from outpace.kernels.logprobs import row_logprobs
 from outpace.sample.logits_processing import SAMPLING_EPS
-from outpace.sample.race import masked_race_tokens, race_tokens
+from outpace.sample.gumbel import masked_race_tokens, race_tokens
 from outpace.types import MAX_LOGPROBS
 
 GREEDY, SAMPLE, MASKED = "greedy", "sample", "masked"  # a fused graph's sampling

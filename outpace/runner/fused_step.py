@@ -10,7 +10,7 @@ the host:
     input buffers (ids, positions, slots, block tables, seq_lens, num_drafts)
       -> target forward -> logits -> each row's token [B, q]: the argmax, or in a *sampled*
          graph (some request samples) the race keyed by the request's seed and the position
-         (sample/race.py), with its temperature (and in a *masked* graph its top-k, top-p and
+         (sample/gumbel.py), with its temperature (and in a *masked* graph its top-k, top-p and
          min-p) from staged buffers
       -> accept: longest matching draft prefix (or force-accept, benchmarks), emitted tokens
       -> head first pass over every row, next token = emitted token (filler past the accepted);
@@ -51,7 +51,7 @@ batch 1 on the GPU machine, run 22).
 
 On CUDA the bookkeeping around the model (a chained step's inputs, accept with what the head
 and the next step read, the draft loop's positions and slots) is three Triton kernels
-(kernels/step_glue.py); elsewhere their PyTorch references run.
+(runner/step_bookkeeping.py); elsewhere their PyTorch references run.
 
 Graphs are captured over a dummy batch: the common ones at start-up, others the first time
 their (bucket, q, kd) is seen (never while a step is in flight: chained graphs exist only if
@@ -77,15 +77,15 @@ import torch
 from outpace.attention.base import AttentionMetadata, ForwardContext
 from outpace.kernels.argmax import argmax_rows
 from outpace.kernels.norm import gather_rms_norm
-from outpace.kernels.step_glue import accept, chained_inputs, loop_inputs
+from outpace.runner.step_bookkeeping import accept, chained_inputs, loop_inputs
 from outpace.runner.chained_tables import ChainedTables
 from outpace.runner.fused_output import FusedOutput
 from outpace.runner.fused_penalties import FusedPenalties
 from outpace.runner.fused_prefill import FusedPrefill
 from outpace.runner.fused_sampling import (BASE_MODES, GREEDY, MODES, FusedSampling, penalized,
                                            samples, sampling_mode, with_logprobs)
-from outpace.spec.base import DraftBatch
-from outpace.spec.head_proposer import HeadProposer
+from outpace.speculative.base import DraftBatch
+from outpace.speculative.head_proposer import HeadProposer
 from outpace.types import StepResult
 
 
@@ -113,7 +113,7 @@ class FusedStep(FusedPrefill, FusedSampling, FusedPenalties, FusedOutput):
         # Weak: the runner owns this step (see HeadProposer.bind for why no cycle)
         self.runner = weakref.proxy(runner)
         self.graphs = runner.graphs  # GraphRunner: buckets, input buffers, capture, memory pool
-        self.inputs = runner.inputs
+        self.inputs = attention.inputs
         self.model = runner.model
         self.backend = runner.backend
         self.block_size = runner.block_size

@@ -18,9 +18,9 @@ import numpy as np
 import torch
 
 from outpace.attention.base import ForwardContext
-from outpace.runner.inputs import InputBuffers, build_host_batch
+from outpace.attention.inputs import InputBuffers, build_host_batch
 from outpace.runner.sampling_step import RelaxedAcceptance, SamplingStep
-from outpace.spec.base import DraftBatch
+from outpace.speculative.base import DraftBatch
 from outpace.types import RequestStepOutput, StepPlan, StepResult
 
 log = logging.getLogger(__name__)

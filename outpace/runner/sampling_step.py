@@ -6,7 +6,7 @@ processing (penalties over the history up to that row, temperature, top-k/p, min
 position is judged by exactly the distribution a non-speculative step would sample from.
 
     no drafts  -> the row's token: greedy argmax, or the race keyed by the request's seed and
-                  the position (sample/race.py)
+                  the position (sample/gumbel.py)
     drafts     -> strict prefix match of the drafts against those tokens (greedy_verify_batched),
                   greedy or sampled alike: a sampled row's race winner is an exact draw from its
                   distribution whatever the drafts were, so the output equals plain decoding's
@@ -29,9 +29,9 @@ import torch
 from outpace.errors import ConfigError
 from outpace.kernels.logprobs import logprob_lists, row_logprobs, token_logprobs
 from outpace.sample.logits_processing import SAMPLING_EPS, SamplingRow, process_logits
-from outpace.sample.race import seed_word
+from outpace.sample.gumbel import seed_word
 from outpace.sample.sampler import Sampler, probs_from_processed
-from outpace.spec.verify import (ThinkingSpanTracker, force_accept, greedy_verify_batched,
+from outpace.speculative.verify import (ThinkingSpanTracker, force_accept, greedy_verify_batched,
                                  relaxed_accept_batched)
 from outpace.types import MAX_LOGPROBS, RequestStepOutput
 

@@ -1,6 +1,6 @@
 """Token sampling: greedy, random (a race keyed by the request's seed and the position), logprobs.
 
-Random rows race (sample/race.py): token argmax(processed + Gumbel noise), the noise a hash of
+Random rows race (sample/gumbel.py): token argmax(processed + Gumbel noise), the noise a hash of
 the row's seed, the position of the token it samples and the vocabulary id. No cumulative sum,
 no host sync, and a request's tokens depend only on its seed and its own history, not on which
 other requests share the batch, where it sits in it, or whether the step verified drafts.
@@ -16,7 +16,7 @@ import torch
 
 from outpace.sample.logits_processing import (SamplingRow, apply_penalties, effective_params,
                                               process_logits)
-from outpace.sample.race import masked_race_tokens, race_tokens, seed_word
+from outpace.sample.gumbel import masked_race_tokens, race_tokens, seed_word
 
 __all__ = ["Sampler", "SamplerOutput", "SamplingRow", "probs_from_processed", "process_logits"]
 

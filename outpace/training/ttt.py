@@ -1,7 +1,7 @@
 """Training-time test (TTT): a draft head unrolled over S steps on a dense batch, as it drafts.
 
 Row p of a batch [B, T] is the chain anchored at p, the way the engine drafts from a frontier
-(spec/head_proposer.py): step 0 reads the target's features at p and the token at p + 1; step i
+(speculative/head_proposer.py): step 0 reads the target's features at p and the token at p + 1; step i
 reads the head's own output of step i - 1 (its hidden, fed back) and the token at p + 1 + i, and
 predicts the token at p + 2 + i. In the engine that row sits at position p + i, and its
 attention sees the KV plane as the draft loop leaves it:
@@ -10,7 +10,7 @@ attention sees the KV plane as the draft loop leaves it:
     keys of step j at position p + j   for 1 <= j <= i  (the chain's own earlier steps)
 
 so TTT's mask is causal over step 0's keys and diagonal over every later step's ("chain" mode),
-with rope at p + i. MTP's depths mode (spec/mtp_window.py) is another geometry: module d runs
+with rope at p + i. MTP's depths mode (speculative/mtp_window.py) is another geometry: module d runs
 over a whole window at positions p, attending causally to its own depth's keys ("depths" mode).
 tests/training/test_ttt.py checks both against the inference heads run step by step over a
 paged KV pool.

@@ -7,7 +7,7 @@ import pytest
 
 @pytest.fixture(scope="module")
 def cuda_loaded():
-    from tests.spec.spec_helpers import tiny_target
+    from tests.speculative.spec_helpers import tiny_target
     model, cfg, tok = tiny_target(seed=0)
     return model.to("cuda"), cfg, tok
 
@@ -15,7 +15,7 @@ def cuda_loaded():
 @pytest.fixture(scope="module")
 def cuda_heads(cuda_loaded, tmp_path_factory):
     from outpace.training.init_draft import init_draft
-    from tests.spec.spec_helpers import write_target_folder
+    from tests.speculative.spec_helpers import write_target_folder
     root = tmp_path_factory.mktemp("gpu_heads")
     target = write_target_folder(cuda_loaded[1], root / "target")
     return {m: init_draft(m, str(target), root / m, seed=1, quiet=True) for m in ("eagle3", "mtp")}

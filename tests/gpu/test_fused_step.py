@@ -21,7 +21,7 @@ pytest.importorskip("triton")
 
 from outpace import SamplingParams  # noqa: E402
 from tests.engine_helpers import make_engine, run_batch  # noqa: E402
-from tests.spec.spec_helpers import repetitive_prompts, tiny_target  # noqa: E402
+from tests.speculative.spec_helpers import repetitive_prompts, tiny_target  # noqa: E402
 
 GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
 
@@ -193,7 +193,7 @@ def test_prefill_graphs_equal_eager_and_cpu(cuda_loaded, cuda_heads, method, k):
     """Batch-1 prefills replay from real prefill graphs (runner/cuda_graph.py, padded to 16 ..
     512 tokens): the same tokens and drafts as the eager CUDA engine and the CPU engine, for
     prompts on both sides of graph sizes, up to the largest graph (512 tokens, the context
-    of the tiny model). The eager fallbacks are tested on CPU (tests/spec/test_graph_padding.py).
+    of the tiny model). The eager fallbacks are tested on CPU (tests/speculative/test_graph_padding.py).
     """
     import random
     spec = spec_for(cuda_heads, method, k)

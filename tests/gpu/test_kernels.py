@@ -26,7 +26,7 @@ from outpace.attention.triton_paged import TritonPagedBackend, paged_attention  
 from outpace.kernels.norm import (fused_add_rms_norm, fused_add_rms_norm_ref,  # noqa: E402
                                   rms_norm, rms_norm_ref)
 from outpace.kernels.rope import apply_rope, apply_rope_ref  # noqa: E402
-from outpace.kernels.small_linear import (norm_small_linear, norm_small_linear_ref,  # noqa: E402
+from outpace.kernels.skinny_gemm import (norm_small_linear, norm_small_linear_ref,  # noqa: E402
                                           norm_small_linear_silu_mul,
                                           norm_small_linear_silu_mul_ref, silu_mul, silu_mul_ref,
                                           small_linear, small_linear_ref, small_linear_silu_mul,
@@ -181,7 +181,7 @@ def test_attention_both_variants_at_any_batch(name, prefetch):
 @pytest.mark.parametrize("name", ["decode", "verify", "mixed"])
 def test_attention_fp32_over_a_bf16_pool(name, prefetch):
     """kv_cache_dtype bfloat16 under fp32 activations: K / V rounded once when stored, q and the
-    softmax weights in bf16 pieces on the tensor cores (kernels/split_dot.py). fp32 outputs equal
+    softmax weights in bf16 pieces on the tensor cores (kernels/bf16x3.py). fp32 outputs equal
     the reference's over the rounded K / V to fp32 tolerance, where a q rounded to bf16 would
     be ~1e-2 off."""
     b = make_batch(SMALL[name], 3, 3, 64, torch.float32, DEV, pad_seqs=1, pad_tokens=2,
@@ -413,14 +413,14 @@ def test_int8_linear(n, k, m, use_dot, x_dtype):
     in the epilogue; against the reference's fp32 sum on fresh random inputs."""
     from outpace.kernels.int8_linear import (int8_linear, int8_linear_ref, int8_linear_triton,
                                              quantize_int8_rows)
-    from outpace.kernels.small_linear import choose_blocks
+    from outpace.kernels.skinny_gemm import choose_blocks
     x, w, _ = _lin_inputs(m, n, k, torch.float32, seed=m + n + k, x_dtype=x_dtype)
     q, scale = quantize_int8_rows(w)
     blocks = choose_blocks(m, n, k, elem_bytes=1, x_bytes=x.element_size(), use_dot=use_dot)
     y = int8_linear_triton(x, q, scale, blocks=blocks)
     want = int8_linear_ref(x, q, scale)
     assert y.dtype == x_dtype and y.shape == (m, n)
-    # fp32: the tensor cores' truncating alignment grows with K (split_dot.py)
+    # fp32: the tensor cores' truncating alignment grows with K (bf16x3.py)
     tol = LIN_TOL[x_dtype] if x_dtype != torch.float32 else dict(atol=1e-4 * k / 576,
                                                                   rtol=1e-4)
     torch.testing.assert_close(y, want, **tol)

@@ -22,8 +22,8 @@ from outpace.runner.fused_sampling import LOGPROBS  # noqa: E402
 from tests.engine_helpers import make_engine, run_batch_outputs  # noqa: E402
 from tests.gpu.test_fused_step import (CASES, gpu_engine, spec_for,  # noqa: E402
                                        steps_without_sync)
-from tests.spec.spec_helpers import repetitive_prompts, tiny_target  # noqa: E402
-from tests.spec.test_fused_logprobs import PARAMS, close, params_for  # noqa: E402
+from tests.speculative.spec_helpers import repetitive_prompts, tiny_target  # noqa: E402
+from tests.speculative.test_fused_logprobs import PARAMS, close, params_for  # noqa: E402
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

@@ -1,6 +1,6 @@
-"""The masked race kernel (kernels/masked_race.py) on CUDA: the race over each row's top-k /
+"""The masked race kernel (kernels/masked_gumbel.py) on CUDA: the race over each row's top-k /
 top-p / min-p nucleus without a sort, against race_tokens over apply_sampling_params' masks on
-fresh inputs (tests/unit/masked_race_cases.py), at the vocabularies the engine meets, and in a
+fresh inputs (tests/unit/masked_gumbel_cases.py), at the vocabularies the engine meets, and in a
 CUDA graph with new values."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 pytest.importorskip("triton")
 
-from outpace.kernels.masked_race import masked_race_triton  # noqa: E402
-from outpace.sample.race import masked_race_tokens, race_tokens  # noqa: E402
-from tests.unit.masked_race_cases import assert_matches_reference, make_case  # noqa: E402
+from outpace.kernels.masked_gumbel import masked_race_triton  # noqa: E402
+from outpace.sample.gumbel import masked_race_tokens, race_tokens  # noqa: E402
+from tests.unit.masked_gumbel_cases import assert_matches_reference, make_case  # noqa: E402
 
 
 def cuda(case):

@@ -16,11 +16,11 @@ triton = pytest.importorskip("triton")
 
 import outpace.models.llama as llama  # noqa: E402
 from outpace import SamplingParams  # noqa: E402
-from outpace.kernels import small_linear as sl  # noqa: E402
+from outpace.kernels import skinny_gemm as sl  # noqa: E402
 from tests.engine_helpers import make_engine, run_batch  # noqa: E402
 from tests.gpu import test_kernels as tk  # noqa: E402
 from tests.gpu import test_rope_store as tr  # noqa: E402
-from tests.spec.spec_helpers import repetitive_prompts, tiny_target  # noqa: E402
+from tests.speculative.spec_helpers import repetitive_prompts, tiny_target  # noqa: E402
 
 DEV = "cuda"
 ROWS = [17, 40, 96, 128, 192, sl.MID_M_MAX]
@@ -73,7 +73,7 @@ GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 @pytest.fixture(scope="module")
 def eagle_head(tmp_path_factory):
     from outpace.training.init_draft import init_draft
-    from tests.spec.spec_helpers import write_target_folder
+    from tests.speculative.spec_helpers import write_target_folder
     root = tmp_path_factory.mktemp("mid_rows_head")
     target = write_target_folder(tiny_target(seed=0)[1], root / "target")
     return init_draft("eagle3", str(target), root / "eagle3", seed=1, quiet=True)

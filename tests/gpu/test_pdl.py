@@ -15,7 +15,7 @@ pytest.importorskip("triton")
 from outpace.kernels import pdl  # noqa: E402
 from outpace.kernels.argmax import argmax_rows  # noqa: E402
 from outpace.kernels.norm import fused_add_rms_norm, rms_norm  # noqa: E402
-from outpace.kernels.small_linear import (norm_small_linear, norm_small_linear_silu_mul,  # noqa: E402,E501
+from outpace.kernels.skinny_gemm import (norm_small_linear, norm_small_linear_silu_mul,  # noqa: E402,E501
                                           small_linear, small_linear_ref)
 
 DEV = "cuda"

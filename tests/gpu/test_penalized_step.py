@@ -24,8 +24,8 @@ from outpace.runner.fused_sampling import MASKED_PENALIZED, SAMPLE_PENALIZED  # 
 from tests.engine_helpers import make_engine, run_batch  # noqa: E402
 from tests.gpu.test_fused_step import (CASES, gpu_engine, spec_for,  # noqa: E402
                                        steps_without_sync)
-from tests.spec.spec_helpers import repetitive_prompts, tiny_target  # noqa: E402
-from tests.spec.test_fused_penalties import KINDS, MILD, without_penalties  # noqa: E402
+from tests.speculative.spec_helpers import repetitive_prompts, tiny_target  # noqa: E402
+from tests.speculative.test_fused_penalties import KINDS, MILD, without_penalties  # noqa: E402
 
 MODES = [SAMPLE_PENALIZED, MASKED_PENALIZED]
 
@@ -33,9 +33,9 @@ MODES = [SAMPLE_PENALIZED, MASKED_PENALIZED]
 @pytest.mark.parametrize("bucket,q,vocab", [(1, 3, 49152), (8, 1, 49152), (32, 3, 32000),
                                             (3, 5, 128256), (2, 9, 151936)])
 def test_penalty_kernels_match_reference(bucket, q, vocab):
-    """kernels/penalties.py against its torch reference on fresh random inputs: bit for bit
+    """sample/penalty_kernels.py against its torch reference on fresh random inputs: bit for bit
     (IEEE division, no fused multiply-add), rows of 1, 0, 0 untouched; the counts exact."""
-    from outpace.kernels.penalties import (count_emitted, count_emitted_ref, penalize_rows,
+    from outpace.sample.penalty_kernels import (count_emitted, count_emitted_ref, penalize_rows,
                                            penalize_rows_ref)
     g = torch.Generator(device="cuda").manual_seed(bucket * 31 + q)
     m = bucket + 3

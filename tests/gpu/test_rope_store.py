@@ -82,8 +82,8 @@ def test_backend_forward_rope_equals_rope_then_forward():
 @pytest.mark.parametrize("with_norm", [True, False])
 def test_norm_qkv_rope_store_matches_reference(dtype, m, hq, hkv, d, k, with_norm):
     """The qkv projection with norm (without: an EAGLE-3 head's normalized input), rope and the
-    KV store in its epilogue (small_linear.py) vs norm_small_linear + rope + store references."""
-    from outpace.kernels.small_linear import norm_qkv_rope_store_ref, norm_qkv_rope_store_triton
+    KV store in its epilogue (skinny_gemm/) vs norm_small_linear + rope + store references."""
+    from outpace.kernels.skinny_gemm import norm_qkv_rope_store_ref, norm_qkv_rope_store_triton
     g = torch.Generator(device=DEV).manual_seed(m * k + d)
     blocks, bs = m // 4 + 4, 4
     x = (torch.randn(m, k, device=DEV, generator=g) * 2).to(dtype)

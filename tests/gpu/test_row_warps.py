@@ -14,7 +14,7 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 triton = pytest.importorskip("triton")
 
-import outpace.kernels.small_linear_blocks as sl  # noqa: E402
+import outpace.kernels.skinny_gemm.blocks as sl  # noqa: E402
 from tests.gpu import test_kernels as tk  # noqa: E402
 from tests.gpu import test_rope_store as tr  # noqa: E402
 

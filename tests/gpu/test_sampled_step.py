@@ -1,5 +1,5 @@
 """Sampled decoding in the fused step on CUDA (runner/fused_step.py's sampled graphs,
-sample/race.py): temperature, top-k, top-p and min-p requests, seeded or not, beside greedy ones.
+sample/gumbel.py): temperature, top-k, top-p and min-p requests, seeded or not, beside greedy ones.
 
 * the race's noise on CUDA equals the CPU's;
 * graph replay gives the eager engine's tokens, and the CPU engine's (tiny fp32 target);
@@ -19,11 +19,11 @@ pytestmark = [pytest.mark.gpu,
 pytest.importorskip("triton")
 
 from outpace import SamplingParams  # noqa: E402
-from outpace.sample.race import gumbel_noise, race_tokens, race_key, seed_word  # noqa: E402
+from outpace.sample.gumbel import gumbel_noise, race_tokens, race_key, seed_word  # noqa: E402
 from tests.engine_helpers import make_engine, run_batch  # noqa: E402
 from tests.gpu.test_fused_step import (CASES, gpu_engine, spec_for,  # noqa: E402
                                        steps_without_sync)
-from tests.spec.spec_helpers import repetitive_prompts, tiny_target  # noqa: E402
+from tests.speculative.spec_helpers import repetitive_prompts, tiny_target  # noqa: E402
 
 GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
 # seeded and not, each of top-p, top-k and min-p (masked graphs), or a temperature alone

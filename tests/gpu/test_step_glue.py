@@ -1,4 +1,4 @@
-"""The fused step's bookkeeping kernels (outpace/kernels/step_glue.py) on CUDA against their
+"""The fused step's bookkeeping kernels (outpace/runner/step_bookkeeping.py) on CUDA against their
 PyTorch references, on fresh random inputs: integer outputs, compared exactly. (The Triton
 interpreter runs the same comparisons on CPU: tests/unit/test_kernels_interpret.py.)"""
 
@@ -11,7 +11,7 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 triton = pytest.importorskip("triton")
 
-from outpace.kernels.step_glue import (accept_ref, accept_triton,  # noqa: E402
+from outpace.runner.step_bookkeeping import (accept_ref, accept_triton,  # noqa: E402
                                        chained_inputs_ref, chained_inputs_triton,
                                        loop_inputs_ref, loop_inputs_triton)
 

@@ -1,10 +1,10 @@
 """fp32 activations over bf16-stored weights (weight_dtype="bfloat16", dtype="float32") on CUDA.
 
-* the few-row kernels (kernels/small_linear.py) read the bf16 weight, upcast its tiles and
+* the few-row kernels (kernels/skinny_gemm/) read the bf16 weight, upcast its tiles and
   compute in fp32: fp32 results matching the references (fp32 over the upcast weight) at
   M = 1, 3 (broadcast-sum path), 5, 8, 16 (tl.dot path), where a kernel that rounded its
   input to bf16 would be far off;
-* above 16 rows, kernels/split_dot.split_mm (three bf16 pieces of x in one cuBLAS GEMM with
+* above 16 rows, kernels/bf16x3.split_mm (three bf16 pieces of x in one cuBLAS GEMM with
   fp32 output) matches the fp64 product to fp32 tolerance, and upcast_linear takes it;
 * the engine on CUDA with graphs (few-row kernels, split_mm above 16 rows,
   Triton attention over an fp32 or a bf16 KV pool), with and without a draft head, gives the
@@ -25,12 +25,12 @@ pytestmark = [pytest.mark.gpu,
 pytest.importorskip("triton")
 
 from outpace import SamplingParams  # noqa: E402
-from outpace.kernels import small_linear as sl  # noqa: E402
+from outpace.kernels import skinny_gemm as sl  # noqa: E402
 from outpace.kernels.norm import rms_norm_ref  # noqa: E402
-from outpace.kernels.split_dot import split_mm, split_pieces_ref, split_pieces_triton  # noqa: E402
+from outpace.kernels.bf16x3 import split_mm, split_pieces_ref, split_pieces_triton  # noqa: E402
 from outpace.models.weight_dtype import store_weights_in_, upcast_linear, weight_bytes  # noqa: E402
 from tests.engine_helpers import make_engine, run_batch  # noqa: E402
-from tests.spec.spec_helpers import repetitive_prompts, tiny_target  # noqa: E402
+from tests.speculative.spec_helpers import repetitive_prompts, tiny_target  # noqa: E402
 
 DEV = "cuda"
 SMOL = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),
@@ -138,7 +138,7 @@ GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
 @pytest.fixture(scope="module")
 def heads(tmp_path_factory):
     from outpace.training.init_draft import init_draft
-    from tests.spec.spec_helpers import write_target_folder
+    from tests.speculative.spec_helpers import write_target_folder
     root = tmp_path_factory.mktemp("weight_dtype_heads")
     target = write_target_folder(tiny_target(seed=0)[1], root / "target")
     return {m: init_draft(m, str(target), root / m, seed=1, quiet=True) for m in ("eagle3", "mtp")}
@@ -159,7 +159,7 @@ def _spec(heads, method):
 def test_cuda_engine_equals_cpu_fp32_with_rounded_weights(heads, method, num_prompts,
                                                           kv_cache_dtype):
     """kv_cache_dtype bfloat16: the CPU engine over a bf16 pool is the reference (itself
-    checked against rounded K / V in tests/spec/test_kv_cache_dtype.py)."""
+    checked against rounded K / V in tests/speculative/test_kv_cache_dtype.py)."""
     model, cfg, tok = tiny_target(seed=0)
     ref = copy.deepcopy(model)
     for p in ref.parameters():

@@ -489,13 +489,13 @@ def test_mtp_few_rows_path_matches(tmp_path, monkeypatch, arch, fused_qkv):
                                atol=1e-5)
 
 
-# ---- the CUDA input path (kernels/head_input.py), run through the kernel's reference ---------
+# ---- the CUDA input path (kernels/embed_norm_cat.py), run through the kernel's reference ---------
 
 
 def take_fused_input_path(monkeypatch):
     """From here on embed_norm_cat takes its kernel branch, with the PyTorch reference standing
     in for the kernel. Returns the number of calls so far (a one-item list)."""
-    import outpace.kernels.head_input as head_input
+    import outpace.kernels.embed_norm_cat as head_input
     calls = [0]
 
     def stand_in(*a, **kw):

@@ -1,4 +1,4 @@
-"""Fixtures for the draft-head training tests: the tiny peaked target (tests/spec) and a prompt
+"""Fixtures for the draft-head training tests: the tiny peaked target (tests/speculative) and a prompt
 file for it."""
 
 import json
@@ -13,7 +13,7 @@ import pytest  # noqa: E402
 @pytest.fixture(scope="session")
 def tiny_loaded():
     """(model, ModelConfig, TinyTokenizer) of the tiny peaked target (greedy output loops)."""
-    from tests.spec.spec_helpers import tiny_target
+    from tests.speculative.spec_helpers import tiny_target
     return tiny_target(seed=0)
 
 

@@ -22,7 +22,7 @@ from outpace.training.heads import fill_head_
 from outpace.training.init_draft import eagle3_config_for, random_head_tensors
 from outpace.training.ttt import CHAIN, DEPTHS, Eagle3Unroll, MTPUnroll, shift, unroll
 from tests.models.helpers import PagedRunner
-from tests.spec.spec_helpers import tiny_config
+from tests.speculative.spec_helpers import tiny_config
 
 T, STEPS = 12, 4
 

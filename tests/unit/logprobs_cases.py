@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import torch
 
-from tests.unit.masked_race_cases import hard_logits
+from tests.unit.masked_gumbel_cases import hard_logits
 
 
 def make_case(rows: int, vocab: int, seed: int, dtype=torch.float32):
-    """-> (logits [rows, vocab] (masked_race_cases.hard_logits), tokens [rows] int64, some
+    """-> (logits [rows, vocab] (masked_gumbel_cases.hard_logits), tokens [rows] int64, some
     -1)."""
     g = torch.Generator().manual_seed(seed)
     logits = hard_logits(rows, vocab, g)

@@ -107,3 +107,10 @@ def test_hash_chain_depends_on_whole_prefix():
     assert hash_blocks([1, 2, 3, 4, 5, 6, 7, 8, 9], 4) == a  # partial block not hashed
     assert hash_block(None, [1, 2]) != hash_block(None, [1, 2], extra_key="lora")
     assert hash_blocks([1, 2, 3, 4, 5, 6, 7, 8], 4, parent=a[0], start_block=1) == a[1:]
+
+
+def test_every_copy_of_the_null_block_id_agrees():
+    # kvcache and kernels keep their own copy (they do not import the attention layer)
+    from outpace.attention.base import NULL_BLOCK as attention_null
+    from outpace.kernels.store_kv import NULL_SLOT
+    assert NULL_BLOCK == attention_null == 0 and NULL_SLOT == attention_null * 16

@@ -1,12 +1,12 @@
-"""CommittedTokens (spec/base.py): a view of prompt + output + a step's tokens that reads like
+"""CommittedTokens (speculative/base.py): a view of prompt + output + a step's tokens that reads like
 their concatenated list, which the model-free drafters take from the fused step."""
 
 import random
 
 import pytest
 
-from outpace.spec.base import CommittedTokens
-from outpace.spec.ngram import NgramState
+from outpace.speculative.base import CommittedTokens
+from outpace.speculative.ngram import NgramState
 
 
 def test_reads_like_the_concatenated_list():

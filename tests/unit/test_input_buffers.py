@@ -1,11 +1,11 @@
-"""InputBuffers (runner/inputs.py): put_if_changed skips re-uploading block tables that are already
+"""InputBuffers (attention/inputs.py): put_if_changed skips re-uploading block tables that are already
 in the buffer, and never skips after anything else wrote the buffer; a load goes over in one copy
 per segment, landing every array in its buffer's leading part; the host batch builders agree."""
 
 import numpy as np
 import torch
 
-from outpace.runner.inputs import InputBuffers, build_host_batch
+from outpace.attention.inputs import InputBuffers, build_host_batch
 
 
 def _buffers_counting_copies():
@@ -52,7 +52,7 @@ def test_other_writes_drop_the_memo():
 
 
 def _counting_segment_copies(monkeypatch):
-    from outpace.runner.inputs import Segment
+    from outpace.attention.inputs import Segment
     copies = []
     inner = Segment._copy
 
@@ -87,7 +87,7 @@ def test_a_load_is_one_copy_and_lands_every_array(monkeypatch):
 
 
 def test_parts_far_apart_go_over_in_two_copies(monkeypatch):
-    from outpace.runner.inputs import Segment
+    from outpace.attention.inputs import Segment
     copies = _counting_segment_copies(monkeypatch)
     buf = InputBuffers(max_tokens=32, max_seqs=4, max_blocks=8, device=torch.device("cpu"))
     far, near = buf.add_buffers([((2 * Segment.GAP,), torch.uint8), ((4,), torch.long)])
@@ -115,7 +115,7 @@ def test_build_host_batch_equals_the_row_by_row_build():
     batches of prefill chunks, decode and verify rows, graph padding (tokens past num_real:
     slot -1, even past the table), empty offsets and tables, and the empty batch."""
     import random
-    from outpace.runner.inputs import _build_row_by_row, _build_vectorized
+    from outpace.attention.inputs import _build_row_by_row, _build_vectorized
     rnd = random.Random(0)
     for trial in range(300):
         bs = rnd.choice([1, 4, 16])

@@ -57,7 +57,7 @@ ATTN = [(True, 4, 64, 3), (False, 4, 64, 3), (False, 4, 128, 4), (True, 1, 64, 3
 
 
 # (q and out, the KV pool): bf16; fp32 (tf32x3 dots); fp32 over a bf16 pool (kv_cache_dtype:
-# bf16 pieces of q and p, kernels/split_dot.py)
+# bf16 pieces of q and p, kernels/bf16x3.py)
 PRECISIONS = {"bf16": ("bf16", "bf16"), "fp32": ("fp32", "fp32"),
               "fp32-over-bf16": ("fp32", "bf16")}
 
@@ -153,7 +153,7 @@ _LINEAR_PTRS = {**{n: "bf16" for n in ("x_ptr", "nw_ptr", "w_ptr", "r_ptr", "out
 @pytest.mark.parametrize("norm,silu,rope,residual,block_m,block_k,tail_k,warps", LINEAR, ids=str)
 def test_small_linear_kernel_compiles(norm, silu, rope, residual, block_m, block_k, tail_k,
                                       warps):
-    from outpace.kernels.small_linear_kernels import _small_linear_kernel
+    from outpace.kernels.skinny_gemm.kernels import _small_linear_kernel
     k = compile_for_h200(_small_linear_kernel, _LINEAR_PTRS, ("eps",), _linear_constexprs(
         norm, silu, rope, residual, block_m, 2, block_k, tail_k), num_warps=warps)
     assert k.asm["cubin"]
@@ -172,8 +172,8 @@ def test_small_linear_row_warps_layout(norm, silu, rope, residual, m, k):
     """The warp-a-row launch compiles to what it is for: the weight tile [steps, BLOCK_N,
     BLOCK_M, 256] with 8 bf16 a lane, the lanes along K and one warp a row (were the warps on
     K, each would hold a slice of every row and the sums would meet in shared memory)."""
-    from outpace.kernels.small_linear import choose_blocks
-    from outpace.kernels.small_linear_kernels import _small_linear_kernel
+    from outpace.kernels.skinny_gemm import choose_blocks
+    from outpace.kernels.skinny_gemm.kernels import _small_linear_kernel
     cfg = choose_blocks(m, 1536 if silu else 576, k, gate_up=silu or rope, norm=norm)
     assert cfg.rw_steps and cfg.num_warps == cfg.block_m == (1 if m == 3 else 2)
     kern = compile_for_h200(_small_linear_kernel, _LINEAR_PTRS, ("eps",), _linear_constexprs(
@@ -195,8 +195,8 @@ def test_small_linear_row_warps_layout(norm, silu, rope, residual, m, k):
 def test_small_linear_dot_over_bf16_weights_compiles(norm, m):
     """fp32 x over a bf16 weight on the tl.dot path (x cut into three bf16 pieces), as
     choose_blocks picks it for SmolLM2's LM head (49152 x 576)."""
-    from outpace.kernels.small_linear import choose_blocks
-    from outpace.kernels.small_linear_kernels import _small_linear_kernel
+    from outpace.kernels.skinny_gemm import choose_blocks
+    from outpace.kernels.skinny_gemm.kernels import _small_linear_kernel
     cfg = choose_blocks(m, 49152, 576, elem_bytes=2, x_bytes=4, norm=norm)
     assert cfg.use_dot
     ptrs = {n: "fp32" for n in ("x_ptr", "nw_ptr", "r_ptr", "out_ptr", "kc_ptr", "vc_ptr",
@@ -219,8 +219,8 @@ def test_small_linear_prefill_rows_compile(kind, m):
     """The mid-row launches (small_linear.mid_rows_ok) as choose_blocks picks them for SmolLM2's
     prefill: tl.dot in row blocks of 16-64 with the rope + store or silu * mul epilogue, within
     sm_90's shared memory and registers."""
-    from outpace.kernels.small_linear import choose_blocks
-    from outpace.kernels.small_linear_kernels import _small_linear_kernel
+    from outpace.kernels.skinny_gemm import choose_blocks
+    from outpace.kernels.skinny_gemm.kernels import _small_linear_kernel
     rope, silu = kind == "qkv_rope_store", kind == "gate_up_silu"
     n = {"qkv_rope_store": 480, "gate_up_silu": 1536, "o": 576}[kind]
     cfg = choose_blocks(m, n, 576, gate_up=rope or silu)
@@ -239,8 +239,8 @@ def test_small_linear_dot_over_int8_weights_compiles(x_dtype):
     """An int8 draft LM head (draft_lm_head_dtype) on the tl.dot path as choose_blocks picks it
     for SmolLM2's 49152 x 576 head at one row: the int8 tile converted in registers still
     feeds the tensor cores, with the per-column scale in the epilogue."""
-    from outpace.kernels.small_linear import choose_blocks
-    from outpace.kernels.small_linear_kernels import _small_linear_kernel
+    from outpace.kernels.skinny_gemm import choose_blocks
+    from outpace.kernels.skinny_gemm.kernels import _small_linear_kernel
     cfg = choose_blocks(1, 49152, 576, elem_bytes=1, x_bytes=2 if x_dtype == "bf16" else 4)
     assert cfg.use_dot
     ptrs = {n: x_dtype for n in ("x_ptr", "nw_ptr", "r_ptr", "out_ptr", "kc_ptr", "vc_ptr",
@@ -262,7 +262,7 @@ def test_small_linear_dot_over_int8_weights_compiles(x_dtype):
 def test_step_glue_kernels_compile_with_pdl(kernel):
     """The fused step's bookkeeping kernels, launched with PDL (they wait first); the chained
     inputs also in their host-drafts variant (a relaunched n-gram / suffix step)."""
-    from outpace.kernels import step_glue as sg
+    from outpace.runner import step_bookkeeping as sg
     i64 = "i64"
     if kernel.startswith("chained_inputs"):
         fn, ptrs = sg._chained_inputs_kernel, {n: i64 for n in (
@@ -302,7 +302,7 @@ def test_rms_norm_kernel_compiles(gather):
 
 def test_split_pieces_kernel_compiles():
     """split_mm's first step: fp32 rows cut into three bf16 pieces (cvt to bf16 three times)."""
-    from outpace.kernels.split_dot import _split_pieces_kernel
+    from outpace.kernels.bf16x3 import _split_pieces_kernel
     k = compile_for_h200(_split_pieces_kernel, {"x_ptr": "fp32", "out_ptr": "bf16"}, (),
                          {"BLOCK": 1024}, num_warps=4)
     assert k.asm["cubin"] and "bf16" in k.asm["ptx"]
@@ -328,10 +328,10 @@ def test_argmax_chunks_kernel_compiles(race, temp):
 
 @pytest.mark.parametrize("logits", ["fp32", "bf16"])
 def test_masked_race_kernels_compile(logits):
-    """kernels/masked_race.py: the chunks' pass (the race's hash and an IEEE division, as the
+    """kernels/masked_gumbel.py: the chunks' pass (the race's hash and an IEEE division, as the
     argmax's) and the descent (a while loop around passes over the row; the top-k bisection's
     unsigned compares of ordered keys, logical shifts only)."""
-    from outpace.kernels.masked_race import _descent_kernel, _race_chunks_kernel
+    from outpace.kernels.masked_gumbel import _descent_kernel, _race_chunks_kernel
     part = {"ybest_ptr": "fp32", "yidx_ptr": "i32", "xmax_ptr": "fp32", "zsum_ptr": "fp32"}
     k1 = compile_for_h200(_race_chunks_kernel, {
         "x_ptr": logits, "y_ptr": "fp32", **part, "words_ptr": "i64", "pos_ptr": "i64",
@@ -351,11 +351,11 @@ def test_masked_race_kernels_compile(logits):
 
 @pytest.mark.parametrize("fusion", [False, True])
 def test_penalty_kernels_compile(fusion):
-    """kernels/penalties.py: the penalties with an IEEE division and, as launched
+    """sample/penalty_kernels.py: the penalties with an IEEE division and, as launched
     (enable_fp_fusion=False), no fused multiply-add, so freq * counts is rounded before the
     subtraction as torch rounds it (with fusion the compiler does fuse it: the check bites);
     the count kernel's float atomics."""
-    from outpace.kernels.penalties import _count_kernel, _penalize_kernel
+    from outpace.sample.penalty_kernels import _count_kernel, _penalize_kernel
     k = compile_for_h200(_penalize_kernel, {
         "logits_ptr": "fp32", "prompt_ptr": "u8", "counts_ptr": "fp32", "ids_ptr": "i64",
         "rep_ptr": "fp32", "freq_ptr": "fp32", "pres_ptr": "fp32"}, (),

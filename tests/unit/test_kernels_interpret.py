@@ -93,7 +93,7 @@ def test_import_and_fallback_without_triton():
         "from outpace.kernels.norm import fused_add_rms_norm, fused_add_rms_norm_ref, rms_norm, "
         "rms_norm_ref\n"
         "from outpace.kernels.rope import apply_rope, apply_rope_ref\n"
-        "from outpace.kernels.small_linear import norm_small_linear, norm_small_linear_ref\n"
+        "from outpace.kernels.skinny_gemm import norm_small_linear, norm_small_linear_ref\n"
         "from outpace.attention.triton_paged import TritonPagedBackend\n"
         "assert not triton_available()\n"
         "x, r, w = torch.randn(3, 8), torch.randn(3, 8), torch.randn(8)\n"
@@ -103,7 +103,7 @@ def test_import_and_fallback_without_triton():
         "lw = torch.randn(5, 8)\n"
         "assert torch.equal(norm_small_linear(x, w, 1e-6, lw),\n"
         "                   norm_small_linear_ref(x, w, 1e-6, lw))\n"
-        "from outpace.kernels.head_input import embed_norm_cat, embed_norm_cat_ref\n"
+        "from outpace.kernels.embed_norm_cat import embed_norm_cat, embed_norm_cat_ref\n"
         "from outpace.kernels.argmax import argmax_rows\n"
         "ids, tab = torch.tensor([4, 0, 2]), torch.randn(6, 8)\n"
         "assert torch.equal(embed_norm_cat(ids, tab, w, x, w, 1e-6),\n"
@@ -188,13 +188,13 @@ if IN_CHILD:
                                       gather_rms_norm_ref, gather_rms_norm_triton,
                                       rms_norm_ref, rms_norm_triton)
     from outpace.kernels.argmax import argmax_ref, argmax_triton
-    from outpace.kernels.head_input import embed_norm_cat_ref, embed_norm_cat_triton
-    from outpace.kernels.split_dot import split_pieces_ref, split_pieces_triton
+    from outpace.kernels.embed_norm_cat import embed_norm_cat_ref, embed_norm_cat_triton
+    from outpace.kernels.bf16x3 import split_pieces_ref, split_pieces_triton
     from outpace.kernels.rope import (apply_rope_and_store_ref, apply_rope_and_store_triton,
                                       apply_rope_ref, apply_rope_triton)
     from outpace.kernels.int8_linear import (int8_linear_ref, int8_linear_triton,
                                              quantize_int8_rows)
-    from outpace.kernels.small_linear import (Blocks, choose_blocks, norm_qkv_rope_store_ref,
+    from outpace.kernels.skinny_gemm import (Blocks, choose_blocks, norm_qkv_rope_store_ref,
                                               norm_qkv_rope_store_triton, norm_small_linear_ref,
                                               norm_small_linear_silu_mul_ref,
                                               norm_small_linear_silu_mul_triton,
@@ -202,11 +202,11 @@ if IN_CHILD:
                                               silu_mul_triton, small_linear_ref,
                                               small_linear_silu_mul_ref,
                                               small_linear_silu_mul_triton, small_linear_triton)
-    from outpace.kernels.step_glue import (accept_ref, accept_triton, chained_inputs_ref,
+    from outpace.runner.step_bookkeeping import (accept_ref, accept_triton, chained_inputs_ref,
                                            chained_inputs_triton, loop_inputs_ref,
                                            loop_inputs_triton)
     from outpace.kernels.store_kv import store_kv_triton
-    from outpace.kernels.penalties import (count_emitted_ref, count_emitted_triton,
+    from outpace.sample.penalty_kernels import (count_emitted_ref, count_emitted_triton,
                                            penalize_rows_ref, penalize_rows_triton)
     from outpace.kernels.logprobs import row_logprobs_triton
     from tests.unit import logprobs_cases
@@ -214,7 +214,7 @@ if IN_CHILD:
     from tests.unit.kernel_cases import check_attention as verify_attention
     import triton
     import triton.language as tl
-    from outpace.kernels.masked_race import _top_k_mass
+    from outpace.kernels.masked_gumbel import _top_k_mass
 
     @triton.jit
     def _top_k_mass_probe(x_ptr, xmax_ptr, out_ptr, V, num_chunks, t, m, k,
@@ -514,7 +514,7 @@ ROW_WARPS_CASES = [(2, 24, 576, 2, 2), (4, 20, 1536, 2, 4), (3, 12, 1728, 4, 2),
 def check_small_linear_row_warps(case, dtype):
     """A warp a row (row_warps_blocks) for every variant the projections fuse: plain,
     residual, norm, norm + gate_up + silu, an int8 weight, norm + qkv + rope + store."""
-    from outpace.kernels.small_linear_blocks import row_warps_blocks
+    from outpace.kernels.skinny_gemm.blocks import row_warps_blocks
     m, n, k, block_m, block_n = case
     blocks = row_warps_blocks(k, block_m, block_n)
     x, w, nw = _linear_inputs(m, n, k, dtype, seed=60 + m, rows=2)
@@ -539,7 +539,7 @@ def check_small_linear_row_warps(case, dtype):
 @pytest.mark.parametrize("m,k", [(2, 576), (3, 576), (4, 1536)])
 def check_norm_qkv_rope_store_row_warps(dtype, m, k):
     """The rope + store epilogue after a warp-a-row product (choose_blocks' own pick)."""
-    import outpace.kernels.small_linear as sl
+    import outpace.kernels.skinny_gemm as sl
     assert sl.choose_blocks(m, 60, k, gate_up=True).rw_steps  # (3 + 2) x 24 / 2 columns
     check_norm_qkv_rope_store(dtype, dtype, m, 3, 1, 24, k, True)
 
@@ -703,7 +703,7 @@ def check_argmax_offsets(dtype, rows, vocab, with_offsets):
 @pytest.mark.parametrize("rows,vocab", [(3, 5000), (4, 4097)])
 @pytest.mark.parametrize("with_temp", [False, True])
 def check_argmax_race(dtype, rows, vocab, with_temp):
-    """race: the sampling race (sample/race.py) in pass 1: rows with a seed word take the
+    """race: the sampling race (sample/gumbel.py) in pass 1: rows with a seed word take the
     argmax of x / temperature + the reference's Gumbel noise for (key(word, position + offset),
     column), a row with word -1 the plain argmax; a kernel that dropped the noise, hashed
     differently or skipped the division picks other tokens."""
@@ -734,14 +734,14 @@ def check_argmax_race(dtype, rows, vocab, with_temp):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows,vocab,chunk", [(14, 300, 2048), (28, 300, 64), (6, 2500, 2048)])
 def check_masked_race(dtype, rows, vocab, chunk, monkeypatch):
-    """kernels/masked_race.py against race_tokens over apply_sampling_params' masks: top-k,
+    """kernels/masked_gumbel.py against race_tokens over apply_sampling_params' masks: top-k,
     top-p, min-p and their combinations, greedy rows, ties, -inf entries, one chunk or many
-    (the passes skip chunks below the current token; tests/unit/masked_race_cases.py); the
+    (the passes skip chunks below the current token; tests/unit/masked_gumbel_cases.py); the
     masks changed the draw in some rows."""
-    from outpace.kernels import masked_race
-    from outpace.kernels.masked_race import masked_race_triton
-    from outpace.sample.race import race_tokens
-    from tests.unit.masked_race_cases import assert_matches_reference, make_case
+    from outpace.kernels import masked_gumbel as masked_race
+    from outpace.kernels.masked_gumbel import masked_race_triton
+    from outpace.sample.gumbel import race_tokens
+    from tests.unit.masked_gumbel_cases import assert_matches_reference, make_case
     monkeypatch.setattr(masked_race, "CHUNK", chunk)
     changed = 0
     for seed in range(3):
@@ -760,7 +760,7 @@ def check_masked_race_top_k_mass(vocab, chunk):
     computes it (a bisection that skips chunks below its trial key, SPAN chunks a read,
     stopping at k), against the sum over the sort's first k: k of 1 .. vocab, ties."""
     from outpace.kernels import next_pow2
-    from outpace.kernels.masked_race import SPAN
+    from outpace.kernels.masked_gumbel import SPAN
     g = torch.Generator().manual_seed(vocab)
     for row in range(6):
         x = torch.randn(vocab, generator=g) * (1 + row)
@@ -945,7 +945,7 @@ def check_prefill_rows_in_row_blocks(dtype, m):
                                small_linear_silu_mul_ref(x, w), **NORM_TOL[dtype])
 
 
-# ---- the fused step's bookkeeping (kernels/step_glue.py): integers, so exact equality ----------
+# ---- the fused step's bookkeeping (runner/step_bookkeeping.py): integers, so exact equality ----------
 
 def _tables(g, bucket, width=5, blocks=40):
     return torch.randint(1, blocks, (bucket, width), generator=g, dtype=torch.int32)
@@ -1028,7 +1028,7 @@ def check_loop_inputs(bucket, steps):
 def check_penalize_rows(bucket, q, vocab, monkeypatch):
     """Every row's penalties over its request's tables plus the drafts before it, bit for bit
     torch's; rows of 1, 0, 0 untouched. Small vocabularies make drafts repeat table tokens."""
-    import outpace.kernels.penalties as penalties
+    import outpace.sample.penalty_kernels as penalties
     monkeypatch.setattr(penalties, "BLOCK", 256)  # several programs a row
     g = torch.Generator().manual_seed(bucket * 7 + q)
     m = bucket + 2  # tables have rows past the bucket

@@ -43,7 +43,8 @@ def test_supported_only_on_hopper_and_later_nvidia(monkeypatch, capability, hip,
 
 def _pdl_kernels():
     from outpace.attention import triton_paged_kernels
-    from outpace.kernels import argmax, norm, rope, small_linear_kernels
+    from outpace.kernels import argmax, norm, rope
+    from outpace.kernels.skinny_gemm import kernels as small_linear_kernels
     mods = (triton_paged_kernels, argmax, norm, rope, small_linear_kernels)
     for mod in mods:
         for name, obj in vars(mod).items():

@@ -1,5 +1,5 @@
 """Sampler and logits processing: masks on handcrafted logits, penalties against a per-row
-reference, seeds and positions (the race, sample/race.py), empirical distributions (chi-square)
+reference, seeds and positions (the race, sample/gumbel.py), empirical distributions (chi-square)
 and logprobs."""
 
 import math

@@ -55,7 +55,7 @@ def test_engine_rejects_a_lent_model_stored_otherwise():
     weight_dtype that differs from the storage is a clear error; auto takes it as it is."""
     from outpace.models.weight_dtype import store_weights_in_
     from tests.engine_helpers import make_engine
-    from tests.spec.spec_helpers import tiny_target
+    from tests.speculative.spec_helpers import tiny_target
     loaded = tiny_target(seed=0)
     with pytest.raises(ConfigError, match="stores its weights in torch.float32, not "
                                           "weight_dtype bfloat16; cast it first"):
@@ -97,7 +97,7 @@ def test_engine_pool_takes_kv_cache_dtype():
     from outpace.config import CacheConfig
     from outpace.kvcache.sizing import num_kv_blocks
     from tests.engine_helpers import make_engine
-    from tests.spec.spec_helpers import tiny_target
+    from tests.speculative.spec_helpers import tiny_target
     loaded = tiny_target(seed=0)
     eng = make_engine(loaded, kv_cache_dtype="bfloat16")
     assert eng.runner.kv_cache.dtype == torch.bfloat16

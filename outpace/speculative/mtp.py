@@ -1,0 +1,63 @@
+"""MTP proposer (DeepSeek-V3 style modules over the target's hidden states).
+
+Two modes:
+  eagle   (default with one module, or mtp_mode="eagle"): module 0 applied k times, chained
+          exactly like an EAGLE head (see head_proposer.py).
+  depths  (mtp_mode="depths", D modules): depth d uses module d, over the frontier-anchored
+          window (see mtp_window.py; docs/design.md, "MTP: eagle mode and the
+          frontier-anchored window").
+"""
+
+from __future__ import annotations
+
+from outpace.errors import ConfigError
+from outpace.speculative.head_proposer import HeadProposer
+
+
+def load_mtp_head(spec, model_cfg, runner_cfg):
+    from outpace.models.draft_loader import load_draft_head
+    return load_draft_head("mtp", spec.model, model_cfg,
+                           first_layer_slot=model_cfg.num_hidden_layers,
+                           dtype=runner_cfg.torch_dtype, device=runner_cfg.device,
+                           weight_dtype=runner_cfg.torch_weight_dtype)
+
+
+class MTPEagleProposer(HeadProposer):
+    """One MTP module applied k times."""
+
+    def __init__(self, spec, policy, target, head):
+        super().__init__(policy, target, spec.options)
+        self.head = head
+        self.num_kv_layers = head.num_kv_layers
+
+    def first_hidden(self, batch):
+        return batch.hidden  # [T, H] target output
+
+    def step(self, hidden, input_ids, positions, ctx):
+        return self.head(0, hidden, input_ids, positions, ctx, **self.embed_args(hidden))
+
+    def draft_norm(self):
+        return self.target.norm
+
+    def draft_lm_head(self):
+        return self.target.lm_head_weight, None  # shared with the target
+
+    def draft_ids_from_lm_head(self, normed, also: tuple = ()):
+        # = argmax of compute_logits
+        return self.target.greedy_tokens(normed, also=also)
+
+
+def MTPProposer(spec, policy, target, model_cfg, runner_cfg):
+    """Pick the MTP mode from the options and the number of modules in the checkpoint."""
+    head = load_mtp_head(spec, model_cfg, runner_cfg)
+    mode = spec.options.get("mtp_mode", "eagle" if head.num_modules == 1 else "depths")
+    if mode == "eagle":
+        return MTPEagleProposer(spec, policy, target, head)
+    if mode == "depths":
+        if spec.num_speculative_tokens > head.num_modules:
+            raise ConfigError(f"mtp_mode 'depths' drafts one token per module: the head has "
+                              f"{head.num_modules} modules, so num_speculative_tokens must be "
+                              f"<= {head.num_modules} (or use mtp_mode 'eagle')")
+        from outpace.speculative.mtp_window import MTPWindowProposer
+        return MTPWindowProposer(spec, policy, target, head)
+    raise ConfigError(f"mtp_mode must be 'eagle' or 'depths', got {mode!r}")
