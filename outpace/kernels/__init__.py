@@ -3,19 +3,19 @@
     norm.py      rms_norm, fused_add_rms_norm (+ *_ref, *_triton)
     rope.py      apply_rope (+ apply_rope_ref, apply_rope_triton): neox style, in place
     rope.py      also apply_rope_and_store_triton: rope of q and k, k and v written to the pool
-    store_kv.py  store_kv_triton: write K/V into the paged pool through the slot mapping
+    store_kv.py  store_kv_triton (+ store_kv_ref): write K/V into the paged pool through the slot
+                 mapping
     skinny_gemm/  few-row (M <= 16) projections with the norm, residual add, silu * mul or
                  rope + KV store fused in, and silu_mul (kernels in skinny_gemm/kernels.py)
     argmax.py    argmax_rows: two-pass row argmax of logits (+ offsets[idx]: EAGLE-3's d2t)
     masked_gumbel.py  masked_race_triton: the sampling race over the top-k / top-p / min-p
                  nucleus without a sort (reference: sample/gumbel.masked_race_tokens' CPU path)
-    penalties.py penalize_rows, count_emitted: a fused step's repetition / frequency / presence
-                 penalties in one pass, and its emitted tokens counted (runner/fused_penalties.py)
     embed_norm_cat.py  embed_norm_cat: a draft head's [rms_norm(embedding), rms_norm(hidden)] input
-    step_bookkeeping.py the fused decode step's bookkeeping: chained_inputs, accept, loop_inputs
     pdl.py       programmatic dependent launch: launch_options, wait_then_release
 
-The paged attention kernel lives in outpace/attention/triton_paged.py.
+Kernels that belong to a higher layer live there: the paged attention kernel in
+attention/triton_paged.py, the penalties in sample/penalty_kernels.py, the fused step's
+bookkeeping in runner/step_bookkeeping.py.
 
 Every module imports triton behind a guard, so importing it on a machine without triton works and
 the dispatchers (`rms_norm`, `fused_add_rms_norm`, `apply_rope`) fall back to the reference.

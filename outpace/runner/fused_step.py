@@ -113,7 +113,7 @@ class FusedStep(FusedPrefill, FusedSampling, FusedPenalties, FusedOutput):
         # Weak: the runner owns this step (see HeadProposer.bind for why no cycle)
         self.runner = weakref.proxy(runner)
         self.graphs = runner.graphs  # GraphRunner: buckets, input buffers, capture, memory pool
-        self.inputs = attention.inputs
+        self.inputs = runner.inputs
         self.model = runner.model
         self.backend = runner.backend
         self.block_size = runner.block_size

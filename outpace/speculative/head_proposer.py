@@ -72,8 +72,8 @@ class HeadProposer(Proposer):
         # outlive `del engine` once the builder has frozen the heap (gc.freeze) on CUDA.
         self.runner = weakref.proxy(runner)
         self.block_size = runner.block_size
-        self.loop_inputs = InputBuffers(attention.inputs.max_seqs, attention.inputs.max_seqs,
-                                        attention.inputs.max_blocks, runner.device)
+        self.loop_inputs = InputBuffers(runner.inputs.max_seqs, runner.inputs.max_seqs,
+                                        runner.inputs.max_blocks, runner.device)
         if self.draft_lm_head_dtype == "int8" and self._int8_lm_head is None:
             weight, offsets = self.draft_lm_head()
             with torch.no_grad():

@@ -118,8 +118,8 @@ class MTPWindowProposer(HeadProposer):
             raise ConfigError(f"mtp_mode 'depths' needs num_speculative_tokens ({self.depth}) "
                               f"<= block_size ({self.block_size}); lower k or raise block_size")
         # Window rows <= the step's target rows + K per request (see _geometry).
-        self.win_inputs = InputBuffers(attention.inputs.max_tokens, attention.inputs.max_seqs,
-                                       attention.inputs.max_blocks, runner.device)
+        self.win_inputs = InputBuffers(runner.inputs.max_tokens, runner.inputs.max_seqs,
+                                       runner.inputs.max_blocks, runner.device)
 
     def finish(self, request_id: str) -> None:
         super().finish(request_id)

@@ -187,7 +187,7 @@ def test_prefix_hit_through_a_block_with_another_successor(tiny_loaded, tiny_hea
 
 def target_state(runner, batch):
     """Everything of the target's step the draft phase must not change."""
-    inp = attention.inputs
+    inp = runner.inputs
     meta = batch.meta
     tensors = {name: getattr(inp, name).clone() for name in (
         "input_ids", "positions", "slot_mapping", "logits_indices", "query_start_loc",
