@@ -5,11 +5,11 @@
 
 Default: outpace vs HF transformers (eager): the same chat prompts (MT-bench first turns),
 greedy, a fixed number of new tokens per request (EOS ignored) for both systems; writes
-benchmarks/results/cpu_smollm2.json.
+benchmarks/results/latest/cpu_smollm2.json.
 --spec: outpace without speculation against the shipped EAGLE-3 and MTP heads (real
 acceptance), batch 1, fp32, greedy to EOS or --max-tokens (the outputs are the same, so the
 token counts are too), in rounds that alternate the configurations; writes
-benchmarks/results/cpu_smollm2_spec.json.
+benchmarks/results/latest/cpu_smollm2_spec.json.
 Tokens/s = new tokens / wall time, prefill included. Prints a table.
 """
 
@@ -98,8 +98,8 @@ def spec_section(a) -> None:
              "tok_s_runs": [round(x, 1) for x in runs[n]]} for n in llms]
     print_table(rows, ["config", "tok_s", "vs_no_spec", "mean_acceptance_length",
                        "same_output_as_no_spec"])
-    out = a.out if a.out != str(HERE / "results" / "cpu_smollm2.json") else \
-        str(HERE / "results" / "cpu_smollm2_spec.json")
+    out = a.out if a.out != str(HERE / "results" / "latest" / "cpu_smollm2.json") else \
+        str(HERE / "results" / "latest" / "cpu_smollm2_spec.json")
     path = write_result(Path(out), {
         "benchmark": "cpu_spec_vs_no_spec", "device": device_name("cpu"),
         "threads": torch.get_num_threads(), "model": "smollm2-135m (Q4_1 GGUF, dequantized fp32)",
@@ -115,7 +115,7 @@ def main():
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--num-prompts", type=int, default=8)
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--out", default=str(HERE / "results" / "cpu_smollm2.json"))
+    ap.add_argument("--out", default=str(HERE / "results" / "latest" / "cpu_smollm2.json"))
     ap.add_argument("--spec", action="store_true", help="no-spec vs the shipped heads")
     ap.add_argument("--spec-configs", default="eagle3-k1,eagle3-k2,eagle3-k3,mtp-k1,mtp-k2")
     ap.add_argument("--rounds", type=int, default=3)
