@@ -70,9 +70,9 @@ class ModelRunner:
         self.fused = None  # FusedStep: greedy decode steps as one graph each (with graphs)
         self._proposer_failed = False  # log a drafter error once, not every step
         if proposer is not None:
-            self.sampling.force_accept_mean = proposer.options.get("force_accept_mean")
-            self.sampling.relaxed = RelaxedAcceptance.from_options(proposer.options,
-                                                                   model_cfg.vocab_size)
+            self.sampling.force_accept_mean = proposer.spec.force_accept_mean
+            self.sampling.relaxed = RelaxedAcceptance.from_spec(proposer.spec,
+                                                                model_cfg.vocab_size)
             if hasattr(proposer, "bind"):
                 proposer.bind(self)
 

@@ -36,9 +36,6 @@ from outpace.speculative.verify import (ThinkingSpanTracker, force_accept, greed
 from outpace.types import MAX_LOGPROBS, RequestStepOutput
 
 
-_RELAXED_KEYS = ("relaxed_top_k", "relaxed_delta", "think_begin_ids", "think_end_ids")
-
-
 @dataclass(frozen=True)
 class RelaxedAcceptance:
     top_k: int
@@ -47,34 +44,17 @@ class RelaxedAcceptance:
     end_ids: tuple
 
     @staticmethod
-    def from_options(options: dict, vocab_size: int) -> Optional["RelaxedAcceptance"]:
-        """None when no relaxed option is set; ConfigError when they are set only in part."""
-        given = [k for k in _RELAXED_KEYS if options.get(k) is not None]
-        if not given:
+    def from_spec(spec, vocab_size: int) -> Optional["RelaxedAcceptance"]:
+        """None when the SpecConfig sets no relaxed acceptance (it checked that all four
+        options come together); ConfigError for a token id outside the vocabulary."""
+        if not spec.relaxed:
             return None
-        missing = [k for k in _RELAXED_KEYS if k not in given]
-        if missing:
-            raise ConfigError(f"relaxed acceptance needs all of {list(_RELAXED_KEYS)}; missing "
-                              f"{missing} (it only applies inside a thinking span, so the "
-                              f"span's begin and end token ids are required)")
-
-        def ids(key):
-            v = options[key]
-            v = [v] if isinstance(v, int) else v
-            if (not isinstance(v, (list, tuple)) or not v or not all(
-                    isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size
-                    for t in v)):
-                raise ConfigError(f"{key} must be a token id or a list of token ids in "
-                                  f"0..{vocab_size - 1}, got {options[key]!r}")
-            return tuple(v)
-
-        top_k, delta = options["relaxed_top_k"], options["relaxed_delta"]
-        if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1:
-            raise ConfigError(f"relaxed_top_k must be an integer >= 1, got {top_k!r}")
-        if (not isinstance(delta, (int, float)) or isinstance(delta, bool)
-                or not 0.0 <= delta <= 1.0):
-            raise ConfigError(f"relaxed_delta must be a number in [0, 1], got {delta!r}")
-        cfg = RelaxedAcceptance(top_k, float(delta), ids("think_begin_ids"), ids("think_end_ids"))
+        for key in ("think_begin_ids", "think_end_ids"):
+            bad = [t for t in getattr(spec, key) if t >= vocab_size]
+            if bad:
+                raise ConfigError(f"{key} must be token ids in 0..{vocab_size - 1}, got {bad}")
+        cfg = RelaxedAcceptance(spec.relaxed_top_k, spec.relaxed_delta, spec.think_begin_ids,
+                                spec.think_end_ids)
         ThinkingSpanTracker(cfg.begin_ids, cfg.end_ids)  # validates the id sets
         return cfg
 

@@ -13,7 +13,7 @@ from outpace.speculative.head_proposer import HeadProposer
 
 class Eagle3Proposer(HeadProposer):
     def __init__(self, spec, policy, target, model_cfg, runner_cfg):
-        super().__init__(policy, target, spec.options)
+        super().__init__(policy, target, spec)
         from outpace.models.draft_loader import load_draft_head
         self.head = load_draft_head("eagle3", spec.model, model_cfg,
                                     first_layer_slot=model_cfg.num_hidden_layers,

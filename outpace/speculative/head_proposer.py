@@ -32,7 +32,6 @@ import weakref
 import torch
 
 from outpace.attention.base import ForwardContext
-from outpace.errors import ConfigError
 from outpace.kernels.argmax import argmax_rows
 from outpace.kernels.int8_linear import int8_linear, quantize_int8_rows
 from outpace.kernels.skinny_gemm import SMALL_M_MAX
@@ -48,7 +47,7 @@ class HeadProposer(Proposer):
     # The fused graph step (runner/fused_step.py) may run this head's draft loop on the device.
     supports_device_drafting = True
 
-    def __init__(self, policy: DraftLengthPolicy, target, options: dict):
+    def __init__(self, policy: DraftLengthPolicy, target, spec):
         self.policy = policy
         self.target = target
         self.runner = None
@@ -56,16 +55,12 @@ class HeadProposer(Proposer):
         # "int8": the drafts' LM head reads an int8 copy of its weight (quantized at bind; see
         # draft_ids_normed). Output is unaffected (the target verifies every draft); a draft
         # may differ where two logits are within the quantization error.
-        self.draft_lm_head_dtype = options.get("draft_lm_head_dtype", "auto")
-        if self.draft_lm_head_dtype not in ("auto", "int8"):
-            raise ConfigError(f"draft_lm_head_dtype must be 'auto' (the head's dtype) or "
-                              f"'int8', got {self.draft_lm_head_dtype!r}")
+        self.draft_lm_head_dtype = spec.draft_lm_head_dtype
         self._int8_lm_head = None  # (int8 weight or its exact float copy on CPU, scale, d2t)
-        min_match = options.get("enhancer_min_match")
-        if min_match:
+        if spec.enhancer_min_match:
             from outpace.speculative.model_free import SuffixProposer
-            self.enhancer = SuffixProposer(DraftLengthPolicy(policy.k), options)
-            self.enhancer_min_match = int(min_match)
+            self.enhancer = SuffixProposer(DraftLengthPolicy(policy.k), spec)
+            self.enhancer_min_match = spec.enhancer_min_match
 
     def bind(self, runner) -> None:
         # A weak back-reference: the runner owns the proposer, and a cycle between them would

@@ -49,9 +49,9 @@ class _StatefulProposer(Proposer):
 class NgramProposer(_StatefulProposer):
     """Prompt lookup: continue the most recent earlier occurrence of the longest suffix n-gram."""
 
-    def __init__(self, policy: DraftLengthPolicy, options: dict):
+    def __init__(self, policy: DraftLengthPolicy, spec):
         super().__init__(policy)
-        self.kw = ngram_options(options)
+        self.kw = ngram_options(spec)
 
     def _new_state(self, prompt):
         st = NgramState(**self.kw)
@@ -65,9 +65,9 @@ class NgramProposer(_StatefulProposer):
 class SuffixProposer(_StatefulProposer):
     """Suffix automaton over prompt and output (and optionally recent requests' outputs)."""
 
-    def __init__(self, policy: DraftLengthPolicy, options: dict):
+    def __init__(self, policy: DraftLengthPolicy, spec):
         super().__init__(policy)
-        self.drafter = make_suffix_drafter(options)
+        self.drafter = make_suffix_drafter(spec)
 
     def _new_state(self, prompt):
         return self.drafter.new_state(prompt)
@@ -88,13 +88,12 @@ class SuffixProposer(_StatefulProposer):
         super().finish(request_id)
 
 
-def make_suffix_drafter(options: dict) -> SuffixDrafter:
+def make_suffix_drafter(spec) -> SuffixDrafter:
     try:
         return SuffixDrafter(
-            min_match_len=int(options.get("suffix_min_match_len", 1)),
-            max_match_len=int(options.get("suffix_max_match_len", 64)),
-            cache_max_requests=(int(options["suffix_cache_requests"])
-                                if options.get("suffix_cache_requests") else None),
-            periodic=bool(options.get("suffix_periodic", False)))
+            min_match_len=spec.suffix_min_match_len,
+            max_match_len=spec.suffix_max_match_len,
+            cache_max_requests=spec.suffix_cache_requests or None,
+            periodic=spec.suffix_periodic)
     except (TypeError, ValueError) as e:
         raise ConfigError(f"bad suffix option: {e}") from None

@@ -26,7 +26,7 @@ class MTPEagleProposer(HeadProposer):
     """One MTP module applied k times."""
 
     def __init__(self, spec, policy, target, head):
-        super().__init__(policy, target, spec.options)
+        super().__init__(policy, target, spec)
         self.head = head
         self.num_kv_layers = head.num_kv_layers
 
@@ -50,7 +50,7 @@ class MTPEagleProposer(HeadProposer):
 def MTPProposer(spec, policy, target, model_cfg, runner_cfg):
     """Pick the MTP mode from the options and the number of modules in the checkpoint."""
     head = load_mtp_head(spec, model_cfg, runner_cfg)
-    mode = spec.options.get("mtp_mode", "eagle" if head.num_modules == 1 else "depths")
+    mode = spec.mtp_mode or ("eagle" if head.num_modules == 1 else "depths")
     if mode == "eagle":
         return MTPEagleProposer(spec, policy, target, head)
     if mode == "depths":

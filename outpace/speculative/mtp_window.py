@@ -94,7 +94,7 @@ class MTPWindowProposer(HeadProposer):
     supports_device_drafting = False  # the window and stash live on the host
 
     def __init__(self, spec, policy, target, head):
-        super().__init__(policy, target, spec.options)
+        super().__init__(policy, target, spec)
         if self.draft_lm_head_dtype != "auto":
             raise ConfigError("draft_lm_head_dtype applies to EAGLE-3 heads and MTP's 'eagle' "
                               "mode; mtp_mode 'depths' drafts from each module's logits "

@@ -27,7 +27,7 @@ stateless call is there for one-off use.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Sequence
 
 import numpy as np
 
@@ -166,14 +166,6 @@ class NgramState:
         return _continuation(self.tokens, start + n, k, self.periodic)
 
 
-def ngram_options(options: Optional[dict]) -> dict:
-    """Map vLLM-style speculative options (prompt_lookup_min/max) to NgramDrafter kwargs."""
-    options = options or {}
-    out = {}
-    for key, name, default in (("prompt_lookup_min", "min_n", 1),
-                               ("prompt_lookup_max", "max_n", 4)):
-        value = options.get(key, default)
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise ConfigError(f"speculative option {key!r} must be an integer, got {value!r}")
-        out[name] = value
-    return out
+def ngram_options(spec) -> dict:
+    """A SpecConfig's vLLM-style prompt_lookup_min / max as NgramDrafter kwargs."""
+    return {"min_n": spec.prompt_lookup_min, "max_n": spec.prompt_lookup_max}

@@ -403,9 +403,10 @@ def relaxed_verify(history, drafts, logits, top_k=96, delta=1.0):
     from outpace.runner.sampling_step import RelaxedAcceptance, SamplingStep
     from outpace.types import Request, ScheduledRequest, StepPlan
     step = SamplingStep(torch.device("cpu"))
-    step.relaxed = RelaxedAcceptance.from_options(
+    from outpace.config import SpecConfig
+    step.relaxed = RelaxedAcceptance.from_spec(SpecConfig.from_dict(
         {"relaxed_top_k": top_k, "relaxed_delta": delta, "think_begin_ids": [THINK],
-         "think_end_ids": [END]}, 96)
+         "think_end_ids": [END]}), 96)
     req = Request("r", history[:2], GREEDY)
     req.output_token_ids = list(history[2:])
     plan = StepPlan([ScheduledRequest(req, len(history) - 1, 1 + len(drafts), list(drafts))])

@@ -138,9 +138,12 @@ def test_speed_on_long_context():
 
 
 def test_options_mapping():
-    assert ngram_options(None) == {"min_n": 1, "max_n": 4}
-    options = {"prompt_lookup_min": 2, "prompt_lookup_max": 3}
-    assert ngram_options(options) == {"min_n": 2, "max_n": 3}
-    assert NgramDrafter(**ngram_options(options)).max_n == 3
-    with pytest.raises(ConfigError):
-        ngram_options({"prompt_lookup_max": "four"})
+    from outpace.config import SpecConfig
+    assert ngram_options(SpecConfig()) == {"min_n": 1, "max_n": 4}
+    spec = SpecConfig.from_dict({"prompt_lookup_min": 2, "prompt_lookup_max": 3})
+    assert ngram_options(spec) == {"min_n": 2, "max_n": 3}
+    assert NgramDrafter(**ngram_options(spec)).max_n == 3
+    with pytest.raises(ConfigError, match="'prompt_lookup_max' must be an integer"):
+        SpecConfig.from_dict({"prompt_lookup_max": "four"})
+    with pytest.raises(ConfigError, match="prompt_lookup_min .3. must be <= prompt_lookup_max"):
+        SpecConfig.from_dict({"prompt_lookup_min": 3, "prompt_lookup_max": 2})

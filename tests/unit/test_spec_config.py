@@ -1,0 +1,45 @@
+"""SpecConfig: every speculative option a typed field, validated when the config is made."""
+
+from __future__ import annotations
+
+import pytest
+
+from outpace.config import SpecConfig
+from outpace.errors import ConfigError
+
+
+def test_defaults_and_typed_values():
+    s = SpecConfig.from_dict({"method": "ngram", "num_speculative_tokens": 4,
+                              "k_schedule": [[32, 2], [8, 4]], "think_begin_ids": 5,
+                              "think_end_ids": [6, 7], "relaxed_top_k": 3,
+                              "relaxed_delta": 1})
+    assert s.prompt_lookup_min == 1 and s.prompt_lookup_max == 4 and not s.adaptive
+    assert s.k_schedule == ((8, 4), (32, 2))  # sorted pairs, hashable
+    assert s.think_begin_ids == (5,) and s.think_end_ids == (6, 7)
+    assert s.relaxed and s.relaxed_delta == 1.0 and isinstance(s.relaxed_delta, float)
+    assert s.force_accept_mean is None and s.mtp_mode is None
+    hash(s)
+
+
+@pytest.mark.parametrize("d,msg", [
+    ({"method": "ngram", "lookahead": 3}, r"unknown speculative option\(s\) \['lookahead'\]; "
+                                          r"known: .*'prompt_lookup_max'"),
+    ({"prompt_lookup_max": 0}, "'prompt_lookup_max' must be an integer >= 1"),
+    ({"suffix_periodic": "yes"}, "'suffix_periodic' must be true or false"),
+    ({"suffix_cache_requests": -1}, "'suffix_cache_requests' must be an integer >= 0"),
+    ({"k_schedule": [[8, 5]]}, r"0 <= k <= 3"),
+    ({"k_schedule": "fast"}, "k_schedule must be a list of"),
+    ({"mtp_mode": "tree"}, "mtp_mode must be 'eagle'"),
+    ({"draft_lm_head_dtype": "int4"}, "draft_lm_head_dtype must be 'auto'"),
+    ({"relaxed_top_k": 4}, r"relaxed acceptance needs all of .*missing \['relaxed_delta'"),
+    ({"relaxed_top_k": 4, "relaxed_delta": 2, "think_begin_ids": [1], "think_end_ids": [2]},
+     r"relaxed_delta must be a number in \[0, 1\]"),
+    ({"relaxed_top_k": 4, "relaxed_delta": 0.5, "think_begin_ids": [], "think_end_ids": [2]},
+     "think_begin_ids must be a token id or a list"),
+    ({"force_accept_mean": 0.5}, "force_accept_mean must be a number >= 1"),
+    ({"method": "ngram", "num_speculative_tokens": "3"},
+     "'num_speculative_tokens' must be an integer"),
+])
+def test_bad_options_are_clear_errors(d, msg):
+    with pytest.raises(ConfigError, match=msg):
+        SpecConfig.from_dict(d)
