@@ -119,6 +119,10 @@ class SchedulerConfig:
             raise ConfigError("max_num_batched_tokens must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError("max_model_len must be >= 2")
+        if self.max_waiting_requests is not None and self.max_waiting_requests < 1:
+            raise ConfigError(f"max_waiting_requests (--max-waiting) must be >= 1 (it bounds "
+                              f"the queue; leave it unset for no bound), got "
+                              f"{self.max_waiting_requests}")
 
 
 SPEC_METHODS = ("ngram", "suffix", "mtp", "eagle3")

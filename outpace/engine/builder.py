@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -78,6 +79,23 @@ def build_engine(cls, model: str, *, device: str = "auto", dtype: str = "auto",
                               seed=seed, overlap=overlap)
     from outpace.models.shipped_heads import with_shipped_head
     spec_cfg = SpecConfig.from_dict(with_shipped_head(speculative_config, model))
+    if spec_cfg.model and spec_cfg.method in ("eagle3", "mtp") and not Path(
+            spec_cfg.model).expanduser().is_dir():
+        raise ConfigError(f"draft head {spec_cfg.model!r} (speculative_config['model'], CLI "
+                          f"--draft) is not a folder; give the folder that holds the head's "
+                          f"config.json and model.safetensors")
+    if spec_cfg.force_accept_mean is not None:
+        log.warning("speculative option force_accept_mean=%s is for benchmarking: drafts are "
+                    "accepted at random, so the output is NOT what the model would write",
+                    spec_cfg.force_accept_mean)
+    # Every setting is checked before the model loads (which takes seconds): the scheduler's
+    # and the cache's again below with the model's context length.
+    budget = max_num_batched_tokens or default_token_budget(torch.device(device))
+    SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+                    max_model_len=max_model_len, enable_chunked_prefill=enable_chunked_prefill,
+                    max_waiting_requests=max_waiting_requests)
+    CacheConfig(block_size=block_size, num_blocks=num_kv_blocks,
+                memory_fraction=memory_fraction, enable_prefix_caching=enable_prefix_caching)
     torch_device = torch.device(device)
     torch.manual_seed(seed)
 

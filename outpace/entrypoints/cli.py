@@ -41,7 +41,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", default=None, help="draft head folder (mtp, eagle3)")
     p.add_argument("--k", type=int, default=None, help="draft tokens per step (default 3)")
     p.add_argument("--spec-option", action="append", default=[], metavar="KEY=VALUE",
-                   help="extra speculative option (repeatable), e.g. force_accept_mean=3")
+                   help="extra speculative option (repeatable), e.g. "
+                        "k_schedule=[[8,4],[32,2]] (every option: docs/configuration.md)")
     p.add_argument("--quiet", action="store_true", help="no progress output")
 
 
@@ -63,6 +64,8 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
             raise OutpaceError(f"speculative options without --spec ({', '.join(given)}): add "
                                f"--spec eagle3|mtp|ngram|suffix, or leave them out")
     else:
+        if a.k is not None and not 1 <= a.k <= 16:
+            raise OutpaceError(f"--k must be in 1..16 (draft tokens per step), got {a.k}")
         spec = {"method": a.spec, "num_speculative_tokens": 3 if a.k is None else a.k}
         if a.draft:
             spec["model"] = a.draft

@@ -83,6 +83,9 @@ def random_head_tensors(head, seed: int = 0) -> dict:
 def _check_out_dir(out: Path) -> None:
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out} is a file; pass a folder for the draft head")
+    if (out / "model.safetensors").exists() or (out / "config.json").exists():
+        raise ConfigError(f"--out {out} already holds a draft head (config.json or "
+                          f"model.safetensors); choose another folder or remove it first")
     if out.is_dir():
         stale = [p.name for p in sorted(out.glob("*.safetensors")) + sorted(out.glob("*.bin"))
                  if p.name != "model.safetensors"]

@@ -201,6 +201,11 @@ def test_init_draft_option_errors(tmp_path):
         init_draft("eagle3", target, tmp_path / "c", quiet=True, draft_vocab_size=98)
     with pytest.raises(ModelLoadError):
         init_draft("mtp", str(tmp_path / "no-target"), tmp_path / "d", quiet=True)
+    init_draft("mtp", target, tmp_path / "e", quiet=True)
+    before = (tmp_path / "e" / "model.safetensors").read_bytes()
+    with pytest.raises(ConfigError, match="already holds a draft head"):
+        init_draft("mtp", target, tmp_path / "e", quiet=True, seed=1)
+    assert (tmp_path / "e" / "model.safetensors").read_bytes() == before
 
 
 # ---- forward: packed paged == one at a time == dense reference ------------------------------

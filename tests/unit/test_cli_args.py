@@ -37,6 +37,13 @@ def test_k_defaults_to_3_and_spec_flags_without_spec_are_errors():
             _kwargs(*argv)
 
 
+@pytest.mark.parametrize("k", ["0", "17"])
+def test_k_out_of_range_names_the_flag(k):
+    with pytest.raises(OutpaceError, match=f"--k must be in 1..16 .draft tokens per step., "
+                                           f"got {k}"):
+        _kwargs("--spec", "ngram", "--k", k)
+
+
 def test_malformed_spec_option_is_a_clear_error():
     with pytest.raises(OutpaceError, match="KEY=VALUE"):
         _kwargs("--spec", "ngram", "--spec-option", "oops")

@@ -1,0 +1,32 @@
+"""Engine arguments are checked before the model loads: a wrong one is a ConfigError that
+names it, in well under the seconds a load takes."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from outpace.engine.engine import LLMEngine
+from outpace.errors import ConfigError
+
+
+@pytest.mark.parametrize("kw,msg", [
+    (dict(max_num_seqs_=4), r"unknown engine argument\(s\) \['max_num_seqs_'\]; the engine "
+                            r"takes device, .*max_num_seqs"),
+    (dict(max_waiting_requests=0), r"max_waiting_requests \(--max-waiting\) must be >= 1"),
+    (dict(max_num_seqs=0), "max_num_seqs must be >= 1"),
+    (dict(max_model_len=1), "max_model_len must be >= 2"),
+    (dict(block_size=12), "block_size must be a power of two"),
+    (dict(memory_fraction=1.5), r"memory_fraction must be in \(0, 1\]"),
+    (dict(speculative_config={"method": "eagle3", "model": "/no/such/head"}),
+     r"draft head '/no/such/head' \(speculative_config\['model'\], CLI --draft\) is not a "
+     r"folder"),
+    (dict(speculative_config={"method": "ngram", "num_speculative_tokens": "four"}),
+     "'num_speculative_tokens' must be an integer"),
+])
+def test_bad_engine_arguments_fail_before_the_model_loads(kw, msg):
+    t = time.perf_counter()
+    with pytest.raises(ConfigError, match=msg):
+        LLMEngine.from_args("/no/such/model/either", device="cpu", **kw)
+    assert time.perf_counter() - t < 2.0
