@@ -26,6 +26,10 @@ CASES = [
     ("invalid_json", C, b'{"model": "x", "prompt": ', 400, "JSON"),
     ("body_not_object", C, b'[1, 2, 3]', 400, "object"),
     ("empty_body", C, b"", 400, "empty"),
+    ("nested_1000_deep", C, b'{"model": "<model>", "prompt": ' + b"[" * 1000 + b"]" * 1000
+     + b"}", 400, "levels deep"),
+    ("nested_in_chat", CHAT, b'{"model": "<model>", "messages": [{"role": "user", "content": '
+     + b'{"a": ' * 500 + b"1" + b"}" * 500 + b"}]}", 400, "levels deep"),
     ("invalid_utf8", C, b'{"model": "m", "prompt": "\xff\xfe"}', 400, "UTF-8"),
     ("lone_surrogate", C, b'{"model": "<model>", "prompt": "a\\ud800b"}', 400, "surrogate"),
     ("nan_constant", C, b'{"model": "<model>", "prompt": "a", "temperature": NaN}', 400, "NaN"),
@@ -113,6 +117,11 @@ def test_protocol_level_errors(server):
         _check_error(client.post(C, content=b'{"a": "' + b"x" * (4 << 20) + b'"}'), 413,
                      "limit")
         _check_error(client.get(C), 405, "GET")
+        body = json.dumps(OK_COMPLETION).replace(MODEL, server.model)
+        for ctype in ("text/plain", "application/x-www-form-urlencoded"):
+            _check_error(client.post(C, content=body, headers={"Content-Type": ctype}), 415,
+                         "Content-Type: application/json")
+        assert client.head("/health").status_code == 200
         _check_error(client.get("/v1/nothing-here"), 404, "/v1/nothing-here")
 
 
@@ -137,3 +146,18 @@ def test_still_healthy_after_errors(server):
         assert r["usage"]["completion_tokens"] == 3
         r = _send(client, server, CHAT, OK_CHAT)
         assert r.status_code == 200 and r.json()["choices"][0]["message"]["role"] == "assistant"
+
+
+def test_loopback_server_without_a_key_answers_only_loopback_names(server, spec_server):
+    """DNS rebinding: a page on evil.example that resolves to 127.0.0.1 sends Host:
+    evil.example; the keyless loopback server refuses it, the keyed one needs its key anyway."""
+    port = spec_server.url.rsplit(":", 1)[1]
+    r = httpx.get(spec_server.url + "/v1/models", headers={"Host": f"evil.example:{port}"},
+                  timeout=30)
+    _check_error(r, 403, "not a loopback name")
+    for host in (f"localhost:{port}", f"127.0.0.1:{port}", "[::1]"):
+        r = httpx.get(spec_server.url + "/v1/models", headers={"Host": host}, timeout=30)
+        assert r.status_code == 200, (host, r.text)
+    r = httpx.get(server.url + "/v1/models", timeout=30,
+                  headers={"Host": "evil.example", "Authorization": f"Bearer {server.api_key}"})
+    assert r.status_code == 200

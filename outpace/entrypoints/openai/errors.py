@@ -64,6 +64,8 @@ def to_api_error(exc: BaseException) -> APIError:
         return APIError(499, "the client closed the connection while sending the request")
     if isinstance(exc, EngineDeadError):
         return APIError(503, str(exc), code="engine_dead")
+    if isinstance(exc, RecursionError):
+        return APIError(400, "the request nests too deeply to process")
     log.error("internal error while serving a request", exc_info=exc)
     return APIError(500, f"internal error: {type(exc).__name__}: {exc}")
 

@@ -9,6 +9,7 @@ dicts: the stream path builds one per token, and pydantic would only add cost th
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from typing import Any, Optional
@@ -233,6 +234,28 @@ def _reject_constant(name):
     raise ValueError(f"{name} is not valid JSON")
 
 
+MAX_JSON_DEPTH = 32  # an OpenAI request nests 5 levels at most (tools' schemas a few more)
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+_NOT_BRACKET = re.compile(r"[^\[\]{}]+")
+
+
+def json_depth(text: str) -> int:
+    """How deep the arrays and objects of a JSON text nest (brackets inside strings aside),
+    without parsing it: a deep body would exhaust the parser's and the validators' recursion."""
+    brackets = _NOT_BRACKET.sub("", _JSON_STRING.sub("", text))
+    depth = deepest = 0
+    for c in brackets:
+        if c in "[{":
+            depth += 1
+            if depth > deepest:
+                deepest = depth
+                if deepest > MAX_JSON_DEPTH:
+                    break
+        else:
+            depth -= 1
+    return deepest
+
+
 def parse_body(body: bytes) -> dict:
     """Bytes -> JSON object, with a 400 that says what is wrong."""
     if not body.strip():
@@ -241,6 +264,9 @@ def parse_body(body: bytes) -> dict:
         text = body.decode("utf-8")
     except UnicodeDecodeError as e:
         raise APIError(400, f"the request body is not valid UTF-8 (bad byte at offset {e.start})")
+    if json_depth(text) > MAX_JSON_DEPTH:
+        raise APIError(400, f"the request body nests arrays and objects more than "
+                       f"{MAX_JSON_DEPTH} levels deep")
     try:
         obj = json.loads(text, parse_constant=_reject_constant)
     except ValueError as e:

@@ -23,7 +23,8 @@ from fastapi.responses import JSONResponse, Response
 
 from outpace.config import ServerConfig
 from outpace.engine.async_engine import AsyncEngine
-from outpace.entrypoints.openai.errors import APIError, install_error_handlers, to_api_error
+from outpace.entrypoints.openai.errors import (APIError, error_response, install_error_handlers,
+                                               to_api_error)
 from outpace.entrypoints.openai.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from outpace.entrypoints.openai.protocol import now_s, parse_body
 from outpace.entrypoints.openai.serving_chat import create_chat_completion
@@ -36,7 +37,31 @@ log = logging.getLogger(__name__)
 _DRAIN_FACTOR = 16
 
 
+LOOPBACK = frozenset({"localhost", "127.0.0.1", "::1"})
+
+
+def host_name(host_header: str) -> str:
+    """The name of a Host header, without its port ("[::1]:8000" -> "::1")."""
+    h = host_header.strip().lower()
+    if h.startswith("["):
+        return h[1:h.find("]")] if "]" in h else h
+    return h.rsplit(":", 1)[0] if h.count(":") == 1 else h
+
+
+def is_json_media_type(content_type: Optional[str]) -> bool:
+    """No Content-Type (a script's bare request) or a JSON one. A browser's cross-site form or
+    text/plain post, sent without a CORS preflight, is neither."""
+    if content_type is None:
+        return True
+    media = content_type.split(";", 1)[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/")
+                                           and media.endswith("+json"))
+
+
 async def read_json(request: Request, limit: int) -> dict:
+    if not is_json_media_type(request.headers.get("content-type")):
+        raise APIError(415, f"the request body must be JSON: send the header 'Content-Type: "
+                       f"application/json', not {request.headers.get('content-type')!r}")
     declared = request.headers.get("content-length")
     if declared is not None and (not declared.isdigit() or int(declared) > limit * _DRAIN_FACTOR):
         raise APIError(413, f"the request body is larger than the limit of {limit} bytes")
@@ -76,6 +101,22 @@ def build_app(engine: AsyncEngine, server_cfg: ServerConfig,
                   openapi_url=None)
     install_error_handlers(app, on_error=lambda s: metrics.http_errors.labels(str(s)).inc())
 
+    if server_cfg.api_key is None and host_name(server_cfg.host) in LOOPBACK:
+        # A server on loopback without a key trusts whoever can reach it, which a web page can
+        # do through DNS rebinding (a name of the attacker's that resolves to 127.0.0.1): so it
+        # answers only requests addressed to a loopback name.
+        @app.middleware("http")
+        async def loopback_hosts_only(request: Request, call_next):
+            host = request.headers.get("host", "")
+            if host_name(host) not in LOOPBACK:
+                metrics.http_errors.labels("403").inc()
+                return error_response(APIError(
+                    403, f"the Host header {host!r} is not a loopback name: this server listens "
+                    f"on {server_cfg.host} without an API key, so it answers only requests to "
+                    f"localhost, 127.0.0.1 or [::1] (set --api-key to serve other names)",
+                    code="host_not_allowed"))
+            return await call_next(request)
+
     async def check_api_key(request: Request) -> None:
         if server_cfg.api_key is None:
             return
@@ -90,7 +131,7 @@ def build_app(engine: AsyncEngine, server_cfg: ServerConfig,
 
     auth = [Depends(check_api_key)]
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
         if not engine.healthy:
             raise APIError(503, f"the engine is not running ({engine.dead_error!r})",
