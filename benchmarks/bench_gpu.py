@@ -40,9 +40,9 @@ from benchmarks.common import device_name, load_prompts, print_table, write_resu
 
 
 # Timed engines run without prefix caching. The warm-up runs use the timed prompts, so with it
-# the timed runs (runs 1-8) prefilled only each prompt's last partial block: tok/s left most of
-# the prefill out (HF's includes all of it), and the tail prefill's new shapes compiled Triton
-# kernels inside the first config's timed runs (run 8's no-spec rows at batch 8 and 32).
+# the timed runs would prefill only each prompt's last partial block: tok/s would leave most of
+# the prefill out (HF's includes all of it), and the tail prefill's new shapes would compile
+# Triton kernels inside the first config's timed runs.
 PREFIX_CACHING = False
 
 
@@ -81,8 +81,9 @@ def run_engine(engine, prompts, batch, max_tokens, temperature: float = 0.0,
     temperature > 0: sampled (unseeded) at that temperature and top_p. penalties: the
     requests' repetition / frequency / presence penalties (SamplingParams fields)."""
     from outpace import SamplingParams
-    # Offline generation, as HF's generate and LLM.generate: only final outputs (after run 13;
-    # per-step outputs cost ~0.4 ms of host a batch-128 step, benchmarks/diag_host.py)
+    # Offline generation, as HF's generate and LLM.generate: only final outputs (per-step
+    # outputs cost host time every batch-128 step; docs/decisions.md, "Offline generation
+    # returns only final outputs")
     sampled = dict(temperature=temperature, top_p=top_p) if temperature > 0 else \
         dict(temperature=0.0)
     sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True, output_kind="final_only",
@@ -227,8 +228,8 @@ def section_check(args, results):
         r = run_engine(mixed.engine, prompts[:args.batch1_requests], 1, args.max_tokens)
         speed[kv] = {k: r[k] for k in ("tok_s", "tpot_ms", "ttft_ms")}
         del mixed
-    # The engines' KV pools go back to the device before HF runs (run 9c: HF's cuDNN attention
-    # failed to run after them).
+    # The engines' KV pools go back to the device before HF runs: with them still allocated,
+    # HF's cuDNN attention fails to run.
     import gc
     gc.collect()
     torch.cuda.empty_cache()
@@ -347,17 +348,18 @@ def make_eagle3_reduced(gguf, tmp, draft_vocab_size: int = 32000) -> Path:
 
 
 EAGER_MIXED = "@eager-mixed"
-# "<config>@general-path": steps with penalized or logprobs requests on the general path (as
-# before session 22; run 30's penalties rows named it "@general-penalties")
+# "<config>@general-path": steps with penalized or logprobs requests on the general path (the
+# engine before penalties and logprobs were in the fused graphs; older result files name it
+# "@general-penalties")
 GENERAL_PATH = "@general-path"
-# "<config>@torch-logprobs": logprobs through torch's log_softmax and topk (as before session
-# 23) instead of kernels/logprobs.py, in the graphs and on the general path
+# "<config>@torch-logprobs": logprobs through torch's log_softmax and topk instead of
+# kernels/logprobs.py, in the graphs and on the general path
 TORCH_LOGPROBS = "@torch-logprobs"
-# "<config>@old3": the few-row projections' launch policy at 3 rows as before run 32 (one-warp
+# "<config>@old3": the few-row projections' previous launch policy at 3 rows (one-warp
 # broadcast programs, K read 512 + 64) instead of a warp a row, for that engine's graphs
 OLD3 = "@old3"
-# "<config>@noprime": no PDL prime before any graph replayed from the host (kernels/pdl.prime,
-# as before run 33)
+# "<config>@noprime": no PDL prime before any graph replayed from the host (kernels/pdl.prime
+# off)
 NOPRIME = "@noprime"
 
 
@@ -366,10 +368,10 @@ def smol_configs(k, force_means, eagle, mtp, eagle_reduced=None) -> list:
     make_eagle3_reduced) adds its force-accept 3, k = 2 row."""
     configs = [("no-spec", None), ("ngram", {"method": "ngram", "num_speculative_tokens": k}),
                ("suffix", {"method": "suffix", "num_speculative_tokens": k})]
-    # k = 1 up to 128 requests, none above. Paired at batch 128 (run 14, section b128) the
-    # head engines drafting nothing there ran at 0.90-0.94x no-spec's tok/s (every step still
-    # runs the head's first pass, and every prefill its pass over the prompts), those drafting
-    # one token at 1.03x.
+    # k = 1 up to 128 requests, none above. At batch 128 a head engine that drafts nothing is
+    # slower than no-spec (every step still runs the head's first pass, and every prefill its
+    # pass over the prompts), and one that drafts one token is not (docs/decisions.md, "The
+    # benchmark's head configurations draft one token at 65-128 requests").
     sched = {"k_schedule": [[32, k], [128, 1]]}
     for m in force_means:
         configs.append((f"eagle3-fa{m}", {"method": "eagle3", "model": str(eagle),
@@ -409,9 +411,9 @@ def model_free_variants(k) -> list:
 def section_b128(args, results):
     """Batch 128, paired: no speculation and the force-accept 3 head configurations, built
     once and timed in turns, round by round (the order rotating), so that the host's slow and
-    fast periods fall on every engine alike. At batch 128 every engine is host-bound, and in
-    run 13 the host's speed moved ~1.7x between configurations timed a minute apart (no-spec
-    22.1k tok/s there, 37.3k in run 12; EAGLE-3 fa3's own three runs 17.7-30.0k). Reports each
+    fast periods fall on every engine alike. At batch 128 every engine is host-bound, and the
+    device host's speed moves by up to ~1.7x between configurations timed a minute apart
+    (docs/decisions.md, "Batch 128 is compared in turns"). Reports each
     engine's median tok/s over --b128-rounds rounds and, per head configuration, the median
     of its ratio to no-spec's run of the same round."""
     from outpace.engine.engine import LLMEngine
@@ -422,7 +424,7 @@ def section_b128(args, results):
     wanted = ("no-spec", "eagle3-fa3.0", "mtp-fa3", "eagle3-fa3-k2")
     configs = [c for c in smol_configs(args.k, [3.0], eagle, mtp) if c[0] in wanted]
     # The configurations above draft one token at batch 128 (smol_configs' schedule); this
-    # one drafts none there (the schedule up to run 13), the head's first pass still running.
+    # one drafts none there (the earlier schedule), the head's first pass still running.
     configs.append(("eagle3-fa3-k0at128", {"method": "eagle3", "model": str(eagle),
                                            "num_speculative_tokens": args.k,
                                            "force_accept_mean": 3.0,
@@ -466,7 +468,7 @@ def section_smol(args, results):
         named = args.configs.split(",")
         pool = configs + model_free_variants(args.k)
         # "<config>@eager-mixed": that configuration with its varlen graphs dropped, so steps
-        # of several prefill chunks (or chunks beside decodes) run eagerly, as before run 24
+        # of several prefill chunks (or chunks beside decodes) run eagerly
         pool += [(f"{n}{EAGER_MIXED}", c) for n, c in pool if f"{n}{EAGER_MIXED}" in named]
         pool += [(f"{n}{GENERAL_PATH}", c) for n, c in pool if f"{n}{GENERAL_PATH}" in named]
         pool += [(f"{n}{TORCH_LOGPROBS}", c) for n, c in pool
@@ -477,8 +479,8 @@ def section_smol(args, results):
     # Process warm-up: the first engine of a process otherwise pays CUDA's lazy module loading
     # and first-use kernel selection inside its timed runs (seen as slow batch-1 prefill). Full
     # length: Triton compiles a kernel variant per new integer specialization (a length that
-    # becomes a multiple of 16): in run 10 a batch-128 step that compiled one took 0.77 s (the
-    # whole timed run takes ~0.6 s), in whichever engine met the shape first.
+    # becomes a multiple of 16), and a step that compiles one can take longer than a whole
+    # timed run, in whichever engine meets the shape first.
     budget = ({} if args.max_num_batched_tokens is None
               else {"max_num_batched_tokens": args.max_num_batched_tokens})
     eng = LLMEngine.from_args(args.gguf, loaded=loaded, device="cuda", dtype="bfloat16",
@@ -515,8 +517,8 @@ def section_smol(args, results):
         for b in args.batches:
             n = b if b > 1 else args.batch1_requests
             # The median of --reps runs: at batch 128 every engine is host-bound, and the
-            # device machine's host varies from run to run (run 12: configurations running
-            # identical steps there measured 26.6-37.1k tok/s, one run each).
+            # device machine's host varies from run to run (configurations running identical
+            # steps there differ by up to ~1.4x, one run each).
             runs = sorted((run_engine(eng, prompts[:n], b, args.max_tokens, args.temperature,
                                       args.top_p, pen)
                            for _ in range(args.reps)), key=lambda r: r["tok_s"])
@@ -573,7 +575,7 @@ def penalties(args) -> dict:
 
 def extras_off_the_graphs(fused) -> None:
     """'<config>@general-path': steps with a penalized or logprobs request go to the general
-    path (the fused graphs served neither before session 22): the A/B's first arm."""
+    path, as an engine whose fused graphs serve neither would: the A/B's first arm."""
     accepts = fused.accepts
     fused.accepts = lambda plan: accepts(plan) and not any(
         sr.request.sampling_params.needs_penalties
@@ -584,8 +586,8 @@ def time_fused_graphs(eng, batches, k, reps=50, mode: str = "greedy") -> dict:
     """GPU time of one replay of the fused step's graph per batch bucket -> {batch: ms}: the
     graph steady decoding replays there, at the verify length of the draft length the policy
     gives that batch (q = k_b + 1; k_b = k without a schedule). TPOT minus this is host time.
-    (Up to run 10 this timed q = k + 1 at every batch, also where the k schedule had turned
-    drafting down: the batch-128 graph_ms of the head configurations were of a graph not run.)
+    (Timing q = k + 1 at every batch would time, where the k schedule turns drafting down, a
+    graph that steady decoding does not run.)
     Each replay moves the last request's sequence on by its accepted tokens, past the blocks it
     held (their table entries read the null block), so a spec graph's time is of a longer
     context than no-spec's: 50 replays add 150 tokens at force-accept 3, against 50."""
@@ -620,8 +622,8 @@ def graph_ms(graph, reps: int = 50) -> float:
 
 # Profiles run after every section has timed everything: once torch.profiler has run in a
 # process, every later kernel and graph launch costs more on the host (CUPTI stays attached;
-# benchmarks/diag_launch.py measures it). Up to run 10 the no-spec engine was profiled before
-# the other configurations were timed, and HF and the 8B-shaped model after.
+# docs/decisions.md, "Graph launches are cheap; the profiler made them look dear"). So no
+# profile may run before any timing.
 _DEFERRED_PROFILES: list = []
 
 
@@ -675,9 +677,10 @@ def profile_host(eng, prompts, max_tokens, path):
 def section_hf(args, results):
     """HF transformers in a child process: its static-cache generate compiles with CUDA graphs
     (torch.compile's cudagraph trees), after which replaying the 8B-shaped engine's graph in
-    this process hit an illegal memory access (runs 15, 16, 18; `big` alone, and `big,hf`
-    without it, profiled fine in run 18). The child also keeps HF's timing free of this
-    process's state."""
+    this process hits an illegal memory access (`big` alone, and `big,hf` without it,
+    profile fine; docs/decisions.md, "The 8B-shaped profile's illegal memory access needs
+    HF's section in the process"). The child also keeps HF's timing free of this process's
+    state."""
     import json
     import subprocess
     with tempfile.TemporaryDirectory() as out:

@@ -10,7 +10,7 @@
 #   bash benchmarks/gpu_session.sh cublas          archive/diag_cublas_workspace.py (graphs vs a cleared cuBLAS workspace)
 #   bash benchmarks/gpu_session.sh sweep MS         bench_small_linear.py's sweep at those M
 # Results go to $OUT (the device tool brings them back). The device's copy of .git can be stale
-# (run 8 reported an older HEAD): prefix the call with OUTPACE_COMMIT=$(git rev-parse --short HEAD)
+# (it can report an older HEAD): prefix the call with OUTPACE_COMMIT=$(git rev-parse --short HEAD)
 # taken here.
 # Without staged parts (tests, or the no-model sections overlap,big) the model steps are skipped.
 # .whl/ holds the wheels to carry: gguf, and pytest-xdist + execnet for the tests

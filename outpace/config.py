@@ -283,8 +283,9 @@ class RunnerConfig:
     enforce_eager: bool = False  # True: no CUDA graphs
     seed: int = 0
     # Launch the next greedy decode step before reading this one's outputs (with CUDA graphs;
-    # see LLMEngine.step). Measured on the H200 at batch 1: TPOT 1.68 -> 1.30 ms (no-spec),
-    # 0.90 -> 0.63 ms (EAGLE-3 force-accept 3); outputs equal (tests/gpu/test_fused_step.py).
+    # see LLMEngine.step): the host's work for a step then runs while the GPU runs the next,
+    # which lowers TPOT; outputs are equal (tests/gpu/test_fused_step.py). Measured on the
+    # H200; see docs/decisions.md, "Overlap chains fused steps".
     overlap: bool = True
 
     def __post_init__(self):

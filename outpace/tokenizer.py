@@ -1,9 +1,10 @@
 """Tokenizer: a thin wrapper over a transformers tokenizer (HF folder or GGUF metadata).
 
-Building a tokenizer from GGUF metadata takes transformers ~5 s (it converts 49k tokens and
-merges to a fast tokenizer); loading the saved result takes ~0.3 s. So the first load of a GGUF
-saves the converted tokenizer under <cache>/tokenizers/<key>, keyed by the hash of the GGUF's
-metadata section (which holds the vocabulary and chat template) and the transformers version.
+Building a tokenizer from GGUF metadata takes transformers seconds (it converts 49k tokens and
+merges to a fast tokenizer); loading the saved result is over ten times faster. So the first
+load of a GGUF saves the converted tokenizer under <cache>/tokenizers/<key>, keyed by the hash
+of the GGUF's metadata section (which holds the vocabulary and chat template) and the
+transformers version.
 """
 
 from __future__ import annotations
@@ -45,11 +46,12 @@ class Tokenizer:
         """The `tokenizers` library's decode when it gives what transformers' decode gives.
 
         Detokenization decodes twice per generated token per request, and transformers' decode
-        wraps the Rust call in Python (argument conversion, batching checks) costing twice the
-        call (3.1 against 1.1 us on the CPU machine): at batch 128 detokenization was the
-        largest part of a step's host time. Its only change to the text is the
-        optional clean-up of spaces before punctuation; a probe that clean-up would alter
-        tells whether this tokenizer applies it (then its decode stays in use)."""
+        wraps the Rust call in Python (argument conversion, batching checks) that costs more
+        than the call itself: at batch 128 detokenization is a large part of a step's host
+        time (docs/decisions.md, "Detokenization calls the `tokenizers` backend's decode
+        directly"). Its only change to the text is the optional clean-up of spaces before
+        punctuation; a probe that clean-up would alter tells whether this tokenizer applies it
+        (then its decode stays in use)."""
         backend = getattr(self.hf, "_tokenizer", None)  # a fast tokenizer's tokenizers.Tokenizer
         if backend is None or not callable(getattr(backend, "decode", None)):
             return None
@@ -146,8 +148,9 @@ class Tokenizer:
         the prompt; DecodeStream would emit it), or the library is too old for seeded streams.
 
         Why: the per-token algorithm decodes two windows per token through Python; the stream
-        does the same in one call into Rust (2.7 -> 1.2 us a token on the CPU machine), and
-        detokenization is the largest part of a batch-128 step's host time."""
+        does the same in one call into Rust, in less than half the time, and detokenization is
+        a large part of a batch-128 step's host time (docs/decisions.md, "Detokenization runs
+        in the tokenizers library where it gives the same text")."""
         if self._backend_decode is None:
             return None
         try:

@@ -4,8 +4,9 @@ Every step writes its token ids, positions, slot mapping, block tables and lengt
 device tensors, so a CUDA graph captured over them replays with new values. The host side is
 built with numpy. The buffers are views of one device allocation (a `Segment`) with a host
 mirror of the same layout (pinned on CUDA): a step writes its arrays into the mirror and the
-parts it wrote go over in one non-blocking copy, not one per buffer (each copy cost ~20 us of
-host on the device machine, ~0.2 ms a prefill step). Other components add their own staged
+parts it wrote go over in one non-blocking copy, not one per buffer (each copy costs host time
+tens of microseconds long, and a prefill step stages about ten buffers; docs/decisions.md,
+"Staged inputs in one copy per segment"). Other components add their own staged
 buffers (`add_buffers`), which a load then copies with the batch.
 
     input_ids      [max_tokens]            int64
@@ -145,7 +146,7 @@ class InputBuffers:
     def _stage(self, pairs: list, views: bool = True) -> list:
         """Write each (buffer, array) pair's array into the leading part of the buffer's mirror,
         then copy the written parts, one copy per segment (where they lie close) -> the views
-        (with `views`; making them costs ~2 us of host each)."""
+        (with `views`; making them costs host time, so `stage`, for graph steps, makes none)."""
         if self._pin:
             # The last copies out of the mirrors must have run before they are overwritten;
             # they were queued before the previous step's output copy, so this rarely waits
@@ -214,7 +215,8 @@ class InputBuffers:
 
 
 # Rows from which build_host_batch runs whole-batch numpy operations instead of a few small
-# ones a row (CPU machine: 128 decode rows 750 -> 140 us, but one row 9 -> 40 us).
+# ones a row: the whole-batch form costs more at one row and far less at many (measured on the
+# CPU machine; docs/decisions.md, "Host batches are built for the whole batch at once").
 VECTOR_MIN_ROWS = 8
 
 

@@ -68,7 +68,8 @@ except Exception:  # pragma: no cover
 
 LOG2E = 1.4426950408889634
 
-# The last split of a tile merges the partials (no merge kernel; 1.6 us a layer at batch 1).
+# The last split of a tile merges the partials: no separate merge kernel, one launch less a
+# layer (docs/decisions.md, "Split-KV attention merges in its last split").
 FUSED_SPLIT_MERGE = True
 
 
@@ -84,11 +85,11 @@ class TileConfig:
 
 
 # A launch without a tile map whose longest query has at most this many tokens (a short
-# prompt's prefill graph, the draft head's pass over it) takes tiles of 64 rows and 4 warps:
-# H200, SmolLM2's heads (diag_attention_prefill_run27.json,
-# us a launch at 32 / 64 / 96 / 128 / 192 / 256 tokens): 3.19 / 3.79 / 4.40 with 32 KV columns
-# a step up to 96 tokens, 4.92 / 5.97 / 6.72 with 64 above, against 4.45 / 4.63 / 5.75 / 5.93
-# / 7.29 / 8.33 with the 128-row, 8-warp tiles of longer prefills; split-KV was slower.
+# prompt's prefill graph, the draft head's pass over it) takes tiles of 64 rows and 4 warps,
+# 32 KV columns a step up to 96 tokens and 64 above: the 128-row, 8-warp tiles of longer
+# prefills leave too few programs for the GPU at these lengths, and split-KV is slower.
+# Measured on the H200 with SmolLM2's heads; see docs/decisions.md, "Short prefills take
+# smaller attention tiles".
 _SHORT_PREFILL_Q = 256
 
 
@@ -109,8 +110,9 @@ def choose_tiles(max_query_len: int, group: int, head_dim: int, dtype: torch.dty
         block_n = 64 if small else 32
         warps = 8 if small else 4
     else:  # decode / verify: as many tokens of one sequence as the bound allows; 64 columns
-        # a tile up to 256-byte columns (bf16 heads of 128, fp32 of 64: SmolLM2's fp32 decode
-        # took 12.9 us a layer with 32, against 6.9 for bf16; run 20)
+        # a tile up to 256-byte columns (bf16 heads of 128, fp32 of 64): 32-column tiles made
+        # fp32 decode far slower than bf16 (docs/decisions.md, "fp32 attention in three-pass
+        # TF32 with 64-column decode tiles")
         block_m = max(16, min(next_pow2(max_query_len), max(1, 64 // gp)) * gp)
         block_n = 64 if row_bytes <= 256 else 32
         warps = 4
@@ -145,10 +147,11 @@ def choose_splits(num_tiles: int, sm_count: int, max_splits: int) -> int:
 
 def prefetches(max_query_len: int, num_seqs: int, head_dim: int) -> bool:
     """Whether the attention kernel loads its first KV tile before the PDL wait (PREFETCH):
-    for one sequence's decode / verify with heads of at most 64. Measured on the H200 (run 17,
-    the prefetch at every shape): SmolLM2's batch-1 graphs 0.537 -> 0.505 ms (no-spec) and
-    0.767 -> 0.750 (EAGLE-3 k = 2), but batch 8-128 up to 0.196 ms slower and the 8B-shaped
-    batch-1 graph (heads of 128) 0.14 ms slower, so only that case takes it."""
+    for one sequence's decode / verify with heads of at most 64. That case gains: the load
+    overlaps the projection before it. With more sequences, or heads of 128, the prefetch
+    makes the step slower (many more programs resident early, holding the tile's registers
+    next to the projection), so every other shape waits first. Measured on the H200; see
+    docs/decisions.md, "The attention kernel loads its first KV tile before the PDL wait"."""
     return max_query_len <= 16 and num_seqs == 1 and next_pow2(max(head_dim, 16)) <= 64
 
 
@@ -220,10 +223,10 @@ class TritonPagedBackend(AttentionBackend):
 
     max_kv_splits: upper bound of the split-KV factor used when a launch has fewer tiles than
     the GPU has SMs (1 disables split-KV); min_split_tokens: smallest KV chunk per split.
-    8 splits (was 16): SmolLM2's batch-1 steps at 80-280-token contexts, H200, run 18
-    (diag_few_rows_run18d/e.json): no-spec 1862 -> 1983 tok/s (graph 0.516 -> 0.481 ms),
-    EAGLE-3 k = 2 3889 -> 4116 (0.705 -> 0.660); 4 splits were as fast at those contexts but
-    slower at longer ones (graphs 0.501 / 0.688), 2 slower still; 128-token chunks slower.
+    At most 8 splits: short contexts use only a few either way, and launching splits that
+    have nothing to do costs step time; 4 splits are slower on longer contexts, 2 slower
+    still, and 128-token chunks slower than 64. Measured on the H200; see docs/decisions.md,
+    "At most 8 attention splits".
     """
 
     def __init__(self, kv_cache: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,

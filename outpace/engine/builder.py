@@ -20,10 +20,10 @@ log = logging.getLogger(__name__)
 def limit_host_threads(quiet: bool = False) -> None:
     """A CUDA engine's host work is Python and tiny CPU tensor ops (staging copies), which
     parallel CPU ops only slow down: each wakes torch's OpenMP workers, and with the default
-    wait policy they then spin for a while beside the engine loop. On the device machine that
-    slowed the whole host side by up to 1.9x, at random (run 11's MTP batch-128 row: a 5.0 ms
-    step against 3.4). So torch's CPU threads go to 1, as vLLM's GPU workers do, unless the
-    user chose a number with OMP_NUM_THREADS."""
+    wait policy they then spin for a while beside the engine loop, slowing every call of the
+    host side, at random (docs/decisions.md, "CUDA engines run torch's CPU ops on one
+    thread"). So torch's CPU threads go to 1, as vLLM's GPU workers do, unless the user chose
+    a number with OMP_NUM_THREADS."""
     n = torch.get_num_threads()
     if "OMP_NUM_THREADS" in os.environ or n == 1:
         return
@@ -34,10 +34,11 @@ def limit_host_threads(quiet: bool = False) -> None:
 
 
 # A step's token budget when none is given. On GPUs of 70 GiB or more (vLLM's threshold for its
-# server default) 8192 tokens: at batch 128 on an H200 (run 23, SmolLM2, ~100-token prompts) the
-# 2048-token budget prefilled the batch in 7 eager steps, ~8 ms of host launching each, and
-# 8192 in 2: TTFT 52 -> 20 ms, no-spec 59k -> 80k tok/s. A larger budget lengthens the steps
-# that mix new prompts into running decodes; smaller GPUs keep 2048 for activation headroom.
+# server default) 8192 tokens: a large batch of prompts is then prefilled in a few steps rather
+# than many, each of which pays milliseconds of host launching, so TTFT and throughput at large
+# batch improve (measured on the H200; docs/decisions.md, "The step token budget defaults to
+# 8192 on big GPUs"). A larger budget lengthens the steps that mix new prompts into running
+# decodes; smaller GPUs keep 2048 for activation headroom.
 _BIG_GPU_BYTES = 70 * 2**30
 
 

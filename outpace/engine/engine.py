@@ -153,7 +153,8 @@ class LLMEngine:
         step verifies all its drafts, and the tokens past max_tokens are dropped when they
         are committed (Scheduler._append; the statistics count only the drafts that could
         have become output, Scheduler.counted_drafts). The output is the same, and the last
-        steps of every request don't wait for the host (run 15: ~0.6 ms each)."""
+        steps of every request don't wait for the host, which would make each of them take
+        about twice a chained step (docs/decisions.md, "Steps chain up to max_tokens")."""
         sched, proposer = self.scheduler, self.runner.proposer
         if sched.num_waiting or not self.runner.fused.chainable:
             return None

@@ -1,12 +1,13 @@
 """Row-wise argmax over logits, in two Triton passes, with the PyTorch reference.
 
-torch.argmax of one [1, 49152] row is a single-block reduction on the GPU: 12.8 us of a 1.2 ms
-batch-1 decode step on the H200 (run 5 profile), because one block walks the whole row. Here
-pass 1 cuts each row into CHUNK-wide pieces, one program each (max and its first index), and
-pass 2 reduces a row's pieces. Ties go to the lowest index, as torch.argmax documents; rows are
-compared in their own dtype, so argmax of bf16 logits equals argmax of the same values in fp32
-(no conversion kernel is needed). NaN counts as the maximum, as in torch (whose index then
-may differ from ours in a row holding both NaN and +inf); the result is always in range.
+torch.argmax of one [1, 49152] row is a single-block reduction on the GPU, one block walking
+the whole row: slow enough to show in a batch-1 decode step (docs/decisions.md, "Fewer kernels
+per decoder layer on CUDA"). Here pass 1 cuts each row into CHUNK-wide pieces, one program each
+(max and its first index), and pass 2 reduces a row's pieces. Ties go to the lowest index, as
+torch.argmax documents; rows are compared in their own dtype, so argmax of bf16 logits equals
+argmax of the same values in fp32 (no conversion kernel is needed). NaN counts as the maximum,
+as in torch (whose index then may differ from ours in a row holding both NaN and +inf); the
+result is always in range.
 
 `offsets` (optional, [V] integers) is added to the winning index in pass 2: EAGLE-3's d2t maps a
 draft-vocabulary id to the target's (`id + d2t[id]`) without two more kernels (index, add).
@@ -17,8 +18,8 @@ copies after the loop.
 `race` (optional, a Race of [R] tensors) makes it the sampling race of sample/gumbel.py: a row
 whose seed word is >= 0 takes the argmax of x / temperature + Gumbel noise hashed from (its
 key, column), the key hashed from (seed word, position) (race_key); all of it in pass 1 as the
-row is read, where the reference makes ~30 elementwise tensors (~25 us of small kernels at
-batch 1 for the keys alone). A row whose word is < 0 (greedy) takes the plain argmax. The
+row is read, where the reference makes ~30 elementwise tensors (a chain of small kernels for
+the keys alone). A row whose word is < 0 (greedy) takes the plain argmax. The
 division is IEEE (div_rn), as torch's, so x / t is the value process_logits computes.
 """
 

@@ -2,15 +2,16 @@
 
 fp32 activations meet bf16 data where weights are stored in bf16 (weight_dtype) or the KV cache
 is (kv_cache_dtype). tl.dot wants one operand dtype: upcasting the bf16 side runs an IEEE fp32
-dot on the CUDA cores (SmolLM2's LM head at one row: 147 us against 22, run 20), and TF32 would
-round the fp32 side. Instead the fp32 operand is cut into three bf16 pieces, hi = bf16(a),
-mid = bf16(a - hi), lo = bf16(a - hi - mid), which hold all of its 24 significand bits; a
-piece's products with bf16 values are exact in the fp32 accumulator, so three bf16 dots give
-the fp32 product up to summation order. Tensor cores align one instruction's products by
-truncation, so the error grows with the reduction length (~2e-4 at K = 4096 on O(10) outputs),
-against ~1e-2 relative for an operand rounded to bf16. Where few rows make the op bound by the
-bf16 side's read, the two extra dots cost nothing measurable. (TRITON_INTERPRET's bf16 tl.dot is
-wrong, so interpreter checks keep these paths off; tests/gpu covers them.)
+dot on the CUDA cores, several times slower (docs/decisions.md, "fp32 x over a bf16 weight on
+the tensor cores, exactly"), and TF32 would round the fp32 side. Instead the fp32 operand is
+cut into three bf16 pieces, hi = bf16(a), mid = bf16(a - hi), lo = bf16(a - hi - mid), which
+hold all of its 24 significand bits; a piece's products with bf16 values are exact in the fp32
+accumulator, so three bf16 dots give the fp32 product up to summation order. Tensor cores align
+one instruction's products by truncation, so the error grows with the reduction length (~2e-4
+at K = 4096 on O(10) outputs), against ~1e-2 relative for an operand rounded to bf16. Where few
+rows make the op bound by the bf16 side's read, the two extra dots cost nothing measurable.
+(TRITON_INTERPRET's bf16 tl.dot is wrong, so interpreter checks keep these paths off; tests/gpu
+covers them.)
 
 `split_mm` is the same product for many rows through cuBLAS (prefill chunks, large batches):
 one kernel cuts x into its pieces, one bf16 GEMM with fp32 output (`torch.mm(out_dtype=)`,

@@ -2,8 +2,9 @@
 processing) as a request with `logprobs` gets them: its emitted token's and the top `top` with
 their ids, in two Triton passes, with the PyTorch reference.
 
-Through torch a row of 49152 logits cost ~57 us of a batch-1 step on the H200 (run 30:
-log_softmax 10.6 us, topk ~46 us in a dozen kernels) plus the gather and the concatenation.
+Through torch a row's log_softmax is one block walking the whole row and its topk a dozen
+radix-select kernels, plus the gather and the concatenation: a large share of a batch-1 step
+(docs/decisions.md, "Logprobs in the graphs too" and "logprobs in two Triton passes").
 Here pass 1 cuts each row into CHUNK-wide pieces, one program each: the piece's maximum, its sum
 of exp(x - max), and its top `top` entries (by keys that order by value, then by lower id:
 ties go to the lower id). Pass 2 merges a row's pieces: the log-sum-exp, the top `top` of
@@ -93,8 +94,8 @@ def row_logprobs_triton(logits: torch.Tensor, tokens: torch.Tensor, top: int,
 def logprob_lists(rows: np.ndarray, n: int) -> list:
     """[..., 1 + 2 * top] float32 rows of row_logprobs, on the host -> the same nesting as lists
     of [token's logprob, n values, n ids], in one conversion: a batch's rows are made into
-    Python numbers at once (per-request slicing and tolist cost ~1 us a request, and a
-    request wants only its n of the top 20)."""
+    Python numbers at once (per-request slicing and tolist cost host time for every request,
+    and a request wants only its n of the top 20)."""
     top = (rows.shape[-1] - 1) // 2
     n = min(n, top)  # (a vocabulary smaller than the n asked for has fewer)
     return np.concatenate([rows[..., :1 + n], rows[..., 1 + top:1 + top + n]],

@@ -4,8 +4,8 @@ sample/gumbel.py draws a token as argmax_v(x_v + G_v) (x = logits / temperature,
 noise). With masks the race runs over the kept tokens only, and those are always a prefix of the
 row ranked by x (ties: lower id first): top-k keeps rank < k; top-p keeps a token when the mass
 ranked strictly above it is < p (of the top-k set, renormalised); min-p keeps x >= max + log(p).
-The general path finds the prefix with a stable sort of every row (~50 us of a ~100 us masked
-step at batch 1, run 28). This kernel finds the race's winner directly, by descent:
+The general path finds the prefix with a stable sort of every row, the largest part of the
+masks' cost at batch 1. This kernel finds the race's winner directly, by descent:
 
     w = argmax over all v of (x + G)                  (pass 1, every chunk of the row at once)
     while w is not kept:  w = argmax over the tokens ranked above w of (x + G)
@@ -25,7 +25,7 @@ the mass above w plus w's, and that plus w's for every top-k token below w (and 
 row's total). Only a token between the two verdicts needs M_k, once a row: one pass keeps each
 lane's two largest x, a bisection in registers finds their k-th largest, and a count of the
 row at or above it confirms it is the row's (else, when a lane holds three of the top k, a
-bisection streaming the row: 32 counting passes, ~0.2 ms at 49152 ids).
+bisection streaming the row: 32 counting passes, many times the cost of the rest).
 
 Rounding: masses are float32 sums in this kernel's own order, where the sort path sums in rank
 order, so a token whose mass ranked above it lies within rounding of p * total may be kept by
@@ -35,10 +35,10 @@ race_tokens(apply_sampling_params(...)) the reference the tests compare with).
 
 Two launches: `_race_chunks_kernel` (a program per CHUNK columns, like the argmax's pass 1: x,
 the noisy y stored for the loop, each chunk's best y, max x and sum of exp(x - max)), then
-`_descent_kernel` (a program per row: the chunks' totals, the loop). Measured on the H200
-(benchmarks/diag_sampling.py, 49152 ids, run 29): top-p 0.9 + min-p at 1 / 32 rows 23 / 43 us
-against the sort path's 101 / 341; top-k 50 20 / 42 against 108 / 350; top-k 50 + top-p 0.9
-23 / 62 / 65 us at 1 / 8 / 32 rows (from 8 rows some row needs M_k) against 111 / 218 / 350.
+`_descent_kernel` (a program per row: the chunks' totals, the loop). Several times faster
+than the sort path for every mix of masks at 1-32 rows; top-k with top-p costs more from about
+8 rows, where some row needs M_k (H200; docs/decisions.md, "top-k / top-p / min-p without a
+sort").
 """
 
 from __future__ import annotations
@@ -55,7 +55,8 @@ except Exception:  # pragma: no cover
     tl = None
 
 # columns per pass-1 program and per step of the descent's passes, and the descent program's
-# warps (one program a row): the fastest of diag_sampling.py --sweep (H200, run 29)
+# warps (one program a row): the fastest in a sweep on the H200 (docs/decisions.md, "The
+# descent")
 CHUNK = 4096
 DESCENT_WARPS = 32
 SPAN = 4  # chunks a step of the top-k bisection reads at once
@@ -159,7 +160,7 @@ if triton is not None:
         # the k-th largest x. One pass keeps each lane's two largest x (a lane: a column of
         # the chunks); their k-th largest is the row's unless a lane holds three of the top
         # k, which a count of the row at or above it tells (then: _kth_key_streamed, 32 passes
-        # over the row, ~0.2 ms at 49152 ids).
+        # over the row, far slower).
         first = tl.full((CHUNK,), float("-inf"), tl.float32)
         second = tl.full((CHUNK,), float("-inf"), tl.float32)
         for c in range(num_chunks):
@@ -220,7 +221,7 @@ if triton is not None:
             m = tl.max(xm, axis=0)
             total = tl.sum(tl.where(zc > 0.0, zc * tl.exp(xm - m), 0.0), axis=0)
             # With top-k, top-p renormalises over the top-k set, whose mass costs a bisection
-            # (~0.2 ms at one row); until a token's fate needs it, bounds on it decide
+            # (slow: many passes over the row); until a token's fate needs it, bounds decide
             lazy = ((k > 0) & (k < V) & (p < 1.0)).to(tl.int32)
             floor = tl.where(min_p > 0.0, m + tl.log(min_p), float("-inf"))
             xw = tl.math.div_rn(tl.load(x_ptr + row * stride_x + w).to(tl.float32), t)

@@ -1,11 +1,11 @@
 """Programmatic dependent launch (PDL) for the decode step's Triton kernels.
 
-Why: at batch 1 a small model's step is a chain of ~200 kernels of 2-5 us each, and each one
-pays its launch and its first DRAM latency (the weight tile) only after the previous kernel has
-drained. With PDL (Hopper and later) the next kernel is launched while the previous one runs; it
-loads what no earlier kernel writes (its weights) and then waits on the grid dependency, so its
-launch and weight read hide behind the previous kernel. CUDA graphs keep the dependency as a
-programmatic edge.
+Why: at batch 1 a small model's step is a chain of ~200 kernels of a few microseconds each,
+and each one pays its launch and its first DRAM latency (the weight tile) only after the
+previous kernel has drained. With PDL (Hopper and later) the next kernel is launched while
+the previous one runs; it loads what no earlier kernel writes (its weights) and then waits on
+the grid dependency, so its launch and weight read hide behind the previous kernel. CUDA graphs
+keep the dependency as a programmatic edge.
 
 The protocol every kernel launched with PDL follows (`wait_then_release`):
   1. a prologue that writes nothing and only reads memory that no kernel of the step writes
@@ -41,11 +41,11 @@ PRIME = True  # prime() switch, for benchmarks' A/B of it (bench_gpu's "@noprime
 # The kinds of graph replayed from the host (prime's site): "step" (a fused step: launch,
 # relaunch, a prefill's tail), "prefill" (a single request's prefill graph), "varlen", "head"
 # (a draft head's graph after a prefill or varlen step), "plain" (the general path's decode
-# graphs). Those in PRIME_SKIP are not primed: a prime does not help every graph (run 34,
-# benchmarks/diag_prime.py; docs/decisions.md, session 26). Priming varlen and head graphs
-# raised EAGLE-3's batch-8 / 32 TTFT by ~0.8 ms and cost ~6% of its batch-32 tok/s; without
-# the prefill graph's prime a fresh engine's batch-1 EAGLE-3 runs started ~10% slow.
-# "plain" was not measured and is left unprimed.
+# graphs). Those in PRIME_SKIP are not primed: a prime does not help every graph. Priming the
+# varlen and head graphs raises TTFT and lowers throughput at batch 8-32; the prefill graph's
+# prime keeps a fresh engine's first batch-1 requests at full speed, so it stays.
+# "plain" is not measured and is left unprimed. docs/decisions.md, "Prime more graphs?" and
+# "Interleaved arms hide what a fresh engine shows".
 PRIME_SKIP: frozenset = frozenset({"varlen", "head", "plain"})
 _by_device: dict = {}
 
@@ -75,13 +75,14 @@ def prime(device: torch.device, site: str = "step") -> None:
     """Launch one empty PDL kernel on the current stream, where PDL is on: call it after work
     launched eagerly and before replaying a CUDA graph of PDL kernels.
 
-    Why (benchmarks/diag_history.py, run 33): a graph's replays ran at a speed set by the last
-    kernel launched eagerly on the stream before them. After a torch or cuBLAS kernel (one
-    fill of 1000 bytes is enough) the batch-1 EAGLE-3 step graph took 0.69 ms a step, after a
-    PDL-launched Triton kernel 0.62, for as long as nothing else was launched eagerly: every
-    target layer's kernels overlapped less. Graph replays and memory copies leave it as it
-    is. The engine's host-launched graph steps follow eager work (a varlen step's sampling,
-    a general-path step), so they prime first; chained steps follow a graph.
+    Why: a graph's replays run at a speed set by the last kernel launched eagerly on the
+    stream before them. After a torch or cuBLAS kernel (one small fill is enough) a graph of
+    PDL kernels replays slower than after a PDL-launched Triton kernel, for as long as
+    nothing else is launched eagerly: every target layer's kernels overlap less. Graph
+    replays and memory copies leave it as it is. The engine's host-launched graph steps follow
+    eager work (a varlen step's sampling, a general-path step), so they prime first; chained
+    steps follow a graph. The driver-level cause is not known; docs/decisions.md has the
+    measurements ("graph replays ran at a speed set by the last eager kernel").
 
     site: the kind of graph about to be replayed; those in PRIME_SKIP are not primed (the
     effect is not the same for every graph: see PRIME_SKIP)."""

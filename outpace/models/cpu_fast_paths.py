@@ -59,9 +59,9 @@ def cpu_threads_for(x: torch.Tensor, max_query_len: int = 1):
     (tens of microseconds). A single-token forward (batch-1 decode) is ~400 tiny ops around
     memory-bound GEMVs that a second thread barely speeds up, and a small step with
     multi-token queries (verify, a short prefill chunk) attends one sequence at a time; both
-    run faster on one thread (on the 2-core CI machine: batch-1 decode 37 vs 39 ms, verifying
-    4 x 3 tokens 69 vs 104 ms). Batched decode (its attention is a few batched ops, its
-    linears gain from both cores) and long prefills keep all threads.
+    run faster on one thread (measured on the 2-core CI machine). Batched decode (its
+    attention is a few batched ops, its linears gain from both cores) and long prefills keep
+    all threads.
     """
     n = torch.get_num_threads()
     t = x.shape[0]
@@ -79,15 +79,15 @@ def cpu_threads_for(x: torch.Tensor, max_query_len: int = 1):
 def add_weight_copies_(model: nn.Module, dtype: torch.dtype) -> None:
     """Keep faster-to-read copies of the projection weights next to them (same values, in the
     activation dtype `dtype`: weights stored narrower are upcast once here, not every call;
-    `linear` picks one by the number of rows). Measured on the 2-core CI machine:
+    `linear` picks one by the number of rows). Measured on the 2-core CI machine
+    (docs/decisions.md, "CPU decode keeps extra weight copies"):
 
       one row (decode at batch 1): MKL streams a transposed weight (x @ w_t with w_t a
-        contiguous [in, out] copy) 1.3-1.8x faster than x @ w.T from the row-major one,
-        except for down_proj (in = 4 * out), where it is slower; so every weight but
-        down_weight gets a transposed copy.
+        contiguous [in, out] copy) faster than x @ w.T from the row-major one, except for
+        down_proj (in = 4 * out), where it is slower; so every weight but down_weight gets a
+        transposed copy.
       2+ rows (batch decode, verify, prefill): oneDNN with its packed weight layout is
-        1.7x faster than MKL at 8 rows (SmolLM2's MLP: 0.81 vs 1.40 ms a layer; LM head
-        2.4x) and no slower for many.
+        faster than MKL from a few rows and no slower for many.
 
     Costs up to two more copies of the weights in RAM (packed: float32 only); over bf16-stored
     weights (weight_dtype) the copies are fp32, so the CPU keeps fp32 speed but not bf16 memory."""

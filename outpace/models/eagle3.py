@@ -160,7 +160,7 @@ class Eagle3Head(nn.Module):
 
     def fuse(self, aux: list) -> torch.Tensor:
         # 3 x [T, H] (target residual stream after each aux layer) -> [T, H]; few rows (a
-        # verify block) take the few-row kernel (~3 us at H = 576, cuBLAS ~5), more the
+        # verify block) take the few-row kernel (faster than cuBLAS at H = 576), more the
         # reference: upcast_linear's F.linear. The few-row target writes the three side by
         # side already (no concatenation kernel then).
         joined = side_by_side(aux)

@@ -47,21 +47,21 @@ def _param(*shape, dtype, device) -> nn.Parameter:
 # CUDA forwards of at most SMALL_M_MAX tokens use the few-row Triton kernels (see
 # LlamaForCausalLM._forward_few_rows); False: cuBLAS and separate norms for every size.
 FEW_ROW_KERNELS = True
-# ... for models this narrow: measured on the H200 (benchmarks/results/small_linear_h200.json),
-# the fused projections beat cuBLAS + separate norms 1.3-2.4x at SmolLM2's widths, but at
-# Llama-8B's (4096) the norm-fused qkv is 0.64-0.87x, so wide models keep cuBLAS.
+# ... for models this narrow: the fused projections beat cuBLAS + separate norms at SmolLM2's
+# widths, but at Llama-8B's (4096) the norm-fused qkv is slower than cuBLAS + a norm, so wide
+# models keep cuBLAS (measured on the H200, benchmarks/results/small_linear_h200.json;
+# docs/decisions.md, "Fewer kernels per decoder layer on CUDA").
 FEW_ROW_MAX_HIDDEN = 2048
-# ... and with the qkv projection also doing rope and the KV store (norm_qkv_rope_store): its
-# GPU tests passed on the H200 (run 8a), and it took the no-spec batch-1 graph from 0.687 to
-# 0.643 ms a step (run 8a, SmolLM2-shaped; 0.603 -> 0.565 with PDL, run 8); off: a separate
-# rope + store kernel.
+# ... and with the qkv projection also doing rope and the KV store (norm_qkv_rope_store): one
+# kernel less a layer, which shortens the batch-1 step (docs/decisions.md, the few-row forward
+# under "Fewer kernels per decoder layer on CUDA"); off: a separate rope + store kernel.
 FUSED_QKV_ROPE_STORE = True
 # CUDA forwards of SMALL_M_MAX < T <= MID_M_MAX tokens (a short prompt's prefill, a small varlen
 # step, a decode or verify step of that many rows): the qkv projection with rope and the KV
 # store in its epilogue, o_proj, and gate_up with silu * mul as Triton kernels where
-# small_linear.mid_rows_ok takes the shapes; down_proj stays cuBLAS (at 128 rows the Triton
-# tiles took 8.1 us against cuBLAS's ~5). Two kernels fewer a layer: the rope + store and
-# silu * mul kernels.
+# small_linear.mid_rows_ok takes the shapes; down_proj stays cuBLAS (its Triton tiles are
+# slower there: docs/decisions.md, "Prefill-sized projections as Triton kernels"). Two kernels
+# fewer a layer: the rope + store and silu * mul kernels.
 MID_ROW_KERNELS = True
 
 
@@ -70,7 +70,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if x.is_cuda and use_triton(x):
         return rms_norm_triton(x, weight, eps)  # one kernel instead of five
     if x.dtype == torch.float32:
-        # HF's arithmetic in five small ops; on CPU this is ~1.5x faster than F.rms_norm (a
+        # HF's arithmetic in five small ops; on CPU this is faster than F.rms_norm (a
         # composite of more ops there) for decode-sized inputs, with identical values.
         r = torch.mean(x * x, -1, keepdim=True).add_(eps).rsqrt_()
         return (x * r).mul_(weight)
@@ -237,7 +237,7 @@ class LlamaDecoderLayer(nn.Module):
         draft heads' steps): residual [T, H] -> the new residual stream [T, H], a fresh tensor
         (or `out`, a [T, H] view with a unit last stride: the model's captured layers).
 
-        Five kernels instead of fourteen (run 5 profile): four projections and attention. With
+        Five kernels instead of fourteen: four projections and attention. With
         FUSED_QKV_ROPE_STORE the qkv projection also applies rope and writes K/V into the pool
         (else a sixth kernel does), and split-KV attention merges its splits itself
         (attention/triton_paged.py). Each norm runs inside the

@@ -14,8 +14,8 @@ A single request's prefill (or prefill chunk) of n tokens is replayed the same w
 prefill graph of q >= n tokens (PREFILL_TOKENS, up to the step's token budget): the rows past n
 are padding (slot -1, past the request's real positions, so no real row attends to them), and
 the graph computes logits only at logits_indices[0], the row that is sampled. Eagerly, a batch-1
-prefill is ~150 Python kernel launches, 26-32 ms of host time on the H200 machine for a 135M
-model whose GPU time is ~1 ms (benchmarks/diag_prefill.py): the whole of TTFT.
+prefill is ~150 Python kernel launches whose host time is many times a small model's GPU time,
+and so most of TTFT (docs/decisions.md, "Batch-1 prefills replay from CUDA graphs").
 
     prefill graph(q): input_ids/positions/slot_mapping[:q], one sequence (full-width table)
                       -> hidden [q, H], aux [q, H] each, logits [1, V]
@@ -27,8 +27,9 @@ real sequences, then the padding rows as sequences of their own (slot -1, the nu
 table, positions from 0), then empty sequences. The attention's programs follow a tile map
 staged with the batch (one per 32 or so query tokens of a sequence; triton_paged.tile_map_for),
 so empty sequences cost nothing. The graph stops at the hidden states; the few rows that get
-logits go through the LM head after it. Eagerly such a step was ~300 kernel launches, 20-26 ms
-of host time on the H200 machine for a batch of 32 prompts (run 23: batch-32 TTFT 26 ms).
+logits go through the LM head after it. Eagerly such a step is ~300 kernel launches from
+Python, whose host time is many times the step's GPU time (docs/decisions.md, "Steps of
+several prefill chunks replay varlen graphs").
 
     varlen graph(T): input_ids/positions/slot_mapping[:T], max_seqs sequences, tile map
                      -> hidden [T, H], aux [T, H] each
@@ -90,7 +91,7 @@ class GraphRunner:
     def replay(self, graph, site: str) -> None:
         """Replay a graph launched from the host: eager kernels (sampling, an eager step) may
         have run before it, so PDL is primed first where that pays (kernels/pdl.prime: after a
-        torch kernel the batch-1 decode graph replayed ~10% slower). site: which kind of graph
+        torch kernel a graph of PDL kernels replays slower). site: which kind of graph
         (pdl.PRIME_SKIP: the kinds not primed)."""
         pdl.prime(self.inputs.device, site)
         graph.replay()

@@ -72,8 +72,8 @@ class FusedOutput:
         # always called: it indexes the new tokens even when it proposes none.
         drafting = proposer is not None and (self.host_drafter is not None
                                              or proposer.policy.base_k(batch_size) > 0)
-        # One conversion of the whole output to Python ints; per-row numpy slicing and tolist
-        # cost ~1 us a request, on the host's critical path at batch 128.
+        # One conversion of the whole output to Python ints: per-row numpy slicing and tolist
+        # cost host time for every request, on the host's critical path at batch 128.
         rows = out.tolist()  # sync-ok: numpy, already on the host
         outputs = result.outputs
         lp_rows = None  # the most any request here asks for, in one conversion

@@ -3,9 +3,9 @@
 Prefill (a head only): a step of one request's prefill chunk runs the target in a prefill graph
 (runner/cuda_graph.py) and samples on the host; the head's pass over the chunk and its draft
 loop then replay a second graph, captured per prefill graph over that graph's static hidden
-states (`prefill_drafts`). Eagerly that pass and loop were ~40 Triton launches from Python for
-microseconds of GPU work each: most of a head engine's batch-1 TTFT (5.6-15 ms against
-no-spec's 1.6, run 10).
+states (`prefill_drafts`). Eagerly that pass and loop are ~40 Triton launches from Python for
+microseconds of GPU work each: they would be most of a head engine's batch-1 TTFT
+(docs/decisions.md, "A head's prefill pass replays a graph").
 
 Where steps chain, a prefill step that samples is launched like a decode step instead
 (`launch_prefill`): the prefill graph, then a tail graph that takes the token from the prefill
@@ -13,10 +13,11 @@ graph's logits (the argmax, or the race of a sampled or masked graph: one tail p
 family, as the decode graphs have), runs the head's pass and draft loop from it, and leaves
 token, drafts and position in the carry and in an output laid out as a one-token decode step's.
 So the first decode step chains from the prefill too, rather than waiting for the host to read
-the token (run 16: that unchained step took 1.0 / 1.2 ms against 0.55 / 0.77 chained; a sampled
-request's prefill took the general path until run 29: TTFT 2.2 ms against greedy's 1.4). A
-logprobs family's tail also leaves the first token's logprobs in a second output, as its decode
-graphs do (until session 23 such prefills took the general path: TTFT +0.5 ms at batch 1).
+the token (an unchained step takes much longer than a chained one: docs/decisions.md, "The first
+decode step chains from the prefill"); sampled and masked requests' prefills take it as greedy
+ones do, rather than the slower general path. A logprobs family's tail also leaves the first
+token's logprobs in a second output, as its decode graphs do, so those prefills stay off the
+general path too.
 
 Varlen (a head only): a step that replays a varlen graph of T tokens (several prompts' chunks,
 chunks beside decodes) samples on the host, then replays the head's graph for T
@@ -24,7 +25,9 @@ chunks beside decodes) samples on the host, then replays the head's graph for T
 slot, a row per slot in the varlen batch's order, reading the block tables that batch staged.
 A slot that drafts nothing (a chunk that samples nothing, padding) drafts from its own last
 row: its loop writes only at positions its next chunk rewrites, or into the null block.
-Eagerly that pass and loop took ~3.6 ms of launches at batch 8 on the device host (run 25).
+Eagerly that pass and loop are milliseconds of launches from Python at batch 8, about as long
+as the varlen step itself (docs/decisions.md, "A head's pass and drafts after a varlen graph,
+in graphs").
 """
 
 from __future__ import annotations
@@ -261,8 +264,8 @@ class FusedPrefill:
         self.graphs.run_prefill(hb, extra=tuple(extra))  # staged with the batch (primed)
         if penalized(mode):
             # row 0's tables, queued between the prefill graph (which doesn't read them) and
-            # the tail (which does): their ~0.2 ms of host launches (run 31) then run while
-            # the device runs the prefill, not before it
+            # the tail (which does): their host launches then run while the device runs the
+            # prefill, not before it
             self._fill_penalty_tables(plan, 1)
         self.prefill_launches += 1
         launched = self._replay((1, 1, kd, False), [plan.scheduled[0].request.request_id], t0,

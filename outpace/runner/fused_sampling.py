@@ -8,12 +8,12 @@ that race over the top-k / top-p / min-p nucleus (`masked_race_tokens`: kernels/
 no sort). A request with repetition, frequency or presence penalties takes the sampled or masked
 graph with penalties (SAMPLE_PENALIZED, MASKED_PENALIZED: runner/fused_penalties.py), whose rows
 are penalized before the race; a greedy one races there with no noise (its argmax). A step
-pays only for what its requests ask: the temperature and the race ~5 us at batch 1, the masks
-~20 us (the stable sort they took before run 29: ~0.1 ms; benchmarks/diag_sampling.py), the
-penalties ~5 us (no-spec) to ~17 us (EAGLE-3 k = 2's three rows; run 30). Each token equals
-the one the general path (runner/sampling_step.py, the same kernels on CUDA) draws for the same
-seed and position, so accept's strict prefix match verifies sampled drafts exactly as greedy
-ones.
+pays only for what its requests ask, so a request that sets only a temperature costs about what
+a greedy one does, and the masks and penalties are paid only where some request asks for them
+(docs/decisions.md: "Sampled graphs", "top-k / top-p / min-p without a sort", "penalties and
+logprobs in the fused graphs"). Each token equals the one the general path
+(runner/sampling_step.py, the same kernels on CUDA) draws for the same seed and position, so
+accept's strict prefix match verifies sampled drafts exactly as greedy ones.
 """
 
 from __future__ import annotations

@@ -46,8 +46,8 @@ steps can't chain; but they can be *relaunched*: once N's output is read and the
 proposed, N+1 is launched from the same carry (positions, slots and bonus tokens built on the
 device) with only the drafts and their counts staged (`relaunch`), and N's commit,
 detokenization and outputs run while N+1 does. That takes the scheduling, batch building and
-input staging of a step off the path between two steps (0.14-0.25 ms of idle GPU a step at
-batch 1 on the GPU machine, run 22).
+input staging of a step off the path between two steps, where the GPU would otherwise sit
+idle (docs/decisions.md, "A host drafter's steps are relaunched from the carry").
 
 On CUDA the bookkeeping around the model (a chained step's inputs, accept with what the head
 and the next step read, the draft loop's positions and slots) is three Triton kernels
@@ -146,8 +146,8 @@ class FusedStep(FusedPrefill, FusedSampling, FusedPenalties, FusedOutput):
         self.carry_pos = torch.zeros(m, dtype=torch.long, device=dev)  # bonus token's position
         self.carry_tokens = torch.zeros(m, kmax, dtype=torch.long, device=dev)  # bonus, drafts
         # Force-accept's draws when its mean is whole: floor(mean - 1 + u) is mean - 1 for any
-        # u in [0, 1), so zeros do and the graph skips a random-number kernel (~2 us a step)
-        # that real verification doesn't have.
+        # u in [0, 1), so zeros do and the graph skips a random-number kernel that real
+        # verification doesn't have.
         self.zero_draws = torch.zeros(m, device=dev)
         self._captured: dict = {}  # (bucket, q, kd, chained) -> (graph, packed output)
         # ...per sampling mode: the greedy graphs above, sampled ones, sampled with masks, those
@@ -264,7 +264,7 @@ class FusedStep(FusedPrefill, FusedSampling, FusedPenalties, FusedOutput):
         nd = np.zeros(bucket, np.int64)
         width = self.host_drafts.shape[1]
         arr = np.zeros((bucket, width), np.int64)
-        if drafts:  # one conversion of padded rows: numpy row writes cost ~1 us each
+        if drafts:  # one conversion of padded rows: a numpy write a row costs more host time
             nd[:len(drafts)] = [len(d) for d in drafts]
             pad = [0] * width
             arr[:len(drafts)] = [d + pad[len(d):] for d in drafts]
@@ -285,7 +285,7 @@ class FusedStep(FusedPrefill, FusedSampling, FusedPenalties, FusedOutput):
                 chained: bool = False) -> Launched:
         """Replay the graph of `key` (or `entry`, a (graph, outputs) pair) and queue the
         copies of its outputs. A step launched from the host may follow eager kernels: PDL is
-        primed first (kernels/pdl.prime: after a torch kernel the graph ran ~10% slower)."""
+        primed first (kernels/pdl.prime: after a torch kernel the graph replays slower)."""
         graph, outs = entry or self._captured[key]
         # a logprobs graph's outputs: (packed, logprobs); any other's: packed
         packed, logprobs = outs if isinstance(outs, tuple) else (outs, None)

@@ -62,7 +62,7 @@ class ModelRunner:
         max_blocks = (max_model_len + 2 * 16 + block_size - 1) // block_size + 1
         # One sequence slot more than the scheduler fills: a varlen graph's padding rows are a
         # sequence of their own (cuda_graph.load_varlen), so a step whose prompts fill every
-        # slot still pads into a graph instead of running eagerly (~7x slower a step).
+        # slot still pads into a graph instead of running eagerly (several times slower).
         self.max_num_seqs = max_num_seqs
         self.inputs = InputBuffers(max_num_tokens, max_num_seqs + 1, max_blocks, device)
         self.sampling = SamplingStep(device, seed)

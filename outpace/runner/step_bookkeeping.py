@@ -11,10 +11,10 @@
                      after every row, each request's last committed row and position, the carry
     loop_inputs      positions, KV slots and sequence lengths of every draft-loop step
 
-Why: in PyTorch each of these is 10-20 element-wise kernels of ~1 us plus ~0.4 us between them
-(run 10's kernel listing of the batch-1 graph: 34 us for the chained inputs, 35 us for accept and
-the head's inputs, 17 us for the loop's inputs, against ~600 us for the whole no-spec step). The
-values are integers: the kernels and the references agree exactly.
+Why: in PyTorch each of these is 10-20 tiny element-wise kernels with a gap between each two,
+which at batch 1 adds up to a noticeable share of the step (docs/decisions.md, "where a fused
+step's time goes" and "The fused step's bookkeeping is three Triton kernels"). The values are
+integers: the kernels and the references agree exactly.
 """
 
 from __future__ import annotations

@@ -5,10 +5,11 @@ penalize_rows: the repetition, frequency and presence penalties of a step's logi
 pass. Row r = b * q + j (request b, verify row j) reads its request's tables (prompt [m, V] bool,
 counts [m, V] float32: the output so far) and counts the drafts before it, the input ids of
 rows b * q + 1 .. b * q + j, as output too; then logits_processing.penalize's formula. Through
-torch ops this was ~15 kernels (two [n, V] gathers, a scatter, eight elementwise passes): 58 us
-of EAGLE-3 k = 2's batch-1 step and 220 us at batch 32 (H200, run 30); here one read of the
-logits and tables. The values are torch's bit for bit: the division is IEEE (div_rn), and the
-kernel is compiled without fused multiply-adds (torch rounds freq * counts before subtracting).
+torch ops this is ~15 kernels (two [n, V] gathers, a scatter, eight elementwise passes), each
+reading or writing [n, V]; here one read of the logits and tables (docs/decisions.md,
+"penalties and logprobs in the fused graphs"). The values are torch's bit for bit: the
+division is IEEE (div_rn), and the kernel is compiled without fused multiply-adds (torch
+rounds freq * counts before subtracting).
 
 count_emitted: after accept, each row's emitted tokens (packed[b, :q], -1 past its accepted
 count) added to its output counts (atomics: a token may be emitted twice in a step).

@@ -18,11 +18,11 @@ Two implementations, same results (tests check both against a brute-force refere
   O((max_n - min_n + 1) * max_n) per appended token, O(max_n^2) per propose, independent of L;
   memory O(L * (max_n - min_n + 1)) dict entries.
 
-Measured on this machine (2 CPU cores, Python 3.11), 256 steps of 4 new tokens and k=4, random
-tokens: the stateless call costs ~180 us at L=8k and ~640 us at L=32k (mostly the list -> array
-conversion); `NgramState` costs ~9 us per step at any L, plus ~1.4 us per token once to index
-the prompt, and ~0.4 KB per token of memory. The state wins for the per-step engine loop; the
-stateless call is there for one-off use.
+The stateless call's cost grows with L (mostly the list -> array conversion); `NgramState`'s
+per-step cost does not, after a one-off pass that indexes the prompt, at a few hundred bytes of
+memory per token (measured on the 2-core CPU machine; docs/decisions.md, "Measurements moved
+out of code comments"). The state wins for the per-step engine loop; the stateless call is
+there for one-off use.
 """
 
 from __future__ import annotations

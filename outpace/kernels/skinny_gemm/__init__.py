@@ -2,7 +2,7 @@
 the neighbouring element-wise work fused in: Triton kernels and their PyTorch references.
 
 Why: at batch 1 a small model's decode step is a chain of tiny GEMMs (SmolLM2-135M: 576 x 960)
-that cuBLAS runs on ~15 CTAs in ~3.8 us each, while reading the weight would take ~0.3 us. Here one
+that cuBLAS runs on ~15 CTAs, taking many times what reading the weight would. Here one
 program owns BLOCK_N output columns and runs the whole K loop, so even a 576-column weight is read
 by ~300 programs at once, each weight element once for all M rows. The norm, the residual add and
 silu * mul ride along, so a decoder layer needs fewer kernels:
@@ -23,10 +23,11 @@ may be fp32 over bf16 x and w). The weight is x's dtype, or, under fp32 activati
 bf16 / fp16 (RunnerConfig.weight_dtype) and upcast exactly: the results are fp32, as if the
 weight were held in fp32.
 
-Measured on an H200 (bf16, CUDA-graph replays, L2-cold weights; benchmarks/bench_small_linear.py):
-SmolLM2 projections at M = 1 take 2.5-3.6 us against cuBLAS's 3.9-5.3, the fused norm + gate_up +
-silu * mul 4.5 us against 9.1 for the unfused ops; Llama-8B shapes run at cuBLAS's speed (+-8%),
-except the norm-fused projections at K = 4096 (the statistics pass costs 3-10 us there).
+On SmolLM2's widths these kernels are faster than cuBLAS, and the fused norm + gate_up + silu *
+mul gains most against the unfused ops; on Llama-8B's they run at about cuBLAS's speed, except
+the norm-fused projections at K = 4096, where the statistics pass costs more than the fusion
+saves (so wide models keep cuBLAS: models/llama.py). benchmarks/bench_small_linear.py measures
+them; the numbers are in docs/decisions.md, "Measurements moved out of code comments".
 
 Each dispatcher runs the Triton kernel for CUDA inputs with at most SMALL_M_MAX rows and falls
 back to the reference otherwise (CPU, wide batches, unusual layouts). Launches allocate by shape
@@ -56,10 +57,10 @@ SMALL_M_MAX = 16  # rows up to which the Triton kernels run; wider batches go to
 # ...and up to which the projections without a norm prologue also may (`mid_rows_ok`): a
 # short prefill, a small varlen step, or a decode / verify step of that many rows, of a narrow
 # model, where fusing the rope + KV store and the silu * mul into the projection's epilogue
-# saves two kernels a layer. The tl.dot path in row blocks (choose_blocks); on the H200
-# (bench_small_linear_run27.json, _run27b.json, SmolLM2) at 64-256 rows the plain projections
-# ran at about cuBLAS's speed (qkv 3.2-4.1 us, o 3.2-3.9) and gate_up + silu * mul took 4.0-6.3
-# us against cuBLAS + the silu * mul kernel's ~6-9; beyond 256 rows not measured.
+# saves two kernels a layer. The tl.dot path in row blocks (choose_blocks): at 64-256 rows of
+# SmolLM2's shapes the plain projections run at about cuBLAS's speed and gate_up + silu * mul
+# beats cuBLAS + the silu * mul kernel (H200; docs/decisions.md, "Prefill-sized projections as
+# Triton kernels"); beyond 256 rows not measured.
 MID_M_MAX = 256
 
 
@@ -132,7 +133,7 @@ def _launch(x, w, out, *, n_cols, norm_weight=None, eps=0.0, residual=None, silu
         raise ValueError(f"{cfg}: tail_k must cover K % block_k > 0 (K = {k})")
     nw = norm_weight if norm_weight is not None else w
     res = residual if residual is not None else out
-    # _cdiv, not triton.cdiv: that one is a jit function, ~5 us a call from Python
+    # _cdiv, not triton.cdiv: that one is a jit function, slow to call from Python
     grid = (_cdiv(n_cols, cfg.block_n), _cdiv(m, cfg.block_m))
     # Without ROPE_STORE the epilogue's arguments are never read: any pointers and sizes do.
     rs = rope_store or _RopeStore(out, out, x, x, out, out, stride_cos=0, table_off=0,

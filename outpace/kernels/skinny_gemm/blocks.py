@@ -1,8 +1,8 @@
 """The few-row projections' launch policy (kernels/skinny_gemm/): how many rows, columns and
 K columns a program takes, how many warps, and which path (broadcast multiply-sum, a warp a
 row, tl.dot) for a shape. A pure function of shapes and dtype sizes, never of values, so a
-captured graph and an eager call pick the same kernel. Every constant is a measurement on the
-H200; benchmarks/diag_few_rows.py sweeps them in the real step graphs.
+captured graph and an eager call pick the same kernel. Every constant is measured on the H200
+(docs/decisions.md); benchmarks/archive/diag_few_rows.py swept them in the real step graphs.
 """
 
 from __future__ import annotations
@@ -30,59 +30,56 @@ class Blocks(NamedTuple):
     rw_rest_w: int = 256  # ...of this many columns each
 
 
-# Numbers below are from benchmarks/bench_small_linear.py on an H200 (SmolLM2-135M and Llama-8B
-# shapes, bf16, CUDA-graph replays with L2-cold weights).
+# The constants below are measured on the H200 (SmolLM2-135M and Llama-8B shapes, bf16,
+# CUDA-graph replays with L2-cold weights, and the real step graphs); the measurements are in
+# docs/decisions.md (the headings named below, and "Measurements moved out of code comments").
 # The broadcast-multiply-sum path materialises a [BLOCK_M, BLOCK_N, BLOCK_K] fp32 product per K
 # step; up to 128 values a thread (4 warps) it stays in registers.
 _PRODUCT_BUDGET = 16384
 _SUM_ONE_STEP_K = 2048  # up to this K the broadcast path reads a row in one step...
 _SUM_K = 1024  # ...beyond it in steps of this (faster than 2048 or 512 on Llama-8B shapes)
 _DOT_K = 256  # K step of the tl.dot path
-# ...over an int8 weight (a draft LM head): SmolLM2's 49152 x 576 head read twice in a step
-# shaped like EAGLE-3 k = 2's took 11.6 + 9.0 us with 64-column steps, 11.9 + 10.5 with 128 and
-# 15-18 + 13-16 with 256 (H200, benchmarks/diag_draft_lm_head.py, 128-column tiles, 3 stages)
+# ...over an int8 weight (a draft LM head): 64-column K steps read the int8 tiles faster than
+# 128 or 256 (docs/decisions.md, "an int8 draft LM head", its "Measured")
 _DOT_K_INT8 = 64
-_DOT_STAGES = 3  # its software pipeline (3 beat 2 by ~20% on every shape, 4 was no better)
+_DOT_STAGES = 3  # its software pipeline: faster than 2 stages on every shape, 4 no better
 _DOT_SMEM = 64 * 1024  # its pipeline buffers: wide tiles get shorter K steps (LM head: 128 x 64)
 _SUM_MAX_N = 16384  # wider weights (LM heads) take the tl.dot path even at M = 1
 _DOT_ONE_BLOCK_M = 16  # tl.dot launches of more rows than this split them into row blocks
 _DOT_K_ROW_BLOCKS = 128  # ...with K steps of at most this (the sweep's; 256 not measured)
 # Rows a broadcast-path program handles; more rows take more programs, each reading the same
-# weight tile (an L2 hit). Two at most: in the k = 2 verify graph (3 rows) blocks of 2 beat
-# blocks of 4, 0.846 vs 0.864 ms a step (run 10, benchmarks/diag_few_rows.py).
+# weight tile (an L2 hit). Two at most: blocks of 4 are slower in the k = 2 verify graph
+# (docs/decisions.md, "Broadcast-path rows in blocks of 2").
 _SUM_ROWS = 2
-# ...and one at these row counts (one-warp programs, below, multiply their rows in turn; rows
-# wider than _ROW_WARPS_MAX_K, since 2 and 3 rows take a warp a row below). Step
-# graphs on the H200 (run 18, diag_few_rows_run18c.json; rows = batch x query length): 2 rows
-# 0.667 -> 0.620 ms, 3 rows (k = 2 verify) 0.754 -> 0.727; 4 rows 0.713 -> 0.785 (each weight
-# tile read four times, not two), so 4 keeps blocks of 2.
+# ...and one at these row counts: one-warp programs (below) multiply their rows in turn, so a
+# block of two rows is twice one row's critical path, and a program per row is faster (each
+# reads the same weight tile, an L2 hit after the first). This serves rows wider than
+# _ROW_WARPS_MAX_K, since 2 and 3 rows take a warp a row below. 4 rows keep blocks of 2:
+# four reads of every tile cost more than the shorter path saves (docs/decisions.md, "Two or
+# three rows: one row a program").
 _ONE_ROW_M = (2, 3)
 # A broadcast-path program with more than one row runs one warp when its product has at most
 # this many values (256 a thread): it is reduced over K inside the warp (shuffles), with no
-# exchange through shared memory between warps. In the k = 2 verify graph (3 rows, every
-# SmolLM2 projection's product 4096-8192 values): 0.825 ms with 4 warps, 0.858 with 2, 0.803
-# with 1 (run 14, diag_few_rows_run14b.json). One-row programs keep 4 (1 warp there: no-spec
-# 0.544 -> 0.588 ms), and so do larger products (not measured with fewer).
+# exchange through shared memory between warps, which is faster than 2 or 4 warps for these
+# products. One-row programs keep 4 warps (one warp makes them slower), and so do larger
+# products (not measured with fewer). docs/decisions.md, "Several-row broadcast programs run
+# one warp".
 _ONE_WARP_PRODUCT = 8192
-# Rows up to which a small weight (K <= 2048, N <= 4096) takes that path. At M = 5 and 8 the
-# row blocks of 4 lost to tl.dot on every SmolLM2 projection (qkv 3.8 vs 2.7 us, gate/up 7.2
-# vs 3.1; run 8 sweep, with PDL), so beyond 4 rows tl.dot it is.
+# Rows up to which a small weight (K <= 2048, N <= 4096) takes that path. From 5 rows tl.dot
+# is faster than row blocks of 4 on every SmolLM2 projection (docs/decisions.md, "Few-row
+# verify stays on tl.dot above 4 rows").
 _SUM_MAX_M = 4
 # Row counts whose programs give each row a warp (`row_warps_blocks`): rows -> (rows a program,
 # columns a program). One program's warps read the same weight tile (the first from L2, the
-# others from L1) with the whole row loaded at once, each multiplying its own row. Step graphs
-# on the H200 (run 25, diag_few_rows_run25b-g.json; no-spec batch 2 / 4 decode, rows = batch):
-# 2 rows 0.596 -> 0.528 ms, 4 rows 0.675 -> 0.604 (2 rows, 4 columns a program; all 4 rows in
-# one program of 4 warps: 0.733; the rest of K = 576 as a masked 256-wide step instead of 64
-# columns: 0.548 / 0.648). 3 rows (k = 2 verify at batch 1) lost in every form then (one
-# program of 4 warps 0.636 -> 0.787 ms, two of 2 warps 0.679-0.795, one row a program 0.702),
-# measured before the rest of K got its own width. Since, one row a program (three one-warp
-# programs, 2 columns each) wins: the EAGLE-3 k = 2 step graph 0.6435 -> 0.5935 ms with every
-# launch of up to 16 rows taking it (run 32, diag_few_rows_run32b.json "inv_rw1"; no-spec's
-# one-row step lost 0.474 -> 0.514 that way, so one row keeps its four-warp program). Its gain
-# on real requests first moved from run to run: the step graph's replays ran at a speed set by
-# the last kernel launched eagerly before them, which the engine now keeps a PDL kernel
-# (kernels/pdl.prime). Since (run 33, bench batches 1 8 32): EAGLE-3 k = 2 4315 -> 4606 tok/s.
+# others from L1) with the whole row loaded at once, each multiplying its own row, and the rest
+# of K read as its own power of two rather than a masked 256-wide step. Faster than the
+# one-warp programs in the step graphs at these row counts: at 2 and 4 rows two rows a program
+# (all 4 rows in one program is slower); at 3 rows (the k = 2 verify at batch 1) a row a
+# program, three one-warp programs of 2 columns. One row keeps its four-warp program, which is
+# faster there. The 3-row gain shows on real requests only with PDL primed before host-launched
+# graphs (kernels/pdl.prime). docs/decisions.md: "A warp a row for the few-row projections at 2
+# and 4 rows", "Three rows a warp a row, one row a program", "Three rows a warp a row is the
+# default again".
 ROW_WARPS_3 = (1, 2)  # 3 rows: rows a program, columns a program (bench's "@old3" arm: without)
 _ROW_WARPS = {2: (2, 2), 3: ROW_WARPS_3, 4: (2, 4)}
 _ROW_WARPS_MAX_K = 1536  # measured up to down's 1536; wider rows would hold more registers
@@ -113,11 +110,11 @@ def choose_blocks(M: int, N: int, K: int, *, elem_bytes: int = 2, x_bytes: int =
     with a small product (_ONE_WARP_PRODUCT).
 
     tl.dot otherwise (the rows padded to 16): on Llama-8B shapes the broadcast product over
-    several rows was 1.5-5x slower than tensor cores, and on a SmolLM2 LM head (49152 x 576)
-    tl.dot with 128 x 64 tiles beat the M = 1 broadcast path (17 vs 21 us). K steps of 256 in a
-    3-stage pipeline, shorter where the stages would pass 64 KB; BLOCK_N is the largest of
-    16..128 that keeps >= 2 programs per SM; 2 warps for narrow tiles (up to 15% faster), 4 for
-    wide ones (2 warps were 2x slower on a 128-wide tile) and under the norm prologue (its
+    several rows is much slower than tensor cores, and on a SmolLM2 LM head (49152 x 576)
+    tl.dot with 128 x 64 tiles beats the M = 1 broadcast path. K steps of 256 in a 3-stage
+    pipeline, shorter where the stages would pass 64 KB; BLOCK_N is the largest of 16..128
+    that keeps >= 2 programs per SM; 2 warps for narrow tiles (faster there), 4 for wide ones
+    (2 warps are much slower on a 128-wide tile) and under the norm prologue (its
     [16, BLOCK_K] statistics tile). `use_dot` forces a path (tests, sweeps).
     """
     if use_dot is None:
@@ -151,10 +148,10 @@ def choose_blocks(M: int, N: int, K: int, *, elem_bytes: int = 2, x_bytes: int =
         # A row read in one step, padded to a power of two: read the largest power of two
         # below K and the rest as a second, narrower tile when that is narrower in all
         # (K = 576: 512 + 64 columns, not 1024; 1536: 1024 + 512, not 2048). Each lane
-        # then multiplies only real columns: 44% fewer products at K = 576. For several
-        # rows, whose one-warp programs multiply in turn: the k = 2 verify graph went from
-        # 0.806 to 0.767 ms; one-row programs (4 warps, few products each) went from 0.544
-        # to 0.633 ms with the split, so they keep one tile (H200, diag_few_rows_run16.json).
+        # then multiplies only real columns (448 of 1024 are padding at K = 576). That pays
+        # for several rows, whose one-warp programs multiply in turn; one-row programs (4
+        # warps, few products each) are slower with the split, so they keep one tile
+        # (docs/decisions.md, "Several-row projections read K in two tiles after all").
         main = k_max // 2
         rest = max(next_pow2(K - main), 16)
         if main + rest < k_max:
@@ -171,13 +168,10 @@ def choose_blocks(M: int, N: int, K: int, *, elem_bytes: int = 2, x_bytes: int =
 def _dot_row_tile(M: int, N: int, tiles: int) -> tuple:
     """(rows, columns) of a tl.dot program when a launch has more than _DOT_ONE_BLOCK_M rows:
     16 rows up to 64, 32 above, twice that for a weight of 2048+ rows (N columns split times
-    the tiles each reads); 16 columns, 32 for a one-tile launch above 128 rows. H200 sweeps at
-    64-256 rows, SmolLM2 shapes (bench_small_linear_run27.json, _run27b.json): one block of
-    every row lost on every projection (qkv 3.46 / 5.00 us against 3.18 / 4.13 at 64 / 128
-    rows; down 5.86 / 10.15 against 5.32 / 8.12); blocks of 32 / 64 rows were the best for the
-    3072-row gate_up weight (4.02 / 5.04), and gate_up + silu * mul in blocks of 64 took 6.1 /
-    6.3 us at 192 / 256 rows; at 192 / 256 rows o took 3.40 / 3.87 us with 32 columns against
-    3.52 / 4.13 with 16, at 128 rows 4.44 against 4.05."""
+    the tiles each reads); 16 columns, 32 for a one-tile launch above 128 rows. These are the
+    fastest in the H200 sweeps at 64-256 rows of SmolLM2's shapes; one block of every row is
+    slower on every projection, and 32 columns are faster than 16 only above 128 rows
+    (docs/decisions.md, "Prefill-sized projections as Triton kernels")."""
     rows = 16 if M <= 64 else 32
     if N * tiles >= 2048:
         return rows * 2, 16

@@ -1,11 +1,12 @@
 """Load a llama.cpp GGUF file: metadata -> ModelConfig, tensors -> dequantized HF-named weights.
 
-Why not gguf.GGUFReader for the header: it builds a numpy view per array element, which costs
-~2.3 s on the default model just for its 98k tokenizer strings. The header is a simple
-length-prefixed format, so `GGUFFile` parses it with `struct` (~50 ms) and maps tensor data with
-zero-copy numpy views. The `gguf` package still supplies the type table and the K-quant
-dequantizers; Q8_0/Q4_0/Q4_1/F16/BF16 are dequantized with torch ops (bit-identical to
-gguf.quants, ~2x faster on one thread, and on the GPU itself when loading to CUDA).
+Why not gguf.GGUFReader for the header: it builds a numpy view per array element, which takes
+seconds on the default model just for its 98k tokenizer strings. The header is a simple
+length-prefixed format, so `GGUFFile` parses it with `struct` (a small fraction of that) and
+maps tensor data with zero-copy numpy views. The `gguf` package still supplies the type table
+and the K-quant dequantizers; Q8_0/Q4_0/Q4_1/F16/BF16 are dequantized with torch ops
+(bit-identical to gguf.quants, faster on one thread, and on the GPU itself when loading to
+CUDA).
 
 llama.cpp's converter permutes the rows of q/k for Llama (interleaved rope); we undo that on the
 raw quantized rows (quant blocks never cross a row) so HF's rotate_half rope applies.
@@ -300,8 +301,9 @@ def iter_gguf_weights(g: GGUFFile, cfg: ModelConfig, quiet: bool = False, device
 
 @contextlib.contextmanager
 def _one_cpu_thread(device):
-    """Dequantize on one CPU thread: the ops are memory-bound, so a second thread gains ~20 %,
-    but when the cores are shared with other processes OpenMP barriers made it 10x slower."""
+    """Dequantize on one CPU thread: the ops are memory-bound, so a second thread gains little,
+    and when the cores are shared with other processes OpenMP barriers make it many times
+    slower."""
     if torch.device(device).type != "cpu":
         yield
         return
