@@ -16,6 +16,7 @@ from typing import Optional
 from outpace.errors import InvalidRequestError
 
 OUTPUT_KINDS = ("cumulative", "final_only")
+FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32
 MAX_LOGPROBS = 20  # SamplingParams.logprobs' largest (vLLM's max_logprobs default)
 
 
@@ -70,6 +71,10 @@ class SamplingParams:
             bad(f"temperature must be >= 0, got {self.temperature!r}")
         if not is_num(self.top_p) or not 0.0 < self.top_p <= 1.0:
             bad(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.top_p < FLOAT32_TINY:  # the kernels compare in float32, where it would be 0
+            bad(f"top_p must be at least {FLOAT32_TINY:.3g} (the smallest normal float32, the "
+                f"precision sampling runs in), got {self.top_p!r}; for the top token alone "
+                f"use temperature 0 or top_k 1")
         if (not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0
                 or self.top_k >= 1 << 31):
             bad(f"top_k must be -1, 0 (off) or a positive integer, got {self.top_k!r}")

@@ -158,6 +158,7 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     mass_above = probs.cumsum(dim=-1) - probs
     # top_p == 1 rows skip the test: rounding can push the cumulative mass to 1 before the tail.
     drop |= (mass_above >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
+    drop[:, 0] = False  # the top token stays whatever top_p is (a 0 would drop every token)
     mask = torch.empty_like(drop).scatter_(1, sorted_idx, drop)  # back to vocabulary order
     masked = logits.masked_fill(mask, -math.inf)
     return (masked, sorted_logits[:, :1]) if with_max else masked

@@ -55,6 +55,8 @@ CASES = [
     ("temperature_string", C, _with(OK_COMPLETION, temperature="hot"), 400, "temperature"),
     ("top_p_zero", C, _with(OK_COMPLETION, top_p=0.0), 400, "top_p"),
     ("top_p_above_one", C, _with(OK_COMPLETION, top_p=1.5), 400, "top_p"),
+    ("top_p_zero_in_float32", C, _with(OK_COMPLETION, top_p=1e-46, temperature=1.0), 400,
+     "smallest normal float32"),
     ("top_k_negative", C, _with(OK_COMPLETION, top_k=-7), 400, "top_k"),
     ("min_p_above_one", C, _with(OK_COMPLETION, min_p=2.0), 400, "min_p"),
     ("frequency_penalty_range", C, _with(OK_COMPLETION, frequency_penalty=5.0), 400,

@@ -243,3 +243,21 @@ def test_sampling_params_from_tensors_equal_the_masks_one_by_one():
     off = apply_sampling_params(logits, temp, torch.zeros(6, dtype=torch.long),
                                 torch.ones(6), torch.zeros(6))
     assert torch.equal(off, logits / temp.unsqueeze(1))
+
+
+def test_top_p_never_drops_the_top_token():
+    """Even a top_p that is 0 where it is compared (float32) keeps each row's best token;
+    SamplingParams refuses such a top_p before it gets there."""
+    from outpace.errors import InvalidRequestError
+    from outpace.sample.logits_processing import apply_top_k_top_p
+    from outpace.types import SamplingParams
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 50, generator=g)
+    masked = apply_top_k_top_p(x, torch.zeros(3, dtype=torch.long),
+                               torch.tensor([0.0, 1e-30, 1.0]))
+    kept = masked > float("-inf")
+    assert kept[:2].sum(1).tolist() == [1, 1] and bool(kept[2].all())
+    assert torch.equal(masked.argmax(1), x.argmax(1))
+    with pytest.raises(InvalidRequestError, match="smallest normal float32"):
+        SamplingParams(temperature=1.0, top_p=1e-46)
+    SamplingParams(temperature=1.0, top_p=1e-30)
