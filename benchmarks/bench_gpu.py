@@ -26,6 +26,7 @@ Sections
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import sys
@@ -158,30 +159,30 @@ def section_overlap(args, results):
     """Overlap on and off, batch 1, on a SmolLM2-shaped model with random bf16 weights (no
     model file needed): no speculation and an EAGLE-3 random head at force-accept 3."""
     from outpace.engine.engine import LLMEngine
-    import outpace.models.llama as llama
     from outpace.kernels import pdl
     model, cfg, eagle = smollm2_shaped(Path(tempfile.mkdtemp()))
     prompt = list(range(100, 228))
     rows = []
-    default_fused_qkv = llama.FUSED_QKV_ROPE_STORE
+    default_fused_qkv = args.kernel_options.fused_qkv_rope_store
     for name, spec in [("no-spec", None),
                        ("eagle3-fa3.0", {"method": "eagle3", "model": str(eagle),
                                          "num_speculative_tokens": args.k,
                                          "force_accept_mean": 3.0})]:
         # overlap off and on (the defaults otherwise); then overlap on with one switch turned
         # the other way, to measure it: the qkv projection's rope + KV store epilogue
-        # (llama.FUSED_QKV_ROPE_STORE), and programmatic dependent launch (kernels/pdl.py)
+        # (KernelOptions.fused_qkv_rope_store), and programmatic dependent launch (.pdl)
         for overlap, fused_qkv, use_pdl in ((False, default_fused_qkv, True),
                                             (True, default_fused_qkv, True),
                                             (True, not default_fused_qkv, True),
                                             (True, default_fused_qkv, False)):
-            llama.FUSED_QKV_ROPE_STORE = fused_qkv
-            pdl.ENABLED = use_pdl
+            opts = dataclasses.replace(args.kernel_options, fused_qkv_rope_store=fused_qkv,
+                                       pdl=use_pdl)
             eng = LLMEngine.from_args("smollm2-shaped", loaded=(model, cfg, _NullTokenizer()),
                                       device="cuda", dtype="bfloat16", max_num_seqs=8,
                                       num_kv_blocks=1024, max_model_len=2048, quiet=True,
                                       speculative_config=spec, overlap=overlap,
-                                      enable_prefix_caching=PREFIX_CACHING)
+                                      enable_prefix_caching=PREFIX_CACHING,
+                                      kernel_options=opts)
             run_engine(eng, [prompt], 1, 16)
             r = run_engine(eng, [prompt] * 2, 1, args.max_tokens)
             fused = eng.runner.fused
@@ -199,15 +200,14 @@ def section_overlap(args, results):
             print("overlap:", r, flush=True)
             del eng
             torch.cuda.empty_cache()
-    llama.FUSED_QKV_ROPE_STORE = default_fused_qkv
-    pdl.ENABLED = True
     results["overlap"] = rows
 
 
 def section_check(args, results):
     from outpace import LLM, SamplingParams
     n = args.check_prompts
-    gpu = LLM(args.gguf, device="cuda", dtype="bfloat16", quiet=True)
+    gpu = LLM(args.gguf, device="cuda", dtype="bfloat16", quiet=True,
+              kernel_options=args.kernel_options)
     prompts = prompt_set(gpu.tokenizer, n)
     sp = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
     g = [o.token_ids for o in gpu.generate(prompts, sp)]
@@ -361,6 +361,17 @@ OLD3 = "@old3"
 # "<config>@noprime": no PDL prime before any graph replayed from the host (kernels/pdl.prime
 # off)
 NOPRIME = "@noprime"
+ARM_ABLATIONS = {TORCH_LOGPROBS: "triton_logprobs", OLD3: "row_warps_3",
+                 NOPRIME: "pdl_prime"}
+
+
+def arm_options(name: str, base):
+    """The KernelOptions of a configuration: the run's (--ablate), with the switch its
+    "@..." suffix names turned off."""
+    for suffix, ablation in ARM_ABLATIONS.items():
+        if name.endswith(suffix):
+            return base.ablate(ablation)
+    return base
 
 
 def smol_configs(k, force_means, eagle, mtp, eagle_reduced=None) -> list:
@@ -434,7 +445,8 @@ def section_b128(args, results):
         eng = LLMEngine.from_args(args.gguf, loaded=loaded, device="cuda", dtype="bfloat16",
                                   speculative_config=spec, max_num_seqs=128,
                                   num_kv_blocks=args.kv_blocks // 2, quiet=True,
-                                  enable_prefix_caching=PREFIX_CACHING)
+                                  enable_prefix_caching=PREFIX_CACHING,
+                                  kernel_options=args.kernel_options)
         run_engine(eng, prompts, 128, args.max_tokens)  # warm-up at full length
         engines.append((name, eng))
     runs = {name: [] for name, _ in engines}
@@ -455,8 +467,6 @@ def section_b128(args, results):
 
 def section_smol(args, results):
     from outpace.engine.engine import LLMEngine
-    import outpace.kernels.logprobs as logprobs_kernel
-    from outpace.kernels import pdl
     from outpace.models.loader import load_model
     loaded = load_model(args.gguf, dtype=torch.bfloat16, device=torch.device("cuda"), quiet=True)
     prompts = prompt_set(loaded[2], max(args.batches) * 2)
@@ -485,27 +495,23 @@ def section_smol(args, results):
               else {"max_num_batched_tokens": args.max_num_batched_tokens})
     eng = LLMEngine.from_args(args.gguf, loaded=loaded, device="cuda", dtype="bfloat16",
                               max_num_seqs=max(args.batches), num_kv_blocks=args.kv_blocks,
-                              quiet=True, enable_prefix_caching=PREFIX_CACHING, **budget)
+                              quiet=True, enable_prefix_caching=PREFIX_CACHING,
+                              kernel_options=args.kernel_options, **budget)
     for b in args.batches:
         run_engine(eng, prompts[:b if b > 1 else args.batch1_requests], b, args.max_tokens)
     del eng
     rows = results["smol"] = []  # filled configuration by configuration (save)
-    import outpace.kernels.skinny_gemm.blocks as slb
-    row_warps = dict(slb._ROW_WARPS)
     for name, spec in configs:
-        slb._ROW_WARPS = ({m: v for m, v in row_warps.items() if m != 3}
-                          if name.endswith(OLD3) else dict(row_warps))
-        slb.choose_blocks.cache_clear()
         eng = LLMEngine.from_args(args.gguf, loaded=loaded, device="cuda", dtype="bfloat16",
                                   speculative_config=spec, max_num_seqs=max(args.batches),
                                   num_kv_blocks=args.kv_blocks, quiet=True,
-                                  enable_prefix_caching=PREFIX_CACHING, **budget)
+                                  enable_prefix_caching=PREFIX_CACHING,
+                                  kernel_options=arm_options(name, args.kernel_options),
+                                  **budget)
         if name.endswith(EAGER_MIXED) and eng.runner.graphs is not None:
             eng.runner.graphs.varlen_graphs.clear()
         if name.endswith(GENERAL_PATH) and eng.runner.fused is not None:
             extras_off_the_graphs(eng.runner.fused)
-        logprobs_kernel.ENABLED = not name.endswith(TORCH_LOGPROBS)  # graphs capture it
-        pdl.PRIME = not name.endswith(NOPRIME)
         pen = penalties(args)
         spec_k = 0 if spec is None else spec["num_speculative_tokens"]
         # Warm-up at every batch size: Triton compiles a kernel per new tile configuration;
@@ -542,9 +548,6 @@ def section_smol(args, results):
                           Path(args.out) / f"host_profile_{name}_b1.txt")
         del eng
         torch.cuda.empty_cache()
-    slb._ROW_WARPS = row_warps
-    slb.choose_blocks.cache_clear()
-    pdl.PRIME = True
 
 
 def fused_graphs(eng, mode: str) -> dict:
@@ -790,13 +793,13 @@ def section_big(args, results):
     results["big"] = {"weight_bytes": weight_bytes, "bandwidth_GBs": round(bw / 1e9, 1),
                       "floor_ms": round(floor_ms, 3)}
     prompt = list(range(100, 228))
-    from outpace.kernels import pdl
     for overlap, use_pdl in ((False, True), (True, True), (True, False)):
-        pdl.ENABLED = use_pdl
+        opts = args.kernel_options if use_pdl else args.kernel_options.ablate("pdl")
         eng = LLMEngine.from_args("llama3-8b-shaped", loaded=(model, cfg, _NullTokenizer()),
                                   device="cuda", dtype="bfloat16", max_num_seqs=8,
                                   num_kv_blocks=2048, max_model_len=4096, quiet=True,
-                                  overlap=overlap, enable_prefix_caching=PREFIX_CACHING)
+                                  overlap=overlap, enable_prefix_caching=PREFIX_CACHING,
+                                  kernel_options=opts)
         run_engine(eng, [prompt], 1, 16)
         r = run_engine(eng, [prompt] * 2, 1, args.max_tokens)
         tag = ("overlap" if overlap else "sync") + ("" if use_pdl else "_nopdl")
@@ -808,7 +811,6 @@ def section_big(args, results):
             if use_pdl:
                 defer_profile(profile_graph, eng, 0, Path(args.out) / "profile_big_b1.txt")
         del eng
-    pdl.ENABLED = True
     print("big:", results["big"], flush=True)
 
 
@@ -854,7 +856,15 @@ def main():
                     help="smol section: the requests' logprobs (top-n)")
     ap.add_argument("--reps", type=int, default=3,
                     help="smol: timed runs per configuration and batch size (the median's row)")
+    ap.add_argument("--ablate", action="append", default=[], metavar="NAME",
+                    help="turn one KernelOptions switch off for every engine of the run "
+                         "(repeatable): pdl, pdl_prime, few_row_kernels, fused_qkv_rope_store, "
+                         "mid_row_kernels, triton_logprobs, fused_split_merge, row_warps_N")
     args = ap.parse_args()
+    from outpace.config import KernelOptions
+    args.kernel_options = KernelOptions()
+    for name in args.ablate:
+        args.kernel_options = args.kernel_options.ablate(name)
     results = {}
     for s in args.sections.split(","):
         t0 = time.perf_counter()

@@ -267,6 +267,66 @@ class SpecConfig:
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 
 
+GRAPH_KINDS = frozenset({"step", "prefill", "varlen", "head", "plain"})
+
+
+@dataclass(frozen=True)
+class KernelOptions:
+    """The switches of the CUDA fast path (kernels/options.py puts them in force); each field
+    turns one kernel-level choice off, for benchmarks' ablations and tests that pin a path."""
+
+    # Programmatic dependent launch for the step's Triton kernels (kernels/pdl.py; Hopper+).
+    pdl: bool = True
+    # One empty PDL kernel before a graph replayed from the host (kernels/pdl.prime) ...
+    pdl_prime: bool = True
+    # ... except before these kinds of graph (docs/decisions.md, "Prime more graphs?").
+    pdl_prime_skip: frozenset = frozenset({"varlen", "head", "plain"})
+    # At most SMALL_M_MAX rows: the few-row Triton projections with the norms fused in.
+    few_row_kernels: bool = True
+    # The qkv projection also applies rope and stores K/V: one kernel less a layer (else a
+    # separate rope + store kernel).
+    fused_qkv_rope_store: bool = True
+    # SMALL_M_MAX < rows <= MID_M_MAX (a short prefill, a small varlen step, a mid-sized
+    # batch): the qkv projection with rope and the KV store in its epilogue, o_proj, and gate_up
+    # with silu * mul as Triton kernels where skinny_gemm.mid_rows_ok takes the shapes; down_proj
+    # stays cuBLAS (docs/decisions.md, "Prefill-sized projections as Triton kernels").
+    mid_row_kernels: bool = True
+    # Logprobs in two Triton passes (else the PyTorch reference on CUDA too).
+    triton_logprobs: bool = True
+    # Split-KV attention merges in its last split (else a separate merge kernel).
+    fused_split_merge: bool = True
+    # The row counts whose few-row projections run a warp a row (kernels/skinny_gemm/blocks.py).
+    row_warps_rows: frozenset = frozenset({2, 3, 4})
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if f.type == "bool" and not isinstance(v, bool):
+                raise ConfigError(f"kernel option {f.name} must be true or false, got {v!r}")
+        object.__setattr__(self, "pdl_prime_skip", frozenset(self.pdl_prime_skip))
+        object.__setattr__(self, "row_warps_rows", frozenset(self.row_warps_rows))
+        unknown = self.pdl_prime_skip - GRAPH_KINDS
+        if unknown:
+            raise ConfigError(f"pdl_prime_skip names unknown graph kinds {sorted(unknown)}; "
+                              f"the kinds are {sorted(GRAPH_KINDS)}")
+        if not self.row_warps_rows <= {2, 3, 4}:
+            raise ConfigError(f"row_warps_rows may hold 2, 3 and 4 (the row counts with a "
+                              f"warp-a-row layout), got {sorted(self.row_warps_rows)}")
+
+    def ablate(self, name: str) -> "KernelOptions":
+        """These options with one switch off, by field name ("pdl", "few_row_kernels", ...), or
+        "row_warps_N" for the warp-a-row layout at N rows (benchmarks' --ablate)."""
+        if name.startswith("row_warps_") and name[len("row_warps_"):].isdigit():
+            return dataclasses.replace(
+                self, row_warps_rows=self.row_warps_rows - {int(name[len("row_warps_"):])})
+        switches = [f.name for f in dataclasses.fields(self) if f.type == "bool"]
+        if name not in switches:
+            raise ConfigError(f"unknown ablation {name!r}; use one of {', '.join(switches)} "
+                              f"or row_warps_2 / row_warps_3 / row_warps_4")
+        return dataclasses.replace(self, **{name: False})
+
+
+
 @dataclass(frozen=True)
 class RunnerConfig:
     device: str = "cpu"
@@ -287,6 +347,7 @@ class RunnerConfig:
     # which lowers TPOT; outputs are equal (tests/gpu/test_fused_step.py). Measured on the
     # H200; see docs/decisions.md, "Overlap chains fused steps".
     overlap: bool = True
+    kernel_options: KernelOptions = field(default_factory=KernelOptions)
 
     def __post_init__(self):
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):

@@ -56,6 +56,7 @@ import torch
 from outpace.attention.base import AttentionBackend, AttentionMetadata
 from outpace.errors import ConfigError
 from outpace.kernels import next_pow2, pdl
+from outpace.kernels.options import current
 from outpace.kernels.rope import apply_rope_and_store_triton
 from outpace.kernels.store_kv import store_kv_triton
 
@@ -68,9 +69,6 @@ except Exception:  # pragma: no cover
 
 LOG2E = 1.4426950408889634
 
-# The last split of a tile merges the partials: no separate merge kernel, one launch less a
-# layer (docs/decisions.md, "Split-KV attention merges in its last split").
-FUSED_SPLIT_MERGE = True
 
 
 @dataclass(frozen=True)
@@ -286,4 +284,4 @@ class TritonPagedBackend(AttentionBackend):
     def _attend(self, layer, q, meta: AttentionMetadata):
         return paged_attention(q, self.kv_cache, layer, meta, self.scale,
                                self.num_splits_for(meta, q.shape[1]), self.min_split_tokens,
-                               self.split_counters if FUSED_SPLIT_MERGE else None)
+                               self.split_counters if current().fused_split_merge else None)

@@ -10,8 +10,8 @@ from typing import Optional
 
 import torch
 
-from outpace.config import (CacheConfig, EngineConfig, RunnerConfig, SchedulerConfig,
-                            SpecConfig)
+from outpace.config import (CacheConfig, EngineConfig, KernelOptions, RunnerConfig,
+                            SchedulerConfig, SpecConfig)
 from outpace.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -58,7 +58,7 @@ def build_engine(cls, model: str, *, device: str = "auto", dtype: str = "auto",
                  max_waiting_requests: Optional[int] = None, enable_prefix_caching: bool = True,
                  enable_chunked_prefill: bool = True, memory_fraction: float = 0.85,
                  enforce_eager: bool = False, overlap: bool = True, seed: int = 0,
-                 quiet: bool = False,
+                 kernel_options: Optional[KernelOptions] = None, quiet: bool = False,
                  loaded=None):
     """loaded: an already loaded (model, ModelConfig, Tokenizer) to reuse, e.g. when several
     engines with different cache or scheduler settings share one set of weights. A weight_dtype
@@ -77,7 +77,8 @@ def build_engine(cls, model: str, *, device: str = "auto", dtype: str = "auto",
         raise ConfigError("device 'cuda' was asked for but CUDA is not available; use --device cpu")
     runner_cfg = RunnerConfig(device=device, dtype=dtype, weight_dtype=weight_dtype,
                               kv_cache_dtype=kv_cache_dtype, enforce_eager=enforce_eager,
-                              seed=seed, overlap=overlap)
+                              seed=seed, overlap=overlap,
+                              kernel_options=kernel_options or KernelOptions())
     from outpace.models.shipped_heads import with_shipped_head
     spec_cfg = SpecConfig.from_dict(with_shipped_head(speculative_config, model))
     if spec_cfg.model and spec_cfg.method in ("eagle3", "mtp") and not Path(
@@ -145,7 +146,7 @@ def build_engine(cls, model: str, *, device: str = "auto", dtype: str = "auto",
                          max_num_tokens=max_num_batched_tokens + max_num_seqs * (max_k + 1),
                          max_num_seqs=max_num_seqs, device=torch_device,
                          kv_dtype=runner_cfg.torch_kv_cache_dtype, proposer=proposer,
-                         seed=seed)
+                         seed=seed, kernel_options=runner_cfg.kernel_options)
     if torch_device.type == "cuda" and not enforce_eager:
         # Graphs for plain decode (q = 1) and every verify length (q = 2 .. k + 1).
         runner.enable_cuda_graphs(tuple(range(1, max_k + 2)), capture_fused=True)

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from outpace.kernels import next_pow2, pdl, use_triton
+from outpace.kernels.options import current
 
 try:  # guarded: CPU machines may not have triton
     import triton
@@ -36,7 +37,6 @@ except Exception:  # pragma: no cover
 CHUNK = 2048  # columns per pass-1 program: 24 programs for a 49152-entry row
 WARPS = 4  # per pass-1 program
 MERGE_WARPS = 4  # per pass-2 program
-ENABLED = True  # False: the torch reference on CUDA too (the benchmark's A/B, "@torch-logprobs")
 
 
 def row_logprobs_ref(logits: torch.Tensor, tokens: torch.Tensor, top: int) -> torch.Tensor:
@@ -60,7 +60,7 @@ def row_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top: int,
     the top costs a reduction over the row)."""
     if top < 0 or top > logits.shape[1]:
         raise ValueError(f"top must be in [0, {logits.shape[1]}], got {top}")
-    if not ENABLED or not use_triton(logits) or logits.shape[1] >= 2 ** 31 - 1:
+    if not current().triton_logprobs or not use_triton(logits) or logits.shape[1] >= 2 ** 31 - 1:
         return row_logprobs_ref(logits, tokens, top)
     return row_logprobs_triton(logits, tokens, top, count)
 

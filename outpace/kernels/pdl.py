@@ -21,13 +21,16 @@ predecessor did, and "finished" stays transitive along the chain. Releasing only
 keeps at most two kernels resident at a time. Kernels launched without PDL (torch's, cuBLAS)
 wait for full completion as always; gdc ops are no-ops in a kernel launched without PDL.
 
-`ENABLED` switches it off (benchmarks compare both); `launch_options` returns the launch
-keyword and the kernels' USE_PDL flag together, so a kernel launched with PDL always waits.
+KernelOptions.pdl switches it off (kernels/options.py: benchmarks compare both);
+`launch_options` returns the launch keyword and the kernels' USE_PDL flag together, so a kernel
+launched with PDL always waits.
 """
 
 from __future__ import annotations
 
 import torch
+
+from outpace.kernels.options import current
 
 try:  # guarded: CPU machines may not have triton, and `import outpace` must still work
     import triton
@@ -36,18 +39,15 @@ except Exception:  # pragma: no cover - exercised only where triton is missing
     triton = None
     tl = None
 
-ENABLED = True
-PRIME = True  # prime() switch, for benchmarks' A/B of it (bench_gpu's "@noprime" arm)
 # The kinds of graph replayed from the host (prime's site): "step" (a fused step: launch,
 # relaunch, a prefill's tail), "prefill" (a single request's prefill graph), "varlen", "head"
 # (a draft head's graph after a prefill or varlen step), "plain" (the general path's decode
-# graphs). Those in PRIME_SKIP are not primed: a prime does not help every graph. Priming the
-# varlen and head graphs raises TTFT and lowers throughput at batch 8-32; the prefill graph's
-# prime keeps a fresh engine's first batch-1 requests at full speed, so it stays.
-# "plain" is not measured and is left unprimed. docs/decisions.md, "Prime more graphs?" and
-# "Interleaved arms hide what a fresh engine shows".
-PRIME_SKIP: frozenset = frozenset({"varlen", "head", "plain"})
-_by_device: dict = {}
+# graphs). Those in KernelOptions.pdl_prime_skip are not primed: a prime does not help every
+# graph. Priming the varlen and head graphs raises TTFT and lowers throughput at batch 8-32; the
+# prefill graph's prime keeps a fresh engine's first batch-1 requests at full speed, so it
+# stays. "plain" is not measured and is left unprimed. docs/decisions.md, "Prime more graphs?"
+# and "Interleaved arms hide what a fresh engine shows".
+_by_device: dict = {}  # device index -> whether PDL is supported there (a fact, cached)
 
 
 def _triton_has_launch_pdl() -> bool:
@@ -84,16 +84,17 @@ def prime(device: torch.device, site: str = "step") -> None:
     steps follow a graph. The driver-level cause is not known; docs/decisions.md has the
     measurements ("graph replays ran at a speed set by the last eager kernel").
 
-    site: the kind of graph about to be replayed; those in PRIME_SKIP are not primed (the
-    effect is not the same for every graph: see PRIME_SKIP)."""
-    if ENABLED and PRIME and site not in PRIME_SKIP and supported(device):
+    site: the kind of graph about to be replayed; those in KernelOptions.pdl_prime_skip are not primed (the
+    effect is not the same for every graph)."""
+    o = current()
+    if o.pdl and o.pdl_prime and site not in o.pdl_prime_skip and supported(device):
         _primer_kernel[(1,)](USE_PDL=True, launch_pdl=True)
 
 
 def launch_options(t: torch.Tensor) -> dict:
     """Keyword arguments for a kernel launch on t's device: {'USE_PDL': bool} plus
     'launch_pdl': True when PDL is on. Pass them to kernels that call wait_then_release."""
-    if ENABLED and supported(t.device):
+    if current().pdl and supported(t.device):
         return {"USE_PDL": True, "launch_pdl": True}
     return {"USE_PDL": False}
 

@@ -30,6 +30,7 @@ from outpace.config import ModelConfig
 from outpace.errors import ModelLoadError
 from outpace.kernels import use_triton
 from outpace.kernels.argmax import argmax_rows
+from outpace.kernels.options import current as kernel_options
 from outpace.kernels.norm import fused_add_rms_norm, fused_add_rms_norm_triton, rms_norm_triton
 from outpace.kernels.skinny_gemm import (SMALL_M_MAX, mid_rows_ok, norm_qkv_rope_store,
                                           norm_qkv_rope_store_triton, norm_small_linear,
@@ -44,25 +45,13 @@ def _param(*shape, dtype, device) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device))
 
 
-# CUDA forwards of at most SMALL_M_MAX tokens use the few-row Triton kernels (see
-# LlamaForCausalLM._forward_few_rows); False: cuBLAS and separate norms for every size.
-FEW_ROW_KERNELS = True
-# ... for models this narrow: the fused projections beat cuBLAS + separate norms at SmolLM2's
-# widths, but at Llama-8B's (4096) the norm-fused qkv is slower than cuBLAS + a norm, so wide
-# models keep cuBLAS (measured on the H200, benchmarks/results/small_linear_h200.json;
-# docs/decisions.md, "Fewer kernels per decoder layer on CUDA").
+# The few-row kernels (KernelOptions.few_row_kernels) run models this narrow: the fused
+# projections beat cuBLAS + separate norms at SmolLM2's widths, but at Llama-8B's (4096) the
+# norm-fused qkv is slower than cuBLAS + a norm, so wide models keep cuBLAS (measured on the
+# H200, benchmarks/results/small_linear_h200.json; docs/decisions.md, "Fewer kernels per decoder
+# layer on CUDA"). The other switches of these paths (fused_qkv_rope_store, mid_row_kernels) are
+# KernelOptions fields too (kernels/options.py).
 FEW_ROW_MAX_HIDDEN = 2048
-# ... and with the qkv projection also doing rope and the KV store (norm_qkv_rope_store): one
-# kernel less a layer, which shortens the batch-1 step (docs/decisions.md, the few-row forward
-# under "Fewer kernels per decoder layer on CUDA"); off: a separate rope + store kernel.
-FUSED_QKV_ROPE_STORE = True
-# CUDA forwards of SMALL_M_MAX < T <= MID_M_MAX tokens (a short prompt's prefill, a small varlen
-# step, a decode or verify step of that many rows): the qkv projection with rope and the KV
-# store in its epilogue, o_proj, and gate_up with silu * mul as Triton kernels where
-# small_linear.mid_rows_ok takes the shapes; down_proj stays cuBLAS (its Triton tiles are
-# slower there: docs/decisions.md, "Prefill-sized projections as Triton kernels"). Two kernels
-# fewer a layer: the rope + store and silu * mul kernels.
-MID_ROW_KERNELS = True
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -116,7 +105,7 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x, cos_sin, rope: RotaryEmbedding, ctx: ForwardContext):
         # x [T, qkv_input_size] -> [T, hidden]
-        if self._mid_rows(x, cos_sin):  # CUDA, a prefill's rows: see MID_ROW_KERNELS
+        if self._mid_rows(x, cos_sin):  # CUDA, a prefill's rows: KernelOptions.mid_row_kernels
             t, meta, backend = x.shape[0], ctx.meta, ctx.backend
             q = norm_qkv_rope_store_triton(x, None, 0.0, self.qkv_weight, self.num_heads,
                                            self.num_kv_heads, self.head_dim, rope.cos, rope.sin,
@@ -126,15 +115,17 @@ class LlamaAttention(nn.Module):
         else:
             qkv = linear(x, self, "qkv_weight", self.qkv_bias)  # [T, (Hq + 2 Hkv) * D]
             o = self.attend(qkv, cos_sin, rope, ctx)
-        if MID_ROW_KERNELS and self.o_bias is None and mid_rows_ok(o, self.o_weight):
+        if (kernel_options().mid_row_kernels and self.o_bias is None
+                and mid_rows_ok(o, self.o_weight)):
             return small_linear_triton(o, self.o_weight)
         return linear(o, self, "o_weight", self.o_bias)
 
     def _mid_rows(self, x, cos_sin) -> bool:
         """Whether forward's qkv projection takes the Triton kernel with rope and the KV store
-        (MID_ROW_KERNELS): CUDA's rope path (the backend rotates and stores), no q/k norm and
+        (KernelOptions.mid_row_kernels): CUDA's rope path (the backend rotates and stores), no q/k norm and
         no bias, and a shape mid_rows_ok takes."""
-        return (MID_ROW_KERNELS and FUSED_QKV_ROPE_STORE and cos_sin[0] is None
+        o = kernel_options()
+        return (o.mid_row_kernels and o.fused_qkv_rope_store and cos_sin[0] is None
                 and self.q_norm is None and self.qkv_bias is None and self.head_dim % 2 == 0
                 and mid_rows_ok(x, self.qkv_weight, self.qkv_weight.shape[0] // 2))
 
@@ -167,7 +158,7 @@ class LlamaMLP(nn.Module):
         self.down_weight = _param(cfg.hidden_size, self.inter, dtype=dtype, device=device)
 
     def forward(self, x):  # [T, H] -> [T, H]
-        if MID_ROW_KERNELS and mid_rows_ok(x, self.gate_up_weight, self.inter):
+        if kernel_options().mid_row_kernels and mid_rows_ok(x, self.gate_up_weight, self.inter):
             # CUDA, a prefill's rows: gate_up with silu * mul in one Triton kernel
             return linear(small_linear_silu_mul_triton(x, self.gate_up_weight), self,
                           "down_weight")
@@ -220,15 +211,16 @@ class LlamaDecoderLayer(nn.Module):
 
     def takes_few_rows(self, x: torch.Tensor) -> bool:
         """Whether a draft head should run this layer on `x` through forward_few_rows: CUDA
-        with triton, at most SMALL_M_MAX rows, and few_rows_ok()."""
-        return use_triton(x) and x.shape[0] <= SMALL_M_MAX and self.few_rows_ok()
+        with triton, at most SMALL_M_MAX rows, the few-row kernels on, and few_rows_ok()."""
+        return (use_triton(x) and x.shape[0] <= SMALL_M_MAX
+                and kernel_options().few_row_kernels and self.few_rows_ok())
 
     def few_rows_ok(self) -> bool:
         """Whether forward_few_rows can run this layer: narrow enough (FEW_ROW_MAX_HIDDEN) and
         no biases (the few-row kernels have none). The caller checks the rest: CUDA with triton
         and at most SMALL_M_MAX rows."""
         a = self.self_attn
-        return (FEW_ROW_KERNELS and self.hidden_size <= FEW_ROW_MAX_HIDDEN
+        return (self.hidden_size <= FEW_ROW_MAX_HIDDEN
                 and a.qkv_bias is None and a.o_bias is None)
 
     def forward_few_rows(self, residual, cos_sin, rope: RotaryEmbedding, ctx: ForwardContext,
@@ -238,11 +230,10 @@ class LlamaDecoderLayer(nn.Module):
         (or `out`, a [T, H] view with a unit last stride: the model's captured layers).
 
         Five kernels instead of fourteen: four projections and attention. With
-        FUSED_QKV_ROPE_STORE the qkv projection also applies rope and writes K/V into the pool
-        (else a sixth kernel does), and split-KV attention merges its splits itself
-        (attention/triton_paged.py). Each norm runs inside the
-        projection that reads it (kernels/skinny_gemm/), and o_proj / down_proj add their
-        output to the residual stream in fp32 before rounding once (forward() rounds the
+        KernelOptions.fused_qkv_rope_store the qkv projection also applies rope and writes K/V
+        into the pool (else a sixth kernel does), and split-KV attention merges its splits
+        itself (attention/triton_paged.py). Each norm runs inside the projection that reads it
+        (kernels/skinny_gemm/), and o_proj / down_proj add their output to the residual stream in fp32 before rounding once (forward() rounds the
         projection's output first, so bf16 values can differ by an ulp).
 
         attn_input [T, qkv_input_size]: as in forward(), an already-normalized qkv input
@@ -250,7 +241,7 @@ class LlamaDecoderLayer(nn.Module):
         Requires few_rows_ok(); on CPU the dispatchers run their PyTorch references."""
         attn, mlp, post = self.self_attn, self.mlp, self.post_attention_layernorm
         ln, t = self.input_layernorm, residual.shape[0]
-        if FUSED_QKV_ROPE_STORE and attn.q_norm is None and cos_sin[0] is None:
+        if kernel_options().fused_qkv_rope_store and attn.q_norm is None and cos_sin[0] is None:
             # norm, qkv, rope and the KV store in one kernel (an EAGLE-3 attn_input comes
             # normalized: no norm then); attention reads the pool
             meta, backend = ctx.meta, ctx.backend
@@ -320,7 +311,8 @@ class LlamaForCausalLM(nn.Module):
         added to the residual stream by the kernel that also norms it for the next layer (or
         the final norm), as the attention output is by the post-attention norm; the add and the
         norm round exactly as LlamaDecoderLayer's `out += h` and the next `rms_norm` do."""
-        if h.shape[0] <= SMALL_M_MAX and self._few_rows_ok():
+        if (h.shape[0] <= SMALL_M_MAX and kernel_options().few_row_kernels
+                and self._few_rows_ok()):
             return self._forward_few_rows(h, positions, ctx, capture_layers)
         cos_sin = self.rotary(positions)
         layers = self.layers

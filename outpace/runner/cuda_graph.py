@@ -92,7 +92,7 @@ class GraphRunner:
         """Replay a graph launched from the host: eager kernels (sampling, an eager step) may
         have run before it, so PDL is primed first where that pays (kernels/pdl.prime: after a
         torch kernel a graph of PDL kernels replays slower). site: which kind of graph
-        (pdl.PRIME_SKIP: the kinds not primed)."""
+        (KernelOptions.pdl_prime_skip: the kinds not primed)."""
         pdl.prime(self.inputs.device, site)
         graph.replay()
 

@@ -11,6 +11,7 @@ With CUDA graphs, a greedy decode step runs as one graph instead (runner/fused_s
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Optional
 
@@ -19,6 +20,8 @@ import torch
 
 from outpace.attention.base import ForwardContext
 from outpace.attention.inputs import InputBuffers, build_host_batch
+from outpace.config import KernelOptions
+from outpace.kernels.options import use_kernel_options
 from outpace.runner.sampling_step import RelaxedAcceptance, SamplingStep
 from outpace.speculative.base import DraftBatch
 from outpace.types import RequestStepOutput, StepPlan, StepResult
@@ -40,10 +43,21 @@ def make_backend(kv_cache, model_cfg, device: torch.device):
     return TorchRefBackend(*args)
 
 
+def _under_kernel_options(method):
+    """Run a ModelRunner method with the runner's KernelOptions in force (kernels/options.py):
+    every kernel it launches or captures into a graph follows them."""
+    @functools.wraps(method)
+    def wrapped(self, *args, **kwargs):
+        with use_kernel_options(self.kernel_options):
+            return method(self, *args, **kwargs)
+    return wrapped
+
+
 class ModelRunner:
     def __init__(self, model, model_cfg, num_blocks: int, block_size: int, max_model_len: int,
                  max_num_tokens: int, max_num_seqs: int, device: torch.device, kv_dtype,
-                 proposer=None, seed: int = 0):
+                 proposer=None, seed: int = 0, kernel_options: KernelOptions = KernelOptions()):
+        self.kernel_options = kernel_options
         self.model = model
         self.model_cfg = model_cfg
         self.device = device
@@ -82,6 +96,7 @@ class ModelRunner:
         if self.proposer is not None:
             self.proposer.finish(request_id)
 
+    @_under_kernel_options
     def enable_cuda_graphs(self, q_lens: tuple, capture_fused: bool = False) -> None:
         """Capture the target forward for decode/verify batches (CUDA only); capture_fused:
         also capture the fused greedy steps steady decoding uses now, not when first seen."""
@@ -141,6 +156,7 @@ class ModelRunner:
         q = self._prefill_graph_q(plan)
         return q is not None and self.fused.can_launch_prefill(plan, q)
 
+    @_under_kernel_options
     def launch(self, plan: StepPlan):
         q = self._graph_q(plan)
         if q is not None:
@@ -148,12 +164,15 @@ class ModelRunner:
         q = self._prefill_graph_q(plan)
         return self.fused.launch_prefill(plan, self._host_batch(plan, q), q)
 
+    @_under_kernel_options
     def chain(self, launched, block_tables: list):
         return self.fused.chain(launched, block_tables)
 
+    @_under_kernel_options
     def relaunch(self, launched, drafts: list, block_tables: list):
         return self.fused.relaunch(launched, drafts, block_tables)
 
+    @_under_kernel_options
     def collect(self, launched, plan: StepPlan) -> StepResult:
         return self.fused.collect(launched, plan)
 
@@ -175,6 +194,7 @@ class ModelRunner:
         return build_host_batch(rows, self.block_size)
 
     @torch.inference_mode()
+    @_under_kernel_options
     def execute(self, plan: StepPlan) -> StepResult:
         q_graph = self._graph_q(plan)
         q_prefill = self._prefill_graph_q(plan) if q_graph is None else None

@@ -12,7 +12,8 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 pytest.importorskip("triton")
 
-from outpace.kernels import pdl  # noqa: E402
+from outpace.config import KernelOptions  # noqa: E402
+from outpace.kernels.options import use_kernel_options  # noqa: E402
 from outpace.kernels.embed_norm_cat import (embed_norm_cat, embed_norm_cat_ref,  # noqa: E402
                                         embed_norm_cat_triton)
 from outpace.kernels.norm import rms_norm_ref, rms_norm_triton  # noqa: E402
@@ -79,7 +80,7 @@ def test_embed_norm_cat_int32_ids_and_dispatch():
     assert embed_norm_cat(ids[:0], table, ew, hidden[:0], hw, 1e-6).shape == (0, 2 * 576)
 
 
-def test_embed_norm_cat_in_a_pdl_graph_sees_new_inputs(monkeypatch):
+def test_embed_norm_cat_in_a_pdl_graph_sees_new_inputs():
     """Behind a PDL norm kernel that writes its hidden input, replayed with new ids and hidden:
     the kernel gathers and reads only after the wait (else it would race and differ)."""
     ids, table, ew, hidden, hw = _case(4, 576, torch.bfloat16, torch.bfloat16, seed=11)
@@ -106,9 +107,8 @@ def test_embed_norm_cat_in_a_pdl_graph_sees_new_inputs(monkeypatch):
         static_ids.copy_(new_ids)
         static_x.copy_(new_x)
         graph.replay()
-        monkeypatch.setattr(pdl, "ENABLED", False)
-        want = chain(new_ids, new_x)
-        monkeypatch.setattr(pdl, "ENABLED", True)
+        with use_kernel_options(KernelOptions(pdl=False)):
+            want = chain(new_ids, new_x)
         assert torch.equal(out, want)
         h = rms_norm_ref(rms_norm_ref(new_x, nw, 1e-6), nw, 1e-6)
         torch.testing.assert_close(out, embed_norm_cat_ref(new_ids, table, ew, h, hw, 1e-6),

@@ -20,6 +20,7 @@ pytestmark = [pytest.mark.gpu,
 pytest.importorskip("triton")
 
 from outpace import SamplingParams  # noqa: E402
+from outpace.config import KernelOptions  # noqa: E402
 from tests.engine_helpers import make_engine, run_batch  # noqa: E402
 from tests.speculative.spec_helpers import repetitive_prompts, tiny_target  # noqa: E402
 
@@ -37,9 +38,9 @@ def spec_for(heads, method, k, **opts):
     return spec
 
 
-def gpu_engine(loaded, spec, eager: bool, overlap: bool = True):
+def gpu_engine(loaded, spec, eager: bool, overlap: bool = True, **kw):
     return make_engine(loaded, device="cuda", dtype="float32", speculative_config=spec,
-                       max_num_seqs=8, enforce_eager=eager, overlap=overlap)
+                       max_num_seqs=8, enforce_eager=eager, overlap=overlap, **kw)
 
 
 def record_drafts(engine) -> list:
@@ -95,14 +96,14 @@ def test_cuda_engine_equals_cpu_engine(cuda_loaded, cuda_heads, method, k, num_p
     """The CUDA code paths (few-row fused projections up to 16 tokens, cuBLAS with fused norms
     above, fused rope + KV store, Triton attention and argmax, graphs, overlap) against the CPU
     layer-by-layer forward, in fp32: the same tokens. With and without the qkv projection
-    doing rope and the KV store (llama.FUSED_QKV_ROPE_STORE)."""
-    import outpace.models.llama as llama
-    monkeypatch.setattr(llama, "FUSED_QKV_ROPE_STORE", fused_qkv)
+    doing rope and the KV store (KernelOptions.fused_qkv_rope_store)."""
     spec = spec_for(cuda_heads, method, k)
     prompts = repetitive_prompts(num_prompts, 11)
     cpu = make_engine(tiny_target(seed=0), speculative_config=spec, max_num_seqs=8)
     want = run_batch(cpu, prompts, GREEDY)
-    got = run_batch(gpu_engine(cuda_loaded, spec, eager=False), prompts, GREEDY)
+    got = run_batch(gpu_engine(cuda_loaded, spec, eager=False,
+                               kernel_options=KernelOptions(fused_qkv_rope_store=fused_qkv)),
+                    prompts, GREEDY)
     assert got == want
 
 

@@ -16,6 +16,7 @@ triton = pytest.importorskip("triton")
 
 import outpace.models.llama as llama  # noqa: E402
 from outpace import SamplingParams  # noqa: E402
+from outpace.config import KernelOptions  # noqa: E402
 from outpace.kernels import skinny_gemm as sl  # noqa: E402
 from tests.engine_helpers import make_engine, run_batch  # noqa: E402
 from tests.gpu import test_kernels as tk  # noqa: E402
@@ -102,9 +103,9 @@ def test_engines_equal_with_and_without_the_prefill_kernels(head, num_prompts, e
         return kernel(x, w, **kw)
 
     def run(mid_rows: bool):
-        monkeypatch.setattr(llama, "MID_ROW_KERNELS", mid_rows)
         eng = make_engine((model, cfg, tok), device="cuda", dtype="bfloat16",
-                          speculative_config=spec, max_num_seqs=4)
+                          speculative_config=spec, max_num_seqs=4,
+                          kernel_options=KernelOptions(mid_row_kernels=mid_rows))
         return run_batch(eng, prompts, GREEDY)
 
     monkeypatch.setattr(llama, "small_linear_silu_mul_triton", counted)

@@ -12,7 +12,9 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 pytest.importorskip("triton")
 
+from outpace.config import KernelOptions  # noqa: E402
 from outpace.kernels import pdl  # noqa: E402
+from outpace.kernels.options import use_kernel_options  # noqa: E402
 from outpace.kernels.argmax import argmax_rows  # noqa: E402
 from outpace.kernels.norm import fused_add_rms_norm, rms_norm  # noqa: E402
 from outpace.kernels.skinny_gemm import (norm_small_linear, norm_small_linear_silu_mul,  # noqa: E402,E501
@@ -53,12 +55,11 @@ def _weights(hidden, inter, layers, seed):
 
 
 @pytest.mark.parametrize("m", [1, 5, 16])
-def test_pdl_chain_equals_plain_launches_eager_and_graph(m, monkeypatch):
+def test_pdl_chain_equals_plain_launches_eager_and_graph(m):
     weights = _weights(576, 1536, 12, seed=m)
     x = torch.randn(m, 576, device=DEV).to(torch.bfloat16)
-    monkeypatch.setattr(pdl, "ENABLED", False)
-    want_h, want_ids = _chain(x, weights)
-    monkeypatch.setattr(pdl, "ENABLED", True)
+    with use_kernel_options(KernelOptions(pdl=False)):
+        want_h, want_ids = _chain(x, weights)
     got_h, got_ids = _chain(x, weights)
     assert torch.equal(got_h, want_h) and torch.equal(got_ids, want_ids)
 
@@ -76,13 +77,12 @@ def test_pdl_chain_equals_plain_launches_eager_and_graph(m, monkeypatch):
                          .manual_seed(100 + seed)).to(torch.bfloat16)
         static_x.copy_(x2)
         graph.replay()
-        monkeypatch.setattr(pdl, "ENABLED", False)
-        want_h, want_ids = _chain(x2, weights)
-        monkeypatch.setattr(pdl, "ENABLED", True)
+        with use_kernel_options(KernelOptions(pdl=False)):
+            want_h, want_ids = _chain(x2, weights)
         assert torch.equal(graph_h, want_h) and torch.equal(graph_ids, want_ids)
 
 
-def test_pdl_consumer_waits_for_a_slow_producer(monkeypatch):
+def test_pdl_consumer_waits_for_a_slow_producer():
     """A slow PDL producer (an 8B-wide gate/up over 5 rows, ~0.2 GB of weights) and its PDL
     consumer, which launches early and prefetches its own weight: the consumer must read the
     producer's final output (equal to the plain launches and close to the reference)."""
@@ -100,16 +100,16 @@ def test_pdl_consumer_waits_for_a_slow_producer(monkeypatch):
         return torch.stack(out), a
 
     got, a = run()
-    monkeypatch.setattr(pdl, "ENABLED", False)
-    want, _ = run()
+    with use_kernel_options(KernelOptions(pdl=False)):
+        want, _ = run()
     assert torch.equal(got, want)
     torch.testing.assert_close(got[-1], small_linear_ref(a, w_down, residual=x), atol=2 ** -5,
                                rtol=2 ** -7)
 
 
-def test_prime_launches_one_pdl_kernel(monkeypatch):
+def test_prime_launches_one_pdl_kernel():
     """pdl.prime: one launch of the empty PDL kernel on the current stream where PDL is on,
-    nothing where it is off, nothing at a site in PRIME_SKIP."""
+    nothing where it is off, nothing at a site in KernelOptions.pdl_prime_skip."""
     from torch.profiler import ProfilerActivity, profile
 
     def kernels(site="step"):
@@ -124,6 +124,11 @@ def test_prime_launches_one_pdl_kernel(monkeypatch):
     if pdl.supported(torch.device(DEV)):
         assert kernels() == ["_primer_kernel"]
         assert kernels("prefill") == ["_primer_kernel"]
-    assert kernels("varlen") == []  # skipped by default (pdl.PRIME_SKIP)
-    monkeypatch.setattr(pdl, "ENABLED", False)
-    assert kernels() == []
+    assert kernels("varlen") == []  # skipped by default (KernelOptions.pdl_prime_skip)
+    with use_kernel_options(KernelOptions(pdl=False)):
+        assert kernels() == []
+    with use_kernel_options(KernelOptions(pdl_prime=False)):
+        assert kernels() == []
+    if pdl.supported(torch.device(DEV)):
+        with use_kernel_options(KernelOptions(pdl_prime_skip=frozenset())):
+            assert kernels("varlen") == ["_primer_kernel"]

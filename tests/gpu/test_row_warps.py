@@ -25,12 +25,12 @@ X_W_DTYPES = [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32),
 
 
 @pytest.fixture(params=[True, False], ids=["row-warps", "one-row-programs"])
-def row_warps(request, monkeypatch):
-    if not request.param:
-        monkeypatch.setattr(sl, "_ROW_WARPS", {})
-    sl.choose_blocks.cache_clear()
-    yield request.param
-    sl.choose_blocks.cache_clear()
+def row_warps(request):
+    from outpace.config import KernelOptions
+    from outpace.kernels.options import use_kernel_options
+    rows = KernelOptions().row_warps_rows if request.param else frozenset()
+    with use_kernel_options(KernelOptions(row_warps_rows=rows)):
+        yield request.param
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)

@@ -12,8 +12,9 @@ from safetensors.torch import load_file, save_file
 
 from outpace.attention.base import AttentionMetadata, ForwardContext
 from outpace.attention.torch_ref import TorchRefBackend
-from outpace.config import ModelConfig
+from outpace.config import KernelOptions, ModelConfig
 from outpace.errors import ConfigError, ModelLoadError
+from outpace.kernels.options import use_kernel_options
 from outpace.models.draft_loader import export_weights, load_draft_head, model_config_dict
 from outpace.models.llama import LlamaForCausalLM
 from outpace.training.init_draft import init_draft
@@ -412,7 +413,7 @@ def test_mtp_forward_matches_references(tmp_path, arch):
 # ---- the CUDA few-row path (LlamaDecoderLayer.forward_few_rows), run through the references --
 
 
-def take_few_rows_path(monkeypatch, fused_qkv=False):
+def take_few_rows_path(monkeypatch):
     """From here on the heads take their CUDA code path: use_triton True where the models read
     it (the few-row dispatchers read their own, so on CPU they run their PyTorch references,
     and rope goes through the backend's forward_rope). Returns the layer slots that
@@ -421,7 +422,6 @@ def take_few_rows_path(monkeypatch, fused_qkv=False):
     import outpace.models.rotary as rotary
     for mod in (llama, rotary):  # (the heads ask LlamaDecoderLayer.takes_few_rows)
         monkeypatch.setattr(mod, "use_triton", lambda t: True)
-    monkeypatch.setattr(llama, "FUSED_QKV_ROPE_STORE", fused_qkv)
     calls, orig = [], llama.LlamaDecoderLayer.forward_few_rows
 
     def spy(self, *a, **kw):
@@ -439,8 +439,9 @@ PACKED_STEPS = max(len(c) for c in CHUNKS.values())
 @pytest.mark.parametrize("norm_before_residual", [False, True])
 def test_eagle3_few_rows_path_matches(tmp_path, monkeypatch, norm_before_residual, fused_qkv):
     """The head's CUDA path (qkv over the given [emb, hidden] input, fused residual adds) gives
-    the outputs and draft-plane KV of its layer-by-layer path. FUSED_QKV_ROPE_STORE must not
-    change it: the fused kernel norms the residual, which is not EAGLE-3's attention input."""
+    the outputs and draft-plane KV of its layer-by-layer path. The fused qkv + rope + store
+    kernel (KernelOptions.fused_qkv_rope_store) must not change it: the fused kernel norms the
+    residual, which is not EAGLE-3's attention input."""
     cfg = target_config()
     out = make_head(tmp_path, "eagle3", cfg)
     if norm_before_residual:
@@ -455,8 +456,9 @@ def test_eagle3_few_rows_path_matches(tmp_path, monkeypatch, norm_before_residua
 
     with torch.no_grad():
         ref, ref_pool = run_paged(cfg, L + 1, rows, packed=True)
-        calls = take_few_rows_path(monkeypatch, fused_qkv)
-        got, pool = run_paged(cfg, L + 1, rows, packed=True)
+        calls = take_few_rows_path(monkeypatch)
+        with use_kernel_options(KernelOptions(fused_qkv_rope_store=fused_qkv)):
+            got, pool = run_paged(cfg, L + 1, rows, packed=True)
     assert calls == [L] * PACKED_STEPS
     for s in CHUNKS:
         torch.testing.assert_close(got[s], ref[s], rtol=1e-5, atol=1e-5)
@@ -485,8 +487,9 @@ def test_mtp_few_rows_path_matches(tmp_path, monkeypatch, arch, fused_qkv):
 
     with torch.no_grad():
         ref, ref_pool = run_paged(cfg, L + 2, chain, packed=True)
-        calls = take_few_rows_path(monkeypatch, fused_qkv)
-        got, pool = run_paged(cfg, L + 2, chain, packed=True)
+        calls = take_few_rows_path(monkeypatch)
+        with use_kernel_options(KernelOptions(fused_qkv_rope_store=fused_qkv)):
+            got, pool = run_paged(cfg, L + 2, chain, packed=True)
     assert calls == ([] if arch == "qwen2" else [L, L + 1] * PACKED_STEPS)
     for s in CHUNKS:
         torch.testing.assert_close(got[s], ref[s], rtol=1e-5, atol=1e-5)

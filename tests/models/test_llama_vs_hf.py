@@ -5,6 +5,8 @@ import copy
 import pytest
 import torch
 
+from outpace.config import KernelOptions
+from outpace.kernels.options import use_kernel_options
 from outpace.models.loader.safetensors import load_hf_folder
 from tests.models.helpers import PagedRunner, hf_logits, tiny_hf
 
@@ -101,7 +103,6 @@ def test_fused_norm_forward_matches(pair, monkeypatch, dtype, fused_qkv):
     import outpace.models.rotary as rotary
     for mod in (llama, rotary):  # the CUDA code path (rope tables read by the kernels)
         monkeypatch.setattr(mod, "use_triton", lambda t: True)
-    monkeypatch.setattr(llama, "FUSED_QKV_ROPE_STORE", fused_qkv)
     calls = []
     fused_calls = []
     orig_fused = llama.norm_qkv_rope_store
@@ -111,7 +112,8 @@ def test_fused_norm_forward_matches(pair, monkeypatch, dtype, fused_qkv):
         orig = getattr(llama.LlamaForCausalLM, name)
         monkeypatch.setattr(llama.LlamaForCausalLM, name,
                             lambda *a, _n=name, _f=orig: calls.append(_n) or _f(*a))
-    logits, aux = run()
+    with use_kernel_options(KernelOptions(fused_qkv_rope_store=fused_qkv)):
+        logits, aux = run()
     few_rows_ok = family not in ("llama_bias", "qwen2")  # the few-row kernels have no bias
     assert calls.count("_forward_few_rows") == (len(ids) - 17 if few_rows_ok else 0), calls
     fused_ok = few_rows_ok and fused_qkv and family != "qwen3"  # (q/k norm sits before rope)

@@ -470,7 +470,7 @@ def test_host_launched_graphs_prime_pdl_and_chained_steps_do_not(tiny_loaded, ti
     replays = events.count("replay")
     assert replays == pairs.count(("prime", "replay")) + pairs.count(("chained", "replay"))
     assert events.count("prime") == pairs.count(("prime", "replay"))  # each primes a replay
-    # the sites (pdl.PRIME_SKIP decides which of them launch the primer): a varlen step,
+    # the sites (KernelOptions.pdl_prime_skip decides which of them launch the primer): a varlen step,
     assert graphs.varlen_replays > before[1] and "varlen" in sites
     if method == "eagle3":  # the head's graph after it,
         assert fused.prefill_replays + fused.varlen_head_replays > before[2]

@@ -5,6 +5,8 @@ references in test_kernels_interpret.py (interpreter) and tests/gpu/test_kernels
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -166,15 +168,11 @@ def test_one_row_programs_keep_one_padded_tile():
 
 
 @pytest.fixture
-def no_row_warps(monkeypatch):
-    """The broadcast path's several-row programs, which 2-4 rows of up to _ROW_WARPS_MAX_K
-    columns no longer take (a warp a row instead): still the policy for wider rows, and what
-    the row-warps switch of the GPU tests turns back on."""
-    import outpace.kernels.skinny_gemm.blocks as slb
-    monkeypatch.setattr(slb, "_ROW_WARPS", {})
-    choose_blocks.cache_clear()
-    yield
-    choose_blocks.cache_clear()
+def no_row_warps():
+    """choose_blocks with the broadcast path's several-row programs, which 2-4 rows of up to
+    _ROW_WARPS_MAX_K columns no longer take (a warp a row instead): still the policy for wider
+    rows, and what KernelOptions.row_warps_rows without those rows turns back on."""
+    return functools.partial(choose_blocks, row_warps=frozenset())
 
 
 @pytest.mark.parametrize("m", [3])
@@ -182,13 +180,13 @@ def test_several_row_programs_split_off_their_padding(m, no_row_warps):
     """K = 576 (SmolLM2's hidden size) reads 512 + 64 columns, not a 1024-wide tile of which
     448 are masked; K = 1536 reads 1024 + 512; a power of two, or a K whose split saves
     nothing (960 = 512 + 448 -> 512 + 512), keeps one tile."""
-    assert (choose_blocks(m, 576, 576).block_k, choose_blocks(m, 576, 576).tail_k) == (512, 64)
-    assert (choose_blocks(m, 1536, 576, gate_up=True).block_k,
-            choose_blocks(m, 1536, 576, gate_up=True).tail_k) == (512, 64)
-    assert (choose_blocks(m, 576, 1536).block_k, choose_blocks(m, 576, 1536).tail_k) == (1024, 512)
+    assert (no_row_warps(m, 576, 576).block_k, no_row_warps(m, 576, 576).tail_k) == (512, 64)
+    assert (no_row_warps(m, 1536, 576, gate_up=True).block_k,
+            no_row_warps(m, 1536, 576, gate_up=True).tail_k) == (512, 64)
+    assert (no_row_warps(m, 576, 1536).block_k, no_row_warps(m, 576, 1536).tail_k) == (1024, 512)
     for k in (512, 1024, 960):
-        assert choose_blocks(m, 576, k).tail_k == 0
-        assert choose_blocks(m, 576, k).block_k == next_pow2(k)
+        assert no_row_warps(m, 576, k).tail_k == 0
+        assert no_row_warps(m, 576, k).block_k == next_pow2(k)
 
 
 def test_three_rows_take_one_warp_a_row_a_program():
@@ -227,9 +225,9 @@ def test_several_row_broadcast_programs_run_one_warp(no_row_warps):
     14: 0.825 -> 0.803 ms a step); one-row programs and larger products keep 4 warps."""
     for n, k, gate_up in [(480, 576, False), (576, 576, False), (1536, 576, True),
                           (576, 1536, False), (576, 1728, False)]:  # the last: EAGLE-3's fc
-        assert choose_blocks(3, n, k, gate_up=gate_up).num_warps == 1
-        assert choose_blocks(1, n, k, gate_up=gate_up).num_warps == 4
-    big = choose_blocks(4, 3072, 2048)  # a [2, 4, 2048] product
+        assert no_row_warps(3, n, k, gate_up=gate_up).num_warps == 1
+        assert no_row_warps(1, n, k, gate_up=gate_up).num_warps == 4
+    big = no_row_warps(4, 3072, 2048)  # a [2, 4, 2048] product
     assert not big.use_dot and big.num_warps == 4
 
 

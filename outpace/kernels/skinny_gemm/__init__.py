@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from outpace.kernels import next_pow2, pdl, use_triton
+from outpace.kernels.options import current
 from outpace.kernels.norm import rms_norm_ref  # HF's RMSNorm: the norm the fused kernels apply
 # the launch policy (re-exported: callers and sweeps take choose_blocks from here)
 from outpace.kernels.skinny_gemm.blocks import Blocks, _cdiv, choose_blocks
@@ -126,7 +127,8 @@ def _launch(x, w, out, *, n_cols, norm_weight=None, eps=0.0, residual=None, silu
     two = silu_mul or rope_store is not None
     cfg = blocks or choose_blocks(m, n_cols, k, elem_bytes=w.element_size(),
                                   x_bytes=x.element_size(), gate_up=two,
-                                  norm=norm_weight is not None)
+                                  norm=norm_weight is not None,
+                                  row_warps=current().row_warps_rows)
     if cfg.use_dot and min(cfg.block_m, cfg.block_n, cfg.block_k) < 16:
         raise ValueError(f"{cfg}: tl.dot needs 16-wide tiles")
     if cfg.tail_k and not (cfg.block_k <= k and cfg.tail_k >= k % cfg.block_k > 0):

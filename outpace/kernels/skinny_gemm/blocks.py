@@ -80,15 +80,17 @@ _SUM_MAX_M = 4
 # graphs (kernels/pdl.prime). docs/decisions.md: "A warp a row for the few-row projections at 2
 # and 4 rows", "Three rows a warp a row, one row a program", "Three rows a warp a row is the
 # default again".
-ROW_WARPS_3 = (1, 2)  # 3 rows: rows a program, columns a program (bench's "@old3" arm: without)
-_ROW_WARPS = {2: (2, 2), 3: ROW_WARPS_3, 4: (2, 4)}
+ROW_WARPS_3 = (1, 2)  # 3 rows: rows a program, columns a program
+_ROW_WARPS = {2: (2, 2), 3: ROW_WARPS_3, 4: (2, 4)}  # KernelOptions.row_warps_rows picks which
+ALL_ROW_WARPS = frozenset(_ROW_WARPS)
 _ROW_WARPS_MAX_K = 1536  # measured up to down's 1536; wider rows would hold more registers
 
 
 @functools.lru_cache(maxsize=4096)  # a pure function of its arguments, asked every launch
 def choose_blocks(M: int, N: int, K: int, *, elem_bytes: int = 2, x_bytes: int = 0,
                   gate_up: bool = False, norm: bool = False,
-                  use_dot: Optional[bool] = None) -> Blocks:
+                  use_dot: Optional[bool] = None,
+                  row_warps: frozenset = ALL_ROW_WARPS) -> Blocks:
     """Launch configuration of the few-row linear: a pure function of shapes and dtype size
     (never of values), so a captured graph and an eager call pick the same kernel.
 
@@ -99,7 +101,8 @@ def choose_blocks(M: int, N: int, K: int, *, elem_bytes: int = 2, x_bytes: int =
     Broadcast multiply + sum (M = 1 up to N = 16384, and M <= _SUM_MAX_M on a small weight,
     K <= 2048 and N <= 4096): a program takes at most _SUM_ROWS rows, one at _ONE_ROW_M rows
     (a forced config with more rows runs more programs, each reading the same weight tile);
-    at _ROW_WARPS rows (K <= _ROW_WARPS_MAX_K) a warp a row instead (row_warps_blocks).
+    at the `row_warps` row counts (K <= _ROW_WARPS_MAX_K) a warp a row instead
+    (row_warps_blocks; KernelOptions.row_warps_rows).
     BLOCK_K takes the whole row in one step when K <= 2048, so all of a program's loads are
     in flight at once (a small weight is below the GPU's bandwidth-delay product, and every
     serial K step costs a DRAM latency); longer rows go in steps of 1024.
@@ -138,7 +141,7 @@ def choose_blocks(M: int, N: int, K: int, *, elem_bytes: int = 2, x_bytes: int =
         return Blocks(block_m, block_n, block_k,
                       num_warps=4 if norm or block_n > 32 else 2,
                       num_stages=_DOT_STAGES, use_dot=True)
-    if M in _ROW_WARPS and K <= _ROW_WARPS_MAX_K:
+    if M in row_warps and M in _ROW_WARPS and K <= _ROW_WARPS_MAX_K:
         return row_warps_blocks(K, *_ROW_WARPS[M])
     block_m = 1 if M in _ONE_ROW_M else min(next_pow2(M), _SUM_ROWS)
     block_k = k_max if k_max <= _SUM_ONE_STEP_K else _SUM_K
