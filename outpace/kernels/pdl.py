@@ -42,7 +42,8 @@ PRIME = True  # prime() switch, for benchmarks' A/B of it (bench_gpu's "@noprime
 # relaunch, a prefill's tail), "prefill" (a single request's prefill graph), "varlen", "head"
 # (a draft head's graph after a prefill or varlen step), "plain" (the general path's decode
 # graphs). Those in PRIME_SKIP are not primed: a prime does not help every graph (run 34,
-# benchmarks/diag_prime.py; docs/decisions.md, session 26). Priming varlen and head graphs
+# benchmarks/archive/diag_prime.py; docs/decisions.md, "PDL primed before fused steps and
+# prefill graphs launched from the host"). Priming varlen and head graphs
 # raised EAGLE-3's batch-8 / 32 TTFT by ~0.8 ms and cost ~6% of its batch-32 tok/s; without
 # the prefill graph's prime a fresh engine's batch-1 EAGLE-3 runs started ~10% slow.
 # "plain" was not measured and is left unprimed.
