@@ -381,7 +381,7 @@ def smol_configs(k, force_means, eagle, mtp, eagle_reduced=None) -> list:
                ("suffix", {"method": "suffix", "num_speculative_tokens": k})]
     # k = 1 up to 128 requests, none above. At batch 128 a head engine that drafts nothing is
     # slower than no-spec (every step still runs the head's first pass, and every prefill its
-    # pass over the prompts), and one that drafts one token is not (docs/decisions.md, "The
+    # pass over the prompts), and one that drafts one token is not (decisions-log.md, "The
     # benchmark's head configurations draft one token at 65-128 requests").
     sched = {"k_schedule": [[32, k], [128, 1]]}
     for m in force_means:
@@ -625,7 +625,7 @@ def graph_ms(graph, reps: int = 50) -> float:
 
 # Profiles run after every section has timed everything: once torch.profiler has run in a
 # process, every later kernel and graph launch costs more on the host (CUPTI stays attached;
-# docs/decisions.md, "Graph launches are cheap; the profiler made them look dear"). So no
+# decisions-log.md, "Graph launches are cheap; the profiler made them look dear"). So no
 # profile may run before any timing.
 _DEFERRED_PROFILES: list = []
 
@@ -681,7 +681,7 @@ def section_hf(args, results):
     """HF transformers in a child process: its static-cache generate compiles with CUDA graphs
     (torch.compile's cudagraph trees), after which replaying the 8B-shaped engine's graph in
     this process hits an illegal memory access (`big` alone, and `big,hf` without it,
-    profile fine; docs/decisions.md, "The 8B-shaped profile's illegal memory access needs
+    profile fine; decisions-log.md, "The 8B-shaped profile's illegal memory access needs
     HF's section in the process"). The child also keeps HF's timing free of this process's
     state."""
     import json

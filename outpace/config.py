@@ -279,7 +279,7 @@ class KernelOptions:
     pdl: bool = True
     # One empty PDL kernel before a graph replayed from the host (kernels/pdl.prime) ...
     pdl_prime: bool = True
-    # ... except before these kinds of graph (docs/decisions.md, "Prime more graphs?").
+    # ... except before these kinds of graph (decisions-log.md, "Prime more graphs?").
     pdl_prime_skip: frozenset = frozenset({"varlen", "head", "plain"})
     # At most SMALL_M_MAX rows: the few-row Triton projections with the norms fused in.
     few_row_kernels: bool = True
@@ -345,7 +345,7 @@ class RunnerConfig:
     # Launch the next greedy decode step before reading this one's outputs (with CUDA graphs;
     # see LLMEngine.step): the host's work for a step then runs while the GPU runs the next,
     # which lowers TPOT; outputs are equal (tests/gpu/test_fused_step.py). Measured on the
-    # H200; see docs/decisions.md, "Overlap chains fused steps".
+    # H200; see decisions-log.md, "Overlap chains fused steps".
     overlap: bool = True
     kernel_options: KernelOptions = field(default_factory=KernelOptions)
 

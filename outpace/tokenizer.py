@@ -48,7 +48,7 @@ class Tokenizer:
         Detokenization decodes twice per generated token per request, and transformers' decode
         wraps the Rust call in Python (argument conversion, batching checks) that costs more
         than the call itself: at batch 128 detokenization is a large part of a step's host
-        time (docs/decisions.md, "Detokenization calls the `tokenizers` backend's decode
+        time (decisions-log.md, "Detokenization calls the `tokenizers` backend's decode
         directly"). Its only change to the text is the optional clean-up of spaces before
         punctuation; a probe that clean-up would alter tells whether this tokenizer applies it
         (then its decode stays in use)."""

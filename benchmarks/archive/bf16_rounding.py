@@ -13,8 +13,10 @@ identical to the reference:
   weights+kv+in   ... and every projection's input rounded (bf16 tensor-core GEMM inputs)
   weights+kv+in:down_weight   ... only down_proj's input rounded (any weight name works)
 
-Measured on the 2-core CI machine (see docs/decisions.md): 8, 20, 19, 16, 16 of 20; with the
-input of one projection rounded (qkv, o, gate_up, down, lm_head): 15, 14, 18, 16, 18 of 20.
+Measured on the 2-core CI machine (docs/decisions.md, "bf16 output departs from fp32 through
+activations, not weights"; in full in docs/history/decisions-log.md): 8, 20, 19, 16, 16 of 20;
+with the input of one projection rounded (qkv, o, gate_up, down, lm_head): 15, 14, 18, 16, 18
+of 20.
 """
 
 from __future__ import annotations

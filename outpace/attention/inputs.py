@@ -5,7 +5,7 @@ device tensors, so a CUDA graph captured over them replays with new values. The 
 built with numpy. The buffers are views of one device allocation (a `Segment`) with a host
 mirror of the same layout (pinned on CUDA): a step writes its arrays into the mirror and the
 parts it wrote go over in one non-blocking copy, not one per buffer (each copy costs host time
-tens of microseconds long, and a prefill step stages about ten buffers; docs/decisions.md,
+tens of microseconds long, and a prefill step stages about ten buffers; decisions-log.md,
 "Staged inputs in one copy per segment"). Other components add their own staged
 buffers (`add_buffers`), which a load then copies with the batch.
 
@@ -216,7 +216,7 @@ class InputBuffers:
 
 # Rows from which build_host_batch runs whole-batch numpy operations instead of a few small
 # ones a row: the whole-batch form costs more at one row and far less at many (measured on the
-# CPU machine; docs/decisions.md, "Host batches are built for the whole batch at once").
+# CPU machine; decisions-log.md, "Host batches are built for the whole batch at once").
 VECTOR_MIN_ROWS = 8
 
 

@@ -109,7 +109,7 @@ def choose_tiles(max_query_len: int, group: int, head_dim: int, dtype: torch.dty
         warps = 8 if small else 4
     else:  # decode / verify: as many tokens of one sequence as the bound allows; 64 columns
         # a tile up to 256-byte columns (bf16 heads of 128, fp32 of 64): 32-column tiles made
-        # fp32 decode far slower than bf16 (docs/decisions.md, "fp32 attention in three-pass
+        # fp32 decode far slower than bf16 (decisions-log.md, "fp32 attention in three-pass
         # TF32 with 64-column decode tiles")
         block_m = max(16, min(next_pow2(max_query_len), max(1, 64 // gp)) * gp)
         block_n = 64 if row_bytes <= 256 else 32
@@ -149,7 +149,7 @@ def prefetches(max_query_len: int, num_seqs: int, head_dim: int) -> bool:
     overlaps the projection before it. With more sequences, or heads of 128, the prefetch
     makes the step slower (many more programs resident early, holding the tile's registers
     next to the projection), so every other shape waits first. Measured on the H200; see
-    docs/decisions.md, "The attention kernel loads its first KV tile before the PDL wait"."""
+    decisions-log.md, "The attention kernel loads its first KV tile before the PDL wait"."""
     return max_query_len <= 16 and num_seqs == 1 and next_pow2(max(head_dim, 16)) <= 64
 
 
@@ -223,7 +223,7 @@ class TritonPagedBackend(AttentionBackend):
     the GPU has SMs (1 disables split-KV); min_split_tokens: smallest KV chunk per split.
     At most 8 splits: short contexts use only a few either way, and launching splits that
     have nothing to do costs step time; 4 splits are slower on longer contexts, 2 slower
-    still, and 128-token chunks slower than 64. Measured on the H200; see docs/decisions.md,
+    still, and 128-token chunks slower than 64. Measured on the H200; see decisions-log.md,
     "At most 8 attention splits".
     """
 

@@ -1,7 +1,7 @@
 """Row-wise argmax over logits, in two Triton passes, with the PyTorch reference.
 
 torch.argmax of one [1, 49152] row is a single-block reduction on the GPU, one block walking
-the whole row: slow enough to show in a batch-1 decode step (docs/decisions.md, "Fewer kernels
+the whole row: slow enough to show in a batch-1 decode step (decisions-log.md, "Fewer kernels
 per decoder layer on CUDA"). Here pass 1 cuts each row into CHUNK-wide pieces, one program each
 (max and its first index), and pass 2 reduces a row's pieces. Ties go to the lowest index, as
 torch.argmax documents; rows are compared in their own dtype, so argmax of bf16 logits equals

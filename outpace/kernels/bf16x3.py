@@ -2,7 +2,7 @@
 
 fp32 activations meet bf16 data where weights are stored in bf16 (weight_dtype) or the KV cache
 is (kv_cache_dtype). tl.dot wants one operand dtype: upcasting the bf16 side runs an IEEE fp32
-dot on the CUDA cores, several times slower (docs/decisions.md, "fp32 x over a bf16 weight on
+dot on the CUDA cores, several times slower (decisions-log.md, "fp32 x over a bf16 weight on
 the tensor cores, exactly"), and TF32 would round the fp32 side. Instead the fp32 operand is
 cut into three bf16 pieces, hi = bf16(a), mid = bf16(a - hi), lo = bf16(a - hi - mid), which
 hold all of its 24 significand bits; a piece's products with bf16 values are exact in the fp32

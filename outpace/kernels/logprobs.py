@@ -4,7 +4,7 @@ their ids, in two Triton passes, with the PyTorch reference.
 
 Through torch a row's log_softmax is one block walking the whole row and its topk a dozen
 radix-select kernels, plus the gather and the concatenation: a large share of a batch-1 step
-(docs/decisions.md, "Logprobs in the graphs too" and "logprobs in two Triton passes").
+(decisions-log.md, "Logprobs in the graphs too" and "logprobs in two Triton passes").
 Here pass 1 cuts each row into CHUNK-wide pieces, one program each: the piece's maximum, its sum
 of exp(x - max), and its top `top` entries (by keys that order by value, then by lower id:
 ties go to the lower id). Pass 2 merges a row's pieces: the log-sum-exp, the top `top` of

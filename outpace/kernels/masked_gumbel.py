@@ -55,7 +55,7 @@ except Exception:  # pragma: no cover
     tl = None
 
 # columns per pass-1 program and per step of the descent's passes, and the descent program's
-# warps (one program a row): the fastest in a sweep on the H200 (docs/decisions.md, "The
+# warps (one program a row): the fastest in a sweep on the H200 (decisions-log.md, "The
 # descent")
 CHUNK = 4096
 DESCENT_WARPS = 32

@@ -45,8 +45,8 @@ except Exception:  # pragma: no cover - exercised only where triton is missing
 # graphs). Those in KernelOptions.pdl_prime_skip are not primed: a prime does not help every
 # graph. Priming the varlen and head graphs raises TTFT and lowers throughput at batch 8-32; the
 # prefill graph's prime keeps a fresh engine's first batch-1 requests at full speed, so it
-# stays. "plain" is not measured and is left unprimed. docs/decisions.md, "Prime more graphs?"
-# and "Interleaved arms hide what a fresh engine shows".
+# stays. "plain" is not measured and is left unprimed. docs/decisions.md, "PDL primed before
+# fused steps and prefill graphs launched from the host".
 _by_device: dict = {}  # device index -> whether PDL is supported there (a fact, cached)
 
 

@@ -80,7 +80,7 @@ def add_weight_copies_(model: nn.Module, dtype: torch.dtype) -> None:
     """Keep faster-to-read copies of the projection weights next to them (same values, in the
     activation dtype `dtype`: weights stored narrower are upcast once here, not every call;
     `linear` picks one by the number of rows). Measured on the 2-core CI machine
-    (docs/decisions.md, "CPU decode keeps extra weight copies"):
+    (decisions-log.md, "CPU decode keeps extra weight copies"):
 
       one row (decode at batch 1): MKL streams a transposed weight (x @ w_t with w_t a
         contiguous [in, out] copy) faster than x @ w.T from the row-major one, except for

@@ -48,7 +48,7 @@ def _param(*shape, dtype, device) -> nn.Parameter:
 # The few-row kernels (KernelOptions.few_row_kernels) run models this narrow: the fused
 # projections beat cuBLAS + separate norms at SmolLM2's widths, but at Llama-8B's (4096) the
 # norm-fused qkv is slower than cuBLAS + a norm, so wide models keep cuBLAS (measured on the
-# H200, benchmarks/results/small_linear_h200.json; docs/decisions.md, "Fewer kernels per decoder
+# H200, benchmarks/results/small_linear_h200.json; decisions-log.md, "Fewer kernels per decoder
 # layer on CUDA"). The other switches of these paths (fused_qkv_rope_store, mid_row_kernels) are
 # KernelOptions fields too (kernels/options.py).
 FEW_ROW_MAX_HIDDEN = 2048

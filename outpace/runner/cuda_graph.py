@@ -28,7 +28,7 @@ table, positions from 0), then empty sequences. The attention's programs follow 
 staged with the batch (one per 32 or so query tokens of a sequence; triton_paged.tile_map_for),
 so empty sequences cost nothing. The graph stops at the hidden states; the few rows that get
 logits go through the LM head after it. Eagerly such a step is ~300 kernel launches from
-Python, whose host time is many times the step's GPU time (docs/decisions.md, "Steps of
+Python, whose host time is many times the step's GPU time (decisions-log.md, "Steps of
 several prefill chunks replay varlen graphs").
 
     varlen graph(T): input_ids/positions/slot_mapping[:T], max_seqs sequences, tile map

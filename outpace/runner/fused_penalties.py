@@ -1,7 +1,7 @@
 """The fused step's penalties (runner/fused_step.py): repetition, frequency and presence
 penalties inside the captured graphs, so a batch with a penalized request decodes at graph speed
 instead of falling back to the general path, which is several times slower a step (eager
-sampling with host syncs; docs/decisions.md, "penalties and logprobs in the fused graphs").
+sampling with host syncs; decisions-log.md, "penalties and logprobs in the fused graphs").
 
 A row's penalties read the tokens before it: its request's prompt (repetition only), its output
 so far, and in a verify step the drafts in the rows before it (SamplingStep.run gives row j the

@@ -5,7 +5,7 @@ Prefill (a head only): a step of one request's prefill chunk runs the target in 
 loop then replay a second graph, captured per prefill graph over that graph's static hidden
 states (`prefill_drafts`). Eagerly that pass and loop are ~40 Triton launches from Python for
 microseconds of GPU work each: they would be most of a head engine's batch-1 TTFT
-(docs/decisions.md, "A head's prefill pass replays a graph").
+(decisions-log.md, "A head's prefill pass replays a graph").
 
 Where steps chain, a prefill step that samples is launched like a decode step instead
 (`launch_prefill`): the prefill graph, then a tail graph that takes the token from the prefill
@@ -26,7 +26,7 @@ slot, a row per slot in the varlen batch's order, reading the block tables that 
 A slot that drafts nothing (a chunk that samples nothing, padding) drafts from its own last
 row: its loop writes only at positions its next chunk rewrites, or into the null block.
 Eagerly that pass and loop are milliseconds of launches from Python at batch 8, about as long
-as the varlen step itself (docs/decisions.md, "A head's pass and drafts after a varlen graph,
+as the varlen step itself (decisions-log.md, "A head's pass and drafts after a varlen graph,
 in graphs").
 """
 

@@ -10,7 +10,7 @@ graph with penalties (SAMPLE_PENALIZED, MASKED_PENALIZED: runner/fused_penalties
 are penalized before the race; a greedy one races there with no noise (its argmax). A step
 pays only for what its requests ask, so a request that sets only a temperature costs about what
 a greedy one does, and the masks and penalties are paid only where some request asks for them
-(docs/decisions.md: "Sampled graphs", "top-k / top-p / min-p without a sort", "penalties and
+(decisions-log.md: "Sampled graphs", "top-k / top-p / min-p without a sort", "penalties and
 logprobs in the fused graphs"). Each token equals the one the general path
 (runner/sampling_step.py, the same kernels on CUDA) draws for the same seed and position, so
 accept's strict prefix match verifies sampled drafts exactly as greedy ones.

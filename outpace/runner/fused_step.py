@@ -47,7 +47,7 @@ proposed, N+1 is launched from the same carry (positions, slots and bonus tokens
 device) with only the drafts and their counts staged (`relaunch`), and N's commit,
 detokenization and outputs run while N+1 does. That takes the scheduling, batch building and
 input staging of a step off the path between two steps, where the GPU would otherwise sit
-idle (docs/decisions.md, "A host drafter's steps are relaunched from the carry").
+idle (decisions-log.md, "A host drafter's steps are relaunched from the carry").
 
 On CUDA the bookkeeping around the model (a chained step's inputs, accept with what the head
 and the next step read, the draft loop's positions and slots) is three Triton kernels

@@ -12,7 +12,7 @@
     loop_inputs      positions, KV slots and sequence lengths of every draft-loop step
 
 Why: in PyTorch each of these is 10-20 tiny element-wise kernels with a gap between each two,
-which at batch 1 adds up to a noticeable share of the step (docs/decisions.md, "where a fused
+which at batch 1 adds up to a noticeable share of the step (decisions-log.md, "where a fused
 step's time goes" and "The fused step's bookkeeping is three Triton kernels"). The values are
 integers: the kernels and the references agree exactly.
 """

@@ -6,7 +6,7 @@ pass. Row r = b * q + j (request b, verify row j) reads its request's tables (pr
 counts [m, V] float32: the output so far) and counts the drafts before it, the input ids of
 rows b * q + 1 .. b * q + j, as output too; then logits_processing.penalize's formula. Through
 torch ops this is ~15 kernels (two [n, V] gathers, a scatter, eight elementwise passes), each
-reading or writing [n, V]; here one read of the logits and tables (docs/decisions.md,
+reading or writing [n, V]; here one read of the logits and tables (decisions-log.md,
 "penalties and logprobs in the fused graphs"). The values are torch's bit for bit: the
 division is IEEE (div_rn), and the kernel is compiled without fused multiply-adds (torch
 rounds freq * counts before subtracting).

@@ -20,7 +20,7 @@ Two implementations, same results (tests check both against a brute-force refere
 
 The stateless call's cost grows with L (mostly the list -> array conversion); `NgramState`'s
 per-step cost does not, after a one-off pass that indexes the prompt, at a few hundred bytes of
-memory per token (measured on the 2-core CPU machine; docs/decisions.md, "Measurements moved
+memory per token (measured on the 2-core CPU machine; decisions-log.md, "Measurements moved
 out of code comments"). The state wins for the per-step engine loop; the stateless call is
 there for one-off use.
 """

@@ -14,7 +14,7 @@ requests the same way, against each position's race winner (sample/gumbel.py): w
 keyed by seed and position that is exact for deterministic drafts, which every drafter here
 proposes (runner/sampling_step.py).
 Sampling against a draft distribution q (a drafter that samples its drafts; no engine path
-calls it, see docs/decisions.md, "The race keyed by (seed, position)"): accept d_i with
+calls it, see decisions-log.md, "The race keyed by (seed, position)"): accept d_i with
 probability min(1, p(d_i) / q(d_i)); on rejection draw from
 norm(max(p - q, 0)). Then every emitted token is distributed exactly as the target alone would
 draw it. Relaxed acceptance (opt-in, lossy) may also accept a draft inside a thinking span.

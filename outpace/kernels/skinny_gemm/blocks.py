@@ -40,7 +40,7 @@ _SUM_ONE_STEP_K = 2048  # up to this K the broadcast path reads a row in one ste
 _SUM_K = 1024  # ...beyond it in steps of this (faster than 2048 or 512 on Llama-8B shapes)
 _DOT_K = 256  # K step of the tl.dot path
 # ...over an int8 weight (a draft LM head): 64-column K steps read the int8 tiles faster than
-# 128 or 256 (docs/decisions.md, "an int8 draft LM head", its "Measured")
+# 128 or 256 (decisions-log.md, "an int8 draft LM head", its "Measured")
 _DOT_K_INT8 = 64
 _DOT_STAGES = 3  # its software pipeline: faster than 2 stages on every shape, 4 no better
 _DOT_SMEM = 64 * 1024  # its pipeline buffers: wide tiles get shorter K steps (LM head: 128 x 64)
@@ -49,24 +49,24 @@ _DOT_ONE_BLOCK_M = 16  # tl.dot launches of more rows than this split them into 
 _DOT_K_ROW_BLOCKS = 128  # ...with K steps of at most this (the sweep's; 256 not measured)
 # Rows a broadcast-path program handles; more rows take more programs, each reading the same
 # weight tile (an L2 hit). Two at most: blocks of 4 are slower in the k = 2 verify graph
-# (docs/decisions.md, "Broadcast-path rows in blocks of 2").
+# (decisions-log.md, "Broadcast-path rows in blocks of 2").
 _SUM_ROWS = 2
 # ...and one at these row counts: one-warp programs (below) multiply their rows in turn, so a
 # block of two rows is twice one row's critical path, and a program per row is faster (each
 # reads the same weight tile, an L2 hit after the first). This serves rows wider than
 # _ROW_WARPS_MAX_K, since 2 and 3 rows take a warp a row below. 4 rows keep blocks of 2:
-# four reads of every tile cost more than the shorter path saves (docs/decisions.md, "Two or
+# four reads of every tile cost more than the shorter path saves (decisions-log.md, "Two or
 # three rows: one row a program").
 _ONE_ROW_M = (2, 3)
 # A broadcast-path program with more than one row runs one warp when its product has at most
 # this many values (256 a thread): it is reduced over K inside the warp (shuffles), with no
 # exchange through shared memory between warps, which is faster than 2 or 4 warps for these
 # products. One-row programs keep 4 warps (one warp makes them slower), and so do larger
-# products (not measured with fewer). docs/decisions.md, "Several-row broadcast programs run
+# products (not measured with fewer). decisions-log.md, "Several-row broadcast programs run
 # one warp".
 _ONE_WARP_PRODUCT = 8192
 # Rows up to which a small weight (K <= 2048, N <= 4096) takes that path. From 5 rows tl.dot
-# is faster than row blocks of 4 on every SmolLM2 projection (docs/decisions.md, "Few-row
+# is faster than row blocks of 4 on every SmolLM2 projection (decisions-log.md, "Few-row
 # verify stays on tl.dot above 4 rows").
 _SUM_MAX_M = 4
 # Row counts whose programs give each row a warp (`row_warps_blocks`): rows -> (rows a program,
@@ -77,9 +77,7 @@ _SUM_MAX_M = 4
 # (all 4 rows in one program is slower); at 3 rows (the k = 2 verify at batch 1) a row a
 # program, three one-warp programs of 2 columns. One row keeps its four-warp program, which is
 # faster there. The 3-row gain shows on real requests only with PDL primed before host-launched
-# graphs (kernels/pdl.prime). docs/decisions.md: "A warp a row for the few-row projections at 2
-# and 4 rows", "Three rows a warp a row, one row a program", "Three rows a warp a row is the
-# default again".
+# graphs (kernels/pdl.prime). docs/decisions.md: "A warp a row at 2, 3 and 4 rows".
 ROW_WARPS_3 = (1, 2)  # 3 rows: rows a program, columns a program
 _ROW_WARPS = {2: (2, 2), 3: ROW_WARPS_3, 4: (2, 4)}  # KernelOptions.row_warps_rows picks which
 ALL_ROW_WARPS = frozenset(_ROW_WARPS)
@@ -154,7 +152,7 @@ def choose_blocks(M: int, N: int, K: int, *, elem_bytes: int = 2, x_bytes: int =
         # then multiplies only real columns (448 of 1024 are padding at K = 576). That pays
         # for several rows, whose one-warp programs multiply in turn; one-row programs (4
         # warps, few products each) are slower with the split, so they keep one tile
-        # (docs/decisions.md, "Several-row projections read K in two tiles after all").
+        # (decisions-log.md, "Several-row projections read K in two tiles after all").
         main = k_max // 2
         rest = max(next_pow2(K - main), 16)
         if main + rest < k_max:
