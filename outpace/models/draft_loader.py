@@ -146,6 +146,8 @@ def _read_folder(path: Path) -> tuple:
         config = json.loads(cfg_file.read_text())
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"{cfg_file} is not valid JSON: {e}") from e
+    except RecursionError:
+        raise ModelLoadError(f"{cfg_file} nests too deeply to be a draft head's config") from None
     files = sorted(path.glob("*.safetensors")) or sorted(path.glob("pytorch_model*.bin"))
     if not files:
         raise ModelLoadError(f"{path} has no *.safetensors (or pytorch_model.bin) weight file; "

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from outpace.config import SUPPORTED_ARCHITECTURES
-from outpace.errors import UnsupportedModelError
+from outpace.errors import ConfigError, UnsupportedModelError
 
 # config.json `architectures[0]` -> outpace architecture
 _HF_CLASSES = {
@@ -53,6 +53,9 @@ def architecture_of(d: dict[str, Any]) -> str:
     if d.get("mlp_bias"):
         raise UnsupportedModelError("mlp_bias=true is not supported by outpace's decoder")
     scaling = d.get("rope_scaling") or d.get("rope_parameters") or {}
+    if not isinstance(scaling, dict):
+        raise ConfigError(f"rope_scaling must be an object (or null), got "
+                          f"{type(scaling).__name__}")
     rope_type = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
     if rope_type not in ("default",) + SUPPORTED_ROPE_TYPES:
         raise UnsupportedModelError(

@@ -148,12 +148,28 @@ def quant_roundtrip(w, qtype_name: str):
     return torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(q, qt)).reshape(a.shape))
 
 
+class _OverridingWriter:
+    """A GGUFWriter whose add_* calls named in `values` write those values instead."""
+
+    def __init__(self, writer, values: dict):
+        self._w, self._values = writer, values
+
+    def __getattr__(self, name):
+        fn = getattr(self._w, name)
+        if name in self._values:
+            return lambda *a, **kw: fn(self._values[name])
+        return fn
+
+
 def write_gguf(hf_model, path, qtype_name: str = "F32", arch: str = "llama",
-               rope_freqs=None, skip=(), override_qtype=None):
-    """Write `hf_model` as a GGUF the way llama.cpp does; 2-D tensors stored as `qtype_name`."""
+               rope_freqs=None, skip=(), override_qtype=None, metadata=None):
+    """Write `hf_model` as a GGUF the way llama.cpp does; 2-D tensors stored as `qtype_name`.
+    metadata: {GGUFWriter add_* method name: value} replacing what the model says (bad files)."""
     import gguf
     c = hf_model.config
     w = gguf.GGUFWriter(str(path), arch)
+    if metadata:
+        w = _OverridingWriter(w, metadata)
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     w.add_block_count(c.num_hidden_layers)
     w.add_context_length(c.max_position_embeddings)

@@ -163,3 +163,60 @@ def test_missing_tensor(hf_llama, tmp_path):
                       skip=("model.layers.1.mlp.up_proj.weight",))
     with pytest.raises(ModelLoadError, match=r"model\.layers\.1\.mlp\.up_proj\.weight"):
         load_gguf(path, quiet=True)
+
+
+@pytest.mark.parametrize("metadata,word", [
+    ({"add_head_count": 0}, "head_count"),
+    ({"add_rope_freq_base": 0.0}, "rope_theta"),
+    ({"add_block_count": 10 ** 6}, "num_hidden_layers"),
+    ({"add_context_length": 2 * 10 ** 7}, "max_position_embeddings"),
+    ({"add_layer_norm_rms_eps": float("nan")}, "rms_norm_eps"),
+])
+def test_lying_metadata_is_an_error_that_names_the_field(hf_llama, tmp_path, metadata, word):
+    """Checked with Python numbers before any tensor is read or any model built."""
+    import time
+    path = write_gguf(hf_llama, tmp_path / "m.gguf", "F32", metadata=metadata)
+    t = time.perf_counter()
+    with pytest.raises(ModelLoadError, match=word):
+        load_gguf(path, quiet=True)
+    assert time.perf_counter() - t < 2.0
+
+
+def _patch_header(path, edit):
+    data = bytearray(path.read_bytes())
+    edit(data)
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("align", [0, 3])
+def test_bad_alignment(hf_llama, tmp_path, align):
+    path = write_gguf(hf_llama, tmp_path / "m.gguf", "F32")
+    key = b"general.alignment"
+    assert key not in path.read_bytes()
+    import struct
+
+    def add_key(data):  # one more metadata entry, right after the count fields
+        n_kv_at = 4 + 4 + 8  # magic, version, n_tensors
+        n_kv = struct.unpack_from("<Q", data, n_kv_at)[0]
+        struct.pack_into("<Q", data, n_kv_at, n_kv + 1)
+        entry = struct.pack("<Q", len(key)) + key + struct.pack("<II", 4, align)  # uint32
+        data[n_kv_at + 8:n_kv_at + 8] = entry
+    _patch_header(path, add_key)
+    with pytest.raises(ModelLoadError, match="general.alignment"):
+        GGUFFile(path)
+
+
+def test_tensor_dims_whose_product_overflows_int64(hf_llama, tmp_path):
+    """Dims of 2^40 x 2^40 elements multiply past int64: the size check must not wrap around
+    (it then passed, and a 1 TB allocation followed)."""
+    import struct
+    path = write_gguf(hf_llama, tmp_path / "m.gguf", "F32")
+    name = b"token_embd.weight"
+
+    def forge(data):
+        at = data.index(struct.pack("<Q", len(name)) + name) + 8 + len(name)
+        assert struct.unpack_from("<I", data, at)[0] == 2
+        struct.pack_into("<QQ", data, at + 4, 1 << 40, 1 << 40)
+    _patch_header(path, forge)
+    with pytest.raises(ModelLoadError, match="truncated"):
+        GGUFFile(path)

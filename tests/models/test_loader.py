@@ -149,3 +149,36 @@ def test_load_weights_fuses_and_reports_unused(hf_folder):
     assert torch.equal(a.qkv_bias, torch.cat([sd[f"model.layers.1.self_attn.{n}_proj.bias"]
                                               for n in "qkv"]))
     assert a.o_bias is None  # Qwen2: no bias on o_proj
+
+
+@pytest.mark.parametrize("change,word", [
+    ({"num_hidden_layers": 10 ** 6}, "num_hidden_layers"),
+    ({"vocab_size": -1}, "vocab_size"),
+    ({"vocab_size": "abc"}, "vocab_size"),
+    ({"vocab_size": 10 ** 12}, "vocab_size"),
+    ({"hidden_size": 10 ** 6}, "hidden_size"),
+    ({"num_attention_heads": 0}, "num_attention_heads"),
+    ({"max_position_embeddings": 2 * 10 ** 7}, "max_position_embeddings"),
+    ({"rope_theta": 0, "rope_parameters": {"rope_type": "default", "rope_theta": 0}},
+     "rope_theta"),
+    ({"rope_scaling": {"rope_type": "llama3"}}, "factor"),
+    ({"rope_scaling": "linear"}, "rope_scaling"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "yarn"),
+])
+def test_lying_config_is_an_error_that_names_the_field(hf_folder, tmp_path, change, word):
+    """Every config value is checked with Python numbers before anything is built from it:
+    an error that names the field, fast, instead of a huge allocation or a broken model."""
+    import time
+    folder, cfg, d = _copy_with_config(hf_folder, tmp_path)
+    cfg.write_text(json.dumps({**d, **change}))
+    t = time.perf_counter()
+    with pytest.raises((ModelLoadError, UnsupportedModelError), match=word):
+        load_hf_folder(folder, quiet=True)
+    assert time.perf_counter() - t < 2.0
+
+
+def test_config_nested_too_deep(hf_folder, tmp_path):
+    folder, cfg, d = _copy_with_config(hf_folder, tmp_path)
+    cfg.write_text('{"a": ' * 100000 + "1" + "}" * 100000)
+    with pytest.raises(ModelLoadError, match="config.json"):
+        load_hf_folder(folder, quiet=True)

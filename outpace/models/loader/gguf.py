@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import math
 import mmap
 import struct
 import sys
@@ -118,7 +119,11 @@ class GGUFFile:
             name = string()
             dims = [take("<Q") for _ in range(take("<I"))]
             infos.append((name, tuple(reversed(dims)), take("<I"), take("<Q")))
-        align = int(self.metadata.get("general.alignment", 32))
+        align = self.metadata.get("general.alignment", 32)
+        if (isinstance(align, bool) or not isinstance(align, int) or not 1 <= align <= 1 << 20
+                or align & (align - 1)):
+            raise ModelLoadError(f"{self.path}: general.alignment is {align!r}, not a power of "
+                                 f"two; the file is damaged, download or convert it again")
         data_start = (pos + align - 1) // align * align
         self.tensors: dict[str, TensorInfo] = {}
         for name, shape, qtype, off in infos:
@@ -128,7 +133,8 @@ class GGUFFile:
                 type_name = t.name
             except (ValueError, KeyError):
                 block, type_size, type_name = 1, 0, f"type{qtype}"
-            n = int(np.prod(shape)) if shape else 1
+            # Python integers: a product of lying dims must not wrap around in int64
+            n = math.prod(int(d) for d in shape)
             nbytes = n // block * type_size
             start = data_start + off
             if start + nbytes > len(mm):
@@ -233,6 +239,9 @@ def config_from_gguf(g: GGUFFile) -> ModelConfig:
     hidden, heads = int(need("embedding_length")), need("attention.head_count")
     if not isinstance(heads, int):
         raise UnsupportedModelError(f"{g.path}: per-layer head counts are not supported")
+    if heads < 1 or hidden < 1:
+        raise ModelLoadError(f"{g.path}: GGUF metadata says {p}attention.head_count = {heads} "
+                             f"and {p}embedding_length = {hidden}; both must be >= 1")
     head_dim = int(md.get(p + "attention.key_length", hidden // heads))
     if int(md.get(p + "rope.dimension_count", head_dim)) != head_dim:
         raise UnsupportedModelError(f"{g.path}: partial rotary embeddings are not supported")

@@ -27,13 +27,18 @@ def read_hf_config(folder) -> ModelConfig:
         d = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ModelLoadError(f"can't parse {path}: {e}; fix or re-download it") from e
+    except RecursionError:
+        raise ModelLoadError(f"{path} nests too deeply to be a model config; fix or "
+                             f"re-download it") from None
     if not isinstance(d, dict):
         raise ModelLoadError(f"{path} is not a JSON object; fix or re-download it")
     try:
         return ModelConfig.from_hf_dict(d)
     except UnsupportedModelError:
         raise
-    except (KeyError, TypeError, ValueError, ConfigError) as e:
+    except ConfigError as e:
+        raise ModelLoadError(f"{path}: {e}; it does not describe a model outpace can build") from e
+    except (KeyError, TypeError, ValueError, ArithmeticError) as e:
         raise ModelLoadError(f"{path} is missing or has a bad value for {e}; "
                              "it does not describe a Llama-family model") from e
 
