@@ -7,7 +7,6 @@ proposals from the committed tokens).
 
 from __future__ import annotations
 
-import time
 from typing import Optional
 
 import numpy as np
@@ -18,11 +17,21 @@ from outpace.speculative.base import CommittedTokens, DraftBatch
 from outpace.types import RequestStepOutput, StepResult
 
 
-class FusedOutput:
-    """Mixin of FusedStep. Needs self.runner, self.head, self.host_drafter, self._host_out,
-    self._parity and the step counters (replays, mode_steps, timing)."""
+class StepOutput:
+    """A part of FusedStep: its outputs' pinned host buffers (two per shape and dtype: step N's
+    is read while N+1's copy is queued), and the StepResult an output makes."""
 
-    def _copy_out(self, out: torch.Tensor) -> torch.Tensor:
+    def __init__(self, runner, head, host_drafter):
+        # runner: a weak proxy (FusedStep's); head / host_drafter: who drafts, as FusedStep says
+        self.runner, self.head, self.host_drafter = runner, head, host_drafter
+        self._host_out: dict = {}  # (shape, dtype, parity) -> pinned host tensor
+        self._parity = 0
+
+    def flip(self) -> None:
+        """The next step's copies go to the other buffer of each pair."""
+        self._parity ^= 1
+
+    def copy_out(self, out: torch.Tensor) -> torch.Tensor:
         """Queue the copy of a graph output into its pinned host buffer (two per shape: step
         N's is read while N+1's copy is queued) -> that buffer."""
         host = self._host_out.get((out.shape, out.dtype, self._parity))
@@ -32,35 +41,9 @@ class FusedOutput:
         host.copy_(out, non_blocking=True)
         return host
 
-    def collect(self, launched, plan) -> StepResult:
-        """Wait for the step's output copy and turn it into the StepResult of `plan` (the
-        requests of launched.rows that are still running, in that order)."""
-        t1 = time.perf_counter()
-        if launched.event is not None:
-            while not launched.event.query():  # poll: waits for this step only
-                pass
-        t2 = time.perf_counter()
-        out = launched.host.numpy()  # sync-ok: host memory, its copy was waited for above
-        row_of = {rid: i for i, rid in enumerate(launched.rows)}
-        order = [row_of[sr.request.request_id] for sr in plan.scheduled]
-        out = out[order]
-        logprobs = None
-        if launched.host_logprobs is not None:
-            logprobs = launched.host_logprobs.numpy()[order]  # sync-ok: waited for above
-        _, q, kd, _ = launched.key
-        result = self._result(plan, out, q, kd, logprobs)
-        if launched.prefill:  # the counters and timings below are decode steps'
-            return result
-        self.replays += 1
-        self.mode_steps[launched.mode] += 1
-        tm = self.timing
-        tm["launch_s"] += launched.t_launch
-        tm["wait_s"] += t2 - t1
-        tm["unpack_s"] += time.perf_counter() - t2
-        return result
-
-    def _result(self, plan, out: np.ndarray, q: int, kd: int,
-                logprobs: Optional[np.ndarray] = None) -> StepResult:
+    def result(self, plan, out: np.ndarray, q: int, kd: int,
+               logprobs: Optional[np.ndarray] = None) -> StepResult:
+        """The StepResult of `plan` from a step's output rows (in plan order)."""
         runner = self.runner
         proposer = runner.proposer
         result = StepResult()

@@ -34,33 +34,35 @@ import torch
 from outpace.sample.penalty_kernels import count_emitted, penalize_rows
 
 
-class FusedPenalties:
-    """Mixin of FusedStep: the per-row penalty buffers and tables, their staging and filling,
-    and the graph's penalty and update. Needs self.inputs, self.model."""
+class StepPenalties:
+    """A part of FusedStep: the per-row penalty buffers and tables, their staging and filling,
+    and the graph's penalty and update."""
 
-    def _init_penalties(self, m: int) -> None:
+    def __init__(self, inputs, vocab_size: int):
+        self.inputs, self.vocab_size = inputs, vocab_size
+        m = inputs.max_seqs
         # Staged at launch (chained and relaunched steps keep their first step's rows):
         # repetition, frequency and presence penalty of each row (1, 0, 0: none).
         self.pen_rep, self.pen_freq, self.pen_pres = self.inputs.add_buffers(
             [((m,), torch.float32)] * 3)
-        self.pen_prompt = None  # [m, V] bool, made by _penalty_tables
+        self.pen_prompt = None  # [m, V] bool, made by ensure_tables
         self.pen_counts = None  # [m, V] float32
 
-    def _penalty_tables(self) -> None:
+    def ensure_tables(self) -> None:
         """Make the tables (once: graphs capture their addresses)."""
         if self.pen_counts is None:
-            m, vocab = self.inputs.max_seqs, self.model.config.vocab_size
+            m, vocab = self.inputs.max_seqs, self.vocab_size
             dev = self.inputs.input_ids.device
             self.pen_prompt = torch.zeros(m, vocab, dtype=torch.bool, device=dev)
             self.pen_counts = torch.zeros(m, vocab, dtype=torch.float32, device=dev)
 
-    def _no_penalty_rows(self, bucket: int) -> None:
+    def neutral_rows(self, bucket: int) -> None:
         """Every row of a bucket without penalties (graphs are captured over such a batch)."""
         self.pen_rep[:bucket].fill_(1.0)
         self.pen_freq[:bucket].zero_()
         self.pen_pres[:bucket].zero_()
 
-    def _penalty_rows(self, plan, bucket: int) -> list:
+    def rows(self, plan, bucket: int) -> list:
         """(buffer, values) pairs of a penalized graph's per-row penalties; padding rows and
         requests without penalties get 1, 0, 0."""
         cols = np.zeros((3, bucket), np.float32)
@@ -70,7 +72,7 @@ class FusedPenalties:
             cols[:, i] = (p.repetition_penalty, p.frequency_penalty, p.presence_penalty)
         return [(self.pen_rep, cols[0]), (self.pen_freq, cols[1]), (self.pen_pres, cols[2])]
 
-    def _fill_penalty_tables(self, plan, bucket: int) -> None:
+    def fill_tables(self, plan, bucket: int) -> None:
         """The tables of rows [0, bucket) from the committed tokens of plan's requests (empty
         for padding rows and requests without penalties). Eager kernels queued on the stream
         ahead of the step's replay; the token ids go up in one non-blocking copy from pinned
@@ -96,15 +98,15 @@ class FusedPenalties:
         out = flat[n_prompt:]
         self.pen_counts.view(-1).index_add_(0, out, torch.ones(out.shape, device=out.device))
 
-    def _penalize(self, logits: torch.Tensor, ids: torch.Tensor, bucket: int,
-                  q: int) -> torch.Tensor:
+    def penalize(self, logits: torch.Tensor, ids: torch.Tensor, bucket: int,
+                 q: int) -> torch.Tensor:
         """[n, V] float32 logits of a step's rows (n = bucket * q, input ids `ids`) -> penalized
         (in place on CUDA): each row's request's tables, its earlier drafts counted as output
         (sample/penalty_kernels.py)."""
         return penalize_rows(logits, self.pen_prompt, self.pen_counts, ids, self.pen_rep,
                              self.pen_freq, self.pen_pres, bucket, q)
 
-    def _count_emitted(self, packed: torch.Tensor, q: int, bucket: int) -> None:
+    def count_emitted(self, packed: torch.Tensor, q: int, bucket: int) -> None:
         """After accept: add each row's emitted tokens (packed[:, :q] up to its accepted count
         packed[:, q], -1 past it) to its output counts."""
         count_emitted(packed[:bucket], q, self.pen_counts)

@@ -70,12 +70,14 @@ def with_logprobs(mode: str) -> bool:
     return LOGPROBS in mode
 
 
-class FusedSampling:
-    """Mixin of FusedStep: the per-request sampling buffers, their staging and the sampled
-    graphs' token choice. Needs self.inputs, self.runner and self.model (and FusedPenalties'
-    _penalize in the penalized graphs)."""
+class StepSampling:
+    """A part of FusedStep: the per-request sampling buffers, their staging and the sampled
+    graphs' token choice (penalized first, in the penalized graphs, by `penalties`)."""
 
-    def _init_sampling(self, m: int) -> None:
+    def __init__(self, inputs, runner, penalties):
+        # runner: a weak proxy (FusedStep's); its SamplingStep draws each request's seed
+        self.inputs, self.runner, self.penalties = inputs, runner, penalties
+        m = inputs.max_seqs
         # A sampled graph's per-request sampling (staged at launch; chained and relaunched
         # steps keep their first step's rows, so theirs stay valid): temperature (1 in a greedy
         # row), top-k, top-p, min-p, and the seed's race word (SamplingStep.seed_word_for; -1:
@@ -88,12 +90,12 @@ class FusedSampling:
         # (its output holds MAX_LOGPROBS; on CUDA only these are computed, kernels/logprobs.py)
         (self.logprobs_count,) = self.inputs.add_buffers([((1,), torch.int32)])
 
-    def _greedy_rows(self, bucket: int) -> None:
+    def greedy_rows(self, bucket: int) -> None:
         """Every row of a bucket greedy (graphs are captured over such a dummy batch)."""
         self.sample_temp[:bucket].fill_(1.0)
         self.sample_seed[:bucket].fill_(-1)
 
-    def _sampling_rows(self, plan, bucket: int) -> list:
+    def sampling_rows(self, plan, bucket: int) -> list:
         """(buffer, values) pairs of a sampled graph's per-request sampling; padding rows are
         greedy."""
         cols = np.zeros((5, bucket), np.float64)
@@ -110,17 +112,17 @@ class FusedSampling:
                 (self.sample_min_p, cols[3].astype(np.float32)),
                 (self.sample_seed, cols[4].astype(np.int64))]
 
-    def _mode_rows(self, plan, bucket: int, mode: str) -> list:
+    def mode_rows(self, plan, bucket: int, mode: str) -> list:
         """What a graph of `mode` stages per request, as (buffer, values) pairs: the sampling
         rows of a racing graph, a logprobs graph's count, the penalties of a penalized one
-        (FusedPenalties)."""
-        rows = self._sampling_rows(plan, bucket) if samples(mode) else []
+        (StepPenalties)."""
+        rows = self.sampling_rows(plan, bucket) if samples(mode) else []
         if with_logprobs(mode):
             rows.append((self.logprobs_count, np.array([max(
                 sr.request.sampling_params.logprobs or 0 for sr in plan.scheduled)], np.int32)))
-        return rows + (self._penalty_rows(plan, bucket) if penalized(mode) else [])
+        return rows + (self.penalties.rows(plan, bucket) if penalized(mode) else [])
 
-    def _sample(self, logits, ids, pos, bucket: int, q: int, mode: str) -> torch.Tensor:
+    def sample(self, logits, ids, pos, bucket: int, q: int, mode: str) -> torch.Tensor:
         """[n] tokens of a sampled graph from its [n, V] float32 logits (rows with input ids
         `ids` at positions `pos`; penalized in place on CUDA): greedy rows' argmax, the others'
         race (their temperature, and in a masked graph top-k, top-p, min-p; keyed by their seed
@@ -129,10 +131,10 @@ class FusedSampling:
         changes nothing), over the penalized logits in a penalized graph. Without masks the
         temperature, the keys and the noise are all in the argmax kernel."""
         if penalized(mode):
-            logits = self._penalize(logits, ids, bucket, q)
-        return self._sample_logits(logits, pos, bucket, q, masks=masked(mode))
+            logits = self.penalties.penalize(logits, ids, bucket, q)
+        return self.sample_logits(logits, pos, bucket, q, masks=masked(mode))
 
-    def _logprobs(self, logits, packed, bucket: int, q: int) -> torch.Tensor:
+    def logprobs(self, logits, packed, bucket: int, q: int) -> torch.Tensor:
         """[bucket, q, 1 + 2 * top] float32 from the rows' [n, V] raw logits: each row's
         emitted token's logprob (packed[:, :q]; garbage past the accepted count, where the host
         reads nothing), then the top values, then their ids (exact in float32: below 2^24), so
@@ -144,8 +146,8 @@ class FusedSampling:
         out = row_logprobs(logits, packed[:, :q].reshape(-1), top, self.logprobs_count)
         return out.view(bucket, q, 1 + 2 * top)
 
-    def _sample_logits(self, logits, pos, bucket: int, q: int, masks: bool) -> torch.Tensor:
-        """_sample from the [n, V] logits (n = bucket * q rows at positions pos)."""
+    def sample_logits(self, logits, pos, bucket: int, q: int, masks: bool) -> torch.Tensor:
+        """sample from the [n, V] logits (n = bucket * q rows at positions pos)."""
         def per_row(t):  # [bucket] -> [n], each request's value on its q rows
             return t[:bucket, None].expand(bucket, q).reshape(-1)
         temp, words = per_row(self.sample_temp), per_row(self.sample_seed)

@@ -79,10 +79,10 @@ from outpace.kernels.argmax import argmax_rows
 from outpace.kernels.norm import gather_rms_norm
 from outpace.runner.step_bookkeeping import accept, chained_inputs, loop_inputs
 from outpace.runner.chained_tables import ChainedTables
-from outpace.runner.fused_output import FusedOutput
-from outpace.runner.fused_penalties import FusedPenalties
-from outpace.runner.fused_prefill import FusedPrefill
-from outpace.runner.fused_sampling import (BASE_MODES, GREEDY, MODES, FusedSampling, penalized,
+from outpace.runner.fused_output import StepOutput
+from outpace.runner.fused_penalties import StepPenalties
+from outpace.runner.fused_prefill import PrefillGraphs
+from outpace.runner.fused_sampling import (BASE_MODES, GREEDY, MODES, StepSampling, penalized,
                                            samples, sampling_mode, with_logprobs)
 from outpace.speculative.base import DraftBatch
 from outpace.speculative.head_proposer import HeadProposer
@@ -98,7 +98,7 @@ class Launched:
     host: object  # where the output copy lands: pinned tensor (CUDA) or the output itself
     event: Optional[object]  # recorded after the output copy (CUDA)
     t_launch: float = 0.0  # host seconds spent launching (benchmarks)
-    prefill: bool = False  # a greedy prefill step's (launch_prefill), not a decode step's
+    prefill: bool = False  # a prefill step's (PrefillGraphs.launch), not a decode step's
     drafts: Optional[list] = None  # a relaunched step's draft count per row (host drafter)
     mode: str = "greedy"  # its graph's sampling (fused_sampling.MODES): its successors' too
     host_logprobs: Optional[object] = None  # a logprobs graph's second output, as `host`
@@ -108,7 +108,11 @@ class Launched:
         return self.key[2]
 
 
-class FusedStep(FusedPrefill, FusedSampling, FusedPenalties, FusedOutput):
+class FusedStep:
+    """The fused step, composed of parts that own their state: `sampling` (what a sampled graph
+    stages and draws), `penalties` (the penalty tables), `output` (host copies, StepResults)
+    and `prefill` (the graphs around a prefill)."""
+
     def __init__(self, runner):
         # Weak: the runner owns this step (see HeadProposer.bind for why no cycle)
         self.runner = weakref.proxy(runner)
@@ -129,15 +133,15 @@ class FusedStep(FusedPrefill, FusedSampling, FusedPenalties, FusedOutput):
         # Staged with the batch (InputBuffers.stage's extra): a row's drafts, and whether it is a
         # request, not padding; the prefill's tail reads the next two; a relaunched step
         # (host drafter) the host's drafts.
-        # A varlen step's head graph (FusedPrefill.varlen_drafts) the last two.
+        # A varlen step's head graph (PrefillGraphs.varlen_drafts) the last two.
         (self.num_drafts, self.real, self.prefill_next_ids, self.prefill_last_row,
          self.host_drafts, self.varlen_next_ids, self.varlen_last_rows) = self.inputs.add_buffers([
              ((m,), torch.long), ((m,), torch.bool),
              ((max(runner.graphs.prefill_q, default=1),), torch.long), ((1,), torch.long),
              ((m, kmax), torch.long), ((max(runner.graphs.varlen_t, default=1),), torch.long),
              ((m,), torch.long)])
-        self._init_sampling(m)
-        self._init_penalties(m)
+        self.penalties = StepPenalties(self.inputs, runner.model_cfg.vocab_size)
+        self.sampling = StepSampling(self.inputs, self.runner, self.penalties)
         self.loop_query_start = torch.arange(m + 1, dtype=torch.int32, device=dev)
         # What chaining carries from a step to the next (see the module docstring); a host
         # drafter's steps relaunch from the same carry instead.
@@ -154,10 +158,8 @@ class FusedStep(FusedPrefill, FusedSampling, FusedPenalties, FusedOutput):
         # two with penalties, and each of these with logprobs (fused_sampling.MODES)
         self._by_mode = {mode: {} for mode in MODES}
         self._by_mode[GREEDY] = self._captured
-        self._init_prefill(runner, dev)
+        self.prefill = PrefillGraphs(weakref.proxy(self))
         self._tables = ChainedTables(self.inputs.max_blocks)
-        self._host_out: dict = {}  # (shape, dtype, parity) -> pinned host tensor (_copy_out)
-        self._parity = 0  # two output buffers: step N's is read while N+1's copy is queued
         self.is_cuda = dev.type == "cuda"
         self.replays = 0  # steps served (tests read it)
         self.chained = 0  # of which launched from the previous step's outputs
@@ -166,6 +168,7 @@ class FusedStep(FusedPrefill, FusedSampling, FusedPenalties, FusedOutput):
         # Host seconds summed over steps (benchmarks read it): copying inputs and launching,
         # waiting for the output copy, turning it into the StepResult.
         self.timing = {"launch_s": 0.0, "wait_s": 0.0, "unpack_s": 0.0}
+        self.output = StepOutput(self.runner, self.head, self.host_drafter)
 
     def capture_common(self) -> None:
         """Capture ahead what steady decoding uses: every bucket x every verify length, with
@@ -220,10 +223,10 @@ class FusedStep(FusedPrefill, FusedSampling, FusedPenalties, FusedOutput):
         nd = np.zeros(bucket, np.int64)
         nd[:b] = [len(sr.draft_token_ids) for sr in plan.scheduled]
         extra = [(self.num_drafts, nd), (self.real, np.arange(bucket) < b)]
-        extra += self._mode_rows(plan, bucket, mode)
+        extra += self.sampling.mode_rows(plan, bucket, mode)
         self.graphs.load_padded(hb, full_width=True, extra=tuple(extra))
         if penalized(mode):
-            self._fill_penalty_tables(plan, bucket)
+            self.penalties.fill_tables(plan, bucket)
         rows = [sr.request.request_id for sr in plan.scheduled]
         launched = self._replay(key, rows, t0, entry=table[key])
         launched.mode = mode
@@ -277,6 +280,33 @@ class FusedStep(FusedPrefill, FusedSampling, FusedPenalties, FusedOutput):
         launched.mode = prev.mode
         return launched
 
+    def collect(self, launched, plan) -> StepResult:
+        """Wait for the step's output copy and turn it into the StepResult of `plan` (the
+        requests of launched.rows that are still running, in that order)."""
+        t1 = time.perf_counter()
+        if launched.event is not None:
+            while not launched.event.query():  # poll: waits for this step only
+                pass
+        t2 = time.perf_counter()
+        out = launched.host.numpy()  # sync-ok: host memory, its copy was waited for above
+        row_of = {rid: i for i, rid in enumerate(launched.rows)}
+        order = [row_of[sr.request.request_id] for sr in plan.scheduled]
+        out = out[order]
+        logprobs = None
+        if launched.host_logprobs is not None:
+            logprobs = launched.host_logprobs.numpy()[order]  # sync-ok: waited for above
+        _, q, kd, _ = launched.key
+        result = self.output.result(plan, out, q, kd, logprobs)
+        if launched.prefill:  # the counters and timings below are decode steps'
+            return result
+        self.replays += 1
+        self.mode_steps[launched.mode] += 1
+        tm = self.timing
+        tm["launch_s"] += launched.t_launch
+        tm["wait_s"] += t2 - t1
+        tm["unpack_s"] += time.perf_counter() - t2
+        return result
+
     def relaunch_q(self, longest: int) -> Optional[int]:
         """Query length of a relaunched step whose longest draft is `longest` tokens."""
         return next((q for q in self.graphs.q_lens if q > longest), None)
@@ -296,9 +326,9 @@ class FusedStep(FusedPrefill, FusedSampling, FusedPenalties, FusedOutput):
         if not self.is_cuda:  # CPU stand-in: the "graph" already ran
             return Launched(key, rows, packed.clone(), None, time.perf_counter() - t0, prefill,
                             host_logprobs=None if logprobs is None else logprobs.clone())
-        host = self._copy_out(packed)  # the step's device -> host copy
-        host_logprobs = None if logprobs is None else self._copy_out(logprobs)
-        self._parity ^= 1
+        host = self.output.copy_out(packed)  # the step's device -> host copy
+        host_logprobs = None if logprobs is None else self.output.copy_out(logprobs)
+        self.output.flip()
         event = torch.cuda.Event()
         event.record()
         return Launched(key, rows, host, event, time.perf_counter() - t0, prefill,
@@ -336,7 +366,7 @@ class FusedStep(FusedPrefill, FusedSampling, FusedPenalties, FusedOutput):
         if with_logprobs(mode):  # raw: as they were before the penalties change them in place
             raw = logits.clone() if penalized(mode) else logits
         if samples(mode):
-            target = self._sample(logits, ids, pos, bucket, q, mode)
+            target = self.sampling.sample(logits, ids, pos, bucket, q, mode)
         else:
             target = (self.model.greedy_tokens(hidden) if logits is None
                       else argmax_rows(logits))
@@ -358,9 +388,9 @@ class FusedStep(FusedPrefill, FusedSampling, FusedPenalties, FusedOutput):
                                             packed, u, mean or 0.0,
                                             head=self.head is not None, carry=carry)
         if penalized(mode):  # what the next step's penalties read (fused_penalties.py)
-            self._count_emitted(packed, q, bucket)
+            self.penalties.count_emitted(packed, q, bucket)
         if raw is not None:
-            logprobs = self._logprobs(raw, packed, bucket, q)
+            logprobs = self.sampling.logprobs(raw, packed, bucket, q)
         if self.head is not None:
             # the drafts go to the output and to the next chained step's rows 1 .. kd
             outs = (packed[:, q + 1:],) + ((self.carry_tokens[:bucket, 1:1 + kd],)
@@ -408,7 +438,7 @@ class FusedStep(FusedPrefill, FusedSampling, FusedPenalties, FusedOutput):
             self._by_mode[mode][key] = self._capture(*key, mode=mode)
             return
         if penalized(mode):
-            self._penalty_tables()
+            self.penalties.ensure_tables()
         bucket, q, kd, _ = key
         keys = [key]
         if self.chainable and self.next_q(kd) in self.graphs.q_lens:
@@ -427,8 +457,8 @@ class FusedStep(FusedPrefill, FusedSampling, FusedPenalties, FusedOutput):
         self.real[:bucket].zero_()  # chained: every row is padding (slot -1)
         self.carry_pos[:bucket].zero_()
         self.carry_tokens[:bucket].zero_()
-        self._greedy_rows(bucket)  # the dummy batch samples nothing...
-        self._no_penalty_rows(bucket)  # ...and has no penalties
+        self.sampling.greedy_rows(bucket)  # the dummy batch samples nothing...
+        self.penalties.neutral_rows(bucket)  # ...and has no penalties
         fn = lambda: self._compute(bucket, q, kd, chained, mode)  # noqa: E731
         graph, packed = self.graphs.capture(fn)
         return graph, packed

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
@@ -43,6 +44,19 @@ def make_backend(kv_cache, model_cfg, device: torch.device):
     return TorchRefBackend(*args)
 
 
+# The five ways a step runs (ModelRunner.choose_path decides; launch / chain / relaunch run
+# FUSED steps, and prefill steps of PREFILL_GRAPH, launched like them, with overlap).
+FUSED, DECODE_GRAPH, PREFILL_GRAPH, VARLEN_GRAPH, EAGER = (
+    "fused", "decode_graph", "prefill_graph", "varlen_graph", "eager")
+STEP_PATHS = (FUSED, DECODE_GRAPH, PREFILL_GRAPH, VARLEN_GRAPH, EAGER)
+
+
+@dataclass(frozen=True)
+class StepPath:
+    kind: str  # one of STEP_PATHS
+    size: Optional[int] = None  # the graph's query length (fused, decode, prefill) or T (varlen)
+
+
 def _under_kernel_options(method):
     """Run a ModelRunner method with the runner's KernelOptions in force (kernels/options.py):
     every kernel it launches or captures into a graph follows them."""
@@ -58,6 +72,7 @@ class ModelRunner:
                  max_num_tokens: int, max_num_seqs: int, device: torch.device, kv_dtype,
                  proposer=None, seed: int = 0, kernel_options: KernelOptions = KernelOptions()):
         self.kernel_options = kernel_options
+        self.path_steps = {kind: 0 for kind in STEP_PATHS}  # synchronous steps by path (tests)
         self.model = model
         self.model_cfg = model_cfg
         self.device = device
@@ -108,7 +123,7 @@ class ModelRunner:
         self.graphs.capture_all()
         from outpace.runner.fused_step import FusedStep
         self.fused = FusedStep(self)
-        self.fused.capture_prefill_graphs()
+        self.fused.prefill.capture()
         if capture_fused:
             self.fused.capture_common()
 
@@ -144,7 +159,7 @@ class ModelRunner:
     # ---- overlap (see runner/fused_step.py and LLMEngine.step) -----------------------------
     def can_launch(self, plan: StepPlan) -> bool:
         """Whether plan can run as a fused step launched now and collected later: a decode
-        step, or a greedy prefill step (FusedStep.launch_prefill) that the first decode step
+        step, or a greedy prefill step (PrefillGraphs.launch) that the first decode step
         then chains from. A host drafter's decode steps too: they are relaunched, not chained
         (FusedStep.relaunch)."""
         fused = self.fused
@@ -154,7 +169,7 @@ class ModelRunner:
         if self._graph_q(plan) is not None:
             return True
         q = self._prefill_graph_q(plan)
-        return q is not None and self.fused.can_launch_prefill(plan, q)
+        return q is not None and self.fused.prefill.can_launch(plan, q)
 
     @_under_kernel_options
     def launch(self, plan: StepPlan):
@@ -162,7 +177,7 @@ class ModelRunner:
         if q is not None:
             return self.fused.launch(plan, self._host_batch(plan, q), q)
         q = self._prefill_graph_q(plan)
-        return self.fused.launch_prefill(plan, self._host_batch(plan, q), q)
+        return self.fused.prefill.launch(plan, self._host_batch(plan, q), q)
 
     @_under_kernel_options
     def chain(self, launched, block_tables: list):
@@ -193,26 +208,42 @@ class ModelRunner:
                 rows.append((toks, start, sr.block_ids, offsets))
         return build_host_batch(rows, self.block_size)
 
-    @torch.inference_mode()
-    @_under_kernel_options
-    def execute(self, plan: StepPlan) -> StepResult:
+    def choose_path(self, plan: StepPlan):
+        """The one place that decides how a step runs -> (StepPath, its host batch): the fused
+        step's graph (a decode or verify step the fused step accepts), a decode graph (one
+        it doesn't), a prefill graph (one request's prefill chunk), a varlen graph (any other
+        step that fits one), or eagerly."""
         q_graph = self._graph_q(plan)
         q_prefill = self._prefill_graph_q(plan) if q_graph is None else None
         hb = self._host_batch(plan, q_graph or q_prefill)
-        if q_graph is not None and self.fused is not None and self.fused.accepts(plan):
-            return self.fused.execute(plan, hb, q_graph)
-        # Any other step (several prefill chunks, chunks beside decodes): a varlen graph
-        t_varlen = (self.graphs.varlen_t_for(len(hb.input_ids), len(hb.seq_lens))
-                    if q_graph is None and q_prefill is None and self.graphs is not None
-                    else None)
         if q_graph is not None:
+            fused = self.fused is not None and self.fused.accepts(plan)
+            return StepPath(FUSED if fused else DECODE_GRAPH, q_graph), hb
+        if q_prefill is not None:
+            return StepPath(PREFILL_GRAPH, q_prefill), hb
+        if self.graphs is not None:  # several prefill chunks, chunks beside decodes
+            t = self.graphs.varlen_t_for(len(hb.input_ids), len(hb.seq_lens))
+            if t is not None:
+                return StepPath(VARLEN_GRAPH, t), hb
+        return StepPath(EAGER), hb
+
+    @torch.inference_mode()
+    @_under_kernel_options
+    def execute(self, plan: StepPlan) -> StepResult:
+        path, hb = self.choose_path(plan)
+        self.path_steps[path.kind] += 1
+        if path.kind == FUSED:
+            return self.fused.execute(plan, hb, path.size)
+        q_prefill = path.size if path.kind == PREFILL_GRAPH else None
+        t_varlen = path.size if path.kind == VARLEN_GRAPH else None
+        if path.kind == DECODE_GRAPH:
             hidden, aux, logits, meta = self.graphs.run(hb)
-        elif q_prefill is not None:
+        elif path.kind == PREFILL_GRAPH:
             hidden, aux, logits, meta = self.graphs.run_prefill(hb)
-        elif t_varlen is not None:
+        elif path.kind == VARLEN_GRAPH:
             hidden, aux, logits, meta = self.graphs.run_varlen(hb, t_varlen,
                                                                self.model.compute_logits)
-        if q_graph is not None or q_prefill is not None or t_varlen is not None:
+        if path.kind != EAGER:
             t = len(hb.input_ids)
             ids, pos = self.inputs.input_ids[:t], self.inputs.positions[:t]
         else:
@@ -267,11 +298,11 @@ class ModelRunner:
         try:
             drafts = None
             if q_prefill is not None and self.fused is not None:
-                one = self.fused.prefill_drafts(q_prefill, next_ids, last_rows[0], ks[0],
+                one = self.fused.prefill.drafts(q_prefill, next_ids, last_rows[0], ks[0],
                                                 plan.draft_batch_size)
                 drafts = None if one is None else [one]
             elif t_varlen is not None and self.fused is not None:
-                drafts = self.fused.varlen_drafts(t_varlen, next_ids, last_rows, ends, ks)
+                drafts = self.fused.prefill.varlen_drafts(t_varlen, next_ids, last_rows, ends, ks)
             if drafts is None:
                 batch = DraftBatch(
                     requests=reqs, committed=committed, row_start=starts, row_end=ends,

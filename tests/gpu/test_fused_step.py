@@ -80,7 +80,7 @@ def test_graph_replay_equals_eager(cuda_loaded, cuda_heads, method, k, opts, ove
     assert graphed.runner.fused.replays > 20
     # the five prompts' prefill step: several requests, a varlen graph (and the head's graph)
     assert graphed.runner.graphs.varlen_replays >= 1
-    assert graphed.runner.fused.varlen_head_replays >= (method in ("eagle3", "mtp"))
+    assert graphed.runner.fused.prefill.varlen_head_replays >= (method in ("eagle3", "mtp"))
     assert graphed.stats()["spec"] == eager.stats()["spec"]
     chained = graphed.runner.fused.chained
     assert chained > 10 if overlap and method != "ngram" else chained == 0
@@ -141,7 +141,7 @@ def test_varlen_graphs_with_arrivals_equal_eager(cuda_loaded, cuda_heads, method
     assert got_drafts == want_drafts
     assert eng.runner.graphs.varlen_replays >= 5
     if method in ("eagle3", "mtp"):
-        assert eng.runner.fused.varlen_head_replays >= 5
+        assert eng.runner.fused.prefill.varlen_head_replays >= 5
 
 
 @pytest.mark.parametrize("method,k,opts", [(None, 0, {}), ("ngram", 3, {}),

@@ -96,8 +96,8 @@ def test_logprobs_prefill_tail_equals_eager(cuda_loaded, cuda_heads, method, k):
     fused = graphed.runner.fused
     prompts = repetitive_prompts(len(PARAMS), 13)
     for n, (prompt, p) in enumerate(zip(prompts, PARAMS)):
-        launches = fused.prefill_launches
+        launches = fused.prefill.launches
         got, want = outputs(graphed, [prompt], [p]), outputs(eager, [prompt], [p])
         assert [t for t, _ in got] == [t for t, _ in want], n
         assert all(close(a, b) for (_, a), (_, b) in zip(got, want)), n
-        assert fused.prefill_launches - launches == 1, n
+        assert fused.prefill.launches - launches == 1, n

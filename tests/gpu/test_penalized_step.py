@@ -131,6 +131,6 @@ def test_penalized_prefill_launched_like_a_decode_step(cuda_loaded, cuda_heads, 
     fused = graphed.runner.fused
     params = [p for p in KINDS[mode] if p.needs_penalties]
     for n, (prompt, p) in enumerate(zip(repetitive_prompts(3, 14), params * 2)):
-        launches, chained = fused.prefill_launches, fused.chained
+        launches, chained = fused.prefill.launches, fused.chained
         assert run_batch(graphed, [prompt], p) == run_batch(eager, [prompt], p), n
-        assert fused.prefill_launches - launches == 1 and fused.chained - chained >= 5
+        assert fused.prefill.launches - launches == 1 and fused.chained - chained >= 5

@@ -109,9 +109,9 @@ def test_sampled_prefill_launched_like_a_decode_step(cuda_loaded, cuda_heads, me
     for n, (prompt, p) in enumerate(zip(repetitive_prompts(3, 14), params_for(range(5), mode))):
         if p.temperature == 0:
             continue
-        launches, chained = fused.prefill_launches, fused.chained
+        launches, chained = fused.prefill.launches, fused.chained
         assert run_batch(graphed, [prompt], p) == run_batch(eager, [prompt], p), n
-        assert fused.prefill_launches - launches == 1 and fused.chained - chained >= 10
+        assert fused.prefill.launches - launches == 1 and fused.chained - chained >= 10
 
 
 @pytest.mark.parametrize("method,k", CASES[1:], ids=[f"{m}-k{k}" for m, k in CASES[1:]])

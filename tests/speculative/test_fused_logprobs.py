@@ -87,11 +87,11 @@ def test_logprobs_prefill_launched_like_a_decode_step(tiny_loaded, tiny_heads,
         if p.logprobs is None:
             continue
         own = sampling_mode([p])
-        launches, chained, steps = fused.prefill_launches, fused.chained, fused.mode_steps[own]
+        launches, chained, steps = fused.prefill.launches, fused.chained, fused.mode_steps[own]
         got = run_batch_outputs(eng, [prompt], p)[0]
         want = run_batch_outputs(eager, [prompt], p)[0]
         assert got.token_ids == want.token_ids, n
         assert close(got.outputs[0].logprobs, want.outputs[0].logprobs), n
         assert len(got.outputs[0].logprobs) == len(got.token_ids) == p.max_tokens
-        assert fused.prefill_launches - launches == 1, (n, own)
+        assert fused.prefill.launches - launches == 1, (n, own)
         assert fused.chained - chained >= 1 and fused.mode_steps[own] - steps >= 5

@@ -146,7 +146,7 @@ def test_tables_refilled_after_steps_off_the_graphs(tiny_loaded, tiny_heads,
     assert got == want
     fused = eng.runner.fused
     assert fused.mode_steps[SAMPLE_PENALIZED] > 5
-    assert fused.replays + fused.prefill_launches < steps, "no step left the graphs"
+    assert fused.replays + fused.prefill.launches < steps, "no step left the graphs"
 
 
 @pytest.mark.parametrize("method,k,mode", [(None, 0, MASKED_PENALIZED),
@@ -178,9 +178,9 @@ def test_penalized_prefill_launched_like_a_decode_step(tiny_loaded, tiny_heads,
     assert first != free, "the prompt's penalties moved no first token"
     for n, (prompt, p) in enumerate(zip(prompts, params * 2)):
         own = sampling_mode([p])  # (a greedy request with penalties: sample+penalties)
-        launches, chained, steps = fused.prefill_launches, fused.chained, fused.mode_steps[own]
+        launches, chained, steps = fused.prefill.launches, fused.chained, fused.mode_steps[own]
         got = run_batch(eng, [prompt], p)
         assert got == run_batch(eager, [prompt], p), n
-        assert fused.prefill_launches - launches == 1, (n, len(prompt))
+        assert fused.prefill.launches - launches == 1, (n, len(prompt))
         assert fused.chained - chained >= 1 and fused.mode_steps[own] - steps >= 5
     assert eng.stats()["spec"] == eager.stats()["spec"]

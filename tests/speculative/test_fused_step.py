@@ -148,7 +148,7 @@ def test_prefill_head_graph_equals_eager(tiny_loaded, tiny_heads, fake_graph_cap
     assert fused.outputs == eager.outputs
     assert got == want, "the prefill-head graph's drafts differ from the eager head's"
     # every prefill step of the fused engine: 2 chunks for each of the 3 long prompts, 1 short
-    assert fused.engine.runner.fused.prefill_replays == 7
+    assert fused.engine.runner.fused.prefill.replays == 7
     assert any(d for step in got[:2] for d in step.values())  # the first prefill drafted
 
 
@@ -272,10 +272,10 @@ def test_sampled_prefill_launched_like_a_decode_step(tiny_loaded, tiny_heads,
               else [SamplingParams(temperature=t, seed=s, **hot)
                     for t, s in ((4.0, 1), (5.0, None), (3.0, 2))])
     for n, (prompt, p) in enumerate(zip(prompts, params)):
-        launches, chained, steps = fused.prefill_launches, fused.chained, fused.mode_steps[mode]
+        launches, chained, steps = fused.prefill.launches, fused.chained, fused.mode_steps[mode]
         got = run_batch(eng, [prompt], p)
         assert got == run_batch(eager, [prompt], p), n
-        assert fused.prefill_launches - launches == 1, (n, len(prompt))
+        assert fused.prefill.launches - launches == 1, (n, len(prompt))
         assert fused.chained - chained >= 1 and fused.mode_steps[mode] - steps >= 5
     assert eng.stats()["spec"] == eager.stats()["spec"]
 
@@ -360,7 +360,7 @@ def test_steps_chain_up_to_max_tokens(tiny_loaded, tiny_heads, fake_graph_captur
     (its tokens past it are dropped): at every max_tokens around a step boundary, without
     drafts and with every draft accepted (force-accept at mean k + 1, as the benchmark's
     k = 2 rows), no decode step is launched from the host: the prefill step is launched like
-    one (FusedStep.launch_prefill) and the first decode step chains from it. Greedy with random
+    one (PrefillGraphs.launch) and the first decode step chains from it. Greedy with random
     heads (drafts mostly rejected): outputs and acceptance statistics equal the eager
     engine's, and the statistics count no draft past max_tokens."""
     if force and not method:
@@ -374,11 +374,11 @@ def test_steps_chain_up_to_max_tokens(tiny_loaded, tiny_heads, fake_graph_captur
     for max_tokens in range(3 * (k + 1) + 1, 4 * (k + 1) + 2):  # 3 full steps, then 0 .. k + 1
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         replays, chained, stats = fused.replays, fused.chained, eng.stats()["spec"]
-        prefills = fused.prefill_launches
+        prefills = fused.prefill.launches
         got = run_batch(eng, [prompt], params)
         assert len(got[0]) == max_tokens
         replays, chained = fused.replays - replays, fused.chained - chained
-        assert fused.prefill_launches - prefills == 1
+        assert fused.prefill.launches - prefills == 1
         accepted = eng.stats()["spec"]["num_accepted_tokens"] - stats["num_accepted_tokens"]
         if force:  # every step kept k + 1 tokens but the last, which kept what was left
             assert replays == -(-(max_tokens - 1) // (k + 1))
@@ -394,7 +394,7 @@ def test_steps_chain_up_to_max_tokens(tiny_loaded, tiny_heads, fake_graph_captur
 def test_prefill_launched_like_a_decode_step(tiny_loaded, tiny_heads, fake_graph_capture,
                                              method, k):
     """A greedy single-request prefill is launched like a decode step (FusedStep's
-    launch_prefill) and the first decode step chains from it: it is in flight when the step
+    PrefillGraphs.launch) and the first decode step chains from it: it is in flight when the step
     that committed the first token returns. At the edges too: one token wanted (nothing to
     chain), the first token a stop token (the chained step is launched, then drained), a
     prefix-cache hit (the chunk starts past 0) and a prompt over the token budget (only its
@@ -414,12 +414,12 @@ def test_prefill_launched_like_a_decode_step(tiny_loaded, tiny_heads, fake_graph
              (short, GREEDY, 1, True), (long, GREEDY, 1, True)]  # 4th: a prefix hit
     for n, (prompt, params, want_chained, want_inflight) in enumerate(cases):
         eng.add_request(f"p{n}", prompt, params)
-        launches, chained = fused.prefill_launches, fused.chained
+        launches, chained = fused.prefill.launches, fused.chained
         tokens, outs = None, []
         while tokens is None:  # the prefill's steps, up to the one that samples
             outs += eng.step()
             tokens = next((o.token_ids for o in outs if o.token_ids), None)
-        assert fused.prefill_launches - launches == 1, (n, len(prompt))
+        assert fused.prefill.launches - launches == 1, (n, len(prompt))
         assert (fused.chained - chained, eng._inflight is not None) == (want_chained,
                                                                          want_inflight)
         while eng.has_unfinished_requests():
@@ -443,8 +443,8 @@ def test_host_launched_graphs_prime_pdl_and_chained_steps_do_not(tiny_loaded, ti
                       overlap=True)
     enable_graphs(eng, k)
     fused, graphs = eng.runner.fused, eng.runner.graphs
-    before = (fused.prefill_launches, graphs.varlen_replays,
-              fused.prefill_replays + fused.varlen_head_replays)
+    before = (fused.prefill.launches, graphs.varlen_replays,
+              fused.prefill.replays + fused.prefill.varlen_head_replays)
     events, devices, sites = [], [], []  # events: "prime", "chained" (a chained step's
     # replay next), "replay"
 
@@ -473,12 +473,12 @@ def test_host_launched_graphs_prime_pdl_and_chained_steps_do_not(tiny_loaded, ti
     # the sites (KernelOptions.pdl_prime_skip decides which of them launch the primer): a varlen step,
     assert graphs.varlen_replays > before[1] and "varlen" in sites
     if method == "eagle3":  # the head's graph after it,
-        assert fused.prefill_replays + fused.varlen_head_replays > before[2]
+        assert fused.prefill.replays + fused.prefill.varlen_head_replays > before[2]
         assert "head" in sites
     assert "step" in sites  # host-launched steps
     if fused.chainable:  # chained steps (no prime), a fused prefill
         assert events.count("chained") > 10
-        assert fused.prefill_launches > before[0] and "prefill" in sites
+        assert fused.prefill.launches > before[0] and "prefill" in sites
     else:  # a host drafter's steps are relaunched from the host: each primes
         assert fused.relaunched > 10 and fused.chained == 0 and "chained" not in events
     assert all(d == eng.runner.device for d in devices)

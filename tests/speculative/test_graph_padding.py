@@ -26,6 +26,11 @@ def test_graph_padding_matches_eager(tiny_loaded, fake_graph_capture, spec):
     assert got == want
     assert replays, "no step went through a graph"
     assert 3 in replays, "a batch of 3 (padded to bucket 4) should have replayed"
+    # ModelRunner.choose_path names each step's path: the eager engine's are all eager
+    steps = eager.runner.path_steps
+    assert steps["eager"] > 0 and sum(steps.values()) == steps["eager"]
+    steps = graphed.runner.path_steps
+    assert steps["decode_graph"] == len(replays) and steps["fused"] == 0
 
 
 def _count_prefill_replays(engine) -> list:

@@ -52,8 +52,8 @@ def test_varlen_graphs_equal_eager(tiny_loaded, tiny_heads, fake_graph_capture, 
     assert graphs.varlen_replays >= 5, "no step ran in a varlen graph"
     if method in ("eagle3", "mtp"):  # the head's pass and drafts after them: graphs too
         fused = graphed.engine.runner.fused
-        assert fused.varlen_head_replays >= 5
-        assert {kd for _, kd in fused._varlen_heads} == {0, k}
+        assert fused.prefill.varlen_head_replays >= 5
+        assert {kd for _, kd in fused.prefill.varlen_heads} == {0, k}
     assert graphed.stats["num_preemptions_total"] > 0  # the scenario happened
     assert graphed.engine.kv.prefix_cache_hit_tokens > 0
     if checker is not None:
@@ -91,8 +91,8 @@ def test_prompts_filling_every_slot_still_take_a_varlen_graph(tiny_loaded, tiny_
     assert max(eng.runner.graphs.buckets) == 4
     if method is not None:  # the head's graph after it drafts for the scheduler's 4 slots
         fused = eng.runner.fused
-        assert fused.varlen_head_replays >= 1
-        assert {outs[0].shape[0] for _, outs in fused._varlen_heads.values() if outs} == {4}
+        assert fused.prefill.varlen_head_replays >= 1
+        assert {outs[0].shape[0] for _, outs in fused.prefill.varlen_heads.values() if outs} == {4}
 
 
 def test_varlen_padding_is_sequences_of_its_own(tiny_loaded, fake_graph_capture):
