@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import os
@@ -135,6 +136,24 @@ def build_engine(cls, model: str, *, device: str = "auto", dtype: str = "auto",
     num_blocks = size_kv(cache_cfg, model_cfg, num_slots, runner_cfg.torch_kv_cache_dtype,
                          torch_device)
     lookahead = proposer.num_lookahead_tokens if proposer else 0
+    # One request of the whole context must fit the pool (block 0 is the null block), or the
+    # engine would advertise a context it cuts short.
+    fits = (num_blocks - 1) * block_size - lookahead
+    if fits < config.max_model_len:
+        where = ("num_kv_blocks (--num-kv-blocks)" if num_kv_blocks is not None
+                 else "memory_fraction (or set num_kv_blocks)")
+        if max_model_len is not None or fits < 2:
+            less = f", less {lookahead} of draft lookahead" if lookahead else ""
+            raise ConfigError(
+                f"the KV cache holds {max(fits, 0)} tokens of one request ({num_blocks - 1} "
+                f"blocks of {block_size}{less}), fewer than max_model_len="
+                f"{config.max_model_len}: raise {where} or lower max_model_len "
+                f"(--max-model-len)")
+        log.warning("the KV cache holds %d tokens of one request, fewer than the model's %d "
+                    "positions: max_model_len is %d (raise %s for more)", fits,
+                    config.max_model_len, fits, where)
+        sched_cfg = dataclasses.replace(sched_cfg, max_model_len=fits)
+        config = dataclasses.replace(config, scheduler=sched_cfg)
     kv = KVCacheManager(cache_cfg, num_blocks, config.max_model_len,
                         **({"trim_last_matched_block": True}
                            if proposer is not None and proposer.num_kv_layers else {}))

@@ -30,3 +30,19 @@ def test_bad_engine_arguments_fail_before_the_model_loads(kw, msg):
     with pytest.raises(ConfigError, match=msg):
         LLMEngine.from_args("/no/such/model/either", device="cpu", **kw)
     assert time.perf_counter() - t < 2.0
+
+
+def test_a_pool_smaller_than_the_context_caps_it_or_is_an_error(caplog):
+    """The engine never advertises a context its KV pool can't hold for one request: without a
+    max_model_len it caps the context (and warns), with one it refuses (issue 38)."""
+    from tests.engine_helpers import make_engine
+    from tests.speculative.spec_helpers import tiny_target
+    loaded = tiny_target()
+    positions = loaded[1].max_position_embeddings
+    eng = make_engine(loaded, num_kv_blocks=5)  # 4 usable blocks of 16
+    assert positions > 64 and eng.config.max_model_len == 64 == eng.max_model_len
+    assert "the KV cache holds 64 tokens of one request" in caplog.text
+    with pytest.raises(ConfigError, match=r"holds 64 tokens .*fewer than max_model_len=100: "
+                                          r"raise num_kv_blocks"):
+        make_engine(loaded, num_kv_blocks=5, max_model_len=100)
+    assert make_engine(loaded, num_kv_blocks=5, max_model_len=64).max_model_len == 64
