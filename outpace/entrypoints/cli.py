@@ -99,22 +99,31 @@ def sampling_params(a: argparse.Namespace):
                           top_k=a.top_k, min_p=a.min_p, seed=a.sample_seed)
 
 
-def _stream(engine, request_id: str, prompt_ids: list, params, out) -> object:
-    """Run one request to the end, writing its text to `out` as it grows."""
+def _stream(engine, request_id: str, prompt_ids: list, params, out) -> tuple:
+    """Run one request to the end, writing its text to `out` as it grows -> (its last output,
+    whether Ctrl-C stopped it: the request is then aborted and its text so far kept)."""
     engine.add_request(request_id, prompt_ids, params)
-    shown, final, t0 = 0, None, time.perf_counter()
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            if o.request_id != request_id:
-                continue
-            out.write(o.text[shown:])
-            out.flush()
-            shown = len(o.text)
-            if o.finished:
-                final = o
+    shown, last, t0 = 0, None, time.perf_counter()
+    try:
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                if o.request_id != request_id:
+                    continue
+                out.write(o.text[shown:])
+                out.flush()
+                shown = len(o.text)
+                last = o
+        interrupted = False
+    except KeyboardInterrupt:
+        engine.abort_request(request_id)
+        while engine.has_unfinished_requests():  # let the engine release it
+            engine.step()
+        out.write(" [interrupted]")
+        interrupted = True
     out.write("\n")
-    final.metrics["wall_s"] = time.perf_counter() - t0
-    return final
+    if last is not None:
+        last.metrics["wall_s"] = time.perf_counter() - t0
+    return last, interrupted
 
 
 def _print_stats(o, err) -> None:
@@ -141,11 +150,11 @@ def _prompt_ids(engine, text: str, raw: bool) -> list:
 def cmd_generate(a) -> int:
     from outpace.engine.engine import LLMEngine
     engine = LLMEngine.from_args(a.model, **engine_kwargs(a))
-    final = _stream(engine, "cli-0", _prompt_ids(engine, a.prompt, a.raw), sampling_params(a),
-                    sys.stdout)
-    if a.spec_stats or not a.quiet:
+    final, interrupted = _stream(engine, "cli-0", _prompt_ids(engine, a.prompt, a.raw),
+                                 sampling_params(a), sys.stdout)
+    if final is not None and (a.spec_stats or not a.quiet):
         _print_stats(final, sys.stderr)
-    return 0
+    return 130 if interrupted else 0
 
 
 def cmd_chat(a) -> int:
@@ -171,14 +180,19 @@ def cmd_chat(a) -> int:
         ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True),
                          add_special_tokens=False)
         try:
-            final = _stream(engine, f"chat-{turn}", ids, sampling_params(a), sys.stdout)
+            final, interrupted = _stream(engine, f"chat-{turn}", ids, sampling_params(a),
+                                         sys.stdout)
         except OutpaceError as e:  # e.g. the conversation outgrew the context
-            print(f"error: {e}", file=sys.stderr)
+            print(f"error: {e}\n(/reset starts a new conversation)", file=sys.stderr)
             messages.pop()
             continue
         turn += 1
-        messages.append({"role": "assistant", "content": final.text})
-        if a.spec_stats:
+        # an interrupted answer stays in the conversation as far as it got
+        messages.append({"role": "assistant", "content": final.text if final else ""})
+        if interrupted:
+            print("(stopped; the conversation goes on: type the next message, /reset or /exit)",
+                  file=sys.stderr)
+        elif a.spec_stats:
             _print_stats(final, sys.stderr)
 
 

@@ -291,6 +291,17 @@ def _mtp_config(config: dict, target_cfg: ModelConfig, path) -> tuple:
     return layer, n
 
 
+def _method_of(config: dict, tensors: dict):
+    """'eagle3' or 'mtp' when a head's files say which kind they are (its architecture, or
+    tensors only that kind has), else None."""
+    arch = " ".join(str(a) for a in config.get("architectures") or [])
+    if "Eagle3" in arch or "d2t" in tensors or any(n.startswith("fc.") for n in tensors):
+        return "eagle3"
+    if config.get("num_nextn_predict_layers") or any(".eh_proj." in n for n in tensors):
+        return "mtp"
+    return None
+
+
 def load_draft_head(method: str, path: Union[str, Path], target_cfg: ModelConfig,
                     first_layer_slot: int, dtype=torch.float32, device="cpu", weight_dtype=None):
     """Load an EAGLE-3 (`method='eagle3'`) or MTP (`'mtp'`) head for `target_cfg`.
@@ -306,6 +317,13 @@ def load_draft_head(method: str, path: Union[str, Path], target_cfg: ModelConfig
                           f"{', '.join(DRAFT_METHODS)}")
     path = Path(path)
     config, tensors = _read_folder(path)
+    other = _method_of(config, tensors)
+    if other is not None and other != method:
+        flag = {"eagle3": "--spec eagle3 (speculative_config method 'eagle3')",
+                "mtp": "--spec mtp (speculative_config method 'mtp')"}[other]
+        kind = {"eagle3": "an EAGLE-3", "mtp": "an MTP"}
+        raise ModelLoadError(f"draft head {path} is {kind[other]} head, not {kind[method]} "
+                             f"one: use it with {flag}")
     if method == "eagle3":
         # vLLM-style exports name the one layer layers.0 instead of midlayer
         tensors = {("midlayer." + n[len("layers.0."):] if n.startswith("layers.0.") else n): t

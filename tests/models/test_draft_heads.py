@@ -604,3 +604,13 @@ def test_side_by_side_views_join_without_a_copy():
     assert side_by_side(parts[:2]) is None  # the rows hold a third block
     other = torch.arange(24.0).view(2, 12)
     assert side_by_side([parts[0], other[:, 4:8], parts[2]]) is None
+
+
+@pytest.mark.parametrize("made,asked", [("mtp", "eagle3"), ("eagle3", "mtp")])
+def test_a_head_of_the_other_kind_is_named_as_such(tmp_path, made, asked):
+    cfg = target_config()
+    out = make_head(tmp_path, made, cfg)
+    kind = {"eagle3": "an EAGLE-3", "mtp": "an MTP"}
+    with pytest.raises(ModelLoadError, match=f"is {kind[made]} head, not {kind[asked]} one: use "
+                                             f"it with --spec {made}"):
+        load_draft_head(asked, out, cfg, first_layer_slot=L)

@@ -58,3 +58,38 @@ def test_narrow_storage_dtype_flags(key, bad):
     assert kw["dtype"] == "float32" and kw[key] == "bfloat16"
     with pytest.raises(SystemExit):  # argparse rejects an unknown choice
         _kwargs(flag, bad)
+
+
+def test_ctrl_c_stops_the_answer_and_keeps_what_it_wrote():
+    """Ctrl-C while a request streams aborts it (the engine releases it) and returns the text so
+    far: no traceback, and `chat` keeps the conversation."""
+    import io
+    from types import SimpleNamespace
+
+    from outpace.entrypoints.cli import _stream
+
+    class Engine:
+        def __init__(self):
+            self.live, self.steps, self.aborted = set(), 0, []
+
+        def add_request(self, rid, ids, params):
+            self.live.add(rid)
+
+        def has_unfinished_requests(self):
+            return bool(self.live)
+
+        def abort_request(self, rid):
+            self.aborted.append(rid)
+            self.live.discard(rid)
+
+        def step(self):
+            self.steps += 1
+            if self.steps == 3:
+                raise KeyboardInterrupt
+            return [SimpleNamespace(request_id="r", text="ab"[:self.steps], metrics={},
+                                    finished=False)]
+
+    eng, out = Engine(), io.StringIO()
+    last, interrupted = _stream(eng, "r", [1, 2], None, out)
+    assert interrupted and eng.aborted == ["r"] and not eng.live
+    assert last.text == "ab" and out.getvalue() == "ab [interrupted]\n"
