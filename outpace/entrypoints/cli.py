@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 import time
@@ -43,6 +44,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec-option", action="append", default=[], metavar="KEY=VALUE",
                    help="extra speculative option (repeatable), e.g. "
                         "k_schedule=[[8,4],[32,2]] (every option: docs/configuration.md)")
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='the whole speculative config as JSON, as vLLM takes it, e.g. '
+                        '\'{"method": "eagle3", "num_speculative_tokens": 2}\' (instead of '
+                        '--spec and its flags)')
     p.add_argument("--quiet", action="store_true", help="no progress output")
 
 
@@ -57,7 +62,18 @@ def _parse_value(v: str):
 
 def engine_kwargs(a: argparse.Namespace) -> dict:
     spec = None
-    if not a.spec:
+    if a.speculative_config is not None:
+        if a.spec or a.draft or a.k is not None or a.spec_option:
+            raise OutpaceError("--speculative-config holds the whole speculative config: leave "
+                               "out --spec, --draft, --k and --spec-option, or use those alone")
+        try:
+            spec = json.loads(a.speculative_config)
+        except (ValueError, RecursionError) as e:
+            raise OutpaceError(f"--speculative-config is not valid JSON: {e}") from None
+        if not isinstance(spec, dict):
+            raise OutpaceError(f"--speculative-config must be a JSON object, got "
+                               f"{type(spec).__name__}")
+    elif not a.spec:
         given = [f for f, v in (("--draft", a.draft), ("--k", a.k),
                                 ("--spec-option", a.spec_option or None)) if v is not None]
         if given:

@@ -93,3 +93,15 @@ def test_ctrl_c_stops_the_answer_and_keeps_what_it_wrote():
     last, interrupted = _stream(eng, "r", [1, 2], None, out)
     assert interrupted and eng.aborted == ["r"] and not eng.live
     assert last.text == "ab" and out.getvalue() == "ab [interrupted]\n"
+
+
+def test_speculative_config_as_json_like_vllm():
+    spec = {"method": "eagle3", "num_speculative_tokens": 2, "k_schedule": [[8, 2], [32, 1]]}
+    import json
+    assert _kwargs("--speculative-config", json.dumps(spec))["speculative_config"] == spec
+    with pytest.raises(OutpaceError, match="leave out --spec"):
+        _kwargs("--speculative-config", json.dumps(spec), "--k", "2")
+    with pytest.raises(OutpaceError, match="not valid JSON"):
+        _kwargs("--speculative-config", "{method: eagle3}")
+    with pytest.raises(OutpaceError, match="must be a JSON object, got list"):
+        _kwargs("--speculative-config", "[1]")
