@@ -2,13 +2,14 @@
 # One GPU call's work on the device machine: rebuild the staged
 # model, install the carried gguf wheel, then run what is asked:
 #   bash benchmarks/gpu_session.sh tests            pytest tests/gpu
-#   bash benchmarks/gpu_session.sh bench SECTIONS   bench_gpu.py --sections SECTIONS
+#   bash benchmarks/gpu_session.sh bench SECTIONS [ARGS]     throughput.py --sections SECTIONS
+#   bash benchmarks/gpu_session.sh accuracy SECTIONS [ARGS]  accuracy.py --sections SECTIONS (check, spec_exact)
 #   bash benchmarks/gpu_session.sh diag [ARGS]     archive/diag_step.py (where a fused step's time goes)
 #   bash benchmarks/gpu_session.sh rows [ARGS]     archive/diag_few_rows.py (few-row block policies in the step)
 #   bash benchmarks/gpu_session.sh request        archive/diag_request.py (a batch-1 request's steps and idle GPU)
 #   bash benchmarks/gpu_session.sh launch          archive/diag_launch.py (what makes a graph slow to launch)
 #   bash benchmarks/gpu_session.sh cublas          archive/diag_cublas_workspace.py (graphs vs a cleared cuBLAS workspace)
-#   bash benchmarks/gpu_session.sh sweep MS         bench_small_linear.py's sweep at those M
+#   bash benchmarks/gpu_session.sh sweep MS         kernels.py's sweep at those M
 # Results go to $OUT (the device tool brings them back). The device's copy of .git can be stale
 # (it can report an older HEAD): prefix the call with OUTPACE_COMMIT=$(git rev-parse --short HEAD)
 # taken here.
@@ -36,13 +37,15 @@ case "$1" in
          par=""; python3 -c "import xdist" 2>/dev/null && par="-n 8"
          python3 -m pytest -q $par tests/gpu -p no:cacheprovider 2>&1 \
            | tee "${OUT:-/tmp/out}/gpu_tests.log" | tail -25 ;;
-  bench) shift; python3 benchmarks/bench_gpu.py --gguf "$GGUF" \
+  bench) shift; python3 benchmarks/throughput.py --gguf "$GGUF" \
+           --out "${OUT:-/tmp/out}" --sections "$@" ;;
+  accuracy) shift; python3 benchmarks/accuracy.py --gguf "$GGUF" \
            --out "${OUT:-/tmp/out}" --sections "$@" ;;
   diag)  shift; python3 benchmarks/archive/diag_step.py --gguf "$GGUF" --out "${OUT:-/tmp/out}" "$@" ;;
   rows)  shift; python3 benchmarks/archive/diag_few_rows.py --gguf "$GGUF" --out "${OUT:-/tmp/out}" "$@" ;;
   request) shift; python3 benchmarks/archive/diag_request.py --gguf "$GGUF" --out "${OUT:-/tmp/out}" "$@" ;;
   cublas) shift; python3 benchmarks/archive/diag_cublas_workspace.py --out "${OUT:-/tmp/out}" "$@" ;;
   launch) python3 benchmarks/archive/diag_launch.py --out "${OUT:-/tmp/out}" ;;
-  sweep) shift; python3 benchmarks/bench_small_linear.py --out "${OUT:-/tmp/out}" \
+  sweep) shift; python3 benchmarks/kernels.py --out "${OUT:-/tmp/out}" \
            --sections sweep --sweep-ms "$1" --sweep-models smol --total-s 45 ;;
 esac

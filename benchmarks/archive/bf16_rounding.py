@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from benchmarks.bench_gpu import prompt_set  # noqa: E402
+from benchmarks.common import prompt_set  # noqa: E402
 
 VARIANTS = {"bf16": None, "weights": set(), "weights+kv": {"kv"}, "weights+kv+q": {"kv", "q"},
             "weights+kv+in": {"kv", "in"}}

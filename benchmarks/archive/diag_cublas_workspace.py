@@ -27,8 +27,8 @@ CASES = ("nothing", "empty_cache", "clear_workspaces", "clear_workspaces_empty_c
 def child(case: str, big: bool) -> None:
     import torch
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-    from benchmarks.bench_gpu import (_NullTokenizer, graph_ms, llama8b_shaped, run_engine,
-                                      smollm2_shaped)
+    from benchmarks.common import graph_ms, run_engine
+    from benchmarks.throughput import _NullTokenizer, llama8b_shaped, smollm2_shaped
     from outpace.engine.engine import LLMEngine
     model, cfg = llama8b_shaped() if big else smollm2_shaped(Path(tempfile.mkdtemp()))[:2]
     eng = LLMEngine.from_args("shaped", loaded=(model, cfg, _NullTokenizer()),

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from benchmarks.bench_gpu import diag_setup, make_heads, run_engine  # noqa: E402
+from benchmarks.common import diag_setup, make_heads, run_engine  # noqa: E402
 from benchmarks.archive.diag_step import profiled_requests, split_steps  # noqa: E402
 
 HISTORIES = {"b1_32": (1, 32), "b1_8_32": (1, 8, 32)}

@@ -83,7 +83,7 @@ def synthetic() -> dict:
 
 
 def real_graphs() -> dict:
-    from benchmarks.bench_gpu import _NullTokenizer, smollm2_shaped
+    from benchmarks.throughput import _NullTokenizer, smollm2_shaped
     from outpace.engine.engine import LLMEngine
     from outpace.kernels import pdl
     model, cfg, eagle = smollm2_shaped(Path(tempfile.mkdtemp()))

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from benchmarks.bench_gpu import diag_setup  # noqa: E402
+from benchmarks.common import diag_setup  # noqa: E402
 
 
 def main():

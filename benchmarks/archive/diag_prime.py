@@ -26,7 +26,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from benchmarks.bench_gpu import diag_setup, make_heads, run_engine, smol_configs  # noqa: E402
+from benchmarks.common import diag_setup, make_heads, run_engine  # noqa: E402
+from benchmarks.throughput import smol_configs  # noqa: E402
 from outpace.kernels import pdl  # noqa: E402
 
 BATCHES = (1, 8, 32)
@@ -74,7 +75,7 @@ def after_eager_ms(graph, prime: bool, x, reps: int = 30) -> float:
 def graph_times(eng, x) -> dict:
     """after_eager_ms of an engine's prefill, varlen and batch-1 fused graphs, prime on / off
     alternating -> {graph: {"prime": ms, "noprime": ms}}."""
-    from benchmarks.bench_gpu import fused_graphs
+    from benchmarks.common import fused_graphs
     g = eng.runner.graphs
     graphs = {f"prefill_q{q}": g.prefill_graphs[q][0] for q in (16, 64, 256)
               if q in g.prefill_graphs}

@@ -26,9 +26,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from benchmarks.bench_gpu import graph_ms as gpu_ms  # noqa: E402
-from benchmarks.bench_gpu import diag_setup, make_eagle3_reduced, make_heads  # noqa: E402
-from benchmarks.bench_gpu import run_engine  # noqa: E402
+from benchmarks.common import graph_ms as gpu_ms  # noqa: E402
+from benchmarks.common import diag_setup, make_eagle3_reduced, make_heads  # noqa: E402
+from benchmarks.common import run_engine  # noqa: E402
 
 
 def format_listing(events) -> str:

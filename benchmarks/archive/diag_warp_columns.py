@@ -86,7 +86,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="/tmp/out")
     args = ap.parse_args()
-    from benchmarks.bench_small_linear import SMOL, Weights, max_err, time_graph, x_of
+    from benchmarks.kernels import SMOL, Weights, max_err, time_graph, x_of
     from outpace.kernels.skinny_gemm import choose_blocks, small_linear_triton
     rows = []
     for layer in ("qkv", "o", "gate_up", "down"):

@@ -1,15 +1,18 @@
-"""The GPU benchmark: checks, then outpace (with and without speculation) and HF transformers side
-by side, in one run. Prints a table last and writes JSON.
+"""Offline tok/s side by side: outpace (with and without speculation) against HF transformers.
 
-    python benchmarks/bench_gpu.py --gguf PATH [--out DIR] [--sections check,smol,hf,big]
+On the GPU or the CPU, in one run. Prints a table last and writes JSON (and, on the GPU, a PNG
+of it).
 
-Sections
-  check   greedy GPU output (bf16; fp32; bf16 weights + fp32 activations over an fp32 and a bf16
-          KV pool; HF bf16) vs CPU fp32 output (first 64 tokens) on MT-bench/HumanEval
-          prompts, and the mixed modes' batch-1 speed
+    python benchmarks/throughput.py --gguf PATH [--out DIR] [--sections smol,hf,big]
+    python benchmarks/throughput.py --device cpu [--max-tokens 128] [--batches 1 8] [--out DIR]
+    python benchmarks/throughput.py --spec [--spec-configs eagle3-k2,mtp-k1,...]
+    python benchmarks/throughput.py --plot RUN.json [MORE.json ...] [--png FILE.png]
+
+GPU sections (--device cuda, the default; --gguf PATH needed; default smol,hf,big)
   smol    SmolLM2-135M: outpace no-spec, ngram, suffix, EAGLE-3 and MTP random heads with
           force-accept at mean acceptance length 2/3/4; batch 1, 8, 32, 128
-  hf      HF transformers eager and static cache + torch.compile (batch 1; eager also at 8)
+  hf      HF transformers eager and static cache + torch.compile (batch 1; eager also at 8), in
+          a child process (the hf_here section)
   big     Llama-3.1-8B-shaped random bf16 model, batch 1: step time vs weight bytes / bandwidth,
           with and without overlap
   b128    batch 128, no-spec against the force-accept 3 heads (EAGLE-3 k = 4 and 2, MTP; EAGLE-3
@@ -18,16 +21,32 @@ Sections
   overlap SmolLM2-shaped random bf16 model, batch 1, no-spec and EAGLE-3 force-accept 3, with
           and without overlap, and with the qkv + rope + KV store kernel switched the other way
           (no model file needed)
-  spec_exact  greedy output with speculation (EAGLE-3, MTP, n-gram; verified for real) against
-          the same engine without it, on the GPU in bf16 and fp32, one request at a time and
-          20 at once: how often the two differ, and where
+Writes gpu_bench.json in --out (a folder; or a .json file) after every section and every smol
+configuration, and at the end gpu_bench.png beside it (with matplotlib, which outpace does not
+depend on). --plot draws that PNG from earlier JSONs; several files are merged (e.g. the smol
+section of one run and the HF section of another).
+
+CPU sections (--device cpu; the model: --gguf, default the catalog's smollm2-135m)
+  vs_hf   outpace vs HF transformers (eager): the same chat prompts (MT-bench first turns),
+          greedy, a fixed number of new tokens per request (EOS ignored) for both systems;
+          writes benchmarks/results/latest/cpu_smollm2.json (the default section)
+  spec    (--spec) outpace without speculation against the shipped EAGLE-3 and MTP heads (real
+          acceptance), batch 1, fp32, greedy to EOS or --max-tokens (the outputs are the same, so
+          the token counts are too), in rounds that alternate the configurations; writes
+          benchmarks/results/latest/cpu_smollm2_spec.json
+  --out names a folder for these files, or a .json file (one section).
+  Tokens/s = new tokens / wall time, prefill included.
+
+--ablate NAME (repeatable) turns one KernelOptions switch off for every engine of the run (the
+switches are the CUDA fast path's: on the CPU they change nothing).
+The accuracy checks (check, spec_exact) are benchmarks/accuracy.py.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
+import json
 import statistics
 import sys
 import tempfile
@@ -37,105 +56,18 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.common import device_name, load_prompts, print_table, write_result  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    HERE, PREFIX_CACHING, add_ablate_arg, chat_ids, check_sections, defer_profile, device_name,
+    drop_script_folder, fused_graphs, graph_ms, kernel_options, load_prompts, make_eagle3_reduced,
+    make_heads, out_file, print_table, profile_graph, profile_host, prompt_set, pyplot,
+    run_deferred_profiles, run_engine, run_hf, run_sections, write_result)
 
 
-# Timed engines run without prefix caching. The warm-up runs use the timed prompts, so with it
-# the timed runs would prefill only each prompt's last partial block: tok/s would leave most of
-# the prefill out (HF's includes all of it), and the tail prefill's new shapes would compile
-# Triton kernels inside the first config's timed runs.
-PREFIX_CACHING = False
-
-
-def chat_ids(tok, prompts):
-    return [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}],
-                                               add_generation_prompt=True),
-                       add_special_tokens=False) for p in prompts]
-
-
-def prompt_set(tok, n):
-    mt = load_prompts("mtbench", 80)
-    he = load_prompts("humaneval", 164)
-    mixed = [p for pair in zip(mt, he) for p in pair] + he[80:]
-    return chat_ids(tok, mixed[:n])
-
-
-def diag_setup(num_prompts: int, extra: tuple = ()):
-    """The start of a GPU diagnostic script (benchmarks/diag_*.py): the options --gguf, --out and
-    `extra` ((flag, default) pairs), the model in bf16 on CUDA, the first prompts of the
-    benchmark's set -> (args, loaded (model, config, tokenizer), prompts)."""
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--gguf", required=True)
-    ap.add_argument("--out", default="/tmp/out")
-    for flag, default in extra:
-        ap.add_argument(flag, default=default)
-    args = ap.parse_args()
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    from outpace.models.loader import load_model
-    loaded = load_model(args.gguf, dtype=torch.bfloat16, device=torch.device("cuda"), quiet=True)
-    return args, loaded, prompt_set(loaded[2], num_prompts)
-
-
-def run_engine(engine, prompts, batch, max_tokens, temperature: float = 0.0,
-               top_p: float = 1.0, penalties: dict = None):
-    """Submit `batch` requests at once, repeatedly, over `prompts`; -> metrics dict.
-    temperature > 0: sampled (unseeded) at that temperature and top_p. penalties: the
-    requests' repetition / frequency / presence penalties (SamplingParams fields)."""
-    from outpace import SamplingParams
-    # Offline generation, as HF's generate and LLM.generate: only final outputs (per-step
-    # outputs cost host time every batch-128 step; docs/decisions.md, "Offline generation
-    # returns only final outputs")
-    sampled = dict(temperature=temperature, top_p=top_p) if temperature > 0 else \
-        dict(temperature=0.0)
-    sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True, output_kind="final_only",
-                        **sampled, **(penalties or {}))
-    spec0 = dict(engine.stats()["spec"])
-    fused = engine.runner.fused
-    fused0 = (fused.replays, dict(fused.timing)) if fused is not None else None
-    n_tok, tpots, ttfts, t0 = 0, [], [], time.perf_counter()
-    step_s, steps = 0.0, 0
-    for i in range(0, len(prompts), batch):
-        chunk = prompts[i:i + batch]
-        for j, p in enumerate(chunk):
-            engine.add_request(f"r{i}-{j}-{time.monotonic_ns()}", p, sp)
-        while engine.has_unfinished_requests():
-            ts = time.perf_counter()
-            outs = engine.step()
-            step_s += time.perf_counter() - ts
-            steps += 1
-            for o in outs:
-                if o.finished:
-                    n = len(o.token_ids)
-                    n_tok += n
-                    m = o.metrics
-                    if n > 1 and m.get("first_token_time"):
-                        tpots.append((m["finished_time"] - m["first_token_time"]) / (n - 1))
-                    if m.get("first_token_time") and m.get("arrival_time"):
-                        ttfts.append(m["first_token_time"] - m["arrival_time"])
-    wall = time.perf_counter() - t0
-    spec1 = engine.stats()["spec"]
-    drafts = spec1["num_drafts"] - spec0["num_drafts"]
-    acc = spec1["num_accepted_tokens"] - spec0["num_accepted_tokens"]
-    per_pos = [b - (spec0["accepted_per_position"][i] if i < len(spec0["accepted_per_position"]) else 0)
-               for i, b in enumerate(spec1["accepted_per_position"])]
-    timing = {}
-    if fused0 is not None and fused.replays > fused0[0]:
-        n = fused.replays - fused0[0]
-        timing = {"fused_steps": n, "all_steps": steps,
-                  "step_ms": round(1000 * step_s / steps, 4),
-                  **{k.replace("_s", "_ms"): round(1000 * (v - fused0[1][k]) / n, 4)
-                     for k, v in fused.timing.items()}}
-    return {**timing, "tokens": n_tok, "wall_s": round(wall, 3), "tok_s": round(n_tok / wall, 1),
-            "tpot_ms": round(1000 * sum(tpots) / max(1, len(tpots)), 3),
-            "ttft_ms": round(1000 * sum(ttfts) / max(1, len(ttfts)), 3),
-            "mean_acceptance_length": round(1 + acc / drafts, 3) if drafts else None,
-            "acceptance_per_position": [round(v / drafts, 3) for v in per_pos] if drafts else []}
-
+# ---- GPU -----------------------------------------------------------------------------------
 
 def smollm2_shaped(tmp: Path):
     """A SmolLM2-135M-shaped model with random bf16 weights on CUDA and a random EAGLE-3 head
     for it (no model file needed) -> (model, ModelConfig, head folder)."""
-    import json
     from outpace.config import ModelConfig
     import outpace.models.llama as llama
     from outpace.models.draft_loader import model_config_dict
@@ -195,156 +127,13 @@ def section_overlap(args, results):
                 tag = ("_qkvrope" if fused_qkv else "_noqkvrope") \
                     if fused_qkv != default_fused_qkv else ("" if use_pdl else "_nopdl")
                 defer_profile(profile_graph, eng, kk,
-                              Path(args.out) / f"profile_shaped_{name}{tag}_b1.txt")
+                              Path(args.out_dir) / f"profile_shaped_{name}{tag}_b1.txt")
             rows.append(r)
             print("overlap:", r, flush=True)
             del eng
             torch.cuda.empty_cache()
     results["overlap"] = rows
 
-
-def section_check(args, results):
-    from outpace import LLM, SamplingParams
-    n = args.check_prompts
-    gpu = LLM(args.gguf, device="cuda", dtype="bfloat16", quiet=True,
-              kernel_options=args.kernel_options)
-    prompts = prompt_set(gpu.tokenizer, n)
-    sp = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
-    g = [o.token_ids for o in gpu.generate(prompts, sp)]
-    del gpu
-    g32 = LLM(args.gguf, device="cuda", dtype="float32", quiet=True)
-    g_fp32 = [o.token_ids for o in g32.generate(prompts, sp)]
-    del g32
-    # bf16 weights, fp32 activations and KV cache (weight_dtype): the weights' memory and
-    # bandwidth of bf16 with fp32 arithmetic; then the same over a bf16 KV pool
-    # (kv_cache_dtype): bf16's memory for weights and cache alike.
-    g_mixed, speed = {}, {}
-    for kv in ("auto", "bfloat16"):
-        mixed = LLM(args.gguf, device="cuda", dtype="float32", weight_dtype="bfloat16",
-                    kv_cache_dtype=kv, quiet=True, enable_prefix_caching=PREFIX_CACHING)
-        g_mixed[kv] = [o.token_ids for o in mixed.generate(prompts, sp)]
-        # Its speed at batch 1 (the smol section's no-spec row is the bf16 one).
-        run_engine(mixed.engine, prompts[:args.batch1_requests], 1, 4)
-        r = run_engine(mixed.engine, prompts[:args.batch1_requests], 1, args.max_tokens)
-        speed[kv] = {k: r[k] for k in ("tok_s", "tpot_ms", "ttft_ms")}
-        del mixed
-    # The engines' KV pools go back to the device before HF runs: with them still allocated,
-    # HF's cuDNN attention fails to run.
-    import gc
-    gc.collect()
-    torch.cuda.empty_cache()
-    torch.set_num_threads(min(16, os.cpu_count() or 1))
-    cpu = LLM(args.gguf, device="cpu", dtype="float32", quiet=True)
-    c = [o.token_ids for o in cpu.generate(prompts, sp)]
-    try:
-        hf_bf16 = hf_greedy(args.gguf, prompts, 64)
-    except RuntimeError as e:  # keep outpace's comparisons
-        print("HF bf16 greedy failed:", repr(e), flush=True)
-        hf_bf16 = None
-
-    def compare(x):
-        same = [a == b for a, b in zip(x, c)]
-        first = [next((i for i, (u, v) in enumerate(zip(a, b)) if u != v), min(len(a), len(b)))
-                 for a, b in zip(x, c)]
-        return {"identical_64": sum(same), "fraction": sum(same) / n,
-                "first_divergence_of_others": [d for d, s in zip(first, same) if not s]}
-
-    results["check"] = {"prompts": n, "reference": "outpace CPU fp32 (== HF fp32, tested in CI)",
-                        "outpace_gpu_bf16": compare(g), "outpace_gpu_fp32": compare(g_fp32),
-                        "outpace_gpu_bf16_weights_fp32_activations": compare(g_mixed["auto"]),
-                        "outpace_gpu_bf16_weights_bf16_kv_fp32_activations":
-                            compare(g_mixed["bfloat16"]),
-                        "hf_gpu_bf16_eager": compare(hf_bf16) if hf_bf16 else "failed",
-                        "bf16_weights_fp32_activations_b1": speed["auto"],
-                        "bf16_weights_bf16_kv_fp32_activations_b1": speed["bfloat16"]}
-    print("check:", results["check"], flush=True)
-
-
-def section_spec_exact(args, results):
-    """Greedy output with speculation against the same engine without it, on the GPU. The CPU
-    tests find the two equal in fp32 (a row's sums may move by ~1e-7 with the step's row count
-    there, too little to flip a token in them). On the GPU a verify step's rows go through
-    launches of k + 1 rows a request
-    where a plain decode step's row goes through a one-row launch, and the few-row kernels
-    choose their layout (and so their order of summation) from the row count: a logit can
-    differ in its last bits, and where two logits nearly tie a token can flip. This measures
-    how often that happens. The random heads are verified for real (no force-accept): nearly
-    all their drafts are rejected, so nearly every token comes from row 0 of a verify step."""
-    from outpace import LLM, SamplingParams
-    tmp = tempfile.mkdtemp()
-    eagle, mtp = make_heads(args.gguf, tmp)
-    specs = [("eagle3-k2", {"method": "eagle3", "model": str(eagle),
-                            "num_speculative_tokens": 2}),
-             ("mtp-k2", {"method": "mtp", "model": str(mtp), "num_speculative_tokens": 2,
-                         "mtp_mode": "eagle"}),
-             ("ngram-k4", {"method": "ngram", "num_speculative_tokens": 4})]
-    n, max_tokens = args.check_prompts, args.max_tokens
-    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    out = {"prompts": n, "max_tokens": max_tokens}
-    for dtype in ("bfloat16", "float32"):
-        for seqs in (1, n):
-            rows = {}
-            ref = None
-            for name, spec in [("no-spec", None)] + specs:
-                llm = LLM(args.gguf, device="cuda", dtype=dtype, speculative_config=spec,
-                          max_num_seqs=seqs, quiet=True, enable_prefix_caching=PREFIX_CACHING)
-                prompts = prompt_set(llm.tokenizer, n)
-                got = [o.token_ids for o in llm.generate(prompts, sp)]
-                stats = llm.engine.stats()["spec"]
-                del llm
-                if ref is None:
-                    ref = got
-                    continue
-                first = [next((i for i, (u, v) in enumerate(zip(a, b)) if u != v),
-                              min(len(a), len(b))) for a, b in zip(got, ref)]
-                drafts = stats.get("num_drafts") or 0
-                rows[name] = {
-                    "identical": sum(a == b for a, b in zip(got, ref)),
-                    "identical_64": sum(a[:64] == b[:64] for a, b in zip(got, ref)),
-                    "first_divergence_of_others": [d for d, a, b in zip(first, got, ref)
-                                                   if a != b],
-                    "mean_acceptance_length": (round(1 + stats["num_accepted_tokens"] / drafts,
-                                                     3) if drafts else None)}
-            out[f"{dtype}_max_num_seqs_{seqs}"] = rows
-            print(f"spec_exact {dtype} max_num_seqs={seqs}:", rows, flush=True)
-    results["spec_exact"] = out
-
-
-def hf_greedy(gguf, prompts, max_tokens):
-    """HF transformers bf16 eager greedy on the GPU, one prompt at a time (no padding)."""
-    from transformers import AutoModelForCausalLM
-    p = Path(gguf)
-    model = AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name,
-                                                 dtype=torch.bfloat16).cuda().eval()
-    out = []
-    with torch.inference_mode():
-        for ids in prompts:
-            o = model.generate(torch.tensor([ids]).cuda(), max_new_tokens=max_tokens,
-                               do_sample=False, eos_token_id=None, pad_token_id=0)
-            out.append(o[0, len(ids):].tolist())
-    del model
-    torch.cuda.empty_cache()
-    return out
-
-
-def make_heads(gguf, tmp):
-    from outpace.training.init_draft import init_draft
-    eagle = Path(tmp) / "eagle3"
-    mtp = Path(tmp) / "mtp"
-    init_draft("eagle3", gguf, eagle, seed=0, quiet=True)
-    init_draft("mtp", gguf, mtp, seed=0, quiet=True)
-    return eagle, mtp
-
-
-def make_eagle3_reduced(gguf, tmp, draft_vocab_size: int = 32000) -> Path:
-    """A random EAGLE-3 head over a reduced draft vocabulary (d2t maps it to target ids): the
-    shape trained EAGLE-3 heads have (32000 draft ids: the EAGLE authors' Llama-3.1-8B head,
-    of 128256, and SpecForge's default). Its LM head reads 32000 x H weights a draft step
-    instead of the whole vocabulary's."""
-    from outpace.training.init_draft import init_draft
-    out = Path(tmp) / f"eagle3_dv{draft_vocab_size}"
-    init_draft("eagle3", gguf, out, seed=0, quiet=True, draft_vocab_size=draft_vocab_size)
-    return out
 
 
 EAGER_MIXED = "@eager-mixed"
@@ -542,17 +331,12 @@ def section_smol(args, results):
                 r["graph_ms"] = graph_ms.get(r["batch"])
         save(args, results)  # results["smol"] is rows
         if name in ("no-spec", "eagle3-fa3.0"):
-            defer_profile(profile_graph, eng, spec_k, Path(args.out) / f"profile_{name}_b1.txt",
+            defer_profile(profile_graph, eng, spec_k, Path(args.out_dir) / f"profile_{name}_b1.txt",
                           20, sampling_mode(args))
             defer_profile(profile_host, eng, prompts[:args.batch1_requests], args.max_tokens,
-                          Path(args.out) / f"host_profile_{name}_b1.txt")
+                          Path(args.out_dir) / f"host_profile_{name}_b1.txt")
         del eng
         torch.cuda.empty_cache()
-
-
-def fused_graphs(eng, mode: str) -> dict:
-    """The fused step's captured graphs of a sampling mode ("greedy", "sample", "masked")."""
-    return eng.runner.fused._by_mode[mode]
 
 
 def sampling_mode(args) -> str:
@@ -612,70 +396,6 @@ def time_fused_graphs(eng, batches, k, reps=50, mode: str = "greedy") -> dict:
     return out
 
 
-def graph_ms(graph, reps: int = 50) -> float:
-    """GPU milliseconds of one replay of a captured graph (back to back, after one replay)."""
-    graph.replay()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        graph.replay()
-    torch.cuda.synchronize()
-    return round(1000 * (time.perf_counter() - t0) / reps, 4)
-
-
-# Profiles run after every section has timed everything: once torch.profiler has run in a
-# process, every later kernel and graph launch costs more on the host (CUPTI stays attached;
-# decisions-log.md, "Graph launches are cheap; the profiler made them look dear"). So no
-# profile may run before any timing.
-_DEFERRED_PROFILES: list = []
-
-
-def defer_profile(fn, *args) -> None:
-    """Run fn(*args) at the end of the benchmark (it keeps the engine in args alive)."""
-    _DEFERRED_PROFILES.append((fn, args))
-
-
-def run_deferred_profiles() -> None:
-    while _DEFERRED_PROFILES:
-        fn, args = _DEFERRED_PROFILES.pop(0)
-        try:
-            fn(*args)
-        except Exception as e:  # a diagnostic: report and go on
-            print("profile failed:", repr(e)[:300], flush=True)
-        del fn, args
-        torch.cuda.empty_cache()
-
-
-def profile_graph(eng, k, path, reps=20, mode: str = "greedy"):
-    """Kernel time table of the batch-1 fused graph (q = k + 1) under torch.profiler."""
-    graphs = fused_graphs(eng, mode)
-    keys = [key for key in graphs if key[0] == 1 and key[1] == k + 1 and not key[3]]
-    if not keys:
-        return
-    graph, _ = graphs[max(keys, key=lambda key: key[2])]
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            graph.replay()
-        torch.cuda.synchronize()
-    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30)
-    Path(path).write_text(f"{reps} replays of graph {max(keys)}\n{table}\n")
-    print(table[:3000], flush=True)
-
-
-def profile_host(eng, prompts, max_tokens, path):
-    """cProfile of a batch-1 run (an extra run: the profiler slows the host down)."""
-    import cProfile
-    import io
-    import pstats
-    prof = cProfile.Profile()
-    prof.enable()
-    run_engine(eng, prompts, 1, max_tokens)
-    prof.disable()
-    out = io.StringIO()
-    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(35)
-    Path(path).write_text(out.getvalue())
-
 
 def section_hf(args, results):
     """HF transformers in a child process: its static-cache generate compiles with CUDA graphs
@@ -684,11 +404,10 @@ def section_hf(args, results):
     profile fine; decisions-log.md, "The 8B-shaped profile's illegal memory access needs
     HF's section in the process"). The child also keeps HF's timing free of this process's
     state."""
-    import json
     import subprocess
     with tempfile.TemporaryDirectory() as out:
-        cmd = [sys.executable, __file__, "--gguf", args.gguf, "--out", out,
-               "--sections", "hf_here", "--max-tokens", str(args.max_tokens)]
+        cmd = [sys.executable, __file__, "--device", "cuda", "--gguf", args.gguf, "--out", out,
+               "--sections", "hf_here", "--max-tokens", str(args.max_tokens), "--no-plot"]
         proc = subprocess.run(cmd, text=True, capture_output=True, timeout=1800)
         print(proc.stdout[-4000:], proc.stderr[-2000:], flush=True)
         child = Path(out) / "gpu_bench.json"
@@ -711,19 +430,8 @@ def section_hf_here(args, results):
     rows = results.setdefault("hf", [])  # filled as measured: a later failure keeps them
 
     def gen(batch, n_req, compiled):
-        total, t0 = 0, time.perf_counter()
-        for i in range(0, n_req, batch):
-            chunk = prompts[i:i + batch]
-            w = max(len(x) for x in chunk)
-            inp = torch.tensor([[tok.eos_token_id] * (w - len(x)) + x for x in chunk]).cuda()
-            mask = torch.tensor([[0] * (w - len(x)) + [1] * len(x) for x in chunk]).cuda()
-            kw = dict(cache_implementation="static") if compiled else {}
-            out = model.generate(inp, attention_mask=mask, max_new_tokens=args.max_tokens,
-                                 min_new_tokens=args.max_tokens, do_sample=False,
-                                 pad_token_id=tok.eos_token_id, **kw)
-            total += (out.shape[1] - w) * len(chunk)
-        torch.cuda.synchronize()
-        return total, time.perf_counter() - t0
+        kw = dict(cache_implementation="static") if compiled else {}
+        return run_hf(model, prompts[:n_req], batch, args.max_tokens, tok.eos_token_id, **kw)
 
     with torch.inference_mode():
         for b in (1, 8):
@@ -809,81 +517,292 @@ def section_big(args, results):
             results["big"]["graph_ms" + ("" if use_pdl else "_nopdl")] = \
                 time_fused_graphs(eng, [1], 0).get(1)
             if use_pdl:
-                defer_profile(profile_graph, eng, 0, Path(args.out) / "profile_big_b1.txt")
+                defer_profile(profile_graph, eng, 0, Path(args.out_dir) / "profile_big_b1.txt")
         del eng
     print("big:", results["big"], flush=True)
+
+
 
 
 def save(args, results) -> None:
     """Write what is measured so far (after each section, and after each smol configuration:
     a call cut off by the device's time limit keeps the rows it finished)."""
-    write_result(Path(args.out) / "gpu_bench.json", {
+    write_result(out_file(args.out, "gpu_bench.json"), {
         "benchmark": "gpu_side_by_side", "device": device_name("cuda"),
         "torch": torch.__version__, "model": "smollm2-135m (Q4_1 GGUF -> bf16)",
         "max_tokens": args.max_tokens, "k": args.k, "prefix_caching": PREFIX_CACHING,
-        **results})
+        "ablate": args.ablate, **results})
+
+
+# ---- CPU -----------------------------------------------------------------------------------
+
+CPU_MODEL = "smollm2-135m"
+
+
+def cpu_model_label(args) -> str:
+    return ("smollm2-135m (Q4_1 GGUF, dequantized fp32)" if args.gguf == CPU_MODEL
+            else f"{args.gguf} (dequantized fp32)")
+
+
+def run_outpace(llm, ids_list, batch, max_tokens):
+    from outpace import SamplingParams
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    n_tok, t0 = 0, time.perf_counter()
+    for i in range(0, len(ids_list), batch):
+        outs = llm.generate(ids_list[i:i + batch], sp)
+        n_tok += sum(len(o.token_ids) for o in outs)
+    return n_tok, time.perf_counter() - t0
+
+
+def section_vs_hf(a, results) -> None:
+    """outpace against HF transformers eager, CPU fp32, greedy, --max-tokens new tokens each."""
+    from transformers import AutoModelForCausalLM
+
+    from outpace import LLM
+    from outpace.models.catalog import resolve_model
+
+    gguf = resolve_model(a.gguf)
+    llm = LLM(a.gguf, device="cpu", dtype="float32", quiet=True, kernel_options=a.kernel_options)
+    hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                              dtype=torch.float32).eval()
+    prompts = load_prompts("mtbench", a.num_prompts)
+    ids_list = chat_ids(llm.tokenizer, prompts)
+    pad = llm.tokenizer.eos_token_ids[0]
+
+    # Warm-up both (first calls allocate and pick kernels).
+    run_outpace(llm, ids_list[:1], 1, 8)
+    run_hf(hf, ids_list[:1], 1, 8, pad)
+
+    rows = []
+    for bs in a.batches:
+        n = max(bs, a.num_prompts if bs == 1 else bs)
+        sub = (ids_list * ((n + len(ids_list) - 1) // len(ids_list)))[:n]
+        if bs == 1:
+            sub = sub[:min(len(sub), 4)]
+        o_tok, o_s = run_outpace(llm, sub, bs, a.max_tokens)
+        h_tok, h_s = run_hf(hf, sub, bs, a.max_tokens, pad)
+        o_tps, h_tps = o_tok / o_s, h_tok / h_s
+        rows.append({"batch": bs, "requests": len(sub), "outpace_tok_s": round(o_tps, 1),
+                     "hf_eager_tok_s": round(h_tps, 1), "ratio": round(o_tps / h_tps, 2)})
+        print(rows[-1], flush=True)
+
+    results["vs_hf"] = rows
+    print_table(rows, ["batch", "requests", "outpace_tok_s", "hf_eager_tok_s", "ratio"])
+    path = write_result(out_file(a.out, "cpu_smollm2.json"), {
+        "benchmark": "cpu_outpace_vs_hf", "device": device_name("cpu"),
+        "threads": torch.get_num_threads(), "model": cpu_model_label(a),
+        "dtype": "float32", "max_tokens": a.max_tokens, "greedy": True, "k": 0,
+        "ablate": a.ablate, "results": rows})
+    print(f"wrote {path}")
+
+
+def section_spec(a, results) -> None:
+    """No speculation against the shipped heads at batch 1, alternating round by round."""
+    from outpace import LLM, SamplingParams
+    from outpace.models.loader import load_model
+    loaded = load_model(a.gguf, dtype=torch.float32, device=torch.device("cpu"), quiet=True)
+    configs = {"no-spec": None}
+    for name in a.spec_configs.split(","):
+        method, k = name.rsplit("-k", 1)
+        configs[name] = {"method": method, "num_speculative_tokens": int(k)}
+    llms = {n: LLM(a.gguf, device="cpu", dtype="float32", speculative_config=c,
+                   quiet=True, loaded=loaded, kernel_options=a.kernel_options)
+            for n, c in configs.items()}
+    ids_list = chat_ids(loaded[2], load_prompts("mtbench", a.num_prompts))
+    sp = SamplingParams(max_tokens=a.max_tokens, temperature=0.0)
+    for llm in llms.values():  # warm-up
+        llm.generate(ids_list[:1], SamplingParams(max_tokens=8, temperature=0.0))
+    runs = {n: [] for n in llms}
+    outputs, acc = {}, {}
+    for rnd in range(a.rounds):
+        for n, llm in (list(llms.items())[rnd % len(llms):] + list(llms.items())[:rnd % len(llms)]):
+            t0, n_tok, drafts, accepted = time.perf_counter(), 0, 0, 0
+            outs = []
+            for ids in ids_list:
+                o = llm.generate([ids], sp)[0]
+                n_tok += len(o.token_ids)
+                outs.append(o.token_ids)
+                if o.spec_stats is not None:
+                    drafts += o.spec_stats.num_drafts
+                    accepted += o.spec_stats.num_accepted_tokens
+            runs[n].append(n_tok / (time.perf_counter() - t0))
+            outputs[n] = outs
+            acc[n] = round(1 + accepted / drafts, 3) if drafts else None
+        print(f"round {rnd}:", {n: round(v[-1], 1) for n, v in runs.items()}, flush=True)
+    med = {n: statistics.median(v) for n, v in runs.items()}
+    rows = [{"config": n, "tok_s": round(med[n], 1), "vs_no_spec": round(med[n] / med["no-spec"], 3),
+             "mean_acceptance_length": acc[n],
+             "same_output_as_no_spec": outputs[n] == outputs["no-spec"],
+             "tok_s_runs": [round(x, 1) for x in runs[n]]} for n in llms]
+    results["spec"] = rows
+    print_table(rows, ["config", "tok_s", "vs_no_spec", "mean_acceptance_length",
+                       "same_output_as_no_spec"])
+    path = write_result(out_file(a.out, "cpu_smollm2_spec.json"), {
+        "benchmark": "cpu_spec_vs_no_spec", "device": device_name("cpu"),
+        "threads": torch.get_num_threads(), "model": cpu_model_label(a),
+        "heads": "shipped (outpace/heads)", "dtype": "float32", "batch": 1,
+        "prompts": f"mtbench first {a.num_prompts}", "max_tokens": a.max_tokens,
+        "rounds": a.rounds, "greedy": True, "ablate": a.ablate, "results": rows})
+    print(f"wrote {path}")
+
+
+# ---- the PNG -------------------------------------------------------------------------------
+
+def plot(paths: list, out: str = None) -> str:
+    """A GPU run's JSON (several are merged: e.g. the smol section of one run and the HF
+    section of another) as a PNG: tokens/s against batch size for every outpace configuration,
+    with HF transformers' points, and TPOT at batch 1 -> the PNG's path (default: the first
+    JSON's, .png)."""
+    plt = pyplot()
+    data, commits = {}, []
+    for f in paths:
+        d = json.loads(Path(f).read_text())
+        commits.append(d.get("commit", "?"))
+        data.update({k: v for k, v in d.items() if k not in data})
+    rows = data.get("smol", [])
+    configs = list(dict.fromkeys(r["config"] for r in rows))
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 5))
+    for c in configs:
+        pts = sorted((r["batch"], r["tok_s"]) for r in rows if r["config"] == c)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"outpace {c}")
+    for r in data.get("hf", []):
+        ax.scatter([r["batch"]], [r["tok_s"]], marker="x", s=80, zorder=5,
+                   label=f"HF {r['config']} (batch {r['batch']})")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("batch size (concurrent requests)")
+    ax.set_ylabel("output tokens/s")
+    ax.set_title(f"SmolLM2-135M bf16, {data.get('device', '')}")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+
+    b1 = [r for r in rows if r["batch"] == 1]
+    names = [r["config"] for r in b1]
+    bx.barh(names, [r["tpot_ms"] for r in b1], label="TPOT (engine step / token)")
+    if any(r.get("graph_ms") for r in b1):
+        acc = [r.get("mean_acceptance_length") or 1.0 for r in b1]
+        bx.barh(names, [(r.get("graph_ms") or 0) / m for r, m in zip(b1, acc)],
+                label="graph replay / mean tokens per step", alpha=0.7)
+    bx.set_xlabel("ms per output token, batch 1")
+    bx.legend(fontsize=8)
+    bx.grid(True, axis="x", alpha=0.3)
+    fig.suptitle(f"outpace GPU benchmark, commits {', '.join(dict.fromkeys(commits))}")
+    fig.tight_layout()
+    out = out or str(Path(paths[0]).with_suffix(".png"))
+    fig.savefig(out, dpi=110)
+    return out
+
+
+# ---- the command line ----------------------------------------------------------------------
+
+GPU_SECTIONS = {"smol": section_smol, "hf": section_hf, "hf_here": section_hf_here,
+                "big": section_big, "b128": section_b128, "overlap": section_overlap}
+CPU_SECTIONS = {"vs_hf": section_vs_hf, "spec": section_spec}
+
+
+def parse_args():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", choices=("cuda", "cpu"), default=None,
+                    help="cuda (the default; --spec: cpu)")
+    ap.add_argument("--gguf", default=None,
+                    help=f"the model (cuda: a .gguf file, needed; cpu: default {CPU_MODEL})")
+    ap.add_argument("--out", default=None,
+                    help="a folder for the default file names, or a .json file (cuda: default "
+                         "benchmarks/results, gpu_bench.json there; cpu: default "
+                         "benchmarks/results/latest, cpu_smollm2.json / cpu_smollm2_spec.json)")
+    ap.add_argument("--sections", default=None,
+                    help=f"comma-separated; cuda: {', '.join(GPU_SECTIONS)} (default smol,hf,big); "
+                         f"cpu: {', '.join(CPU_SECTIONS)} (default vs_hf)")
+    ap.add_argument("--batches", "--batch-sizes", dest="batches", type=int, nargs="+",
+                    default=None, help="batch sizes (cuda: default 1 8 32 128; cpu: 1 8)")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=None, help="torch's CPU threads")
+    add_ablate_arg(ap)
+    ap.add_argument("--no-plot", action="store_true", help="cuda: no PNG after the run")
+    ap.add_argument("--plot", nargs="+", default=None, metavar="JSON",
+                    help="only draw the PNG of these GPU runs' JSON files (merged) and exit")
+    ap.add_argument("--png", default=None, help="with --plot: the PNG (default: the first JSON's)")
+    gpu = ap.add_argument_group("cuda")
+    gpu.add_argument("--batch1-requests", type=int, default=4)
+    gpu.add_argument("--k", type=int, default=4)
+    gpu.add_argument("--force-means", type=float, nargs="+", default=[2.0, 3.0, 4.0])
+    gpu.add_argument("--configs", default="",
+                     help="smol: only these configurations (comma-separated names), e.g. "
+                          "no-spec,eagle3-fa3.0")
+    gpu.add_argument("--kv-blocks", type=int, default=8192)
+    gpu.add_argument("--max-num-batched-tokens", type=int, default=None,
+                     help="the smol section's step token budget (default: the engine's)")
+    gpu.add_argument("--b128-rounds", type=int, default=5,
+                     help="b128: rounds of the paired batch-128 comparison")
+    gpu.add_argument("--temperature", type=float, default=0.0,
+                     help="smol section: sample at this temperature (and --top-p) instead of "
+                          "decoding greedily")
+    gpu.add_argument("--top-p", type=float, default=0.9,
+                     help="with --temperature: top_p (1.0: no mask, the sampled graphs)")
+    gpu.add_argument("--repetition-penalty", type=float, default=1.0,
+                     help="smol section: the requests' repetition penalty")
+    gpu.add_argument("--frequency-penalty", type=float, default=0.0,
+                     help="smol section: the requests' frequency penalty")
+    gpu.add_argument("--logprobs", type=int, default=None,
+                     help="smol section: the requests' logprobs (top-n)")
+    gpu.add_argument("--reps", type=int, default=3,
+                     help="smol: timed runs per configuration and batch size (the median's row)")
+    cpu = ap.add_argument_group("cpu")
+    cpu.add_argument("--spec", action="store_true",
+                     help="no-spec vs the shipped heads: --device cpu --sections spec")
+    cpu.add_argument("--spec-configs", default="eagle3-k1,eagle3-k2,eagle3-k3,mtp-k1,mtp-k2")
+    cpu.add_argument("--num-prompts", type=int, default=8)
+    cpu.add_argument("--rounds", type=int, default=3, help="spec: rounds alternating the configs")
+    a = ap.parse_args()
+    if a.plot:
+        return a, []
+    if a.spec:
+        if a.device == "cuda" or a.sections not in (None, "spec"):
+            ap.error("--spec is the CPU section spec (--device cpu --sections spec)")
+        a.device, a.sections = "cpu", "spec"
+    a.device = a.device or "cuda"
+    cuda = a.device == "cuda"
+    names = (a.sections or ("smol,hf,big" if cuda else "vs_hf")).split(",")
+    check_sections(ap, names, GPU_SECTIONS if cuda else CPU_SECTIONS)
+    if cuda and a.gguf is None:
+        ap.error("--device cuda needs --gguf PATH")
+    a.gguf = a.gguf or CPU_MODEL
+    a.batches = a.batches or ([1, 8, 32, 128] if cuda else [1, 8])
+    a.out = a.out or ("benchmarks/results" if cuda else str(HERE / "results" / "latest"))
+    if not cuda and len(names) > 1 and Path(a.out).suffix == ".json":
+        ap.error("--out FILE.json takes one CPU section; name a folder for several")
+    a.out_dir = str(Path(a.out).parent if Path(a.out).suffix == ".json" else Path(a.out))
+    a.kernel_options = kernel_options(ap, a.ablate)
+    return a, names
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--gguf", required=True)
-    ap.add_argument("--out", default="benchmarks/results")
-    ap.add_argument("--sections", default="check,smol,hf,big")
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 128])
-    ap.add_argument("--batch1-requests", type=int, default=4)
-    ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--k", type=int, default=4)
-    ap.add_argument("--force-means", type=float, nargs="+", default=[2.0, 3.0, 4.0])
-    ap.add_argument("--check-prompts", type=int, default=20)
-    ap.add_argument("--configs", default="",
-                    help="smol: only these configurations (comma-separated names), e.g. "
-                         "no-spec,eagle3-fa3.0")
-    ap.add_argument("--kv-blocks", type=int, default=8192)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=None,
-                    help="the smol section's step token budget (default: the engine's)")
-    ap.add_argument("--b128-rounds", type=int, default=5,
-                    help="b128: rounds of the paired batch-128 comparison")
-    ap.add_argument("--temperature", type=float, default=0.0,
-                    help="smol section: sample at this temperature (and --top-p) instead of "
-                         "decoding greedily")
-    ap.add_argument("--top-p", type=float, default=0.9,
-                    help="with --temperature: top_p (1.0: no mask, the sampled graphs)")
-    ap.add_argument("--repetition-penalty", type=float, default=1.0,
-                    help="smol section: the requests' repetition penalty")
-    ap.add_argument("--frequency-penalty", type=float, default=0.0,
-                    help="smol section: the requests' frequency penalty")
-    ap.add_argument("--logprobs", type=int, default=None,
-                    help="smol section: the requests' logprobs (top-n)")
-    ap.add_argument("--reps", type=int, default=3,
-                    help="smol: timed runs per configuration and batch size (the median's row)")
-    ap.add_argument("--ablate", action="append", default=[], metavar="NAME",
-                    help="turn one KernelOptions switch off for every engine of the run "
-                         "(repeatable): pdl, pdl_prime, few_row_kernels, fused_qkv_rope_store, "
-                         "mid_row_kernels, triton_logprobs, fused_split_merge, row_warps_N")
-    args = ap.parse_args()
-    from outpace.config import KernelOptions
-    args.kernel_options = KernelOptions()
-    for name in args.ablate:
-        args.kernel_options = args.kernel_options.ablate(name)
+    drop_script_folder()
+    args, names = parse_args()
+    if args.plot:
+        print(plot(args.plot, args.png))
+        return
+    if args.threads:
+        torch.set_num_threads(args.threads)
     results = {}
-    for s in args.sections.split(","):
-        t0 = time.perf_counter()
-        try:
-            globals()[f"section_{s}"](args, results)
-        except Exception as e:  # keep what the other sections measured
-            import traceback
-            traceback.print_exc()
-            results[f"{s}_error"] = repr(e)
-        print(f"[section {s}: {time.perf_counter() - t0:.1f} s]", flush=True)
-        save(args, results)
-    run_deferred_profiles()
-    rows = [r for r in results.get("smol", [])] + results.get("hf", [])
-    print_table(rows, ["system", "config", "batch", "tok_s", "tpot_ms", "graph_ms", "step_ms",
-                       "launch_ms", "wait_ms", "unpack_ms", "mean_acceptance_length"])
-    if "big" in results:
-        print("8B-shaped batch 1:", results["big"])
-    if "check" in results:
-        print("bf16 GPU vs fp32 CPU:", results["check"])
+    if args.device == "cpu":  # each CPU section writes its own file
+        run_sections(args, names, CPU_SECTIONS, results, lambda args, results: None)
+    else:
+        run_sections(args, names, GPU_SECTIONS, results, save)
+        run_deferred_profiles()
+        rows = [r for r in results.get("smol", [])] + results.get("hf", [])
+        print_table(rows, ["system", "config", "batch", "tok_s", "tpot_ms", "graph_ms", "step_ms",
+                           "launch_ms", "wait_ms", "unpack_ms", "mean_acceptance_length"])
+        if "big" in results:
+            print("8B-shaped batch 1:", results["big"])
+        if rows and not args.no_plot:
+            try:
+                print("plot:", plot([str(out_file(args.out, "gpu_bench.json"))]))
+            except Exception as e:  # matplotlib is not a dependency of outpace
+                print(f"no PNG ({e!r}); plot later: throughput.py --plot JSON", flush=True)
+    failed = [s for s in names if f"{s}_error" in results]
+    if failed:
+        sys.exit(f"failed section(s): {', '.join(failed)}")
 
 
 if __name__ == "__main__":
