@@ -84,9 +84,9 @@ def plot_args(out_required: bool = True):
 # ---- the command line ----------------------------------------------------------------------
 
 def drop_script_folder() -> None:
-    """Take this folder off sys.path, where running a script of it puts it first: its kernels.py
-    would shadow the `kernels` package that transformers imports when that is installed (the
-    scripts import benchmarks.common from the repo root)."""
+    """Take this folder off sys.path, where running a script of it puts it first: a module here
+    must not shadow a package of the same name that a dependency imports (transformers imports
+    `kernels` when it is installed). The scripts import benchmarks.common from the repo root."""
     sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
 
 

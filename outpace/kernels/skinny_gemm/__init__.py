@@ -26,7 +26,7 @@ weight were held in fp32.
 On SmolLM2's widths these kernels are faster than cuBLAS, and the fused norm + gate_up + silu *
 mul gains most against the unfused ops; on Llama-8B's they run at about cuBLAS's speed, except
 the norm-fused projections at K = 4096, where the statistics pass costs more than the fusion
-saves (so wide models keep cuBLAS: models/llama.py). benchmarks/kernels.py measures
+saves (so wide models keep cuBLAS: models/llama.py). benchmarks/kernel_speed.py measures
 them; the numbers are in decisions-log.md, "Measurements moved out of code comments".
 
 Each dispatcher runs the Triton kernel for CUDA inputs with at most SMALL_M_MAX rows and falls

@@ -1,6 +1,6 @@
 """Few-row linear kernels (outpace.kernels.skinny_gemm) against torch on the GPU.
 
-    PYTHONPATH=$PWD python benchmarks/kernels.py --out $OUT [--total-s 50]
+    PYTHONPATH=$PWD python benchmarks/kernel_speed.py --out $OUT [--total-s 50]
 
 Every timing is of a CUDA graph of 20 back-to-back calls, replayed many times, so launch gaps are
 what a captured decode step sees. Each call reads its own copy of the weight, and there are
@@ -307,7 +307,7 @@ def main():
         MS = [int(m) for m in args.ms.split(",")]
     MODELS = {m: MODELS[m] for m in args.models.split(",")}
     if not torch.cuda.is_available():
-        sys.exit("benchmarks/kernels.py needs CUDA")
+        sys.exit("benchmarks/kernel_speed.py needs CUDA")
     t0 = time.perf_counter()
     deadline = t0 + args.total_s
     sections = set(args.sections.split(","))
