@@ -13,7 +13,7 @@ import torch
 
 from outpace.config import (CacheConfig, EngineConfig, KernelOptions, RunnerConfig,
                             SchedulerConfig, SpecConfig)
-from outpace.errors import ConfigError
+from outpace.errors import ConfigError, ModelLoadError
 
 log = logging.getLogger(__name__)
 
@@ -82,11 +82,12 @@ def build_engine(cls, model: str, *, device: str = "auto", dtype: str = "auto",
                               kernel_options=kernel_options or KernelOptions())
     from outpace.models.shipped_heads import with_shipped_head
     spec_cfg = SpecConfig.from_dict(with_shipped_head(speculative_config, model))
-    if spec_cfg.model and spec_cfg.method in ("eagle3", "mtp") and not Path(
-            spec_cfg.model).expanduser().is_dir():
-        raise ConfigError(f"draft head {spec_cfg.model!r} (speculative_config['model'], CLI "
-                          f"--draft) is not a folder; give the folder that holds the head's "
-                          f"config.json and model.safetensors")
+    head_dir = Path(spec_cfg.model).expanduser() if spec_cfg.model else None
+    if spec_cfg.method in ("eagle3", "mtp") and head_dir is not None and not head_dir.is_dir():
+        what = "is a file, not a folder" if head_dir.exists() else "does not exist"
+        raise ModelLoadError(f"draft head {spec_cfg.model!r} (speculative_config['model'], CLI "
+                             f"--draft) {what}; give the folder that holds the head's "
+                             f"config.json and model.safetensors")
     if spec_cfg.force_accept_mean is not None:
         log.warning("speculative option force_accept_mean=%s is for benchmarking: drafts are "
                     "accepted at random, so the output is NOT what the model would write",

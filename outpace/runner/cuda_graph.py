@@ -69,7 +69,9 @@ class GraphRunner:
                         if b <= max_num_seqs and b * max(q_lens) <= max_tokens]
         self.q_lens = tuple(sorted(set(q_lens)))
         self.graphs: dict = {}  # (bucket, q) -> (graph, hidden, aux, logits)
-        self.prefill_q = tuple(q for q in PREFILL_TOKENS if q <= max_tokens)
+        # (a prefill graph longer than the context would never run: _prefill_graph_q pads a
+        # chunk only where its padded rows stay inside the context)
+        self.prefill_q = tuple(q for q in PREFILL_TOKENS if q <= min(max_tokens, max_model_len))
         self.prefill_graphs: dict = {}  # q -> (graph, hidden, aux, logits [1, V])
         # (above 16 tokens: the attention's prefill tiles, whatever the batch's longest query;
         # at most what the sequence slots can hold, each sequence below max_model_len)

@@ -32,7 +32,7 @@ def test_step_failure_is_contained_then_fatal(tiny_model_dir):
     async def scenario():
         aengine.start()
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
-                                     base_url="http://outpace") as c:
+                                     base_url="http://localhost") as c:
             assert (await c.get("/health")).status_code == 200
             assert (await c.post("/v1/completions", json=body)).status_code == 200
 

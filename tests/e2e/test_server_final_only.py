@@ -44,7 +44,7 @@ def test_non_streaming_requests_get_final_outputs_only(tiny_model_dir):
     async def scenario():
         aengine.start()
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
-                                     base_url="http://outpace") as c:
+                                     base_url="http://localhost") as c:
             whole = (await c.post("/v1/completions", json=body)).json()
             text = ""
             async with c.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:

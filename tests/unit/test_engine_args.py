@@ -8,7 +8,7 @@ import time
 import pytest
 
 from outpace.engine.engine import LLMEngine
-from outpace.errors import ConfigError
+from outpace.errors import ConfigError, ModelLoadError
 
 
 @pytest.mark.parametrize("kw,msg", [
@@ -20,14 +20,14 @@ from outpace.errors import ConfigError
     (dict(block_size=12), "block_size must be a power of two"),
     (dict(memory_fraction=1.5), r"memory_fraction must be in \(0, 1\]"),
     (dict(speculative_config={"method": "eagle3", "model": "/no/such/head"}),
-     r"draft head '/no/such/head' \(speculative_config\['model'\], CLI --draft\) is not a "
-     r"folder"),
+     r"draft head '/no/such/head' \(speculative_config\['model'\], CLI --draft\) does not "
+     r"exist"),
     (dict(speculative_config={"method": "ngram", "num_speculative_tokens": "four"}),
      "'num_speculative_tokens' must be an integer"),
 ])
 def test_bad_engine_arguments_fail_before_the_model_loads(kw, msg):
     t = time.perf_counter()
-    with pytest.raises(ConfigError, match=msg):
+    with pytest.raises((ConfigError, ModelLoadError), match=msg):
         LLMEngine.from_args("/no/such/model/either", device="cpu", **kw)
     assert time.perf_counter() - t < 2.0
 
