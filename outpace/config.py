@@ -261,6 +261,8 @@ class SpecConfig:
         _int("suffix_cache_requests", self.suffix_cache_requests, 0, optional=True)
         _int("enhancer_min_match", self.enhancer_min_match, 0, optional=True)
         for name in ("suffix_periodic", "adaptive"):
+            if getattr(self, name) in (0, 1) and not isinstance(getattr(self, name), float):
+                object.__setattr__(self, name, bool(getattr(self, name)))  # 1 / 0 as JSON has them
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"speculative option {name!r} must be true or false, got "
                                   f"{getattr(self, name)!r}")

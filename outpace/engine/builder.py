@@ -88,6 +88,8 @@ def build_engine(cls, model: str, *, device: str = "auto", dtype: str = "auto",
         raise ModelLoadError(f"draft head {spec_cfg.model!r} (speculative_config['model'], CLI "
                              f"--draft) {what}; give the folder that holds the head's "
                              f"config.json and model.safetensors")
+    if head_dir is not None and str(head_dir) != spec_cfg.model:
+        spec_cfg = dataclasses.replace(spec_cfg, model=str(head_dir))  # "~" expanded
     if spec_cfg.force_accept_mean is not None:
         log.warning("speculative option force_accept_mean=%s is for benchmarking: drafts are "
                     "accepted at random, so the output is NOT what the model would write",

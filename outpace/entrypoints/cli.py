@@ -52,12 +52,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def _parse_value(v: str):
-    for conv in (int, float):
-        try:
-            return conv(v)
-        except ValueError:
-            pass
-    return {"true": True, "false": False}.get(v.lower(), v)
+    """A --spec-option value: JSON where it parses (numbers, true/false, lists such as
+    k_schedule=[[8,4],[32,2]]), true/false in any case, else the string itself."""
+    try:
+        return json.loads(v)
+    except (ValueError, RecursionError):
+        return {"true": True, "false": False}.get(v.lower(), v)
 
 
 def engine_kwargs(a: argparse.Namespace) -> dict:

@@ -157,7 +157,8 @@ def test_loopback_server_without_a_key_answers_only_loopback_names(server, spec_
     r = httpx.get(spec_server.url + "/v1/models", headers={"Host": f"evil.example:{port}"},
                   timeout=30)
     _check_error(r, 403, "not a loopback name")
-    for host in (f"localhost:{port}", f"127.0.0.1:{port}", "[::1]"):
+    for host in (f"localhost:{port}", f"127.0.0.1:{port}", "[::1]", "LOCALHOST.",
+                 f"0.0.0.0:{port}", "10.1.2.3"):  # IP addresses: no DNS name to rebind
         r = httpx.get(spec_server.url + "/v1/models", headers={"Host": host}, timeout=30)
         assert r.status_code == 200, (host, r.text)
     r = httpx.get(server.url + "/v1/models", timeout=30,

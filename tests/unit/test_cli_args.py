@@ -105,3 +105,13 @@ def test_speculative_config_as_json_like_vllm():
         _kwargs("--speculative-config", "{method: eagle3}")
     with pytest.raises(OutpaceError, match="must be a JSON object, got list"):
         _kwargs("--speculative-config", "[1]")
+
+
+def test_spec_option_values_parse_as_json():
+    spec = _kwargs("--spec", "ngram", "--spec-option", "k_schedule=[[8,2],[32,1]]",
+                   "--spec-option", "suffix_periodic=1", "--spec-option", "adaptive=True",
+                   "--spec-option", "mtp_mode=eagle")["speculative_config"]
+    assert spec["k_schedule"] == [[8, 2], [32, 1]] and spec["mtp_mode"] == "eagle"
+    from outpace.config import SpecConfig
+    cfg = SpecConfig.from_dict(spec)
+    assert cfg.k_schedule == ((8, 2), (32, 1)) and cfg.suffix_periodic is True and cfg.adaptive

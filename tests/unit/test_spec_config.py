@@ -26,6 +26,7 @@ def test_defaults_and_typed_values():
                                           r"known: .*'prompt_lookup_max'"),
     ({"prompt_lookup_max": 0}, "'prompt_lookup_max' must be an integer >= 1"),
     ({"suffix_periodic": "yes"}, "'suffix_periodic' must be true or false"),
+    ({"adaptive": 2}, "'adaptive' must be true or false"),
     ({"suffix_cache_requests": -1}, "'suffix_cache_requests' must be an integer >= 0"),
     ({"k_schedule": [[8, 5]]}, r"0 <= k <= 3"),
     ({"k_schedule": "fast"}, "k_schedule must be a list of"),

@@ -235,7 +235,9 @@ def _reject_constant(name):
 
 
 MAX_JSON_DEPTH = 32  # an OpenAI request nests 5 levels at most (tools' schemas a few more)
-_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+# a string, or an unterminated one to the end of the text: every attempt succeeds at once, so
+# the scan stays linear whatever the body (a pattern that can fail re-reads the rest each time)
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*(?:"|\Z)', re.S)
 _NOT_BRACKET = re.compile(r"[^\[\]{}]+")
 
 

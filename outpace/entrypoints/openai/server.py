@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import ipaddress
 import logging
 from contextlib import asynccontextmanager
 from typing import Optional
@@ -46,6 +47,42 @@ def host_name(host_header: str) -> str:
     if h.startswith("["):
         return h[1:h.find("]")] if "]" in h else h
     return h.rsplit(":", 1)[0] if h.count(":") == 1 else h
+
+
+def host_allowed(host_header: str) -> bool:
+    """Whether a keyless loopback server answers a request with this Host header: a loopback
+    name, an IP address (no DNS name, so no rebinding) or none (HTTP/1.0)."""
+    name = host_name(host_header).rstrip(".")
+    if not name or name in LOOPBACK:
+        return True
+    try:
+        ipaddress.ip_address(name)
+        return True
+    except ValueError:
+        return False
+
+
+class LoopbackNamesOnly:
+    """ASGI middleware: a 403 for a request whose Host is another DNS name (host_allowed); a
+    plain ASGI layer, so streamed responses pass through untouched."""
+
+    def __init__(self, app, bound: str, on_reject=None):
+        self.app, self.bound, self.on_reject = app, bound, on_reject
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            host = dict(scope.get("headers") or ()).get(b"host", b"").decode("latin-1")
+            if not host_allowed(host):
+                if self.on_reject is not None:
+                    self.on_reject()
+                response = error_response(APIError(
+                    403, f"the Host header {host!r} is not a loopback name: this server listens "
+                    f"on {self.bound} without an API key, so it answers only requests to "
+                    f"localhost, 127.0.0.1, [::1] or an IP address (set --api-key to serve other "
+                    f"names)", code="host_not_allowed"))
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def is_json_media_type(content_type: Optional[str]) -> bool:
@@ -104,18 +141,9 @@ def build_app(engine: AsyncEngine, server_cfg: ServerConfig,
     if server_cfg.api_key is None and host_name(server_cfg.host) in LOOPBACK:
         # A server on loopback without a key trusts whoever can reach it, which a web page can
         # do through DNS rebinding (a name of the attacker's that resolves to 127.0.0.1): so it
-        # answers only requests addressed to a loopback name.
-        @app.middleware("http")
-        async def loopback_hosts_only(request: Request, call_next):
-            host = request.headers.get("host", "")
-            if host_name(host) not in LOOPBACK:
-                metrics.http_errors.labels("403").inc()
-                return error_response(APIError(
-                    403, f"the Host header {host!r} is not a loopback name: this server listens "
-                    f"on {server_cfg.host} without an API key, so it answers only requests to "
-                    f"localhost, 127.0.0.1 or [::1] (set --api-key to serve other names)",
-                    code="host_not_allowed"))
-            return await call_next(request)
+        # answers only requests addressed to a loopback name or an IP address.
+        app.add_middleware(LoopbackNamesOnly, bound=server_cfg.host,
+                           on_reject=lambda: metrics.http_errors.labels("403").inc())
 
     async def check_api_key(request: Request) -> None:
         if server_cfg.api_key is None:
