@@ -13,7 +13,8 @@ so that they may outlast one device call of 10 minutes):
   eval    `eval_draft` of both heads (WORK's, else the ones shipped for the target): chain
           acceptance per position and mean acceptance length
           for k = 1..7 on MT-bench and HumanEval (greedy, bf16, the engine's verify).
-  profile where an EAGLE-3 training step's time goes (torch.profiler, --profile-steps)
+  profile where an EAGLE-3 training step's time goes, eager and compiled (torch.profiler,
+          --profile-steps, --profile-prompts)
   bench   tok/s side by side in one process (WORK's heads, else the shipped ones): no
           speculation, EAGLE-3 k = 1..5, MTP k = 1..3
           (trained heads, real acceptance), and EAGLE-3 k = 2 under force-accept 3 (synthetic),
@@ -108,7 +109,9 @@ def phase_train(args, loaded) -> dict:
                               temperature=args.temperature, loop_tokens=args.loop_tokens,
                               epochs=args.epochs, max_minutes=minutes, save_every=200,
                               warmup=0.01, max_prompts=args.max_prompts, device=args.device,
-                              resume=str(work / name) if args.resume else None, **extra)
+                              resume=str(work / name) if args.resume else None,
+                              compile=args.compile, init_head=init_head(args, method),
+                              **extra)
             trainer = Trainer(cfg, loaded=loaded)
             head_dir = trainer.run()
         except Exception:  # the other head and the later phases still run
@@ -143,6 +146,20 @@ def phase_train(args, loaded) -> dict:
     return report
 
 
+def init_head(args, method: str):
+    """--init-from: None (a new head), "shipped" (the head shipped for the target) or a folder
+    holding one folder per method."""
+    if args.init_from is None or args.resume:
+        return None
+    if args.init_from == "shipped":
+        from outpace.models.shipped_heads import shipped_head
+        found = shipped_head(args.gguf, method)
+        if found is None:
+            raise SystemExit(f"--init-from shipped: no {method} head is shipped for {args.gguf}")
+        return str(found)
+    return str(Path(args.init_from) / method)
+
+
 def export(args, method: str, head: Path) -> None:
     """The head's files into OUT/<method> (they come back from the device machine)."""
     dest = Path(args.out) / method
@@ -164,56 +181,71 @@ def quick_eval(args, loaded, method: str, head: Path) -> dict:
 
 
 def phase_profile(args, loaded) -> dict:
-    """Where an EAGLE-3 training step's time goes: --profile-steps steps after as many warm-up
-    steps, under torch.profiler (kernel table in OUT/profile_eagle3.txt), and the mean wall time
-    of a step with and without the profiler. Uses WORK's cached answers (greedy only when the
-    train phase has not run)."""
+    """Where an EAGLE-3 training step's time goes, eager and under --compile: per variant,
+    --profile-steps steps after as many warm-up steps (the compile's included), the mean wall
+    time of a step with and without torch.profiler, and the kernel table in
+    OUT/profile_eagle3.txt. Both variants train the same batches from the same start. The
+    answers are greedy ones to the first --profile-prompts prompts, cached in WORK/profile."""
     from outpace.training.config import TrainConfig
     from outpace.training.selfdistill import read_prompts, regenerate
     from outpace.training.trainer import Trainer
-    work = Path(args.work)
-    cache = work / "selfdistill.jsonl"
-    prompts = read_prompts(DATA, limit=args.max_prompts)
+    work = Path(args.work) / "profile"
+    work.mkdir(parents=True, exist_ok=True)
+    cache = work / "answers.jsonl"
+    prompts = read_prompts(DATA, limit=args.profile_prompts)
     regenerate(args.gguf, prompts, cache, loaded=loaded, device=args.device,
                max_tokens=args.answer_tokens, samples=0, seed=0, temperature=args.temperature)
-    samples = args.samples if len(cache.read_text().splitlines()) > len(prompts) + 1 else 0
-    cfg = TrainConfig(method="eagle3", target=args.gguf, data=str(DATA),
-                      out=str(work / "profile"), data_cache=str(cache), samples=samples,
-                      answer_tokens=args.answer_tokens, holdout=args.holdout,
-                      temperature=args.temperature, loop_tokens=args.loop_tokens, epochs=1,
-                      max_prompts=args.max_prompts, device=args.device,
-                      draft_vocab=args.draft_vocab, lr=args.lr_eagle,
-                      batch_tokens=args.batch_tokens, quiet=True)
-    trainer = Trainer(cfg, loaded=loaded)
     n = args.profile_steps
+    report, tables = {}, []
+    for compiled in (False, True):
+        name = "compiled" if compiled else "eager"
+        cfg = TrainConfig(method="eagle3", target=args.gguf, data=str(DATA),
+                          out=str(work / name), data_cache=str(cache), samples=0,
+                          answer_tokens=args.answer_tokens, holdout=0,
+                          temperature=args.temperature, loop_tokens=args.loop_tokens, epochs=1,
+                          max_prompts=args.profile_prompts, device=args.device,
+                          draft_vocab=args.draft_vocab, lr=args.lr_eagle,
+                          batch_tokens=args.batch_tokens, compile=compiled, quiet=True)
+        try:
+            trainer = Trainer(cfg, loaded=loaded)
 
-    def timed() -> float:
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        t = time.perf_counter()
-        for _ in range(n):
-            trainer.train_step()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        return (time.perf_counter() - t) / n
+            def timed() -> tuple:
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                t, losses = time.perf_counter(), []
+                for _ in range(n):
+                    losses.append(trainer.train_step()["loss"])
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                return (time.perf_counter() - t) / n, losses
 
-    timed()  # warm-up
-    plain = timed()
-    acts = [torch.profiler.ProfilerActivity.CPU]
-    if torch.cuda.is_available():
-        acts.append(torch.profiler.ProfilerActivity.CUDA)
-    with torch.profiler.profile(activities=acts) as prof:
-        profiled = timed()
-    key = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
-    table = prof.key_averages().table(sort_by=key, row_limit=60)
-    (Path(args.out) / "profile_eagle3.txt").write_text(
-        f"{n} steps of {args.batch_tokens} tokens: {plain * 1e3:.1f} ms a step "
-        f"({profiled * 1e3:.1f} under the profiler)\n\n{table}\n")
-    log(f"profile: {plain * 1e3:.1f} ms a step")
-    trainer = None
-    empty_cache()
-    return {"steps": n, "step_ms": round(plain * 1e3, 2),
-            "profiled_step_ms": round(profiled * 1e3, 2)}
+            t = time.perf_counter()
+            warm, warm_losses = timed()  # warm-up (and the compile)
+            warm_s = time.perf_counter() - t
+            plain, losses = timed()
+            acts = [torch.profiler.ProfilerActivity.CPU]
+            if torch.cuda.is_available():
+                acts.append(torch.profiler.ProfilerActivity.CUDA)
+            with torch.profiler.profile(activities=acts) as prof:
+                profiled, _ = timed()
+            key = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
+            tables.append(f"== {name}: {n} steps of {args.batch_tokens} tokens: "
+                          f"{plain * 1e3:.1f} ms a step ({profiled * 1e3:.1f} under the "
+                          f"profiler)\n\n"
+                          + prof.key_averages().table(sort_by=key, row_limit=50))
+            report[name] = {"step_ms": round(plain * 1e3, 2),
+                            "profiled_step_ms": round(profiled * 1e3, 2),
+                            "warmup_s": round(warm_s, 1),
+                            "losses": warm_losses + losses}
+        except Exception:  # the other variant still runs
+            traceback.print_exc()
+            report[name] = {"error": traceback.format_exc(limit=3)}
+        trainer = None
+        empty_cache()
+        log(f"profile {name}: {report[name].get('step_ms')} ms a step")
+        (Path(args.out) / "profile_eagle3.txt").write_text("\n\n".join(tables) + "\n")
+    report["steps"] = n
+    return report
 
 
 def head_dir(args, method: str):
@@ -361,6 +393,13 @@ def main():
                          "under the same budget, the best by MT-bench acceptance goes on")
     ap.add_argument("--profile-steps", type=int, default=10,
                     help="profile phase: steps timed (after as many warm-up steps)")
+    ap.add_argument("--profile-prompts", type=int, default=1000,
+                    help="profile phase: the first N training prompts answered (greedy)")
+    ap.add_argument("--compile", action="store_true",
+                    help="train with torch.compile (TrainConfig.compile)")
+    ap.add_argument("--init-from", default=None,
+                    help="start each head from a trained one: 'shipped' or a folder with "
+                         "eagle3/ and mtp/ inside")
     ap.add_argument("--variant-k", type=int, default=5)
     ap.add_argument("--variant-prompts", type=int, default=80)
     ap.add_argument("--eagle-ks", type=int, nargs="+", default=[1, 2, 3, 4, 5])

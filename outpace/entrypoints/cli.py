@@ -242,7 +242,8 @@ def cmd_train_draft(a) -> int:
                       temperature=a.temperature, loop_tokens=None if a.loop_tokens < 0
                       else a.loop_tokens, max_prompts=a.max_prompts, holdout=a.holdout,
                       save_every=a.save_every, data_cache=a.data_cache, resume=a.resume,
-                      max_minutes=a.max_minutes, warmup=a.warmup, quiet=a.quiet)
+                      max_minutes=a.max_minutes, warmup=a.warmup, init_head=a.init_head,
+                      compile=a.compile, quiet=a.quiet)
     train_draft(cfg)
     return 0
 
@@ -308,6 +309,12 @@ def build_parser() -> argparse.ArgumentParser:
                    "1, L/2-1, L-4)")
     t.add_argument("--ttt-steps", type=int, default=None,
                    help="training-time-test steps (default 7 for EAGLE-3, 3 for MTP)")
+    t.add_argument("--init-head", default=None, metavar="DIR",
+                   help="start from this exported head (its weights, and for EAGLE-3 its "
+                   "draft vocabulary and aux layers), e.g. one shipped in outpace/heads/")
+    t.add_argument("--compile", action="store_true",
+                   help="torch.compile the training step (GPU: faster after a compile of about "
+                   "2 minutes)")
     t.add_argument("--num-modules", type=int, default=1,
                    help="MTP modules (more than one trains depths mode)")
     t.add_argument("--epochs", type=float, default=1.0)

@@ -16,7 +16,8 @@ EXPORT_DTYPES = ("bfloat16", "float16", "float32")
 # the run then continues, but no longer as the uninterrupted one would have.)
 TRAJECTORY = ("method", "draft_vocab", "ttt_steps", "num_modules", "mtp_mode", "batch_tokens",
               "max_len", "seed", "loss_decay", "answer_tokens", "samples", "temperature",
-              "top_p", "loop_tokens", "max_prompts", "holdout", "warm_start", "aux_layers")
+              "top_p", "loop_tokens", "max_prompts", "holdout", "warm_start", "aux_layers",
+              "init_head")
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,12 @@ class TrainConfig:
     resume: Optional[str] = None  # a checkpoint folder, or an out folder (its latest)
     max_minutes: Optional[float] = None  # a time budget for the training steps
     warm_start: bool = True  # heads start from the target's weights where roles match
+    # start from this exported head (its weights; EAGLE-3: its draft vocabulary and aux layers)
+    init_head: Optional[str] = None
     export_dtype: str = "bfloat16"
+    # torch.compile the target's layer, the head's step and the loss (dynamic shapes): fewer,
+    # fused kernels a step, after a compile of about a minute at the start
+    compile: bool = False
     quiet: bool = False
 
     def __post_init__(self):

@@ -67,6 +67,24 @@ def new_mtp_head(target, target_cfg, num_modules: int, seed: int, device,
     return head
 
 
+def head_from_export(method: str, path, target, target_cfg, device):
+    """A trainable fp32 head holding the exported head at `path` (what `export_head` or a
+    released checkpoint wrote): its weights, and for EAGLE-3 its draft vocabulary and aux
+    layers, so training continues from it. Raises ModelLoadError / ConfigError as the engine's
+    loader does when the folder does not fit the target."""
+    from outpace.models.draft_loader import load_draft_head
+    loaded = load_draft_head(method, Path(path).expanduser(), target_cfg,
+                             target_cfg.num_hidden_layers, dtype=torch.float32, device="cpu")
+    tensors = export_weights(loaded)
+    if method == "eagle3":
+        head = new_eagle3_head(target, target_cfg, loaded.d2t.cpu(), loaded.t2d.cpu(), 0, device,
+                               False, tuple(loaded.aux_layer_ids))
+    else:
+        head = new_mtp_head(target, target_cfg, loaded.num_modules, 0, device, False)
+    fill_head_(head, {n: t.float() if t.is_floating_point() else t for n, t in tensors.items()})
+    return head
+
+
 def export_head(head, out_dir, dtype: torch.dtype = torch.bfloat16) -> Path:
     """Write the head as a draft head folder (config.json + model.safetensors), its floating
     tensors in `dtype` (d2t int64, t2d bool)."""

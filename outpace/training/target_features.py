@@ -94,8 +94,10 @@ def dense_layer(layer, h: torch.Tensor, cos, sin) -> torch.Tensor:
 @torch.no_grad()
 def target_features(model, input_ids: torch.Tensor, capture_layers: tuple = (),
                     want_hidden: bool = False,
-                    vocab_ids: Optional[torch.Tensor] = None) -> TargetFeatures:
-    """input_ids [B, T] long (right-padded) -> TargetFeatures (see the module docstring)."""
+                    vocab_ids: Optional[torch.Tensor] = None,
+                    layer_fn=dense_layer) -> TargetFeatures:
+    """input_ids [B, T] long (right-padded) -> TargetFeatures (see the module docstring).
+    layer_fn: dense_layer or a compiled copy of it."""
     cfg = model.config
     dtype = model.dtype
     b, t = input_ids.shape
@@ -104,7 +106,7 @@ def target_features(model, input_ids: torch.Tensor, capture_layers: tuple = (),
     cos, sin = rope_tables(cfg, positions)  # [T, 1, D]
     captured = {}
     for i, layer in enumerate(model.layers):
-        h = dense_layer(layer, h, cos, sin)
+        h = layer_fn(layer, h, cos, sin)
         if i in capture_layers:
             captured[i] = h
     final = rms_norm(h, model.norm.weight, model.norm.eps)

@@ -34,9 +34,10 @@ from outpace.training.batches import collate, epoch_order, plan_batches, sequenc
 from outpace.training.checkpoint import load_checkpoint, save_checkpoint
 from outpace.training.config import TrainConfig
 from outpace.training.draft_vocab import choose_draft_vocab, count_tokens, coverage, draft_ids_of
-from outpace.training.heads import export_head, new_eagle3_head, new_mtp_head
+from outpace.training.heads import (export_head, head_from_export, new_eagle3_head,
+                                     new_mtp_head)
 from outpace.training.selfdistill import read_prompts, regenerate
-from outpace.training.target_features import target_features
+from outpace.training.target_features import dense_layer, target_features
 from outpace.training.ttt import Eagle3Unroll, MTPUnroll, unroll
 
 DEFAULT_DRAFT_VOCAB = 8192
@@ -83,6 +84,16 @@ def lr_at(step: int, cfg: TrainConfig, total: int, warmup: int) -> float:
     return cfg.lr * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+def soft_cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> tuple:
+    """logits, target [N, V] (the head's and the target's, over the same columns) -> (the mean
+    soft cross-entropy in fp32, the share of rows whose argmaxes agree)."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    target = target.float()
+    loss = -(torch.softmax(target, dim=-1) * logp).sum(-1).mean()
+    acc = (logp.argmax(-1) == target.argmax(-1)).float().mean()
+    return loss, acc
+
+
 class Trainer:
     """One training run; `run()` trains (or resumes) and exports. The pieces are methods so
     that tests can drive steps one at a time."""
@@ -101,6 +112,11 @@ class Trainer:
         self._load_target(loaded)
         self._load_data(prompts)
         self._build_head()
+        self.layer_fn, self.loss_fn = dense_layer, soft_cross_entropy
+        if cfg.compile:
+            self.layer_fn = torch.compile(dense_layer, dynamic=True)
+            self.loss_fn = torch.compile(soft_cross_entropy, dynamic=True)
+            self.unroll.step = torch.compile(self.unroll.step, dynamic=True)
         params = [p for p in self.head.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8,
                                            weight_decay=cfg.weight_decay)
@@ -151,7 +167,26 @@ class Trainer:
 
     def _build_head(self) -> None:
         cfg, tcfg = self.cfg, self.target_cfg
-        if cfg.method == "eagle3":
+        if cfg.init_head is not None:
+            self.head = head_from_export(cfg.method, cfg.init_head, self.target, tcfg,
+                                         self.device)
+            self._log(f"starting from the head in {cfg.init_head}")
+        if cfg.method == "eagle3" and cfg.init_head is not None:
+            h = self.head
+            if cfg.draft_vocab is not None and cfg.draft_vocab != h.config.draft_vocab_size:
+                raise ConfigError(f"--draft-vocab {cfg.draft_vocab} differs from the draft "
+                                  f"vocabulary of --init-head {cfg.init_head} "
+                                  f"({h.config.draft_vocab_size}); leave --draft-vocab out")
+            if cfg.aux_layers is not None and tuple(cfg.aux_layers) != tuple(h.aux_layer_ids):
+                raise ConfigError(f"--aux-layers {list(cfg.aux_layers)} differ from those of "
+                                  f"--init-head {cfg.init_head} ({list(h.aux_layer_ids)}); "
+                                  f"leave --aux-layers out")
+            counts = count_tokens((s.ids[s.answer_start:] for s in self.seqs), tcfg.vocab_size)
+            self.vocab_coverage = coverage(counts, h.t2d.cpu())
+            self.coverage_by_size = None
+            self.unroll = Eagle3Unroll(h, self.target.embed_weight)
+            self.capture = tuple(h.aux_layer_ids)
+        elif cfg.method == "eagle3":
             size = cfg.draft_vocab or min(DEFAULT_DRAFT_VOCAB, tcfg.vocab_size)
             if size > tcfg.vocab_size:
                 raise ConfigError(f"--draft-vocab {size} is larger than the target's "
@@ -170,8 +205,12 @@ class Trainer:
             self.capture = tuple(self.head.aux_layer_ids)
         else:
             self.vocab_coverage = self.coverage_by_size = None
-            self.head = new_mtp_head(self.target, tcfg, cfg.num_modules, cfg.seed, self.device,
-                                     cfg.warm_start)
+            if cfg.init_head is None:
+                self.head = new_mtp_head(self.target, tcfg, cfg.num_modules, cfg.seed,
+                                         self.device, cfg.warm_start)
+            if self.head.num_modules != cfg.num_modules:
+                raise ConfigError(f"--init-head {cfg.init_head} has {self.head.num_modules} "
+                                  f"modules: pass --num-modules {self.head.num_modules}")
             self.unroll = MTPUnroll(self.head, self.target, cfg.mtp_mode)
             self.capture = ()
         self.head.train()
@@ -207,49 +246,57 @@ class Trainer:
         return self.batches[epoch_order(nb, self.cfg.seed, epoch)[pos]]
 
     def losses(self, seqs, idxs, grad: bool = True) -> tuple:
-        """(total loss, [per-step loss], [per-step accuracy], [per-step weight]) of one batch."""
+        """(total loss, [per-step loss], [per-step accuracy], [per-step weight]) of one batch.
+
+        The host waits on the device twice a batch: once for the number of rows each step
+        trains (their selection is built for all steps at once) and once at the end for the
+        step losses and accuracies (kept on the device until then)."""
         ids, mask, lengths = collate(seqs, idxs, self.device)
         cfg = self.cfg
         vocab_ids = draft_ids_of(self.head.d2t) if cfg.method == "eagle3" else None
         auto = torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda" \
             else nullcontext()
         feats = target_features(self.target, ids, self.capture, want_hidden=cfg.method == "mtp",
-                                vocab_ids=vocab_ids)
+                                vocab_ids=vocab_ids, layer_fn=self.layer_fn)
         b, t = ids.shape
         in_vocab = self.head.t2d[feats.argmax] if cfg.method == "eagle3" else None
         tgt_flat = feats.logits.reshape(b * t, -1)
         first_in = feats.aux if cfg.method == "eagle3" else feats.hidden
+        # row p of step i predicts the token at p + 2 + i from the target's logits at p + 1 + i;
+        # it counts where that token is an answer token (and, EAGLE-3, the target's greedy
+        # token there is in the draft vocabulary)
+        keep = torch.zeros((cfg.steps, b, t), dtype=torch.bool, device=ids.device)
+        for i in range(min(cfg.steps, max(0, t - 2))):
+            keep[i, :, :t - 2 - i] = mask[:, 2 + i:]
+            if in_vocab is not None:
+                keep[i, :, :t - 2 - i] &= in_vocab[:, 1 + i:t - 1]
+        flat = keep.view(cfg.steps, b * t)
+        counts = flat.sum(-1).tolist()  # the one wait before the steps
+        sels = torch.nonzero(flat)[:, 1].split(counts)
         total = None
-        step_losses, accs, weights = [], [], []
-        rows = torch.arange(b * t, device=ids.device).view(b, t)
+        step_losses, accs = [], []
         with auto, (nullcontext() if grad else torch.no_grad()):
             first = self.unroll.first_hidden(first_in.float() if self.device.type != "cuda"
                                              else first_in)
             for i, hidden in unroll(self.unroll, first, ids, cfg.steps):
-                # row p of step i predicts the token at p + 2 + i from the target's logits at
-                # p + 1 + i; it counts where that token is an answer token
-                keep = torch.zeros_like(mask)
-                if t > 2 + i:
-                    keep[:, :t - 2 - i] = mask[:, 2 + i:]
-                    if in_vocab is not None:
-                        keep[:, :t - 2 - i] &= in_vocab[:, 1 + i:t - 1]
-                sel = rows[keep]
-                n = int(sel.numel())
-                weights.append(n)
+                sel, n = sels[i], counts[i]
                 if n == 0:
-                    step_losses.append(0.0)
-                    accs.append(0.0)
+                    step_losses.append(None)
+                    accs.append(None)
                     continue
                 logits = self.unroll.logits(hidden.reshape(b * t, -1).index_select(0, sel))
-                target = tgt_flat.index_select(0, sel + 1 + i).float()
-                logp = torch.log_softmax(logits.float(), dim=-1)
-                loss = -(torch.softmax(target, dim=-1) * logp).sum(-1).mean()
-                acc = (logp.argmax(-1) == target.argmax(-1)).float().mean()
-                step_losses.append(float(loss.detach()))
-                accs.append(float(acc))
+                loss, acc = self.loss_fn(logits, tgt_flat.index_select(0, sel + 1 + i))
+                step_losses.append(loss.detach())
+                accs.append(acc)
                 term = loss * (cfg.loss_decay ** i)
                 total = term if total is None else total + term
-        return total, step_losses, accs, weights
+        done = [j for j, x in enumerate(step_losses) if x is not None]
+        values = torch.stack([step_losses[j] for j in done] + [accs[j] for j in done]).tolist() \
+            if done else []
+        step_losses, accs = [0.0] * cfg.steps, [0.0] * cfg.steps
+        for pos, j in enumerate(done):
+            step_losses[j], accs[j] = values[pos], values[len(done) + pos]
+        return total, step_losses, accs, counts
 
     def train_step(self) -> dict:
         cfg = self.cfg

@@ -13,10 +13,11 @@ from outpace.models.shipped_heads import (HEADS_DIR, SHIPPED, catalog_name_of, s
                                           with_shipped_head)
 from tests.engine_helpers import chat_ids, make_engine, run_batch_outputs
 
-# The shipped heads reach a mean acceptance length of 2.06 (EAGLE-3, k = 5) and 1.48 (MTP,
-# k = 3) on 80 MT-bench prompts x 256 tokens (docs/performance.md), 1.62 and 1.22 on this test's
-# three prompts x 48 tokens (CPU fp32); random heads reach ~1.0, so a broken head fails here.
-FLOOR = {"eagle3": 1.5, "mtp": 1.15}
+# The shipped heads reach a mean acceptance length of 2.64 (EAGLE-3, k = 5) and 1.48 (MTP,
+# k = 3) on 80 MT-bench prompts x 256 tokens (docs/performance.md), 1.87 and 1.22 on this test's
+# three prompts x 48 tokens (CPU fp32); random heads reach ~1.0, and the EAGLE-3 head shipped
+# before it 1.62, so a broken or an older head fails here.
+FLOOR = {"eagle3": 1.75, "mtp": 1.15}
 
 
 def test_every_shipped_head_is_in_the_package_and_small():

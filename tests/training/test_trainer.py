@@ -175,3 +175,34 @@ def test_a_time_budget_ends_the_run_with_an_export(tiny_loaded, tiny_prompts, tm
     assert tr.step < tr.planned and tr.total == tr.step
     info = json.loads((out / "training.json").read_text())
     assert info["steps"] == tr.step and info["train_seconds"] < 10
+
+
+@pytest.mark.parametrize("method", ["eagle3", "mtp"])
+def test_init_head_starts_from_the_exported_head(tiny_loaded, tiny_prompts, tmp_path, method):
+    kw = dict(method=method) if method == "eagle3" else dict(method=method, draft_vocab=None)
+    first = Trainer(_cfg(tiny_prompts, tmp_path, "first", export_dtype="float32", epochs=1,
+                         **({"aux_layers": (0, 1, 1)} if method == "eagle3" else {}),
+                         **kw), loaded=tiny_loaded)
+    first.run()
+    # the new run takes the head's weights (and draft vocabulary, aux layers), not its own seed's
+    again = Trainer(_cfg(tiny_prompts, tmp_path, "again", init_head=str(tmp_path / "first"),
+                         **kw), loaded=tiny_loaded)
+    fresh = Trainer(_cfg(tiny_prompts, tmp_path, "fresh", **kw), loaded=tiny_loaded)
+    batch = first.batches[0]
+    want, _, want_acc, _ = first.losses(first.seqs, batch, grad=False)
+    got, _, got_acc, _ = again.losses(again.seqs, batch, grad=False)
+    base, _, _, _ = fresh.losses(fresh.seqs, batch, grad=False)
+    assert torch.allclose(got, want, rtol=1e-5), (float(got), float(want))
+    assert got_acc == want_acc
+    assert abs(float(base) - float(want)) > 1e-3  # the check can tell heads apart
+    if method == "eagle3":
+        assert torch.equal(again.head.d2t, first.head.d2t)
+        assert tuple(again.head.aux_layer_ids) == (0, 1, 1)
+        with pytest.raises(ConfigError, match="--draft-vocab 32 differs"):
+            Trainer(_cfg(tiny_prompts, tmp_path, "bad", init_head=str(tmp_path / "first"),
+                         draft_vocab=32, **{k: v for k, v in kw.items() if k != "method"},
+                         method="eagle3"), loaded=tiny_loaded)
+    else:
+        with pytest.raises(ConfigError, match="pass --num-modules 1"):
+            Trainer(_cfg(tiny_prompts, tmp_path, "bad", init_head=str(tmp_path / "first"),
+                         num_modules=2, ttt_steps=2, **kw), loaded=tiny_loaded)
