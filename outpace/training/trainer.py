@@ -112,11 +112,12 @@ class Trainer:
         self._load_target(loaded)
         self._load_data(prompts)
         self._build_head()
-        self.layer_fn, self.loss_fn = dense_layer, soft_cross_entropy
+        # (target layer, head step, loss) for training steps; held-out evaluation runs eager,
+        # so that no-grad graphs do not count against the compiled functions' recompile limit
+        self.eager_fns = (dense_layer, self.unroll.step, soft_cross_entropy)
+        self.train_fns = self.eager_fns
         if cfg.compile:
-            self.layer_fn = torch.compile(dense_layer, dynamic=True)
-            self.loss_fn = torch.compile(soft_cross_entropy, dynamic=True)
-            self.unroll.step = torch.compile(self.unroll.step, dynamic=True)
+            self.train_fns = tuple(torch.compile(f, dynamic=True) for f in self.eager_fns)
         params = [p for p in self.head.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8,
                                            weight_decay=cfg.weight_decay)
@@ -256,8 +257,9 @@ class Trainer:
         vocab_ids = draft_ids_of(self.head.d2t) if cfg.method == "eagle3" else None
         auto = torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda" \
             else nullcontext()
+        layer_fn, step_fn, loss_fn = self.train_fns if grad else self.eager_fns
         feats = target_features(self.target, ids, self.capture, want_hidden=cfg.method == "mtp",
-                                vocab_ids=vocab_ids, layer_fn=self.layer_fn)
+                                vocab_ids=vocab_ids, layer_fn=layer_fn)
         b, t = ids.shape
         in_vocab = self.head.t2d[feats.argmax] if cfg.method == "eagle3" else None
         tgt_flat = feats.logits.reshape(b * t, -1)
@@ -278,14 +280,14 @@ class Trainer:
         with auto, (nullcontext() if grad else torch.no_grad()):
             first = self.unroll.first_hidden(first_in.float() if self.device.type != "cuda"
                                              else first_in)
-            for i, hidden in unroll(self.unroll, first, ids, cfg.steps):
+            for i, hidden in unroll(self.unroll, first, ids, cfg.steps, step_fn):
                 sel, n = sels[i], counts[i]
                 if n == 0:
                     step_losses.append(None)
                     accs.append(None)
                     continue
                 logits = self.unroll.logits(hidden.reshape(b * t, -1).index_select(0, sel))
-                loss, acc = self.loss_fn(logits, tgt_flat.index_select(0, sel + 1 + i))
+                loss, acc = loss_fn(logits, tgt_flat.index_select(0, sel + 1 + i))
                 step_losses.append(loss.detach())
                 accs.append(acc)
                 term = loss * (cfg.loss_decay ** i)

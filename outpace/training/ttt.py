@@ -38,33 +38,43 @@ def shift(x: torch.Tensor, n: int, fill=0) -> torch.Tensor:
     return torch.cat([x[:, n:], pad], dim=1)
 
 
-def ttt_attention(q: torch.Tensor, keys: list, values: list, mode: str) -> torch.Tensor:
-    """q [B, Hq, T, D] (rotated) of step i = len(keys) - 1 over the steps' keys and values
-    ([B, Hq, T, D] each, grouped heads already repeated) -> [B, Hq, T, D].
+def ttt_attention(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, diag_k, diag_v,
+                  mode: str) -> torch.Tensor:
+    """q [B, Hq, T, D] (rotated) of step i over step 0's keys and values k0, v0 [B, Hq, T, D]
+    and the later steps' diag_k, diag_v [B, Hq, T, i, D] (None at step 0; grouped heads already
+    repeated) -> [B, Hq, T, D].
 
-    chain: causal over keys[0], diagonal over keys[1..i]; depths: causal over keys[i] alone."""
-    if mode == DEPTHS or len(keys) == 1:
-        k, v = keys[-1], values[-1]
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    chain: causal over k0, diagonal over diag_k (row p sees each later step's key at p);
+    depths: causal over k0 alone (each module its own keys). The later steps' keys are one
+    tensor, not a list, so that a compiled step is one graph for every i >= 2."""
+    if mode == DEPTHS or diag_k is None:
+        return F.scaled_dot_product_attention(q, k0, v0, is_causal=True)
     scale = q.shape[-1] ** -0.5
     t = q.shape[2]
-    s0 = torch.matmul(q, keys[0].transpose(-1, -2)).float() * scale  # [B, H, T, T]
+    s0 = torch.matmul(q, k0.transpose(-1, -2)).float() * scale  # [B, H, T, T]
     causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
     s0 = s0.masked_fill(~causal, float("-inf"))
-    diag = torch.stack([(q * k).sum(-1) for k in keys[1:]], dim=-1).float() * scale  # [B,H,T,i]
+    diag = (q.unsqueeze(-2) * diag_k).sum(-1).float() * scale  # [B, H, T, i]
     p = torch.softmax(torch.cat([s0, diag], dim=-1), dim=-1)
     p0, pd = p[..., :t].to(q.dtype), p[..., t:].to(q.dtype)
-    out = torch.matmul(p0, values[0])
-    for j, v in enumerate(values[1:]):
-        out = out + pd[..., j:j + 1] * v
-    return out
+    return torch.matmul(p0, v0) + (pd.unsqueeze(-1) * diag_v).sum(-2)
 
 
 class LayerCache:
-    """The keys and values each step of one layer wrote, for the later steps' attention."""
+    """The keys and values each step of one layer wrote, for the later steps' attention: step
+    0's [B, H, T, D], the later steps' stacked [B, H, T, i, D]."""
 
     def __init__(self):
-        self.keys, self.values = [], []
+        self.k0 = self.v0 = self.diag_k = self.diag_v = None
+
+    def add(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        if self.k0 is None:
+            self.k0, self.v0 = k, v
+        elif self.diag_k is None:
+            self.diag_k, self.diag_v = k.unsqueeze(-2), v.unsqueeze(-2)
+        else:
+            self.diag_k = torch.cat([self.diag_k, k.unsqueeze(-2)], dim=-2)
+            self.diag_v = torch.cat([self.diag_v, v.unsqueeze(-2)], dim=-2)
 
 
 def layer_step(layer, rope_cfg, attn_in: torch.Tensor, residual: torch.Tensor,
@@ -83,9 +93,8 @@ def layer_step(layer, rope_cfg, attn_in: torch.Tensor, residual: torch.Tensor,
     cos, sin = rope_tables(rope_cfg, positions)  # [T, 1, D]: the same for every row
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     groups = hq // hkv
-    cache.keys.append(repeat_kv(k.transpose(1, 2), groups))
-    cache.values.append(repeat_kv(v.transpose(1, 2), groups))
-    o = ttt_attention(q.transpose(1, 2), cache.keys, cache.values, mode)
+    cache.add(repeat_kv(k.transpose(1, 2), groups), repeat_kv(v.transpose(1, 2), groups))
+    o = ttt_attention(q.transpose(1, 2), cache.k0, cache.v0, cache.diag_k, cache.diag_v, mode)
     o = o.transpose(1, 2).reshape(b, t, hq * a.head_dim)
     h = residual + _linear(o, a.o_weight, a.o_bias)
     post = layer.post_attention_layernorm
@@ -160,10 +169,11 @@ class MTPUnroll:
         return [LayerCache()] if self.mode == CHAIN else None
 
 
-def unroll(model, first: torch.Tensor, input_ids: torch.Tensor, steps: int):
+def unroll(model, first: torch.Tensor, input_ids: torch.Tensor, steps: int, step_fn=None):
     """Run `model` (Eagle3Unroll / MTPUnroll) S = steps times from its first hidden `first`
     [B, T, H] over input_ids [B, T]. Yields (i, hidden [B, T, H]) per step: row p of step i
-    predicts the token at p + 2 + i."""
+    predicts the token at p + 2 + i. step_fn: model.step (the default) or a compiled copy."""
+    step_fn = model.step if step_fn is None else step_fn
     t = input_ids.shape[1]
     base = torch.arange(t, device=input_ids.device)
     shared = model.caches()
@@ -172,5 +182,5 @@ def unroll(model, first: torch.Tensor, input_ids: torch.Tensor, steps: int):
         tokens = shift(input_ids, 1 + i)
         positions = base + i if model.mode == CHAIN else base
         cache = shared[0] if shared is not None else LayerCache()
-        hidden = model.step(i, hidden, tokens, positions, cache)
+        hidden = step_fn(i, hidden, tokens, positions, cache)
         yield i, hidden

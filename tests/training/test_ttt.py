@@ -143,7 +143,9 @@ def test_chain_mask_is_causal_then_diagonal():
     values = [torch.randn(b, h, t, d, generator=g) for _ in range(steps)]
     q = torch.randn(b, h, t, d, generator=g)
     for i in range(steps):
-        got = ttt_attention(q, keys[:i + 1], values[:i + 1], CHAIN)
+        dk = torch.stack(keys[1:i + 1], dim=-2) if i else None
+        dv = torch.stack(values[1:i + 1], dim=-2) if i else None
+        got = ttt_attention(q, keys[0], values[0], dk, dv, CHAIN)
         for p in range(t):
             ks = torch.cat([keys[0][:, :, :p + 1]] + [kk[:, :, p:p + 1] for kk in keys[1:i + 1]],
                            dim=2)
