@@ -168,8 +168,14 @@ class SchedulerConfig:
     max_model_len: Optional[int] = None  # None: the model's max_position_embeddings
     enable_chunked_prefill: bool = True
     max_waiting_requests: Optional[int] = None  # bound of the waiting queue (server answers 503)
+    # prefill tokens a step may carry beside decodes (0: up to the budget): a long prompt then
+    # delays running streams by at most one such chunk a step (with chunked prefill only)
+    max_prefill_with_decodes: int = 0
 
     def __post_init__(self):
+        if self.max_prefill_with_decodes < 0:
+            raise ConfigError(f"max_prefill_with_decodes (--max-prefill-with-decodes) must be "
+                              f">= 0 (0: no bound), got {self.max_prefill_with_decodes}")
         if self.max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:

@@ -18,6 +18,11 @@ from outpace.errors import InvalidRequestError
 OUTPUT_KINDS = ("cumulative", "final_only")
 FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32
 MAX_LOGPROBS = 20  # SamplingParams.logprobs' largest (vLLM's max_logprobs default)
+# Per-request list bounds: a request's lists are checked every token on the engine's thread, so
+# their size must not let one request slow everyone else's steps.
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 1024
 
 
 @dataclass
@@ -91,8 +96,15 @@ class SamplingParams:
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
                                       or not -(1 << 63) <= self.seed < 1 << 64):
             bad(f"seed must fit in 64 bits (-2**63 .. 2**64 - 1), got {self.seed!r}")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            bad(f"stop has {len(self.stop)} strings; at most {MAX_STOP_STRINGS} are allowed")
         if not all(isinstance(s, str) and s for s in self.stop):
             bad("stop must be a non-empty string or a list of non-empty strings")
+        if any(len(s) > MAX_STOP_STRING_CHARS for s in self.stop):
+            bad(f"each stop string may have at most {MAX_STOP_STRING_CHARS} characters")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            bad(f"stop_token_ids has {len(self.stop_token_ids)} entries; at most "
+                f"{MAX_STOP_TOKEN_IDS} are allowed")
         if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
                    for t in self.stop_token_ids):
             bad("stop_token_ids must be a list of non-negative integers")
@@ -201,6 +213,10 @@ class Request:
     spec_stats: SpecStats = field(default_factory=SpecStats)
     stop_reason: object = None  # the stop string or token id that ended it
     first_token_time: Optional[float] = None
+
+    def __post_init__(self):
+        # the stop ids as a set: each new token is checked against it in O(1)
+        self.stop_id_set = frozenset(self.sampling_params.stop_token_ids)
 
     @property
     def all_token_ids(self) -> list:

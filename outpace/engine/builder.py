@@ -43,6 +43,13 @@ def limit_host_threads(quiet: bool = False) -> None:
 _BIG_GPU_BYTES = 70 * 2**30
 
 
+def default_prefill_with_decodes(device: torch.device) -> int:
+    """Prefill tokens a step may carry beside decodes (0: the whole budget). On a CPU a chunk of
+    the default budget takes seconds, so running streams would stall that long: a small chunk
+    keeps their gap near a decode step's."""
+    return 32 if device.type == "cpu" else 0
+
+
 def default_token_budget(device: torch.device) -> int:
     if device.type == "cuda" and \
             torch.cuda.get_device_properties(device).total_memory >= _BIG_GPU_BYTES:
@@ -56,7 +63,9 @@ def build_engine(cls, model: str, *, device: str = "auto", dtype: str = "auto",
                  max_model_len: Optional[int] = None, num_kv_blocks: Optional[int] = None,
                  block_size: int = 16,
                  max_num_seqs: int = 64, max_num_batched_tokens: Optional[int] = None,
-                 max_waiting_requests: Optional[int] = None, enable_prefix_caching: bool = True,
+                 max_waiting_requests: Optional[int] = None,
+                 max_prefill_with_decodes: Optional[int] = None,
+                 enable_prefix_caching: bool = True,
                  enable_chunked_prefill: bool = True, memory_fraction: float = 0.85,
                  enforce_eager: bool = False, overlap: bool = True, seed: int = 0,
                  kernel_options: Optional[KernelOptions] = None, quiet: bool = False,
@@ -97,9 +106,12 @@ def build_engine(cls, model: str, *, device: str = "auto", dtype: str = "auto",
     # Every setting is checked before the model loads (which takes seconds): the scheduler's
     # and the cache's again below with the model's context length.
     budget = max_num_batched_tokens or default_token_budget(torch.device(device))
+    if max_prefill_with_decodes is None:
+        max_prefill_with_decodes = default_prefill_with_decodes(torch.device(device))
     SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                     max_model_len=max_model_len, enable_chunked_prefill=enable_chunked_prefill,
-                    max_waiting_requests=max_waiting_requests)
+                    max_waiting_requests=max_waiting_requests,
+                    max_prefill_with_decodes=max_prefill_with_decodes)
     CacheConfig(block_size=block_size, num_blocks=num_kv_blocks,
                 memory_fraction=memory_fraction, enable_prefix_caching=enable_prefix_caching)
     torch_device = torch.device(device)
@@ -127,7 +139,8 @@ def build_engine(cls, model: str, *, device: str = "auto", dtype: str = "auto",
                                 max_num_batched_tokens=max_num_batched_tokens,
                                 max_model_len=max_model_len or limit,
                                 enable_chunked_prefill=enable_chunked_prefill,
-                                max_waiting_requests=max_waiting_requests)
+                                max_waiting_requests=max_waiting_requests,
+                                max_prefill_with_decodes=max_prefill_with_decodes)
     cache_cfg = CacheConfig(block_size=block_size, num_blocks=num_kv_blocks,
                             memory_fraction=memory_fraction,
                             enable_prefix_caching=enable_prefix_caching)

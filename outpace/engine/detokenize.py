@@ -102,8 +102,18 @@ class IncrementalDetokenizer:
             return self.text
         hold = 0
         for s in self.stop:
-            for n in range(min(len(s) - 1, len(self.text)), 0, -1):
-                if self.text.endswith(s[:n]):
-                    hold = max(hold, n)
-                    break
+            hold = max(hold, _partial_stop(self.text, s))
         return self.text[:len(self.text) - hold] if hold else self.text
+
+
+def _partial_stop(text: str, stop: str) -> int:
+    """The length of the longest proper prefix of `stop` that `text` ends with (0: none). Only
+    the places in text's last len(stop) - 1 characters where stop's first character occurs are
+    tried, each with one C-level comparison."""
+    tail = text[len(text) - min(len(stop) - 1, len(text)):]
+    j = tail.find(stop[0])
+    while j != -1:
+        if stop.startswith(tail[j:]):
+            return len(tail) - j
+        j = tail.find(stop[0], j + 1)
+    return 0

@@ -32,6 +32,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="tokens a step may hold, prefill chunks and decodes (default: 8192 on a "
                    "GPU of 70 GiB or more, else 2048)")
+    p.add_argument("--max-prefill-with-decodes", type=int, default=None, metavar="N",
+                   help="prefill tokens a step may carry beside running decodes, so that a long "
+                   "prompt does not stall other streams; 0: the whole budget (default: 32 on a "
+                   "CPU, 0 on a GPU)")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--no-overlap", action="store_true",
@@ -95,6 +99,7 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
                 max_model_len=a.max_model_len,
                 num_kv_blocks=a.num_kv_blocks, max_num_seqs=a.max_num_seqs,
                 max_num_batched_tokens=a.max_num_batched_tokens,
+                max_prefill_with_decodes=a.max_prefill_with_decodes,
                 enable_prefix_caching=not a.no_prefix_caching, enforce_eager=a.enforce_eager,
                 overlap=not a.no_overlap, seed=a.seed, speculative_config=spec, quiet=a.quiet)
 

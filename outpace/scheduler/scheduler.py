@@ -6,7 +6,8 @@ One step (schedule):
   2. unfinished prefills of running requests (chunked to the budget left);
   3. admission of waiting requests (front first) while the budget, max_num_seqs and the pool
      allow; skipped in a step that preempted, so a victim isn't re-admitted at once.
-All share max_num_batched_tokens. When a running request can't get its blocks, the most recently
+All share max_num_batched_tokens; in a step that carries decodes, 2 and 3 together take at most
+max_prefill_with_decodes tokens (when set), so a long prompt can't stall running streams. When a running request can't get its blocks, the most recently
 arrived running request is preempted (possibly itself): its blocks are freed, it goes back to the
 front of the waiting queue and, when resumed, recomputes prompt + outputs as one prefill (the
 prefix cache may serve part of it); its next sampled token continues its output.
@@ -41,6 +42,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class _Step:
     budget: int
+    prefill_budget: int  # what prefill chunks may still take (<= budget)
     scheduled: dict = field(default_factory=dict)  # request_id -> ScheduledRequest, in order
     preempted: list = field(default_factory=list)  # request ids
 
@@ -139,7 +141,8 @@ class Scheduler:
 
     # ---- schedule -------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
-        step = _Step(budget=self.cfg.max_num_batched_tokens)
+        budget = self.cfg.max_num_batched_tokens
+        step = _Step(budget=budget, prefill_budget=budget)
         RUNNING = RequestStatus.RUNNING
         for req in list(self.running):  # 1. decodes
             if step.budget <= 0:
@@ -148,17 +151,21 @@ class Scheduler:
                 continue
             drafts = self._drafts_for(req, step.budget)
             self._schedule_running(req, 1 + len(drafts), drafts, True, step)
+        cap = self.cfg.max_prefill_with_decodes
+        if cap and self.cfg.enable_chunked_prefill and step.scheduled:
+            step.prefill_budget = cap
         for req in list(self.running):  # 2. unfinished prefills (chunked)
-            if step.budget <= 0:
+            if min(step.budget, step.prefill_budget) <= 0:
                 break
             if req.status is not RUNNING or req.request_id in step.scheduled:
                 continue
             remaining = req.num_tokens - req.num_computed_tokens
             if remaining <= 1:
                 continue  # a decode the budget had no room for
-            n = self._chunk(remaining, step.budget)
+            n = self._chunk(remaining, min(step.budget, step.prefill_budget))
             if n:
                 self._schedule_running(req, n, [], n == remaining, step)
+                step.prefill_budget -= n
         if not step.preempted:  # 3. admission
             self._admit(step)
         return StepPlan(scheduled=list(step.scheduled.values()), preempted_ids=step.preempted,
@@ -221,12 +228,13 @@ class Scheduler:
         self._add(req, n, drafts, sample, step)
 
     def _admit(self, step: _Step) -> None:
-        while self.waiting and step.budget > 0 and len(self.running) < self.cfg.max_num_seqs:
+        while self.waiting and min(step.budget, step.prefill_budget) > 0 and \
+                len(self.running) < self.cfg.max_num_seqs:
             req = self.waiting[0]
             cached = self.kv.get_computed_blocks(req)
             req.num_computed_tokens = cached
             remaining = req.num_tokens - cached
-            n = self._chunk(remaining, step.budget)
+            n = self._chunk(remaining, min(step.budget, step.prefill_budget))
             sample = n == remaining
             lookahead = self.num_lookahead_tokens if sample else 0
             if n == 0 or not self.kv.allocate_slots(req, n, lookahead):
@@ -240,6 +248,7 @@ class Scheduler:
             order = self._order
             bisect.insort(self.running, req, key=lambda r: order[r.request_id])
             self._add(req, n, [], sample, step)
+            step.prefill_budget -= n
 
     def _add(self, req: Request, n: int, drafts: list, sample: bool, step: _Step) -> None:
         step.scheduled[req.request_id] = ScheduledRequest(
@@ -375,7 +384,7 @@ class Scheduler:
         out = req.output_token_ids
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
-        stop_ids = sp.stop_token_ids
+        stop_ids = req.stop_id_set
         eos = () if sp.ignore_eos else req.eos_token_ids
         max_tokens = sp.max_tokens
         # the output length at which the context is full

@@ -101,11 +101,12 @@ class FakeRunner:
 
 
 def make(num_blocks=64, budget=32, max_num_seqs=8, lookahead=0, max_model_len=256,
-         chunked=True, caching=True, max_waiting=None):
+         chunked=True, caching=True, max_waiting=None, prefill_with_decodes=0):
     kv = KVCacheManager(CacheConfig(block_size=BS, enable_prefix_caching=caching), num_blocks,
                         max_model_len)
     cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-                          enable_chunked_prefill=chunked, max_waiting_requests=max_waiting)
+                          enable_chunked_prefill=chunked, max_waiting_requests=max_waiting,
+                          max_prefill_with_decodes=prefill_with_decodes)
     return Scheduler(cfg, kv, max_model_len, num_lookahead_tokens=lookahead, block_size=BS)
 
 

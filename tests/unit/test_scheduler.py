@@ -192,3 +192,47 @@ def test_queue_bound_duplicate_and_bad_prompts(track):
         sched.add_request(new_req("long", range(16)))
     sched.abort_request("a")
 
+
+
+# ---- fairness: a long prompt beside running decodes ----------------------------------------
+
+@pytest.mark.parametrize("cap", [0, 6])
+def test_prefill_beside_decodes_is_bounded(track, cap):
+    """With max_prefill_with_decodes, a step that carries decodes takes at most that many
+    prefill tokens; a step without decodes still takes the whole budget; outputs unchanged."""
+    sched = track(budget=32, num_blocks=128, prefill_with_decodes=cap)
+    runner = FakeRunner(sched)
+    a = new_req("a", [10, 11, 12], max_tokens=30, ignore_eos=True)
+    sched.add_request(a)
+    plan = sched.schedule()
+    sched.update(plan, runner.execute(plan))  # a decodes from now on
+    b = new_req("b", list(range(20, 120)), max_tokens=4, ignore_eos=True)
+    sched.add_request(b)
+    prefills = []
+
+    def check(plan):
+        decodes = [s for s in plan.scheduled if s.request is a]
+        pre = sum(s.num_new_tokens for s in plan.scheduled if s.request is b
+                  and s.num_computed_tokens < len(b.prompt_token_ids))
+        if pre:
+            prefills.append((bool(decodes), pre))
+    done = drive(sched, runner, check=check)
+    assert done["a"].output_token_ids == reference(a.prompt_token_ids, a.sampling_params)
+    assert done["b"].output_token_ids == reference(b.prompt_token_ids, b.sampling_params)
+    beside = [n for with_decodes, n in prefills if with_decodes]
+    assert beside, prefills
+    if cap:
+        assert max(beside) <= cap, prefills
+    else:
+        assert max(beside) > 6, prefills  # the whole budget left (the check can fail)
+
+
+def test_prefill_alone_takes_the_whole_budget(track):
+    sched = track(budget=32, num_blocks=128, prefill_with_decodes=6)
+    runner = FakeRunner(sched)
+    b = new_req("b", list(range(20, 120)), max_tokens=2, ignore_eos=True)
+    sched.add_request(b)
+    plan = sched.schedule()
+    assert plan.scheduled[0].num_new_tokens == 32
+    sched.update(plan, runner.execute(plan))
+    drive(sched, runner)
