@@ -57,7 +57,8 @@ def build_engine(cls, model: str, *, device: str = "auto", dtype: str = "auto",
                  block_size: int = 16,
                  max_num_seqs: int = 64, max_num_batched_tokens: Optional[int] = None,
                  max_waiting_requests: Optional[int] = None, enable_prefix_caching: bool = True,
-                 enable_chunked_prefill: bool = True, memory_fraction: float = 0.85,
+                 enable_chunked_prefill: bool = True, memory_fraction: Optional[float] = None,
+                 gpu_memory_utilization: Optional[float] = None,
                  enforce_eager: bool = False, overlap: bool = True, seed: int = 0,
                  kernel_options: Optional[KernelOptions] = None, quiet: bool = False,
                  loaded=None):
@@ -100,8 +101,20 @@ def build_engine(cls, model: str, *, device: str = "auto", dtype: str = "auto",
     SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                     max_model_len=max_model_len, enable_chunked_prefill=enable_chunked_prefill,
                     max_waiting_requests=max_waiting_requests)
+    if memory_fraction is not None and gpu_memory_utilization is not None:
+        raise ConfigError("memory_fraction and gpu_memory_utilization both size the KV pool: "
+                          "give one (gpu_memory_utilization, as in vLLM: a share of the GPU's "
+                          "total memory; memory_fraction: a share of what the weights leave "
+                          "free)")
+    memory = dict(gpu_memory_utilization=gpu_memory_utilization,
+                  **({} if memory_fraction is None else {"memory_fraction": memory_fraction}))
     CacheConfig(block_size=block_size, num_blocks=num_kv_blocks,
-                memory_fraction=memory_fraction, enable_prefix_caching=enable_prefix_caching)
+                enable_prefix_caching=enable_prefix_caching, **memory)
+    if gpu_memory_utilization is not None and not device.startswith("cuda"):
+        # Accepted, as vLLM's CPU backend accepts it, so a vLLM command line runs unchanged.
+        log.warning("gpu_memory_utilization (--gpu-memory-utilization) is ignored on %s: a CPU "
+                    "KV pool is %d MiB (or set num_kv_blocks)", device,
+                    CacheConfig().cpu_kv_bytes >> 20)
     torch_device = torch.device(device)
     torch.manual_seed(seed)
 
@@ -129,8 +142,7 @@ def build_engine(cls, model: str, *, device: str = "auto", dtype: str = "auto",
                                 enable_chunked_prefill=enable_chunked_prefill,
                                 max_waiting_requests=max_waiting_requests)
     cache_cfg = CacheConfig(block_size=block_size, num_blocks=num_kv_blocks,
-                            memory_fraction=memory_fraction,
-                            enable_prefix_caching=enable_prefix_caching)
+                            enable_prefix_caching=enable_prefix_caching, **memory)
     config = EngineConfig(model=model, model_config=model_cfg, cache=cache_cfg,
                           scheduler=sched_cfg, spec=spec_cfg, runner=runner_cfg)
 
@@ -144,6 +156,8 @@ def build_engine(cls, model: str, *, device: str = "auto", dtype: str = "auto",
     fits = (num_blocks - 1) * block_size - lookahead
     if fits < config.max_model_len:
         where = ("num_kv_blocks (--num-kv-blocks)" if num_kv_blocks is not None
+                 else "gpu_memory_utilization (or set num_kv_blocks)"
+                 if gpu_memory_utilization is not None and torch_device.type == "cuda"
                  else "memory_fraction (or set num_kv_blocks)")
         if max_model_len is not None or fits < 2:
             less = f", less {lookahead} of draft lookahead" if lookahead else ""

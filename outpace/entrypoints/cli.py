@@ -44,6 +44,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-kv-blocks", type=int, default=None,
                    help="KV pool size in blocks, counting the reserved block 0 (default: sized "
                    "from memory)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="SHARE",
+                   help="as in vLLM: the share of the GPU's total memory the engine may use, in "
+                   "(0, 1]; the KV pool gets what the weights leave of it (default: 0.85 of "
+                   "the memory free once the weights load; ignored on CPU)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="requests running at once")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="tokens a step may hold, prefill chunks and decodes (default: 8192 on a "
@@ -113,6 +117,7 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
                 kv_cache_dtype=a.kv_cache_dtype,
                 max_model_len=a.max_model_len,
                 num_kv_blocks=a.num_kv_blocks, max_num_seqs=a.max_num_seqs,
+                gpu_memory_utilization=a.gpu_memory_utilization,
                 max_num_batched_tokens=a.max_num_batched_tokens,
                 enable_prefix_caching=not a.no_prefix_caching, enforce_eager=a.enforce_eager,
                 overlap=not a.no_overlap, seed=a.seed, speculative_config=spec, quiet=a.quiet)

@@ -145,3 +145,8 @@ def test_help_shows_every_default():
     text = re.sub(r"\s+", " ", sub.choices["serve"].format_help())
     assert "--port PORT port (default: 8000)" in text
     assert "--max-num-seqs MAX_NUM_SEQS requests running at once (default: 64)" in text
+
+
+def test_gpu_memory_utilization_flag():
+    assert _kwargs()["gpu_memory_utilization"] is None
+    assert _kwargs("--gpu-memory-utilization", "0.9")["gpu_memory_utilization"] == 0.9
