@@ -61,7 +61,7 @@ def build_engine(cls, model: str, *, device: str = "auto", dtype: str = "auto",
                  gpu_memory_utilization: Optional[float] = None,
                  enforce_eager: bool = False, overlap: bool = True, seed: int = 0,
                  kernel_options: Optional[KernelOptions] = None, quiet: bool = False,
-                 loaded=None):
+                 download_dir: Optional[str] = None, loaded=None):
     """loaded: an already loaded (model, ModelConfig, Tokenizer) to reuse, e.g. when several
     engines with different cache or scheduler settings share one set of weights. A weight_dtype
     other than auto must then be the one its weights are stored in (weight_dtype.py's
@@ -129,7 +129,8 @@ def build_engine(cls, model: str, *, device: str = "auto", dtype: str = "auto",
     else:
         target, model_cfg, tokenizer = load_model(model, dtype=runner_cfg.torch_dtype,
                                                   weight_dtype=runner_cfg.torch_weight_dtype,
-                                                  device=torch_device, quiet=quiet)
+                                                  device=torch_device, quiet=quiet,
+                                                  download_dir=download_dir)
     limit = model_cfg.max_position_embeddings
     if max_model_len is not None and max_model_len > limit:
         raise ConfigError(f"max_model_len={max_model_len} is longer than the model's "

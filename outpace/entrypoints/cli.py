@@ -25,7 +25,11 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m",
-                   help="catalog name (smollm2-135m), HF folder or .gguf file")
+                   help="catalog name (smollm2-135m), Hugging Face folder, .gguf file, or "
+                   "Hugging Face model id (owner/name, fetched into the Hugging Face cache)")
+    p.add_argument("--download-dir", default=None, metavar="DIR",
+                   help="the cache Hugging Face model ids are fetched into and looked up in "
+                   "(default: Hugging Face's: HF_HUB_CACHE, else ~/.cache/huggingface/hub)")
     p.add_argument("--device", default="auto", help="cpu or cuda (auto: cuda when available)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
                    help="activations, arithmetic and (unless --kv-cache-dtype) the KV cache "
@@ -120,7 +124,8 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
                 gpu_memory_utilization=a.gpu_memory_utilization,
                 max_num_batched_tokens=a.max_num_batched_tokens,
                 enable_prefix_caching=not a.no_prefix_caching, enforce_eager=a.enforce_eager,
-                overlap=not a.no_overlap, seed=a.seed, speculative_config=spec, quiet=a.quiet)
+                overlap=not a.no_overlap, seed=a.seed, speculative_config=spec, quiet=a.quiet,
+                download_dir=a.download_dir)
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
