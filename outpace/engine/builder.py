@@ -50,6 +50,23 @@ def default_token_budget(device: torch.device) -> int:
     return 2048
 
 
+def check_max_model_len(max_model_len: Optional[int], model_cfg) -> None:
+    limit = model_cfg.max_position_embeddings
+    if max_model_len is not None and max_model_len > limit:
+        raise ConfigError(f"max_model_len={max_model_len} is longer than the model's "
+                          f"{limit} positions; use at most {limit}")
+
+
+def pool_tokens_at_most(cache_cfg: CacheConfig, model_cfg, kv_dtype, device) -> int:
+    """An upper bound, known before the weights load, of the tokens one request can hold in
+    the KV pool: the pool sized for the target's layers alone (draft heads add layers) from the
+    memory free now (the weights take some). The context, and so the rope tables, never need
+    more."""
+    from outpace.kvcache.sizing import num_kv_blocks as size_kv
+    blocks = size_kv(cache_cfg, model_cfg, model_cfg.num_hidden_layers, kv_dtype, device)
+    return (blocks - 1) * cache_cfg.block_size
+
+
 def build_engine(cls, model: str, *, device: str = "auto", dtype: str = "auto",
                  weight_dtype: str = "auto", kv_cache_dtype: str = "auto",
                  speculative_config: Optional[dict] = None,
@@ -68,7 +85,7 @@ def build_engine(cls, model: str, *, device: str = "auto", dtype: str = "auto",
     store_weights_in_ casts them): the engine does not change a model it was lent."""
     from outpace.kvcache.manager import KVCacheManager
     from outpace.kvcache.sizing import num_kv_blocks as size_kv
-    from outpace.models.loader import load_model
+    from outpace.models.loader import load_model, load_model_config
     from outpace.runner.model_runner import ModelRunner
     from outpace.scheduler.scheduler import Scheduler
     from outpace.speculative.factory import build_proposer
@@ -118,6 +135,8 @@ def build_engine(cls, model: str, *, device: str = "auto", dtype: str = "auto",
     torch_device = torch.device(device)
     torch.manual_seed(seed)
 
+    cache_cfg = CacheConfig(block_size=block_size, num_blocks=num_kv_blocks,
+                            enable_prefix_caching=enable_prefix_caching, **memory)
     if loaded is not None:
         target, model_cfg, tokenizer = loaded
         stored = target.embed_weight.dtype
@@ -126,15 +145,23 @@ def build_engine(cls, model: str, *, device: str = "auto", dtype: str = "auto",
                               f"weight_dtype {weight_dtype}; cast it first "
                               f"(outpace.models.weight_dtype.store_weights_in_) or pass "
                               f"weight_dtype auto")
+        check_max_model_len(max_model_len, model_cfg)
     else:
+        # The model's config first (cheap: config.json or the GGUF header), so max_model_len
+        # is checked before the weights load, and the rope tables are built only for the
+        # positions the engine can reach: a model may claim millions.
+        model_cfg = load_model_config(model, quiet=quiet, download_dir=download_dir)
+        check_max_model_len(max_model_len, model_cfg)
+        positions = max_model_len or min(
+            model_cfg.max_position_embeddings,
+            pool_tokens_at_most(cache_cfg, model_cfg, runner_cfg.torch_kv_cache_dtype,
+                                torch_device))
         target, model_cfg, tokenizer = load_model(model, dtype=runner_cfg.torch_dtype,
                                                   weight_dtype=runner_cfg.torch_weight_dtype,
                                                   device=torch_device, quiet=quiet,
-                                                  download_dir=download_dir)
+                                                  download_dir=download_dir,
+                                                  max_positions=positions)
     limit = model_cfg.max_position_embeddings
-    if max_model_len is not None and max_model_len > limit:
-        raise ConfigError(f"max_model_len={max_model_len} is longer than the model's "
-                          f"{limit} positions; use at most {limit}")
     if max_num_batched_tokens is None:
         max_num_batched_tokens = default_token_budget(torch_device)
     sched_cfg = SchedulerConfig(max_num_seqs=max_num_seqs,
@@ -142,8 +169,6 @@ def build_engine(cls, model: str, *, device: str = "auto", dtype: str = "auto",
                                 max_model_len=max_model_len or limit,
                                 enable_chunked_prefill=enable_chunked_prefill,
                                 max_waiting_requests=max_waiting_requests)
-    cache_cfg = CacheConfig(block_size=block_size, num_blocks=num_kv_blocks,
-                            enable_prefix_caching=enable_prefix_caching, **memory)
     config = EngineConfig(model=model, model_config=model_cfg, cache=cache_cfg,
                           scheduler=sched_cfg, spec=spec_cfg, runner=runner_cfg)
 
@@ -172,6 +197,11 @@ def build_engine(cls, model: str, *, device: str = "auto", dtype: str = "auto",
                     config.max_model_len, fits, where)
         sched_cfg = dataclasses.replace(sched_cfg, max_model_len=fits)
         config = dataclasses.replace(config, scheduler=sched_cfg)
+    if target.rotary.max_positions < config.max_model_len:  # a model lent with `loaded`
+        raise ConfigError(f"the loaded model's rope tables cover {target.rotary.max_positions} "
+                          f"positions, fewer than max_model_len={config.max_model_len}: load "
+                          f"it with max_positions >= {config.max_model_len} or lower "
+                          f"max_model_len")
     kv = KVCacheManager(cache_cfg, num_blocks, config.max_model_len,
                         **({"trim_last_matched_block": True}
                            if proposer is not None and proposer.num_kv_layers else {}))

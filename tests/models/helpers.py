@@ -53,6 +53,20 @@ def tiny_hf(family: str, seed: int = 0):
     return model.eval()
 
 
+def word_tokenizer(folder, vocab_size: int = 96) -> None:
+    """Save a word-level tokenizer of `vocab_size` ids (<unk>, <s>, </s>, w0, w1, ...) into
+    `folder`: what a model folder needs to load through load_model, with no real model."""
+    from tokenizers import Tokenizer as RawTokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+    from transformers import PreTrainedTokenizerFast
+    words = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(vocab_size - 3)]
+    raw = RawTokenizer(WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    raw.pre_tokenizer = Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="<unk>", bos_token="<s>",
+                            eos_token="</s>").save_pretrained(folder)
+
+
 class PagedRunner:
     """A KV pool, TorchRefBackend and block tables for a few sequences; runs forward steps."""
 

@@ -14,23 +14,11 @@ from outpace.errors import ModelLoadError
 from outpace.models.catalog import resolve_model
 from outpace.models.hub import is_hub_id
 from outpace.models.loader import load_model_config, locate
-from tests.models.helpers import tiny_hf
+from tests.models.helpers import tiny_hf, word_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 REPO_ID = "tiny-org/tiny-llama"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
-
-
-def _word_tokenizer(folder: Path) -> None:
-    from tokenizers import Tokenizer as RawTokenizer
-    from tokenizers.models import WordLevel
-    from tokenizers.pre_tokenizers import Whitespace
-    from transformers import PreTrainedTokenizerFast
-    words = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(93)]  # the model's 96 ids
-    raw = RawTokenizer(WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    raw.pre_tokenizer = Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="<unk>", bos_token="<s>",
-                            eos_token="</s>").save_pretrained(folder)
 
 
 def hub_layout(cache: Path, repo_id: str) -> Path:
@@ -49,7 +37,7 @@ def hub_cache(tmp_path_factory):
     cache = tmp_path_factory.mktemp("hub")
     snap = hub_layout(cache, REPO_ID)
     tiny_hf("llama", seed=3).save_pretrained(snap)
-    _word_tokenizer(snap)
+    word_tokenizer(snap)
     return cache, snap
 
 

@@ -66,3 +66,14 @@ def test_gpu_memory_utilization_is_accepted_and_ignored_on_cpu(caplog):
     assert "gpu_memory_utilization (--gpu-memory-utilization) is ignored on cpu" in caplog.text
     assert eng.config.cache.gpu_memory_utilization == 0.5
     assert eng.kv.num_blocks == ref.kv.num_blocks
+
+
+def test_a_lent_model_whose_rope_tables_are_shorter_than_the_context_is_refused():
+    from outpace.models.llama import LlamaForCausalLM
+    from tests.engine_helpers import make_engine
+    from tests.speculative.spec_helpers import tiny_target
+    _, cfg, tok = tiny_target()
+    short = LlamaForCausalLM(cfg, max_positions=32)
+    with pytest.raises(ConfigError, match=r"the loaded model's rope tables cover 32 positions, "
+                                          r"fewer than max_model_len=64"):
+        make_engine((short, cfg, tok), max_model_len=64)

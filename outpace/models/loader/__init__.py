@@ -51,11 +51,12 @@ def load_model_config(path_or_name, quiet: bool = False, download_dir=None):
 
 
 def load_model(path_or_name, runner_cfg=None, quiet: bool = False, *, dtype=None, device=None,
-               weight_dtype=None, download_dir=None):
+               weight_dtype=None, download_dir=None, max_positions=None):
     """-> (model in eval mode, ModelConfig, Tokenizer).
 
     `path_or_name`: a catalog name, a Hugging Face folder, a .gguf file, or a Hugging Face model
-    id fetched into `download_dir` (default: the Hugging Face cache).
+    id fetched into `download_dir` (default: the Hugging Face cache). `max_positions`: the
+    positions the rope tables cover, at most the model's (None: all of the model's).
 
     Device, dtype (activations) and weight_dtype (storage of the large matrices, see
     models/weight_dtype.py) come from `runner_cfg` (default RunnerConfig(): CPU, float32); the
@@ -77,11 +78,11 @@ def load_model(path_or_name, runner_cfg=None, quiet: bool = False, *, dtype=None
     kind, path = locate(path_or_name, quiet, download_dir)
     if kind == "hf":
         from outpace.models.loader.safetensors import load_hf_folder
-        model, cfg = load_hf_folder(path, dtype, device, quiet)
+        model, cfg = load_hf_folder(path, dtype, device, quiet, max_positions=max_positions)
         tok = Tokenizer.from_folder(path, cfg.eos_token_ids)
     else:
         from outpace.models.loader.gguf import load_gguf
-        model, cfg, g = load_gguf(path, dtype, device, quiet)
+        model, cfg, g = load_gguf(path, dtype, device, quiet, max_positions=max_positions)
         tok = Tokenizer.from_gguf(path, cfg.eos_token_ids, cache_key=g.metadata_sha256())
     if weight_dtype != dtype:
         # Loaded in the activation dtype first (the loaders round once, from the file's values)

@@ -324,12 +324,14 @@ def _one_cpu_thread(device):
         torch.set_num_threads(n)
 
 
-def load_gguf(path, dtype=torch.float32, device="cpu", quiet: bool = False):
-    """-> (model, ModelConfig, GGUFFile). The GGUFFile stays useful for the tokenizer cache key."""
+def load_gguf(path, dtype=torch.float32, device="cpu", quiet: bool = False, max_positions=None):
+    """-> (model, ModelConfig, GGUFFile). The GGUFFile stays useful for the tokenizer cache key.
+    max_positions: the positions the rope tables cover (None: the model's context_length)."""
     from outpace.models.registry import model_class
     g = GGUFFile(path)
     cfg = config_from_gguf(g)
-    model = model_class(cfg.architecture)(cfg, dtype=dtype, device=device)
+    model = model_class(cfg.architecture)(cfg, dtype=dtype, device=device,
+                                          max_positions=max_positions)
     with _one_cpu_thread(device):
         model.load_weights(iter_gguf_weights(g, cfg, quiet, device))
     return model.eval(), cfg, g

@@ -93,11 +93,14 @@ def iter_safetensors(files: list[Path], quiet: bool = False) -> Iterator[tuple[s
                 bar.update(1)
 
 
-def load_hf_folder(folder, dtype=torch.float32, device="cpu", quiet: bool = False):
-    """-> (model, ModelConfig)."""
+def load_hf_folder(folder, dtype=torch.float32, device="cpu", quiet: bool = False,
+                   max_positions=None):
+    """-> (model, ModelConfig). max_positions: the positions the rope tables cover (None: the
+    model's max_position_embeddings)."""
     from outpace.models.registry import model_class
     cfg = read_hf_config(folder)
     files = weight_files(folder)
-    model = model_class(cfg.architecture)(cfg, dtype=dtype, device=device)
+    model = model_class(cfg.architecture)(cfg, dtype=dtype, device=device,
+                                          max_positions=max_positions)
     model.load_weights(iter_safetensors(files, quiet))
     return model.eval(), cfg
