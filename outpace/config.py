@@ -95,6 +95,12 @@ class ModelConfig:
                 f"{', '.join(SUPPORTED_ARCHITECTURES)}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError("num_attention_heads must be a multiple of num_key_value_heads")
+        ids = (() if self.bos_token_id is None else (self.bos_token_id,)) + tuple(
+            self.eos_token_ids)
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+            raise ConfigError(f"bos_token_id and eos_token_id must be token ids (integers >= "
+                              f"0, or null), got {self.bos_token_id!r:.40} and "
+                              f"{self.eos_token_ids!r:.60}")
 
     @staticmethod
     def from_hf_dict(d: dict[str, Any]) -> "ModelConfig":

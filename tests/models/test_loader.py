@@ -128,7 +128,8 @@ def test_bad_config(hf_folder, tmp_path):
 def test_weights_do_not_match_config(hf_folder, tmp_path):
     folder, cfg, d = _copy_with_config(hf_folder, tmp_path)
     cfg.write_text(json.dumps({**d, "intermediate_size": d["intermediate_size"] * 2}))
-    with pytest.raises(ModelLoadError, match="mlp.*shape"):
+    with pytest.raises(ModelLoadError, match=r"mlp.*shape \(96, 64\), but the model config "
+                                             r"\(intermediate_size=192, hidden_size=64\)"):
         load_hf_folder(folder, quiet=True)
     cfg.write_text(json.dumps({**d, "num_hidden_layers": d["num_hidden_layers"] + 1}))
     with pytest.raises(ModelLoadError, match="lacks .*model.layers.3"):
