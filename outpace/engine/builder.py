@@ -125,8 +125,8 @@ def build_engine(cls, model: str, *, device: str = "auto", dtype: str = "auto",
                           "free)")
     memory = dict(gpu_memory_utilization=gpu_memory_utilization,
                   **({} if memory_fraction is None else {"memory_fraction": memory_fraction}))
-    CacheConfig(block_size=block_size, num_blocks=num_kv_blocks,
-                enable_prefix_caching=enable_prefix_caching, **memory)
+    cache_cfg = CacheConfig(block_size=block_size, num_blocks=num_kv_blocks,
+                            enable_prefix_caching=enable_prefix_caching, **memory)
     if gpu_memory_utilization is not None and not device.startswith("cuda"):
         # Accepted, as vLLM's CPU backend accepts it, so a vLLM command line runs unchanged.
         log.warning("gpu_memory_utilization (--gpu-memory-utilization) is ignored on %s: a CPU "
@@ -135,8 +135,6 @@ def build_engine(cls, model: str, *, device: str = "auto", dtype: str = "auto",
     torch_device = torch.device(device)
     torch.manual_seed(seed)
 
-    cache_cfg = CacheConfig(block_size=block_size, num_blocks=num_kv_blocks,
-                            enable_prefix_caching=enable_prefix_caching, **memory)
     if loaded is not None:
         target, model_cfg, tokenizer = loaded
         stored = target.embed_weight.dtype
