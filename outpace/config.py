@@ -95,6 +95,12 @@ class ModelConfig:
                 f"{', '.join(SUPPORTED_ARCHITECTURES)}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError("num_attention_heads must be a multiple of num_key_value_heads")
+        ids = (() if self.bos_token_id is None else (self.bos_token_id,)) + tuple(
+            self.eos_token_ids)
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+            raise ConfigError(f"bos_token_id and eos_token_id must be token ids (integers >= "
+                              f"0, or null), got {self.bos_token_id!r:.40} and "
+                              f"{self.eos_token_ids!r:.60}")
 
     @staticmethod
     def from_hf_dict(d: dict[str, Any]) -> "ModelConfig":
@@ -142,13 +148,23 @@ class ModelConfig:
         )
 
 
+def _share(name: str, v) -> None:
+    """A share of memory: a number in (0, 1]."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 < v <= 1.0:
+        raise ConfigError(f"{name} must be a number in (0, 1], got {v!r}")
+
+
 @dataclass(frozen=True)
 class CacheConfig:
-    """Paged KV pool. Size from `num_blocks`, or else from a fraction of free memory."""
+    """Paged KV pool. Size from `num_blocks`, or else from memory (kvcache/sizing.py)."""
 
     block_size: int = 16
     num_blocks: Optional[int] = None
     memory_fraction: float = 0.85  # of free device memory (CUDA) after weights, when num_blocks is None
+    # vLLM's meaning: the share of the GPU's total memory the engine may use; the KV pool gets
+    # what is left of it once the weights are loaded. Set, it replaces memory_fraction. CUDA
+    # only: a CPU pool is cpu_kv_bytes.
+    gpu_memory_utilization: Optional[float] = None
     cpu_kv_bytes: int = 1 << 30  # pool size on CPU when num_blocks is None
     enable_prefix_caching: bool = True
 
@@ -157,8 +173,10 @@ class CacheConfig:
             raise ConfigError(f"block_size must be a power of two, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ConfigError(f"num_blocks must be >= 1, got {self.num_blocks}")
-        if not 0.0 < self.memory_fraction <= 1.0:
-            raise ConfigError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
+        _share("memory_fraction", self.memory_fraction)
+        if self.gpu_memory_utilization is not None:
+            _share("gpu_memory_utilization (--gpu-memory-utilization)",
+                   self.gpu_memory_utilization)
 
 
 @dataclass(frozen=True)

@@ -57,6 +57,23 @@ def default_token_budget(device: torch.device) -> int:
     return 2048
 
 
+def check_max_model_len(max_model_len: Optional[int], model_cfg) -> None:
+    limit = model_cfg.max_position_embeddings
+    if max_model_len is not None and max_model_len > limit:
+        raise ConfigError(f"max_model_len={max_model_len} is longer than the model's "
+                          f"{limit} positions; use at most {limit}")
+
+
+def pool_tokens_at_most(cache_cfg: CacheConfig, model_cfg, kv_dtype, device) -> int:
+    """An upper bound, known before the weights load, of the tokens one request can hold in
+    the KV pool: the pool sized for the target's layers alone (draft heads add layers) from the
+    memory free now (the weights take some). The context, and so the rope tables, never need
+    more."""
+    from outpace.kvcache.sizing import num_kv_blocks as size_kv
+    blocks = size_kv(cache_cfg, model_cfg, model_cfg.num_hidden_layers, kv_dtype, device)
+    return (blocks - 1) * cache_cfg.block_size
+
+
 def build_engine(cls, model: str, *, device: str = "auto", dtype: str = "auto",
                  weight_dtype: str = "auto", kv_cache_dtype: str = "auto",
                  speculative_config: Optional[dict] = None,
@@ -66,17 +83,18 @@ def build_engine(cls, model: str, *, device: str = "auto", dtype: str = "auto",
                  max_waiting_requests: Optional[int] = None,
                  max_prefill_with_decodes: Optional[int] = None,
                  enable_prefix_caching: bool = True,
-                 enable_chunked_prefill: bool = True, memory_fraction: float = 0.85,
+                 enable_chunked_prefill: bool = True, memory_fraction: Optional[float] = None,
+                 gpu_memory_utilization: Optional[float] = None,
                  enforce_eager: bool = False, overlap: bool = True, seed: int = 0,
                  kernel_options: Optional[KernelOptions] = None, quiet: bool = False,
-                 loaded=None):
+                 download_dir: Optional[str] = None, loaded=None):
     """loaded: an already loaded (model, ModelConfig, Tokenizer) to reuse, e.g. when several
     engines with different cache or scheduler settings share one set of weights. A weight_dtype
     other than auto must then be the one its weights are stored in (weight_dtype.py's
     store_weights_in_ casts them): the engine does not change a model it was lent."""
     from outpace.kvcache.manager import KVCacheManager
     from outpace.kvcache.sizing import num_kv_blocks as size_kv
-    from outpace.models.loader import load_model
+    from outpace.models.loader import load_model, load_model_config
     from outpace.runner.model_runner import ModelRunner
     from outpace.scheduler.scheduler import Scheduler
     from outpace.speculative.factory import build_proposer
@@ -112,8 +130,20 @@ def build_engine(cls, model: str, *, device: str = "auto", dtype: str = "auto",
                     max_model_len=max_model_len, enable_chunked_prefill=enable_chunked_prefill,
                     max_waiting_requests=max_waiting_requests,
                     max_prefill_with_decodes=max_prefill_with_decodes)
-    CacheConfig(block_size=block_size, num_blocks=num_kv_blocks,
-                memory_fraction=memory_fraction, enable_prefix_caching=enable_prefix_caching)
+    if memory_fraction is not None and gpu_memory_utilization is not None:
+        raise ConfigError("memory_fraction and gpu_memory_utilization both size the KV pool: "
+                          "give one (gpu_memory_utilization, as in vLLM: a share of the GPU's "
+                          "total memory; memory_fraction: a share of what the weights leave "
+                          "free)")
+    memory = dict(gpu_memory_utilization=gpu_memory_utilization,
+                  **({} if memory_fraction is None else {"memory_fraction": memory_fraction}))
+    cache_cfg = CacheConfig(block_size=block_size, num_blocks=num_kv_blocks,
+                            enable_prefix_caching=enable_prefix_caching, **memory)
+    if gpu_memory_utilization is not None and not device.startswith("cuda"):
+        # Accepted, as vLLM's CPU backend accepts it, so a vLLM command line runs unchanged.
+        log.warning("gpu_memory_utilization (--gpu-memory-utilization) is ignored on %s: a CPU "
+                    "KV pool is %d MiB (or set num_kv_blocks)", device,
+                    CacheConfig().cpu_kv_bytes >> 20)
     torch_device = torch.device(device)
     torch.manual_seed(seed)
 
@@ -125,14 +155,23 @@ def build_engine(cls, model: str, *, device: str = "auto", dtype: str = "auto",
                               f"weight_dtype {weight_dtype}; cast it first "
                               f"(outpace.models.weight_dtype.store_weights_in_) or pass "
                               f"weight_dtype auto")
+        check_max_model_len(max_model_len, model_cfg)
     else:
+        # The model's config first (cheap: config.json or the GGUF header), so max_model_len
+        # is checked before the weights load, and the rope tables are built only for the
+        # positions the engine can reach: a model may claim millions.
+        model_cfg = load_model_config(model, quiet=quiet, download_dir=download_dir)
+        check_max_model_len(max_model_len, model_cfg)
+        positions = max_model_len or min(
+            model_cfg.max_position_embeddings,
+            pool_tokens_at_most(cache_cfg, model_cfg, runner_cfg.torch_kv_cache_dtype,
+                                torch_device))
         target, model_cfg, tokenizer = load_model(model, dtype=runner_cfg.torch_dtype,
                                                   weight_dtype=runner_cfg.torch_weight_dtype,
-                                                  device=torch_device, quiet=quiet)
+                                                  device=torch_device, quiet=quiet,
+                                                  download_dir=download_dir,
+                                                  max_positions=positions)
     limit = model_cfg.max_position_embeddings
-    if max_model_len is not None and max_model_len > limit:
-        raise ConfigError(f"max_model_len={max_model_len} is longer than the model's "
-                          f"{limit} positions; use at most {limit}")
     if max_num_batched_tokens is None:
         max_num_batched_tokens = default_token_budget(torch_device)
     sched_cfg = SchedulerConfig(max_num_seqs=max_num_seqs,
@@ -141,9 +180,6 @@ def build_engine(cls, model: str, *, device: str = "auto", dtype: str = "auto",
                                 enable_chunked_prefill=enable_chunked_prefill,
                                 max_waiting_requests=max_waiting_requests,
                                 max_prefill_with_decodes=max_prefill_with_decodes)
-    cache_cfg = CacheConfig(block_size=block_size, num_blocks=num_kv_blocks,
-                            memory_fraction=memory_fraction,
-                            enable_prefix_caching=enable_prefix_caching)
     config = EngineConfig(model=model, model_config=model_cfg, cache=cache_cfg,
                           scheduler=sched_cfg, spec=spec_cfg, runner=runner_cfg)
 
@@ -157,6 +193,8 @@ def build_engine(cls, model: str, *, device: str = "auto", dtype: str = "auto",
     fits = (num_blocks - 1) * block_size - lookahead
     if fits < config.max_model_len:
         where = ("num_kv_blocks (--num-kv-blocks)" if num_kv_blocks is not None
+                 else "gpu_memory_utilization (or set num_kv_blocks)"
+                 if gpu_memory_utilization is not None and torch_device.type == "cuda"
                  else "memory_fraction (or set num_kv_blocks)")
         if max_model_len is not None or fits < 2:
             less = f", less {lookahead} of draft lookahead" if lookahead else ""
@@ -170,6 +208,11 @@ def build_engine(cls, model: str, *, device: str = "auto", dtype: str = "auto",
                     config.max_model_len, fits, where)
         sched_cfg = dataclasses.replace(sched_cfg, max_model_len=fits)
         config = dataclasses.replace(config, scheduler=sched_cfg)
+    if target.rotary.max_positions < config.max_model_len:  # a model lent with `loaded`
+        raise ConfigError(f"the loaded model's rope tables cover {target.rotary.max_positions} "
+                          f"positions, fewer than max_model_len={config.max_model_len}: load "
+                          f"it with max_positions >= {config.max_model_len} or lower "
+                          f"max_model_len")
     kv = KVCacheManager(cache_cfg, num_blocks, config.max_model_len,
                         **({"trim_last_matched_block": True}
                            if proposer is not None and proposer.num_kv_layers else {}))

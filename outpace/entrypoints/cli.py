@@ -8,12 +8,28 @@ import logging
 import sys
 import time
 
+from outpace import __version__
 from outpace.errors import OutpaceError
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """`--help` ends each option's help with its default, so a user sees every default without
+    the docs; except where there is nothing to show (None, an empty list, an off flag): those
+    options' help says what leaving them out does."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False or action.default == []:
+            return action.help or ""
+        return super()._get_help_string(action)
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m",
-                   help="catalog name (smollm2-135m), HF folder or .gguf file")
+                   help="catalog name (smollm2-135m), Hugging Face folder, .gguf file, or "
+                   "Hugging Face model id (owner/name, fetched into the Hugging Face cache)")
+    p.add_argument("--download-dir", default=None, metavar="DIR",
+                   help="the cache Hugging Face model ids are fetched into and looked up in "
+                   "(default: Hugging Face's: HF_HUB_CACHE, else ~/.cache/huggingface/hub)")
     p.add_argument("--device", default="auto", help="cpu or cuda (auto: cuda when available)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
                    help="activations, arithmetic and (unless --kv-cache-dtype) the KV cache "
@@ -26,9 +42,17 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    choices=["auto", "float32", "float16", "bfloat16"],
                    help="the KV cache's dtype (auto: --dtype); with --dtype float32, bfloat16 "
                    "keeps bf16's cache size and attention bytes")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--num-kv-blocks", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="context length, prompt + output (default: the model's "
+                   "max_position_embeddings, or what the KV cache holds if less)")
+    p.add_argument("--num-kv-blocks", type=int, default=None,
+                   help="KV pool size in blocks, counting the reserved block 0 (default: sized "
+                   "from memory)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="SHARE",
+                   help="as in vLLM: the share of the GPU's total memory the engine may use, in "
+                   "(0, 1]; the KV pool gets what the weights leave of it (default: 0.85 of "
+                   "the memory free once the weights load; ignored on CPU)")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="requests running at once")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="tokens a step may hold, prefill chunks and decodes (default: 8192 on a "
                    "GPU of 70 GiB or more, else 2048)")
@@ -36,15 +60,18 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="prefill tokens a step may carry beside running decodes, so that a long "
                    "prompt does not stall other streams; 0: the whole budget (default: 32 on a "
                    "CPU, 0 on a GPU)")
-    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--no-prefix-caching", action="store_true",
+                   help="do not reuse the KV cache of prompt prefixes seen before")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--no-overlap", action="store_true",
                    help="read each decode step's outputs before launching the next")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0,
+                   help="torch's seed and the source of requests' sampling seeds")
     p.add_argument("--spec", default=None, choices=["ngram", "suffix", "mtp", "eagle3"],
-                   help="speculative decoding method")
-    p.add_argument("--draft", default=None, help="draft head folder (mtp, eagle3)")
-    p.add_argument("--k", type=int, default=None, help="draft tokens per step (default 3)")
+                   help="speculative decoding method (default: none)")
+    p.add_argument("--draft", default=None, help="draft head folder (mtp, eagle3; default: the head shipped for the "
+                   "model, if any)")
+    p.add_argument("--k", type=int, default=None, help="draft tokens per step (default: 3)")
     p.add_argument("--spec-option", action="append", default=[], metavar="KEY=VALUE",
                    help="extra speculative option (repeatable), e.g. "
                         "k_schedule=[[8,4],[32,2]] (every option: docs/configuration.md)")
@@ -98,19 +125,22 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
                 kv_cache_dtype=a.kv_cache_dtype,
                 max_model_len=a.max_model_len,
                 num_kv_blocks=a.num_kv_blocks, max_num_seqs=a.max_num_seqs,
+                gpu_memory_utilization=a.gpu_memory_utilization,
                 max_num_batched_tokens=a.max_num_batched_tokens,
                 max_prefill_with_decodes=a.max_prefill_with_decodes,
                 enable_prefix_caching=not a.no_prefix_caching, enforce_eager=a.enforce_eager,
-                overlap=not a.no_overlap, seed=a.seed, speculative_config=spec, quiet=a.quiet)
+                overlap=not a.no_overlap, seed=a.seed, speculative_config=spec, quiet=a.quiet,
+                download_dir=a.download_dir)
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--sample-seed", type=int, default=None, help="per-request sampling seed")
+    p.add_argument("--max-tokens", type=int, default=256, help="output tokens at most")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling, in (0, 1]")
+    p.add_argument("--top-k", type=int, default=0, help="0: off")
+    p.add_argument("--min-p", type=float, default=0.0, help="in [0, 1]; 0: off")
+    p.add_argument("--sample-seed", type=int, default=None,
+                   help="per-request sampling seed (default: one drawn from --seed)")
     p.add_argument("--spec-stats", action="store_true", help="print speculative decoding stats")
 
 
@@ -269,38 +299,51 @@ def cmd_eval_draft(a) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="outpace", description=__doc__)
+    p = argparse.ArgumentParser(prog="outpace", description=__doc__,
+                                formatter_class=HelpFormatter)
+    p.add_argument("--version", action="version", version=f"outpace {__version__}")
     sub = p.add_subparsers(dest="cmd", required=True)
-    g = sub.add_parser("generate", help="generate a completion, streamed to the terminal")
-    g.add_argument("prompt")
-    g.add_argument("--raw", action="store_true", help="no chat template")
+
+    def add_parser(name, **kw):
+        return sub.add_parser(name, formatter_class=HelpFormatter,
+                              description=kw.get("help"), **kw)
+
+    g = add_parser("generate", help="generate a completion, streamed to the terminal")
+    g.add_argument("prompt", help="the prompt (a user turn, unless --raw)")
+    g.add_argument("--raw", action="store_true",
+                   help="no chat template: the prompt is the text as given")
     add_engine_args(g)
     add_sampling_args(g)
     g.set_defaults(func=cmd_generate)
-    c = sub.add_parser("chat", help="interactive chat")
+    c = add_parser("chat", help="interactive chat")
     add_engine_args(c)
     add_sampling_args(c)
     c.set_defaults(func=cmd_chat)
-    s = sub.add_parser("serve", help="OpenAI-compatible server")
-    s.add_argument("model_pos", nargs="?", default=None, metavar="MODEL")
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--api-key", default=None)
-    s.add_argument("--served-model-name", default=None)
+    s = add_parser("serve", help="OpenAI-compatible server")
+    s.add_argument("model_pos", nargs="?", default=None, metavar="MODEL",
+                   help="the model to serve (in place of --model)")
+    s.add_argument("--host", default="127.0.0.1", help="bind address")
+    s.add_argument("--port", type=int, default=8000, help="port")
+    s.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: none)")
+    s.add_argument("--served-model-name", default=None,
+                   help="the model name the API lists and answers to (default: MODEL)")
     s.add_argument("--max-waiting", type=int, default=None,
-                   help="bound of the waiting queue; more requests get 503")
+                   help="bound of the waiting queue; more requests get 503 (default: "
+                   "no bound)")
     add_engine_args(s)
     s.set_defaults(func=cmd_serve)
-    d = sub.add_parser("init-draft", help="write a randomly initialised draft head")
-    d.add_argument("--method", required=True, choices=["mtp", "eagle3"])
-    d.add_argument("--target", default="smollm2-135m")
-    d.add_argument("--out", required=True)
+    d = add_parser("init-draft", help="write a randomly initialised draft head")
+    d.add_argument("--method", required=True, choices=["mtp", "eagle3"], help="head kind")
+    d.add_argument("--target", default="smollm2-135m",
+                   help="the model the head drafts for (catalog name, HF folder or .gguf file)")
+    d.add_argument("--out", required=True, help="folder to write (must not hold a head)")
     d.add_argument("--num-layers", type=int, default=1, help="MTP depths (modules)")
-    d.add_argument("--seed", type=int, default=0)
-    d.add_argument("--quiet", action="store_true")
+    d.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+    d.add_argument("--quiet", action="store_true", help="no progress output")
     d.set_defaults(func=cmd_init_draft)
-    t = sub.add_parser("train-draft", help="self-distill and train an EAGLE-3 or MTP head")
-    t.add_argument("--method", required=True, choices=["eagle3", "mtp"])
+    t = add_parser("train-draft", help="self-distill and train an EAGLE-3 or MTP head")
+    t.add_argument("--method", required=True, choices=["eagle3", "mtp"], help="head kind")
     t.add_argument("--target", default="smollm2-135m",
                    help="catalog name, HF folder or .gguf file")
     t.add_argument("--data", required=True,
@@ -322,8 +365,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "2 minutes)")
     t.add_argument("--num-modules", type=int, default=1,
                    help="MTP modules (more than one trains depths mode)")
-    t.add_argument("--epochs", type=float, default=1.0)
-    t.add_argument("--lr", type=float, default=5e-4)
+    t.add_argument("--epochs", type=float, default=1.0, help="passes over the data")
+    t.add_argument("--lr", type=float, default=5e-4,
+                   help="peak learning rate (cosine schedule)")
     t.add_argument("--warmup", type=float, default=0.03, help="share of steps warming up")
     t.add_argument("--batch-tokens", type=int, default=16384, help="padded tokens a batch")
     t.add_argument("--max-len", type=int, default=2048, help="tokens a sequence at most")
@@ -335,7 +379,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--loop-tokens", type=int, default=64,
                    help="answer tokens kept once an answer starts repeating itself verbatim "
                         "(-1: keep them all)")
-    t.add_argument("--max-prompts", type=int, default=None, help="use the first N prompts")
+    t.add_argument("--max-prompts", type=int, default=None,
+                   help="use the first N prompts (default: all)")
     t.add_argument("--holdout", type=int, default=0,
                    help="hold the last N prompts out and report their TTT accuracy")
     t.add_argument("--save-every", type=int, default=500, help="steps between checkpoints")
@@ -344,27 +389,31 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--resume", default=None,
                    help="a checkpoint folder, or the OUT folder of an earlier run")
     t.add_argument("--max-minutes", type=float, default=None,
-                   help="time budget of the training steps (the schedule fits to it)")
-    t.add_argument("--seed", type=int, default=0)
+                   help="time budget of the training steps (the schedule fits to it; default: "
+                   "none)")
+    t.add_argument("--seed", type=int, default=0, help="seed of data order and init")
     t.add_argument("--device", default="auto", help="cpu or cuda (auto: cuda when available)")
-    t.add_argument("--quiet", action="store_true")
+    t.add_argument("--quiet", action="store_true", help="no progress output")
     t.set_defaults(func=cmd_train_draft)
-    e = sub.add_parser("eval-draft", help="a head's acceptance per position, through the engine")
-    e.add_argument("--method", required=True, choices=["eagle3", "mtp"])
+    e = add_parser("eval-draft", help="a head's acceptance per position, through the engine")
+    e.add_argument("--method", required=True, choices=["eagle3", "mtp"], help="head kind")
     e.add_argument("--draft", default=None,
                    help="draft head folder (default: the head shipped for the target)")
-    e.add_argument("--target", default="smollm2-135m")
+    e.add_argument("--target", default="smollm2-135m", help="the model the head drafts for")
     e.add_argument("--prompts", nargs="+", required=True, metavar="[NAME=]FILE",
                    help="prompt sets (JSONL), e.g. mtbench=mtbench.jsonl")
-    e.add_argument("--k", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6, 7])
-    e.add_argument("--max-tokens", type=int, default=256)
-    e.add_argument("--max-prompts", type=int, default=None)
-    e.add_argument("--max-num-seqs", type=int, default=64)
-    e.add_argument("--device", default="auto")
-    e.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+    e.add_argument("--k", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6, 7],
+                   help="draft lengths to measure (one engine each)")
+    e.add_argument("--max-tokens", type=int, default=256, help="output tokens per prompt")
+    e.add_argument("--max-prompts", type=int, default=None,
+                   help="first N prompts of each set (default: all)")
+    e.add_argument("--max-num-seqs", type=int, default=64, help="engine batch")
+    e.add_argument("--device", default="auto", help="cpu or cuda (auto: cuda when available)")
+    e.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
+                   help="activations and weights (auto: float32 on CPU, bfloat16 on CUDA)")
     e.add_argument("--out", default="eval_draft.json", help="JSON results")
     e.add_argument("--plot", default=None, help="PNG of acceptance per position")
-    e.add_argument("--quiet", action="store_true")
+    e.add_argument("--quiet", action="store_true", help="no progress output")
     e.set_defaults(func=cmd_eval_draft)
     return p
 

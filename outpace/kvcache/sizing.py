@@ -30,34 +30,54 @@ def kv_bytes_per_block(cache_cfg: CacheConfig, model_cfg: ModelConfig, num_layer
             * model_cfg.head_dim * _itemsize(dtype))
 
 
+def gpu_kv_budget(cache_cfg: CacheConfig, free: int, total: int) -> tuple[int, str]:
+    """Bytes of GPU memory for the KV pool, given the device's free and total bytes now (after
+    the weights load) -> (bytes, where they come from, for messages).
+
+    gpu_memory_utilization (vLLM's meaning): the engine may use that share of the total, so the
+    pool gets it less what is in use now (the weights, and whatever else holds memory on the
+    device); else memory_fraction of what is free.
+    """
+    gib = 2 ** 30
+    util = cache_cfg.gpu_memory_utilization
+    if util is not None:
+        return (int(total * util) - (total - free),
+                f"gpu_memory_utilization={util:g} of {total / gib:.2f} GiB, less "
+                f"{(total - free) / gib:.2f} GiB in use")
+    return (int(free * cache_cfg.memory_fraction),
+            f"memory_fraction={cache_cfg.memory_fraction:g} of {free / gib:.2f} GiB free device "
+            f"memory")
+
+
 def num_kv_blocks(cache_cfg: CacheConfig, model_cfg: ModelConfig, num_layer_slots: int, dtype,
                   device, max_model_len: Optional[int] = None) -> int:
     """Blocks in the pool, null block included.
 
-    cache_cfg.num_blocks when set; else memory_fraction of the free CUDA memory (call this after
-    the weights are loaded); else, on CPU, cache_cfg.cpu_kv_bytes.
+    cache_cfg.num_blocks when set; else, on CUDA, what gpu_kv_budget gives (call this after the
+    weights are loaded); else, on CPU, cache_cfg.cpu_kv_bytes.
     """
     import torch
     per_block = kv_bytes_per_block(cache_cfg, model_cfg, num_layer_slots, dtype)
     if cache_cfg.num_blocks is not None:
         n = cache_cfg.num_blocks
         source = "num_blocks"
+        more = "set num_blocks >= 2"
     else:
         dev = torch.device(device)
         if dev.type == "cuda":
-            free, _total = torch.cuda.mem_get_info(dev)
-            budget = int(free * cache_cfg.memory_fraction)
-            source = (f"{cache_cfg.memory_fraction:.2f} of {free / 2**30:.2f} GiB free device "
-                      f"memory")
+            budget, source = gpu_kv_budget(cache_cfg, *torch.cuda.mem_get_info(dev))
+            more = ("raise gpu_memory_utilization" if cache_cfg.gpu_memory_utilization
+                    is not None else "raise memory_fraction") + " or set num_blocks"
         else:
             budget = cache_cfg.cpu_kv_bytes
             source = f"cpu_kv_bytes={budget}"
-        n = budget // per_block
+            more = "raise cpu_kv_bytes or set num_blocks"
+        n = max(budget, 0) // per_block
     if n < 2:
         raise ConfigError(
             f"the KV pool gets {n} blocks from {source} ({per_block} bytes per block), but it "
-            f"needs at least 2 (block 0 is reserved); give it more memory (raise "
-            f"memory_fraction or cpu_kv_bytes, or set num_blocks >= 2) or lower block_size")
+            f"needs at least 2 (block 0 is reserved); give it more memory ({more}) or lower "
+            f"block_size")
     if max_model_len is not None:
         need = -(-max_model_len // cache_cfg.block_size)
         if n - 1 < need:

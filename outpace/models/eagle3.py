@@ -135,7 +135,9 @@ def _param(*shape, dtype, device) -> nn.Parameter:
 class Eagle3Head(nn.Module):
     num_kv_layers = 1  # KV slots of the draft plane this head uses
 
-    def __init__(self, cfg: Eagle3Config, layer_slot: int, dtype=torch.float32, device="cpu"):
+    def __init__(self, cfg: Eagle3Config, layer_slot: int, dtype=torch.float32, device="cpu",
+                 max_positions: Optional[int] = None):
+        # max_positions: the positions the rope tables cover (None: the config's; rotary.py)
         super().__init__()
         kw = dict(dtype=dtype, device=device)
         lc = cfg.layer
@@ -149,7 +151,7 @@ class Eagle3Head(nn.Module):
         self.norm = RMSNorm(h, lc.rms_norm_eps, **kw)
         self.lm_head_weight = _param(cfg.draft_vocab_size, h, **kw)
         self.embed_weight = _param(lc.vocab_size, h, **kw) if cfg.has_embedding else None
-        self.rotary = RotaryEmbedding(lc, **kw)
+        self.rotary = RotaryEmbedding(lc, **kw, max_positions=max_positions)
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64,
                                                 device=device))
         self.register_buffer("t2d", torch.ones(lc.vocab_size, dtype=torch.bool, device=device))

@@ -263,12 +263,14 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype=torch.float32, device="cpu"):
+    def __init__(self, cfg: ModelConfig, dtype=torch.float32, device="cpu",
+                 max_positions: Optional[int] = None):
+        # max_positions: the positions the rope tables cover (None: the model's; rotary.py)
         super().__init__()
         kw = dict(dtype=dtype, device=device)
         self.config = cfg
         self.embed_weight = _param(cfg.vocab_size, cfg.hidden_size, **kw)
-        self.rotary = RotaryEmbedding(cfg, **kw)
+        self.rotary = RotaryEmbedding(cfg, **kw, max_positions=max_positions)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(cfg, i, **kw) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)

@@ -42,7 +42,8 @@ class MTPModule(nn.Module):
 
 class MTPHead(nn.Module):
     def __init__(self, cfg: ModelConfig, num_modules: int, first_layer_slot: int,
-                 dtype=torch.float32, device="cpu"):
+                 dtype=torch.float32, device="cpu", max_positions: Optional[int] = None):
+        # max_positions: the positions the rope tables cover (None: the config's; rotary.py)
         super().__init__()
         if num_modules < 1:
             raise ValueError(f"an MTP head needs >= 1 module, got {num_modules}")
@@ -52,7 +53,8 @@ class MTPHead(nn.Module):
         self.layers = nn.ModuleList(
             MTPModule(cfg, first_layer_slot + d, dtype=dtype, device=device)
             for d in range(num_modules))
-        self.rotary = RotaryEmbedding(cfg, dtype=dtype, device=device)
+        self.rotary = RotaryEmbedding(cfg, dtype=dtype, device=device,
+                                      max_positions=max_positions)
 
     @property
     def num_kv_layers(self) -> int:  # KV slots of the draft plane this head uses

@@ -1,12 +1,14 @@
 """Rotary position embedding (neox style) for the Llama family: the inverse frequencies with the
 configured scaling (linear, llama3, GGUF per-frequency factors) and the cos/sin tables, computed
-once for every position. On CPU the model applies them itself; on CUDA the Triton kernels read the
-tables (kernels/rope.py, and the qkv projection's epilogue in kernels/skinny_gemm/).
+once for every position the engine can reach. On CPU the model applies them itself; on CUDA the
+Triton kernels read the tables (kernels/rope.py, and the qkv projection's epilogue in
+kernels/skinny_gemm/).
 """
 
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 from torch import nn
@@ -59,18 +61,37 @@ class RotaryEmbedding(nn.Module):
 
     rope(x) = x * cos + roll(x, D/2) * sin_signed, where sin_signed = [-sin, sin] folds
     rotate_half's negation into the table, so applying it is three elementwise ops.
+
+    max_positions: the positions the tables cover (plus POSITION_MARGIN), at most the model's
+    max_position_embeddings; None: all of those. The engine passes its context length: a model
+    may claim millions of positions, and the tables grow with them (2 x head_dim values each).
     """
 
-    def __init__(self, cfg: ModelConfig, dtype=torch.float32, device="cpu"):
+    def __init__(self, cfg: ModelConfig, dtype=torch.float32, device="cpu",
+                 max_positions: Optional[int] = None):
         super().__init__()
+        positions = cfg.max_position_embeddings
+        if max_positions is not None:
+            if isinstance(max_positions, bool) or not isinstance(max_positions, int) \
+                    or max_positions < 1:
+                raise ValueError(f"max_positions must be an integer >= 1, got {max_positions!r}")
+            positions = min(positions, max_positions)
+        self.max_positions = positions
+        half = cfg.head_dim // 2
+        self.half = half
+        shape = (positions + POSITION_MARGIN, cfg.head_dim)
+        if torch.device(device).type == "meta":  # shapes only (nothing is computed)
+            self.register_buffer("cos", torch.empty(shape, dtype=dtype, device=device),
+                                 persistent=False)
+            self.register_buffer("sin", torch.empty(shape, dtype=dtype, device=device),
+                                 persistent=False)
+            return
         inv = rope_inv_freq(cfg)
-        t = torch.arange(cfg.max_position_embeddings + POSITION_MARGIN, dtype=torch.float32)
+        t = torch.arange(shape[0], dtype=torch.float32)
         freqs = torch.outer(t, inv)  # [P, D/2], fp32 as HF computes it
         emb = torch.cat((freqs, freqs), dim=-1)
         sin = emb.sin()
-        half = cfg.head_dim // 2
         sin[:, :half].neg_()
-        self.half = half
         self.register_buffer("cos", emb.cos().to(dtype=dtype, device=device), persistent=False)
         self.register_buffer("sin", sin.to(dtype=dtype, device=device), persistent=False)
 

@@ -53,6 +53,20 @@ def tiny_hf(family: str, seed: int = 0):
     return model.eval()
 
 
+def word_tokenizer(folder, vocab_size: int = 96) -> None:
+    """Save a word-level tokenizer of `vocab_size` ids (<unk>, <s>, </s>, w0, w1, ...) into
+    `folder`: what a model folder needs to load through load_model, with no real model."""
+    from tokenizers import Tokenizer as RawTokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+    from transformers import PreTrainedTokenizerFast
+    words = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(vocab_size - 3)]
+    raw = RawTokenizer(WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    raw.pre_tokenizer = Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="<unk>", bos_token="<s>",
+                            eos_token="</s>").save_pretrained(folder)
+
+
 class PagedRunner:
     """A KV pool, TorchRefBackend and block tables for a few sequences; runs forward steps."""
 
@@ -149,7 +163,8 @@ def quant_roundtrip(w, qtype_name: str):
 
 
 class _OverridingWriter:
-    """A GGUFWriter whose add_* calls named in `values` write those values instead."""
+    """A GGUFWriter whose add_* calls named in `values` write those values instead; a callable
+    value is called with the writer in place of the call (to write another type, or nothing)."""
 
     def __init__(self, writer, values: dict):
         self._w, self._values = writer, values
@@ -157,14 +172,17 @@ class _OverridingWriter:
     def __getattr__(self, name):
         fn = getattr(self._w, name)
         if name in self._values:
-            return lambda *a, **kw: fn(self._values[name])
+            v = self._values[name]
+            return (lambda *a, **kw: v(self._w)) if callable(v) else (lambda *a, **kw: fn(v))
         return fn
 
 
 def write_gguf(hf_model, path, qtype_name: str = "F32", arch: str = "llama",
-               rope_freqs=None, skip=(), override_qtype=None, metadata=None):
+               rope_freqs=None, skip=(), override_qtype=None, metadata=None, extra_kv=None):
     """Write `hf_model` as a GGUF the way llama.cpp does; 2-D tensors stored as `qtype_name`.
-    metadata: {GGUFWriter add_* method name: value} replacing what the model says (bad files)."""
+    metadata: {GGUFWriter add_* method name: value} replacing what the model says (bad files);
+    extra_kv: {key: str | float (float32) | bool | int (uint32) | list (array)} written
+    besides."""
     import gguf
     c = hf_model.config
     w = gguf.GGUFWriter(str(path), arch)
@@ -185,6 +203,17 @@ def write_gguf(hf_model, path, qtype_name: str = "F32", arch: str = "llama",
     w.add_vocab_size(c.vocab_size)
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
+    for key, v in (extra_kv or {}).items():
+        if isinstance(v, str):
+            w.add_string(key, v)
+        elif isinstance(v, float):
+            w.add_float32(key, v)
+        elif isinstance(v, bool):
+            w.add_bool(key, v)
+        elif isinstance(v, list):
+            w.add_array(key, v)
+        else:
+            w.add_uint32(key, v)
     qt = gguf.GGMLQuantizationType[qtype_name]
     for name, t in hf_model.state_dict().items():
         if name == "lm_head.weight" and c.tie_word_embeddings or name in skip:

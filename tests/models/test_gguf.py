@@ -182,6 +182,43 @@ def test_lying_metadata_is_an_error_that_names_the_field(hf_llama, tmp_path, met
     assert time.perf_counter() - t < 2.0
 
 
+@pytest.mark.parametrize("metadata,extra,msg", [
+    ({"add_context_length": lambda w: w.add_string("llama.context_length", "abc")}, None,
+     "GGUF metadata llama.context_length is 'abc', not an integer"),
+    ({"add_eos_token_id": lambda w: w.add_float32("tokenizer.ggml.eos_token_id", 1.5)}, None,
+     "tokenizer.ggml.eos_token_id is 1.5, not an integer"),
+    ({"add_rope_freq_base": lambda w: w.add_array("llama.rope.freq_base", [1.0])}, None,
+     "llama.rope.freq_base is .*, not a number"),
+    (None, {"llama.rope.scaling.type": "linear"}, "lacks llama.rope.scaling.factor"),
+    (None, {"llama.rope.scaling.type": 3}, "llama.rope.scaling.type is 3, not a string"),
+    ({"add_feed_forward_length": 1 << 18}, None,
+     r"tensor model.layers.0.mlp.gate_proj.weight has shape \(96, 64\), but the model config "
+     r"\(intermediate_size=262144, hidden_size=64\) expects \(262144, 64\)"),
+])
+def test_metadata_of_the_wrong_type_or_size_names_the_key(hf_llama, tmp_path, metadata, extra,
+                                                          msg):
+    """A value of another GGUF type, or one that the tensors contradict, is an error naming it,
+    raised before the model is allocated."""
+    path = write_gguf(hf_llama, tmp_path / "m.gguf", "F32", metadata=metadata, extra_kv=extra)
+    with pytest.raises(ModelLoadError, match=msg):
+        load_gguf(path, quiet=True)
+
+
+def test_tensor_rows_of_partial_quant_blocks(hf_llama, tmp_path):
+    """A Q8_0 tensor whose rows are not whole 32-value blocks can't be addressed: an error."""
+    import struct
+    path = write_gguf(hf_llama, tmp_path / "m.gguf", "Q8_0")
+    name = b"blk.0.ffn_up.weight"
+
+    def forge(data):
+        at = data.index(struct.pack("<Q", len(name)) + name) + 8 + len(name)
+        struct.pack_into("<Q", data, at + 4, 33)  # ne[0]: the row length
+    _patch_header(path, forge)
+    with pytest.raises(ModelLoadError, match=r"blk.0.ffn_up.weight has shape .*whole 32-value "
+                                             r"blocks"):
+        GGUFFile(path)
+
+
 def _patch_header(path, edit):
     data = bytearray(path.read_bytes())
     edit(data)

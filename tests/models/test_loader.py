@@ -128,7 +128,8 @@ def test_bad_config(hf_folder, tmp_path):
 def test_weights_do_not_match_config(hf_folder, tmp_path):
     folder, cfg, d = _copy_with_config(hf_folder, tmp_path)
     cfg.write_text(json.dumps({**d, "intermediate_size": d["intermediate_size"] * 2}))
-    with pytest.raises(ModelLoadError, match="mlp.*shape"):
+    with pytest.raises(ModelLoadError, match=r"mlp.*shape \(96, 64\), but the model config "
+                                             r"\(intermediate_size=192, hidden_size=64\)"):
         load_hf_folder(folder, quiet=True)
     cfg.write_text(json.dumps({**d, "num_hidden_layers": d["num_hidden_layers"] + 1}))
     with pytest.raises(ModelLoadError, match="lacks .*model.layers.3"):
@@ -182,3 +183,36 @@ def test_config_nested_too_deep(hf_folder, tmp_path):
     cfg.write_text('{"a": ' * 100000 + "1" + "}" * 100000)
     with pytest.raises(ModelLoadError, match="config.json"):
         load_hf_folder(folder, quiet=True)
+
+
+def test_rope_tables_cover_only_the_positions_the_engine_reaches(hf_folder, tmp_path):
+    """A model may claim 2^24 positions (tables of gigabytes, built for seconds): the tables
+    cover max_model_len, or what the KV pool can hold, with the same values."""
+    import time
+
+    from outpace.engine.engine import LLMEngine
+    from outpace.models.rotary import POSITION_MARGIN
+    from tests.models.helpers import word_tokenizer
+    hf, _ = hf_folder
+    folder, cfg, d = _copy_with_config(hf_folder, tmp_path)
+    cfg.write_text(json.dumps({**d, "max_position_embeddings": 1 << 24}))
+    word_tokenizer(folder)
+    head_dim = d["hidden_size"] // d["num_attention_heads"]
+    t = time.perf_counter()
+    model, mc = load_hf_folder(folder, quiet=True, max_positions=64)
+    assert time.perf_counter() - t < 2.0
+    assert mc.max_position_embeddings == 1 << 24 and model.rotary.max_positions == 64
+    assert model.rotary.cos.shape == model.rotary.sin.shape == (64 + POSITION_MARGIN, head_dim)
+    full, _ = load_hf_folder(hf_folder[1], quiet=True)  # the tiny model's own 128 positions
+    assert full.rotary.cos.shape[0] == 128 + POSITION_MARGIN
+    assert torch.equal(full.rotary.cos[:64 + POSITION_MARGIN], model.rotary.cos)
+    assert torch.equal(full.rotary.sin[:64 + POSITION_MARGIN], model.rotary.sin)
+
+    def rope_rows(**kw):
+        t = time.perf_counter()
+        eng = LLMEngine.from_args(str(folder), device="cpu", quiet=True, **kw)
+        assert time.perf_counter() - t < 5.0
+        return eng.runner.model.rotary.cos.shape[0] - POSITION_MARGIN, eng.max_model_len
+    assert rope_rows(max_model_len=100, num_kv_blocks=64) == (100, 100)
+    # no max_model_len: the context is what the pool holds (8 blocks of 16), and so the tables
+    assert rope_rows(num_kv_blocks=9) == (128, 128)

@@ -115,3 +115,38 @@ def test_spec_option_values_parse_as_json():
     from outpace.config import SpecConfig
     cfg = SpecConfig.from_dict(spec)
     assert cfg.k_schedule == ((8, 2), (32, 1)) and cfg.suffix_periodic is True and cfg.adaptive
+
+
+def test_version(capsys):
+    from outpace import __version__
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"outpace {__version__}"
+
+
+def test_help_shows_every_default():
+    """Every option of every subcommand has help, and the help ends with its default wherever
+    there is one to show (None, off flags and empty lists say in words what leaving them out
+    does)."""
+    import argparse
+    import re
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    assert set(sub.choices) == {"generate", "chat", "serve", "init-draft", "train-draft",
+                                "eval-draft"}
+    for name, sp in sub.choices.items():
+        text = re.sub(r"\s+", " ", sp.format_help())
+        for a in sp._actions:
+            if isinstance(a, argparse._HelpAction):
+                continue
+            assert a.help, f"{name} {a.option_strings or a.dest} has no help"
+            if a.default not in (None, False, []):
+                assert f"(default: {a.default})" in text, (name, a.option_strings)
+    text = re.sub(r"\s+", " ", sub.choices["serve"].format_help())
+    assert "--port PORT port (default: 8000)" in text
+    assert "--max-num-seqs MAX_NUM_SEQS requests running at once (default: 64)" in text
+
+
+def test_gpu_memory_utilization_flag():
+    assert _kwargs()["gpu_memory_utilization"] is None
+    assert _kwargs("--gpu-memory-utilization", "0.9")["gpu_memory_utilization"] == 0.9

@@ -18,7 +18,13 @@ from outpace.errors import ConfigError, ModelLoadError
     (dict(max_num_seqs=0), "max_num_seqs must be >= 1"),
     (dict(max_model_len=1), "max_model_len must be >= 2"),
     (dict(block_size=12), "block_size must be a power of two"),
-    (dict(memory_fraction=1.5), r"memory_fraction must be in \(0, 1\]"),
+    (dict(memory_fraction=1.5), r"memory_fraction must be a number in \(0, 1\]"),
+    (dict(gpu_memory_utilization=0), r"gpu_memory_utilization \(--gpu-memory-utilization\) "
+                                     r"must be a number in \(0, 1\], got 0"),
+    (dict(gpu_memory_utilization=1.01), r"gpu_memory_utilization .*in \(0, 1\], got 1.01"),
+    (dict(gpu_memory_utilization="0.9"), r"gpu_memory_utilization .*in \(0, 1\], got '0.9'"),
+    (dict(gpu_memory_utilization=0.9, memory_fraction=0.5),
+     "memory_fraction and gpu_memory_utilization both size the KV pool: give one"),
     (dict(speculative_config={"method": "eagle3", "model": "/no/such/head"}),
      r"draft head '/no/such/head' \(speculative_config\['model'\], CLI --draft\) does not "
      r"exist"),
@@ -46,3 +52,28 @@ def test_a_pool_smaller_than_the_context_caps_it_or_is_an_error(caplog):
                                           r"raise num_kv_blocks"):
         make_engine(loaded, num_kv_blocks=5, max_model_len=100)
     assert make_engine(loaded, num_kv_blocks=5, max_model_len=64).max_model_len == 64
+
+
+def test_gpu_memory_utilization_is_accepted_and_ignored_on_cpu(caplog):
+    """A vLLM command line with --gpu-memory-utilization runs on CPU unchanged: the value is
+    checked, a warning says it is ignored, and the pool is the CPU pool."""
+    from tests.engine_helpers import make_engine
+    from tests.speculative.spec_helpers import tiny_target
+    loaded = tiny_target()
+    ref = make_engine(loaded, num_kv_blocks=None)
+    assert "ignored" not in caplog.text
+    eng = make_engine(loaded, num_kv_blocks=None, gpu_memory_utilization=0.5)
+    assert "gpu_memory_utilization (--gpu-memory-utilization) is ignored on cpu" in caplog.text
+    assert eng.config.cache.gpu_memory_utilization == 0.5
+    assert eng.kv.num_blocks == ref.kv.num_blocks
+
+
+def test_a_lent_model_whose_rope_tables_are_shorter_than_the_context_is_refused():
+    from outpace.models.llama import LlamaForCausalLM
+    from tests.engine_helpers import make_engine
+    from tests.speculative.spec_helpers import tiny_target
+    _, cfg, tok = tiny_target()
+    short = LlamaForCausalLM(cfg, max_positions=32)
+    with pytest.raises(ConfigError, match=r"the loaded model's rope tables cover 32 positions, "
+                                          r"fewer than max_model_len=64"):
+        make_engine((short, cfg, tok), max_model_len=64)

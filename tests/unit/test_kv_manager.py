@@ -250,3 +250,21 @@ def test_sizing_cpu_and_override(caplog):
         num_kv_blocks(CacheConfig(num_blocks=4, block_size=16), MODEL, 3, torch.float32, "cpu",
                       max_model_len=1024)
     assert "fewer than one" in caplog.text
+
+
+def test_gpu_budget_follows_vllms_gpu_memory_utilization():
+    """gpu_memory_utilization is a share of the total: the pool gets it less what is in use
+    (weights, other processes); memory_fraction (the default) a share of what is free."""
+    from outpace.kvcache.sizing import gpu_kv_budget
+    gib = 2 ** 30
+    free, total = 50 * gib, 80 * gib  # 30 GiB in use
+    assert gpu_kv_budget(CacheConfig(), free, total)[0] == int(0.85 * free)
+    budget, source = gpu_kv_budget(CacheConfig(gpu_memory_utilization=0.9), free, total)
+    assert budget == int(0.9 * total) - 30 * gib
+    assert source == "gpu_memory_utilization=0.9 of 80.00 GiB, less 30.00 GiB in use"
+    # more in use than the share allows: no budget (num_kv_blocks then names the option)
+    assert gpu_kv_budget(CacheConfig(gpu_memory_utilization=0.3), free, total)[0] < 0
+    for bad in (0, 0.0, 1.5, -0.1, float("nan"), True, "0.9"):
+        with pytest.raises(ConfigError, match="gpu_memory_utilization"):
+            CacheConfig(gpu_memory_utilization=bad)
+    assert CacheConfig(gpu_memory_utilization=1).gpu_memory_utilization == 1

@@ -14,10 +14,11 @@ import torch
 from outpace.errors import ModelLoadError
 
 
-def locate(path_or_name, quiet: bool = False) -> tuple[str, Path]:
-    """-> ("hf", folder) or ("gguf", file). Catalog names are fetched into the cache first."""
+def locate(path_or_name, quiet: bool = False, download_dir=None) -> tuple[str, Path]:
+    """-> ("hf", folder) or ("gguf", file). Catalog names and Hugging Face model ids are
+    fetched into their caches first (a model id's: `download_dir`, else Hugging Face's)."""
     from outpace.models.catalog import resolve_model
-    path = resolve_model(path_or_name, quiet)
+    path = resolve_model(path_or_name, quiet, download_dir=download_dir)
     if path.is_dir():
         if (path / "config.json").is_file():
             return "hf", path
@@ -39,9 +40,9 @@ def locate(path_or_name, quiet: bool = False) -> tuple[str, Path]:
     raise ModelLoadError(f"{path} is neither a GGUF file nor a model folder")
 
 
-def load_model_config(path_or_name, quiet: bool = False):
+def load_model_config(path_or_name, quiet: bool = False, download_dir=None):
     """Just the ModelConfig (cheap: reads config.json or the GGUF header)."""
-    kind, path = locate(path_or_name, quiet)
+    kind, path = locate(path_or_name, quiet, download_dir)
     if kind == "hf":
         from outpace.models.loader.safetensors import read_hf_config
         return read_hf_config(path)
@@ -50,8 +51,12 @@ def load_model_config(path_or_name, quiet: bool = False):
 
 
 def load_model(path_or_name, runner_cfg=None, quiet: bool = False, *, dtype=None, device=None,
-               weight_dtype=None):
+               weight_dtype=None, download_dir=None, max_positions=None):
     """-> (model in eval mode, ModelConfig, Tokenizer).
+
+    `path_or_name`: a catalog name, a Hugging Face folder, a .gguf file, or a Hugging Face model
+    id fetched into `download_dir` (default: the Hugging Face cache). `max_positions`: the
+    positions the rope tables cover, at most the model's (None: all of the model's).
 
     Device, dtype (activations) and weight_dtype (storage of the large matrices, see
     models/weight_dtype.py) come from `runner_cfg` (default RunnerConfig(): CPU, float32); the
@@ -70,14 +75,14 @@ def load_model(path_or_name, runner_cfg=None, quiet: bool = False, *, dtype=None
     weight_dtype = weight_dtype or dtype
     device = device if device is not None else runner_cfg.device
     t0 = time.perf_counter()
-    kind, path = locate(path_or_name, quiet)
+    kind, path = locate(path_or_name, quiet, download_dir)
     if kind == "hf":
         from outpace.models.loader.safetensors import load_hf_folder
-        model, cfg = load_hf_folder(path, dtype, device, quiet)
+        model, cfg = load_hf_folder(path, dtype, device, quiet, max_positions=max_positions)
         tok = Tokenizer.from_folder(path, cfg.eos_token_ids)
     else:
         from outpace.models.loader.gguf import load_gguf
-        model, cfg, g = load_gguf(path, dtype, device, quiet)
+        model, cfg, g = load_gguf(path, dtype, device, quiet, max_positions=max_positions)
         tok = Tokenizer.from_gguf(path, cfg.eos_token_ids, cache_key=g.metadata_sha256())
     if weight_dtype != dtype:
         # Loaded in the activation dtype first (the loaders round once, from the file's values)
@@ -86,7 +91,9 @@ def load_model(path_or_name, runner_cfg=None, quiet: bool = False, *, dtype=None
         model.add_cpu_weight_copies_()
     if not quiet:
         dtypes = str(dtype) if weight_dtype == dtype else f"{dtype}, weights {weight_dtype}"
-        print(f"outpace: loaded {path.name} ({cfg.architecture}, "
+        # a Hugging Face id's snapshot folder is named by its commit: show the id
+        shown = path.name if Path(str(path_or_name)).expanduser().exists() else path_or_name
+        print(f"outpace: loaded {shown} ({cfg.architecture}, "
               f"{sum(p.numel() for p in model.parameters()) / 1e6:.0f}M params, {dtypes}) in "
               f"{time.perf_counter() - t0:.1f} s", file=sys.stderr)
     return model, cfg, tok

@@ -27,12 +27,13 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from outpace.config import ModelConfig
+from outpace.config import MODEL_SIZE_LIMITS, ModelConfig
 from outpace.errors import ConfigError, ModelLoadError, UnsupportedModelError
 
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q",
             11: "<q", 12: "<d"}
 _STRING, _ARRAY = 8, 9
+_MAX_DIMS = 4  # ggml's GGML_MAX_DIMS: no tensor has more
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
 
 
@@ -117,7 +118,12 @@ class GGUFFile:
         infos = []
         for _ in range(n_tensors):
             name = string()
-            dims = [take("<Q") for _ in range(take("<I"))]
+            n_dims = take("<I")
+            if not 1 <= n_dims <= _MAX_DIMS:
+                raise ModelLoadError(f"{self.path}: tensor {name} has {n_dims} dimensions (GGUF "
+                                     f"tensors have 1 to {_MAX_DIMS}); the file is damaged, "
+                                     f"download or convert it again")
+            dims = [take("<Q") for _ in range(n_dims)]
             infos.append((name, tuple(reversed(dims)), take("<I"), take("<Q")))
         align = self.metadata.get("general.alignment", 32)
         if (isinstance(align, bool) or not isinstance(align, int) or not 1 <= align <= 1 << 20
@@ -130,12 +136,22 @@ class GGUFFile:
             try:
                 t = gguf.GGMLQuantizationType(qtype)
                 block, type_size = gguf.GGML_QUANT_SIZES[t]
-                type_name = t.name
             except (ValueError, KeyError):
-                block, type_size, type_name = 1, 0, f"type{qtype}"
+                raise UnsupportedModelError(
+                    f"{self.path}: tensor {name} has GGML type {qtype}, which the gguf package "
+                    f"does not know (outpace reads {', '.join(SUPPORTED_TYPES)}); the file is "
+                    f"damaged, or re-quantize the model to one of those") from None
+            # A row is whole quant blocks (ne[0], the last numpy dim, a multiple of the block),
+            # so the byte size below is exact and rows can be addressed.
+            if min(shape) < 1 or shape[-1] % block:
+                raise ModelLoadError(
+                    f"{self.path}: tensor {name} has shape {shape}, which a {t.name} tensor "
+                    f"can't have (every dim >= 1, rows of whole {block}-value blocks); the file "
+                    f"is damaged, download or convert it again")
             # Python integers: a product of lying dims must not wrap around in int64
             n = math.prod(int(d) for d in shape)
             nbytes = n // block * type_size
+            type_name = t.name
             start = data_start + off
             if start + nbytes > len(mm):
                 raise ModelLoadError(
@@ -220,62 +236,84 @@ def hf_name(gguf_name: str):
     return None
 
 
+_REQUIRED = object()
+
+
 def config_from_gguf(g: GGUFFile) -> ModelConfig:
     from outpace.models.registry import GGUF_ARCHITECTURES
     md, tensors = g.metadata, g.tensors
     raw_arch = md.get("general.architecture")
-    arch = GGUF_ARCHITECTURES.get(raw_arch)
+    arch = GGUF_ARCHITECTURES.get(raw_arch) if isinstance(raw_arch, str) else None
     if arch is None:
         raise UnsupportedModelError(
-            f"{g.path}: GGUF architecture {raw_arch!r} is not supported; outpace runs GGUF "
+            f"{g.path}: GGUF architecture {raw_arch!r:.80} is not supported; outpace runs GGUF "
             f"files of {', '.join(GGUF_ARCHITECTURES)} (Llama, Mistral, Qwen2, Qwen3, SmolLM2)")
     p = raw_arch + "."
 
-    def need(key):
-        if p + key not in md:
-            raise ModelLoadError(f"{g.path}: GGUF metadata lacks {p + key}; re-convert the model")
-        return md[p + key]
+    def number(key, kind, default=_REQUIRED):
+        """Metadata value `key` as `kind` (int or float); a value of another type (a string,
+        an array, a bool, a fraction for an int) is an error that names the key."""
+        if key not in md:
+            if default is _REQUIRED:
+                raise ModelLoadError(f"{g.path}: GGUF metadata lacks {key}; re-convert the model")
+            return default
+        v = md[key]
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool)
+        if ok and kind is int:
+            ok = isinstance(v, int) or float(v).is_integer()
+        if not ok:
+            what = "an integer" if kind is int else "a number"
+            raise ModelLoadError(f"{g.path}: GGUF metadata {key} is {v!r:.60}, not {what}; the "
+                                 f"file is damaged, download or convert it again")
+        return kind(v)
 
-    hidden, heads = int(need("embedding_length")), need("attention.head_count")
-    if not isinstance(heads, int):
+    heads = md.get(p + "attention.head_count")
+    if isinstance(heads, (list, np.ndarray)):
         raise UnsupportedModelError(f"{g.path}: per-layer head counts are not supported")
+    hidden, heads = number(p + "embedding_length", int), number(p + "attention.head_count", int)
     if heads < 1 or hidden < 1:
         raise ModelLoadError(f"{g.path}: GGUF metadata says {p}attention.head_count = {heads} "
                              f"and {p}embedding_length = {hidden}; both must be >= 1")
-    head_dim = int(md.get(p + "attention.key_length", hidden // heads))
-    if int(md.get(p + "rope.dimension_count", head_dim)) != head_dim:
+    head_dim = number(p + "attention.key_length", int, hidden // heads)
+    if number(p + "rope.dimension_count", int, head_dim) != head_dim:
         raise UnsupportedModelError(f"{g.path}: partial rotary embeddings are not supported")
     if "token_embd.weight" not in tensors:
         raise ModelLoadError(f"{g.path} has no token_embd.weight tensor; re-convert the model")
     vocab = tensors["token_embd.weight"].shape[0]  # the embedding, not the token list, decides
     rope_scaling = None
     kind = md.get(p + "rope.scaling.type", "none")
+    if not isinstance(kind, str):
+        raise ModelLoadError(f"{g.path}: GGUF metadata {p}rope.scaling.type is {kind!r:.60}, "
+                             f"not a string; the file is damaged, download or convert it again")
     if kind == "linear":
-        rope_scaling = {"rope_type": "linear", "factor": float(md[p + "rope.scaling.factor"])}
+        rope_scaling = {"rope_type": "linear", "factor": number(p + "rope.scaling.factor", float)}
     elif kind not in ("none", ""):
-        raise UnsupportedModelError(f"{g.path}: rope scaling {kind!r} is not supported")
+        raise UnsupportedModelError(f"{g.path}: rope scaling {kind!r:.60} is not supported")
     if "rope_freqs.weight" in tensors:  # Llama 3.1+: llama.cpp stores llama3 scaling as factors
         info = tensors["rope_freqs.weight"]
+        if info.nbytes > 4 * MODEL_SIZE_LIMITS["head_dim"]:  # head_dim / 2 values, as F32
+            raise ModelLoadError(f"{g.path}: rope_freqs.weight has {math.prod(info.shape)} "
+                                 f"values, more than any head_dim / 2; the file is damaged")
         factors = dequantize(g.raw(info), info.type_name, info.shape).reshape(-1)
         rope_scaling = {"rope_type": "freq_factors", "factors": tuple(factors.tolist())}
-    eos = [md[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
+    eos = [number(k, int) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
            if k in md]
     try:
         return ModelConfig(
             architecture=arch, vocab_size=vocab, hidden_size=hidden,
-            intermediate_size=int(need("feed_forward_length")),
-            num_hidden_layers=int(need("block_count")), num_attention_heads=int(heads),
-            num_key_value_heads=int(md.get(p + "attention.head_count_kv", heads)),
+            intermediate_size=number(p + "feed_forward_length", int),
+            num_hidden_layers=number(p + "block_count", int), num_attention_heads=heads,
+            num_key_value_heads=number(p + "attention.head_count_kv", int, heads),
             head_dim=head_dim,
-            rms_norm_eps=float(md.get(p + "attention.layer_norm_rms_epsilon", 1e-5)),
-            rope_theta=float(md.get(p + "rope.freq_base", 10000.0)),
+            rms_norm_eps=number(p + "attention.layer_norm_rms_epsilon", float, 1e-5),
+            rope_theta=number(p + "rope.freq_base", float, 10000.0),
             rope_scaling=rope_scaling,
-            max_position_embeddings=int(md.get(p + "context_length", 4096)),
+            max_position_embeddings=number(p + "context_length", int, 4096),
             tie_word_embeddings="output.weight" not in tensors,
             attention_bias="blk.0.attn_q.bias" in tensors,
             qk_norm="blk.0.attn_q_norm.weight" in tensors,
-            bos_token_id=md.get("tokenizer.ggml.bos_token_id"),
-            eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos)),
+            bos_token_id=number("tokenizer.ggml.bos_token_id", int, None),
+            eos_token_ids=tuple(dict.fromkeys(eos)),
         )
     except ConfigError as e:
         raise ModelLoadError(f"{g.path}: inconsistent GGUF metadata: {e}") from e
@@ -324,12 +362,18 @@ def _one_cpu_thread(device):
         torch.set_num_threads(n)
 
 
-def load_gguf(path, dtype=torch.float32, device="cpu", quiet: bool = False):
-    """-> (model, ModelConfig, GGUFFile). The GGUFFile stays useful for the tokenizer cache key."""
+def load_gguf(path, dtype=torch.float32, device="cpu", quiet: bool = False, max_positions=None):
+    """-> (model, ModelConfig, GGUFFile). The GGUFFile stays useful for the tokenizer cache key.
+    max_positions: the positions the rope tables cover (None: the model's context_length)."""
+    from outpace.models.loader.shapes import check_shapes
     from outpace.models.registry import model_class
     g = GGUFFile(path)
     cfg = config_from_gguf(g)
-    model = model_class(cfg.architecture)(cfg, dtype=dtype, device=device)
+    # the metadata against the tensors before anything is allocated from it
+    check_shapes(cfg, {hf_name(i.name): i.shape for i in g.tensors.values() if hf_name(i.name)},
+                 g.path)
+    model = model_class(cfg.architecture)(cfg, dtype=dtype, device=device,
+                                          max_positions=max_positions)
     with _one_cpu_thread(device):
         model.load_weights(iter_gguf_weights(g, cfg, quiet, device))
     return model.eval(), cfg, g

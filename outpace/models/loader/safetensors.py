@@ -68,6 +68,21 @@ def weight_files(folder) -> list[Path]:
     return files
 
 
+def tensor_shapes(files: list[Path]) -> dict:
+    """name -> shape of every tensor in the files, from their headers (no tensor is read)."""
+    from safetensors import safe_open
+    shapes = {}
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt", device="cpu") as h:
+                for name in h.keys():
+                    shapes[name] = tuple(h.get_slice(name).get_shape())
+        except Exception as e:  # SafetensorError, OSError: corrupt header or truncated file
+            raise ModelLoadError(
+                f"{f} is not a valid safetensors file ({e}); re-download it") from e
+    return shapes
+
+
 def iter_safetensors(files: list[Path], quiet: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) for every tensor of every file, with a progress bar over tensors."""
     from safetensors import safe_open
@@ -93,11 +108,17 @@ def iter_safetensors(files: list[Path], quiet: bool = False) -> Iterator[tuple[s
                 bar.update(1)
 
 
-def load_hf_folder(folder, dtype=torch.float32, device="cpu", quiet: bool = False):
-    """-> (model, ModelConfig)."""
+def load_hf_folder(folder, dtype=torch.float32, device="cpu", quiet: bool = False,
+                   max_positions=None):
+    """-> (model, ModelConfig). max_positions: the positions the rope tables cover (None: the
+    model's max_position_embeddings)."""
+    from outpace.models.loader.shapes import check_shapes
     from outpace.models.registry import model_class
     cfg = read_hf_config(folder)
     files = weight_files(folder)
-    model = model_class(cfg.architecture)(cfg, dtype=dtype, device=device)
+    # the config against the weights' headers before anything is allocated from it
+    check_shapes(cfg, tensor_shapes(files), folder)
+    model = model_class(cfg.architecture)(cfg, dtype=dtype, device=device,
+                                          max_positions=max_positions)
     model.load_weights(iter_safetensors(files, quiet))
     return model.eval(), cfg
