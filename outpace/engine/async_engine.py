@@ -28,6 +28,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional, Union
 
+from outpace.chat_template import ChatPrompt
 from outpace.engine.request_stream import RequestStream, RequestTiming, StreamItem
 from outpace.errors import OutpaceError
 from outpace.types import SamplingParams
@@ -63,7 +64,7 @@ class AsyncEngine:
         self.dead_error: Optional[BaseException] = None
         self._stopping = False
         # Read-only after construction, so the event loop may use them.
-        self.tokenizer = engine.tokenizer  # apply_chat_template only (pure jinja, no tokenizing)
+        self.tokenizer = engine.tokenizer  # render_chat only (pure jinja, no tokenizing)
         self.model_name: str = engine.model_name
         self.max_model_len: int = engine.max_model_len
 
@@ -93,15 +94,15 @@ class AsyncEngine:
         return self._stats
 
     # ---- requests (event loop side) ---------------------------------------------------------
-    async def add_request(self, request_id: str, prompt: Union[str, list],
+    async def add_request(self, request_id: str, prompt: Union[str, list, ChatPrompt],
                           params: SamplingParams,
                           add_special_tokens: bool = True) -> RequestStream:
         """Admit a request; raises what `LLMEngine.add_request` raises (InvalidRequestError,
         QueueFullError), or EngineDeadError.
 
-        A text prompt is tokenized in the engine thread (the tokenizer is not shared across
-        threads); `add_special_tokens=False` for text that already holds them (a rendered chat
-        template)."""
+        A text prompt or a rendered chat (`Tokenizer.render_chat`) is tokenized in the engine
+        thread (the tokenizer is not shared across threads); `add_special_tokens=False` for text
+        that already holds them."""
         if not self.healthy:
             raise EngineDeadError(f"the engine is not running ({self.dead_error!r}); "
                                   "restart the server")
@@ -176,7 +177,9 @@ class AsyncEngine:
 
     def _do_add(self, rid, prompt, params, add_special_tokens, stream, timing, fut) -> None:
         try:
-            if isinstance(prompt, str) and not add_special_tokens:
+            if isinstance(prompt, ChatPrompt):
+                prompt = self.engine.tokenizer.encode_chat(prompt)
+            elif isinstance(prompt, str) and not add_special_tokens:
                 prompt = self.engine.tokenizer.encode(prompt, add_special_tokens=False)
             self.engine.add_request(rid, prompt, params)
         except Exception as e:  # noqa: BLE001 -- goes to that request only

@@ -11,6 +11,7 @@ from typing import Optional
 
 import torch
 
+from outpace.chat_template import load_chat_template
 from outpace.config import (CacheConfig, EngineConfig, KernelOptions, RunnerConfig,
                             SchedulerConfig, SpecConfig)
 from outpace.errors import ConfigError, ModelLoadError
@@ -59,12 +60,14 @@ def build_engine(cls, model: str, *, device: str = "auto", dtype: str = "auto",
                  max_waiting_requests: Optional[int] = None, enable_prefix_caching: bool = True,
                  enable_chunked_prefill: bool = True, memory_fraction: float = 0.85,
                  enforce_eager: bool = False, overlap: bool = True, seed: int = 0,
-                 kernel_options: Optional[KernelOptions] = None, quiet: bool = False,
-                 loaded=None):
+                 kernel_options: Optional[KernelOptions] = None,
+                 chat_template: Optional[str] = None, quiet: bool = False, loaded=None):
     """loaded: an already loaded (model, ModelConfig, Tokenizer) to reuse, e.g. when several
     engines with different cache or scheduler settings share one set of weights. A weight_dtype
     other than auto must then be the one its weights are stored in (weight_dtype.py's
-    store_weights_in_ casts them): the engine does not change a model it was lent."""
+    store_weights_in_ casts them): the engine does not change a model it was lent.
+    chat_template: a Jinja template, or the path of a file holding one, in place of the model's
+    (chat_template.load_chat_template)."""
     from outpace.kvcache.manager import KVCacheManager
     from outpace.kvcache.sizing import num_kv_blocks as size_kv
     from outpace.models.loader import load_model
@@ -102,6 +105,8 @@ def build_engine(cls, model: str, *, device: str = "auto", dtype: str = "auto",
                     max_waiting_requests=max_waiting_requests)
     CacheConfig(block_size=block_size, num_blocks=num_kv_blocks,
                 memory_fraction=memory_fraction, enable_prefix_caching=enable_prefix_caching)
+    if chat_template is not None:
+        chat_template = load_chat_template(chat_template)
     torch_device = torch.device(device)
     torch.manual_seed(seed)
 
@@ -117,6 +122,8 @@ def build_engine(cls, model: str, *, device: str = "auto", dtype: str = "auto",
         target, model_cfg, tokenizer = load_model(model, dtype=runner_cfg.torch_dtype,
                                                   weight_dtype=runner_cfg.torch_weight_dtype,
                                                   device=torch_device, quiet=quiet)
+    if chat_template is not None:
+        tokenizer = tokenizer.with_chat_template(chat_template)
     limit = model_cfg.max_position_embeddings
     if max_model_len is not None and max_model_len > limit:
         raise ConfigError(f"max_model_len={max_model_len} is longer than the model's "

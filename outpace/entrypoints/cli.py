@@ -48,6 +48,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help='the whole speculative config as JSON, as vLLM takes it, e.g. '
                         '\'{"method": "eagle3", "num_speculative_tokens": 2}\' (instead of '
                         '--spec and its flags)')
+    p.add_argument("--chat-template", default=None, metavar="FILE_OR_STRING",
+                   help="a Jinja chat template (a file, or the template itself) in place of the "
+                   "model's")
     p.add_argument("--quiet", action="store_true", help="no progress output")
 
 
@@ -96,7 +99,8 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
                 num_kv_blocks=a.num_kv_blocks, max_num_seqs=a.max_num_seqs,
                 max_num_batched_tokens=a.max_num_batched_tokens,
                 enable_prefix_caching=not a.no_prefix_caching, enforce_eager=a.enforce_eager,
-                overlap=not a.no_overlap, seed=a.seed, speculative_config=spec, quiet=a.quiet)
+                overlap=not a.no_overlap, seed=a.seed, speculative_config=spec,
+                chat_template=a.chat_template, quiet=a.quiet)
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -159,8 +163,7 @@ def _prompt_ids(engine, text: str, raw: bool) -> list:
     tok = engine.tokenizer
     if raw or not tok.has_chat_template:
         return tok.encode(text)
-    chat = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
-    return tok.encode(chat, add_special_tokens=False)
+    return tok.chat_token_ids([{"role": "user", "content": text}], add_generation_prompt=True)
 
 
 def cmd_generate(a) -> int:
@@ -193,9 +196,8 @@ def cmd_chat(a) -> int:
         if not line.strip():
             continue
         messages.append({"role": "user", "content": line})
-        ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True),
-                         add_special_tokens=False)
         try:
+            ids = tok.chat_token_ids(messages, add_generation_prompt=True)
             final, interrupted = _stream(engine, f"chat-{turn}", ids, sampling_params(a),
                                          sys.stdout)
         except OutpaceError as e:  # e.g. the conversation outgrew the context
