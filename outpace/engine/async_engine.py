@@ -119,6 +119,16 @@ class AsyncEngine:
             raise
         return stream
 
+    async def run_tokenizer(self, fn: Callable):
+        """`fn(tokenizer)`, run in the engine thread (the tokenizer is not shared across
+        threads), between steps; returns its result or raises its error."""
+        if not self.healthy:
+            raise EngineDeadError(f"the engine is not running ({self.dead_error!r}); "
+                                  "restart the server")
+        fut = asyncio.get_running_loop().create_future()
+        self._cmds.put(("tokenizer", fn, fut))
+        return await fut
+
     def abort(self, request_id: str) -> None:
         """Thread-safe, non-blocking; the engine thread frees the request's KV blocks."""
         self._cmds.put(("abort", request_id))
@@ -169,6 +179,8 @@ class AsyncEngine:
                 self._do_add(*cmd[1:])
             elif cmd[0] == "abort":
                 self._do_abort(cmd[1])
+            elif cmd[0] == "tokenizer":
+                self._do_tokenizer(*cmd[1:])
             try:
                 cmd = self._cmds.get_nowait()
             except queue.Empty:
@@ -187,6 +199,14 @@ class AsyncEngine:
             return
         self._tracked[rid] = _Tracked(stream, timing, want_logprobs=params.logprobs is not None)
         self._resolve(fut, None)
+
+    def _do_tokenizer(self, fn, fut) -> None:
+        try:
+            result = fn(self.engine.tokenizer)
+        except Exception as e:  # noqa: BLE001 -- goes to that caller only
+            self._resolve(fut, e)
+            return
+        self._resolve(fut, None, result)
 
     def _do_abort(self, rid) -> None:
         tracked = self._tracked.pop(rid, None)
@@ -276,7 +296,7 @@ class AsyncEngine:
                 cmd = self._cmds.get_nowait()
             except queue.Empty:
                 return
-            if cmd[0] == "add":
+            if cmd[0] in ("add", "tokenizer"):
                 self._resolve(cmd[-1], err)
 
     def _abort_quietly(self, rid) -> None:
@@ -304,8 +324,9 @@ class AsyncEngine:
         if batch:
             self._call_in_loop(_deliver_batch, batch)
 
-    def _resolve(self, fut: asyncio.Future, error: Optional[BaseException]) -> None:
-        self._call_in_loop(_set_future, fut, error)
+    def _resolve(self, fut: asyncio.Future, error: Optional[BaseException],
+                 result=None) -> None:
+        self._call_in_loop(_set_future, fut, error, result)
 
     def _call_in_loop(self, fn, *args) -> None:
         try:
@@ -323,10 +344,10 @@ def _deliver_batch(batch: list) -> None:
         stream._put(item)
 
 
-def _set_future(fut: asyncio.Future, error: Optional[BaseException]) -> None:
+def _set_future(fut: asyncio.Future, error: Optional[BaseException], result=None) -> None:
     if fut.done():  # the caller was cancelled
         return
     if error is None:
-        fut.set_result(None)
+        fut.set_result(result)
     else:
         fut.set_exception(error)
