@@ -220,7 +220,8 @@ def cmd_serve(a) -> int:
     if a.model_pos:
         a.model = a.model_pos
     server_cfg = ServerConfig(host=a.host, port=a.port, api_key=a.api_key,
-                              served_model_name=a.served_model_name)
+                              served_model_name=a.served_model_name,
+                              timeout_keep_alive=a.timeout_keep_alive)
     run_server(a.model, engine_kwargs(a), server_cfg, max_waiting_requests=a.max_waiting)
     return 0
 
@@ -286,6 +287,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--served-model-name", default=None)
     s.add_argument("--max-waiting", type=int, default=None,
                    help="bound of the waiting queue; more requests get 503")
+    s.add_argument("--timeout-keep-alive", type=float, default=5.0, metavar="SECONDS",
+                   help="a connection that has not sent a complete request header this long "
+                   "after it opened or after its last response is closed (default 5)")
     add_engine_args(s)
     s.set_defaults(func=cmd_serve)
     d = sub.add_parser("init-draft", help="write a randomly initialised draft head")

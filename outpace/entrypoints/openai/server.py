@@ -228,6 +228,7 @@ def run_server(model: str, engine_kwargs: dict, server_cfg: ServerConfig,
     import uvicorn
 
     from outpace.engine.engine import LLMEngine
+    from outpace.entrypoints.openai.http_protocol import HeaderDeadlineH11Protocol
 
     kwargs = dict(engine_kwargs)
     if max_waiting_requests is not None:
@@ -241,7 +242,8 @@ def run_server(model: str, engine_kwargs: dict, server_cfg: ServerConfig,
              server_cfg.host, server_cfg.port)
     # The access log is AccessLog's (one line a request, streams logged when they end).
     uvicorn.run(app, host=server_cfg.host, port=server_cfg.port, log_level=log_level,
-                timeout_graceful_shutdown=5, access_log=False)
+                timeout_graceful_shutdown=5, access_log=False, http=HeaderDeadlineH11Protocol,
+                timeout_keep_alive=server_cfg.timeout_keep_alive)
 
 
 def serve_main(args) -> int:
