@@ -497,10 +497,17 @@ class ServerConfig:
     api_key: Optional[str] = None
     served_model_name: Optional[str] = None
     max_body_bytes: int = 4 << 20
+    # seconds a connection may go without a complete request header: from when it opens, and
+    # after each response (uvicorn's keep-alive timeout, applied to fresh connections too)
+    timeout_keep_alive: float = 5.0
 
     def __post_init__(self):
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port must be in 0..65535, got {self.port}")
+        t = self.timeout_keep_alive
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t <= 3600:
+            raise ConfigError(f"timeout_keep_alive (CLI --timeout-keep-alive) must be a number "
+                              f"of seconds in (0, 3600], got {t!r}")
 
 
 @dataclass(frozen=True)

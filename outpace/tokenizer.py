@@ -9,13 +9,15 @@ transformers version.
 
 from __future__ import annotations
 
+import copy
 import functools
 import os
 import tempfile
 from pathlib import Path
 from typing import Optional
 
-from outpace.errors import InvalidRequestError, ModelLoadError
+from outpace.chat_template import ChatPrompt, SpecialText, split_rendering
+from outpace.errors import ConfigError, InvalidRequestError, ModelLoadError
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model",
@@ -38,6 +40,10 @@ def _flatten_content(content, i: int) -> str:
 class Tokenizer:
     def __init__(self, hf_tokenizer, model_eos_ids=()):
         self.hf = hf_tokenizer
+        self.chat_template: Optional[str] = None  # a user's template in place of the model's
+        # Built here, in the loading thread: render_chat runs beside the engine thread's
+        # tokenizer calls and must not call into the tokenizer itself.
+        self._special_text = SpecialText(self._special_token_texts())
         eos = [] if hf_tokenizer.eos_token_id is None else [hf_tokenizer.eos_token_id]
         self.eos_token_ids: tuple = tuple(dict.fromkeys([*eos, *model_eos_ids]))
         self._backend_decode = self._find_backend_decode()
@@ -125,7 +131,22 @@ class Tokenizer:
 
     @property
     def has_chat_template(self) -> bool:
-        return bool(getattr(self.hf, "chat_template", None))
+        return bool(self.chat_template or getattr(self.hf, "chat_template", None))
+
+    def with_chat_template(self, template: str) -> "Tokenizer":
+        """A tokenizer that renders chats with `template` (chat_template.load_chat_template's
+        result) instead of the model's; this one is left as it is (engines may share it). A
+        template that can't render a one-message conversation is a ConfigError, at start-up
+        rather than at the first request."""
+        tok = copy.copy(self)
+        tok.chat_template = template
+        try:
+            tok._render([{"role": "user", "content": "hi"}], True)
+        except Exception as e:  # noqa: BLE001 -- jinja raises many kinds
+            raise ConfigError(f"chat_template (CLI --chat-template) fails to render a "
+                              f"conversation of one user message: {type(e).__name__}: {e}"
+                              ) from None
+        return tok
 
     @property
     def vocab_size(self) -> int:
@@ -165,12 +186,12 @@ class Tokenizer:
     def convert_ids_to_tokens(self, ids):
         return self.hf.convert_ids_to_tokens(ids)
 
-    def apply_chat_template(self, messages, add_generation_prompt: bool = True) -> str:
-        """Render chat messages to the prompt text; bad messages raise InvalidRequestError.
+    def _render(self, messages: list, add_generation_prompt: bool) -> str:
+        return self.hf.apply_chat_template(messages, chat_template=self.chat_template,
+                                           tokenize=False,
+                                           add_generation_prompt=add_generation_prompt)
 
-        The text already holds the template's special tokens: encode it with
-        add_special_tokens=False, or tokenizers that add a BOS (Llama 3) would add a second one.
-        """
+    def _checked_messages(self, messages) -> list:
         if not isinstance(messages, (list, tuple)) or not messages:
             raise InvalidRequestError("messages must be a non-empty list of {role, content}")
         clean = []
@@ -182,15 +203,68 @@ class Tokenizer:
                 raise InvalidRequestError(f"messages[{i}].role {m['role']!r} is invalid; use one "
                                           f"of {', '.join(CHAT_ROLES)}")
             clean.append({**m, "content": _flatten_content(m.get("content") or "", i)})
-        if not self.hf.chat_template:
+        if not self.has_chat_template:
             raise InvalidRequestError("this model has no chat template; send a plain prompt to "
-                                      "the completions API instead")
+                                      "the completions API instead, or give one with "
+                                      "chat_template (CLI --chat-template)")
+        return clean
+
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True) -> str:
+        """Render chat messages to the prompt text; bad messages raise InvalidRequestError.
+
+        The text holds the template's special tokens, and whatever special-token text the
+        messages hold: to tokenize a chat, use chat_token_ids (or render_chat, then
+        encode_chat), which keep the two apart."""
+        return self._render_checked(messages, add_generation_prompt)[1]
+
+    def _render_checked(self, messages, add_generation_prompt: bool) -> tuple:
+        clean = self._checked_messages(messages)
         try:
-            return self.hf.apply_chat_template(clean, tokenize=False,
-                                               add_generation_prompt=add_generation_prompt)
+            return clean, self._render(clean, add_generation_prompt)
         except Exception as e:  # jinja2 TemplateError, raise_exception() inside templates
-            raise InvalidRequestError(f"the model's chat template rejected the messages: {e}"
-                                      ) from e
+            raise InvalidRequestError(f"the chat template rejected the messages: {e}") from e
+
+    def render_chat(self, messages, add_generation_prompt: bool = True) -> ChatPrompt:
+        """Render chat messages (jinja only, no tokenizing: safe beside another thread's
+        tokenizer calls), the messages' content marked where it holds special-token text."""
+        clean, text = self._render_checked(messages, add_generation_prompt)
+        forged = [(i, s) for i, m in enumerate(clean)
+                  if (s := self._special_text.find(m["content"])) is not None]
+        if not forged:
+            return ChatPrompt(((text, False),))
+        try:
+            pieces = split_rendering(lambda ms: self._render(ms, add_generation_prompt),
+                                     clean, text)
+        except Exception:  # noqa: BLE001 -- the template rejects the marks: can't split
+            pieces = None
+        if pieces is None:
+            i, s = forged[0]
+            raise InvalidRequestError(
+                f"messages[{i}].content holds the special token text {s!r}, and this chat "
+                "template changes message content in a way that keeps outpace from telling it "
+                "apart from the template's own tokens; remove that text from the message")
+        return ChatPrompt(pieces)
+
+    def encode_chat(self, prompt: ChatPrompt) -> list[int]:
+        """Token ids of a rendered chat: special tokens are recognised in the template's text
+        only; in message content their text is plain text (a user can't forge a turn)."""
+        ids = []
+        for text, is_content in prompt.pieces:
+            if is_content:
+                ids += self.hf.encode(text, add_special_tokens=False, split_special_tokens=True)
+            else:
+                ids += self.hf.encode(text, add_special_tokens=False)
+        return ids
+
+    def chat_token_ids(self, messages, add_generation_prompt: bool = True) -> list[int]:
+        return self.encode_chat(self.render_chat(messages, add_generation_prompt))
+
+    def _special_token_texts(self) -> list:
+        texts = set(getattr(self.hf, "all_special_tokens", None) or ())
+        for tok in (getattr(self.hf, "added_tokens_decoder", None) or {}).values():
+            if getattr(tok, "special", False):
+                texts.add(str(tok))
+        return sorted(texts)
 
 
 def _save_atomically(hf, dest: Path) -> None:

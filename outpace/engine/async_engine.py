@@ -28,6 +28,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional, Union
 
+from outpace.chat_template import ChatPrompt
 from outpace.engine.request_stream import RequestStream, RequestTiming, StreamItem
 from outpace.errors import OutpaceError
 from outpace.types import SamplingParams
@@ -63,7 +64,7 @@ class AsyncEngine:
         self.dead_error: Optional[BaseException] = None
         self._stopping = False
         # Read-only after construction, so the event loop may use them.
-        self.tokenizer = engine.tokenizer  # apply_chat_template only (pure jinja, no tokenizing)
+        self.tokenizer = engine.tokenizer  # render_chat only (pure jinja, no tokenizing)
         self.model_name: str = engine.model_name
         self.max_model_len: int = engine.max_model_len
 
@@ -93,15 +94,15 @@ class AsyncEngine:
         return self._stats
 
     # ---- requests (event loop side) ---------------------------------------------------------
-    async def add_request(self, request_id: str, prompt: Union[str, list],
+    async def add_request(self, request_id: str, prompt: Union[str, list, ChatPrompt],
                           params: SamplingParams,
                           add_special_tokens: bool = True) -> RequestStream:
         """Admit a request; raises what `LLMEngine.add_request` raises (InvalidRequestError,
         QueueFullError), or EngineDeadError.
 
-        A text prompt is tokenized in the engine thread (the tokenizer is not shared across
-        threads); `add_special_tokens=False` for text that already holds them (a rendered chat
-        template)."""
+        A text prompt or a rendered chat (`Tokenizer.render_chat`) is tokenized in the engine
+        thread (the tokenizer is not shared across threads); `add_special_tokens=False` for text
+        that already holds them."""
         if not self.healthy:
             raise EngineDeadError(f"the engine is not running ({self.dead_error!r}); "
                                   "restart the server")
@@ -117,6 +118,16 @@ class AsyncEngine:
             self.abort(request_id)  # the add may still go through: undo it
             raise
         return stream
+
+    async def run_tokenizer(self, fn: Callable):
+        """`fn(tokenizer)`, run in the engine thread (the tokenizer is not shared across
+        threads), between steps; returns its result or raises its error."""
+        if not self.healthy:
+            raise EngineDeadError(f"the engine is not running ({self.dead_error!r}); "
+                                  "restart the server")
+        fut = asyncio.get_running_loop().create_future()
+        self._cmds.put(("tokenizer", fn, fut))
+        return await fut
 
     def abort(self, request_id: str) -> None:
         """Thread-safe, non-blocking; the engine thread frees the request's KV blocks."""
@@ -168,6 +179,8 @@ class AsyncEngine:
                 self._do_add(*cmd[1:])
             elif cmd[0] == "abort":
                 self._do_abort(cmd[1])
+            elif cmd[0] == "tokenizer":
+                self._do_tokenizer(*cmd[1:])
             try:
                 cmd = self._cmds.get_nowait()
             except queue.Empty:
@@ -176,7 +189,9 @@ class AsyncEngine:
 
     def _do_add(self, rid, prompt, params, add_special_tokens, stream, timing, fut) -> None:
         try:
-            if isinstance(prompt, str) and not add_special_tokens:
+            if isinstance(prompt, ChatPrompt):
+                prompt = self.engine.tokenizer.encode_chat(prompt)
+            elif isinstance(prompt, str) and not add_special_tokens:
                 prompt = self.engine.tokenizer.encode(prompt, add_special_tokens=False)
             self.engine.add_request(rid, prompt, params)
         except Exception as e:  # noqa: BLE001 -- goes to that request only
@@ -184,6 +199,14 @@ class AsyncEngine:
             return
         self._tracked[rid] = _Tracked(stream, timing, want_logprobs=params.logprobs is not None)
         self._resolve(fut, None)
+
+    def _do_tokenizer(self, fn, fut) -> None:
+        try:
+            result = fn(self.engine.tokenizer)
+        except Exception as e:  # noqa: BLE001 -- goes to that caller only
+            self._resolve(fut, e)
+            return
+        self._resolve(fut, None, result)
 
     def _do_abort(self, rid) -> None:
         tracked = self._tracked.pop(rid, None)
@@ -273,7 +296,7 @@ class AsyncEngine:
                 cmd = self._cmds.get_nowait()
             except queue.Empty:
                 return
-            if cmd[0] == "add":
+            if cmd[0] in ("add", "tokenizer"):
                 self._resolve(cmd[-1], err)
 
     def _abort_quietly(self, rid) -> None:
@@ -301,8 +324,9 @@ class AsyncEngine:
         if batch:
             self._call_in_loop(_deliver_batch, batch)
 
-    def _resolve(self, fut: asyncio.Future, error: Optional[BaseException]) -> None:
-        self._call_in_loop(_set_future, fut, error)
+    def _resolve(self, fut: asyncio.Future, error: Optional[BaseException],
+                 result=None) -> None:
+        self._call_in_loop(_set_future, fut, error, result)
 
     def _call_in_loop(self, fn, *args) -> None:
         try:
@@ -320,10 +344,10 @@ def _deliver_batch(batch: list) -> None:
         stream._put(item)
 
 
-def _set_future(fut: asyncio.Future, error: Optional[BaseException]) -> None:
+def _set_future(fut: asyncio.Future, error: Optional[BaseException], result=None) -> None:
     if fut.done():  # the caller was cancelled
         return
     if error is None:
-        fut.set_result(None)
+        fut.set_result(result)
     else:
         fut.set_exception(error)

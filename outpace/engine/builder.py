@@ -11,6 +11,7 @@ from typing import Optional
 
 import torch
 
+from outpace.chat_template import load_chat_template
 from outpace.config import (CacheConfig, EngineConfig, KernelOptions, RunnerConfig,
                             SchedulerConfig, SpecConfig)
 from outpace.errors import ConfigError, ModelLoadError
@@ -86,12 +87,15 @@ def build_engine(cls, model: str, *, device: str = "auto", dtype: str = "auto",
                  enable_chunked_prefill: bool = True, memory_fraction: Optional[float] = None,
                  gpu_memory_utilization: Optional[float] = None,
                  enforce_eager: bool = False, overlap: bool = True, seed: int = 0,
-                 kernel_options: Optional[KernelOptions] = None, quiet: bool = False,
+                 kernel_options: Optional[KernelOptions] = None,
+                 chat_template: Optional[str] = None, quiet: bool = False,
                  download_dir: Optional[str] = None, loaded=None):
     """loaded: an already loaded (model, ModelConfig, Tokenizer) to reuse, e.g. when several
     engines with different cache or scheduler settings share one set of weights. A weight_dtype
     other than auto must then be the one its weights are stored in (weight_dtype.py's
-    store_weights_in_ casts them): the engine does not change a model it was lent."""
+    store_weights_in_ casts them): the engine does not change a model it was lent.
+    chat_template: a Jinja template, or the path of a file holding one, in place of the model's
+    (chat_template.load_chat_template)."""
     from outpace.kvcache.manager import KVCacheManager
     from outpace.kvcache.sizing import num_kv_blocks as size_kv
     from outpace.models.loader import load_model, load_model_config
@@ -144,6 +148,8 @@ def build_engine(cls, model: str, *, device: str = "auto", dtype: str = "auto",
         log.warning("gpu_memory_utilization (--gpu-memory-utilization) is ignored on %s: a CPU "
                     "KV pool is %d MiB (or set num_kv_blocks)", device,
                     CacheConfig().cpu_kv_bytes >> 20)
+    if chat_template is not None:
+        chat_template = load_chat_template(chat_template)
     torch_device = torch.device(device)
     torch.manual_seed(seed)
 
@@ -171,6 +177,8 @@ def build_engine(cls, model: str, *, device: str = "auto", dtype: str = "auto",
                                                   device=torch_device, quiet=quiet,
                                                   download_dir=download_dir,
                                                   max_positions=positions)
+    if chat_template is not None:
+        tokenizer = tokenizer.with_chat_template(chat_template)
     limit = model_cfg.max_position_embeddings
     if max_num_batched_tokens is None:
         max_num_batched_tokens = default_token_budget(torch_device)

@@ -79,6 +79,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help='the whole speculative config as JSON, as vLLM takes it, e.g. '
                         '\'{"method": "eagle3", "num_speculative_tokens": 2}\' (instead of '
                         '--spec and its flags)')
+    p.add_argument("--chat-template", default=None, metavar="FILE_OR_STRING",
+                   help="a Jinja chat template (a file, or the template itself) in place of the "
+                   "model's")
     p.add_argument("--quiet", action="store_true", help="no progress output")
 
 
@@ -129,8 +132,8 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
                 max_num_batched_tokens=a.max_num_batched_tokens,
                 max_prefill_with_decodes=a.max_prefill_with_decodes,
                 enable_prefix_caching=not a.no_prefix_caching, enforce_eager=a.enforce_eager,
-                overlap=not a.no_overlap, seed=a.seed, speculative_config=spec, quiet=a.quiet,
-                download_dir=a.download_dir)
+                overlap=not a.no_overlap, seed=a.seed, speculative_config=spec,
+                chat_template=a.chat_template, quiet=a.quiet, download_dir=a.download_dir)
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -194,8 +197,7 @@ def _prompt_ids(engine, text: str, raw: bool) -> list:
     tok = engine.tokenizer
     if raw or not tok.has_chat_template:
         return tok.encode(text)
-    chat = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
-    return tok.encode(chat, add_special_tokens=False)
+    return tok.chat_token_ids([{"role": "user", "content": text}], add_generation_prompt=True)
 
 
 def cmd_generate(a) -> int:
@@ -228,9 +230,8 @@ def cmd_chat(a) -> int:
         if not line.strip():
             continue
         messages.append({"role": "user", "content": line})
-        ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True),
-                         add_special_tokens=False)
         try:
+            ids = tok.chat_token_ids(messages, add_generation_prompt=True)
             final, interrupted = _stream(engine, f"chat-{turn}", ids, sampling_params(a),
                                          sys.stdout)
         except OutpaceError as e:  # e.g. the conversation outgrew the context
@@ -253,7 +254,8 @@ def cmd_serve(a) -> int:
     if a.model_pos:
         a.model = a.model_pos
     server_cfg = ServerConfig(host=a.host, port=a.port, api_key=a.api_key,
-                              served_model_name=a.served_model_name)
+                              served_model_name=a.served_model_name,
+                              timeout_keep_alive=a.timeout_keep_alive)
     run_server(a.model, engine_kwargs(a), server_cfg, max_waiting_requests=a.max_waiting)
     return 0
 
@@ -331,6 +333,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-waiting", type=int, default=None,
                    help="bound of the waiting queue; more requests get 503 (default: "
                    "no bound)")
+    s.add_argument("--timeout-keep-alive", type=float, default=5.0, metavar="SECONDS",
+                   help="a connection that has not sent a complete request header this long "
+                   "after it opened or after its last response is closed")
     add_engine_args(s)
     s.set_defaults(func=cmd_serve)
     d = add_parser("init-draft", help="write a randomly initialised draft head")

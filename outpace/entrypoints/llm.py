@@ -47,8 +47,8 @@ class LLM:
     def chat(self, messages: list, sampling_params=None) -> list:
         """messages: one conversation (list of {role, content}) or a list of conversations."""
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in convs]
-        ids = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+        # special-token text inside a message's content stays plain text (encode_chat)
+        ids = [self.tokenizer.chat_token_ids(c, add_generation_prompt=True) for c in convs]
         return self.generate(ids, sampling_params)
 
     def _run(self, items: list) -> list:

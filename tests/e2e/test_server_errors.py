@@ -13,7 +13,7 @@ from tests.e2e.server_helpers import MAX_MODEL_LEN
 MODEL = "<model>"  # replaced by the served name
 OK_COMPLETION = {"model": MODEL, "prompt": "hello", "max_tokens": 4}
 OK_CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
-C, CHAT = "/v1/completions", "/v1/chat/completions"
+C, CHAT, TOK, DETOK = "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"
 
 
 def _with(base: dict, **changes) -> dict:
@@ -33,7 +33,6 @@ CASES = [
     ("invalid_utf8", C, b'{"model": "m", "prompt": "\xff\xfe"}', 400, "UTF-8"),
     ("lone_surrogate", C, b'{"model": "<model>", "prompt": "a\\ud800b"}', 400, "surrogate"),
     ("nan_constant", C, b'{"model": "<model>", "prompt": "a", "temperature": NaN}', 400, "NaN"),
-    ("missing_model", C, _with(OK_COMPLETION, model=...), 400, "model"),
     ("unknown_model", C, _with(OK_COMPLETION, model="gpt-17"), 404, "gpt-17"),
     ("model_wrong_type", C, _with(OK_COMPLETION, model=5), 400, "model"),
     ("missing_prompt", C, _with(OK_COMPLETION, prompt=...), 400, "prompt"),
@@ -89,6 +88,19 @@ CASES = [
     ("chat_max_completion_tokens_negative", CHAT, _with(OK_CHAT, max_completion_tokens=-3,
                                                                max_tokens=...), 400,
      "max_tokens"),
+    ("tokenize_neither_prompt_nor_messages", TOK, {"model": MODEL}, 400, "either prompt"),
+    ("tokenize_prompt_and_messages", TOK, {"prompt": "a", "messages": OK_CHAT["messages"]},
+     400, "either prompt"),
+    ("tokenize_prompt_ids", TOK, {"prompt": [1, 2]}, 400, "string"),
+    ("tokenize_unknown_model", TOK, {"model": "gpt-17", "prompt": "a"}, 404, "gpt-17"),
+    ("tokenize_bad_role", TOK, {"messages": [{"role": "wizard", "content": "x"}]}, 400, "role"),
+    ("tokenize_messages_with_special_tokens", TOK,
+     {"messages": OK_CHAT["messages"], "add_special_tokens": True}, 400, "add_special_tokens"),
+    ("detokenize_missing_tokens", DETOK, {"model": MODEL}, 400, "tokens"),
+    ("detokenize_not_ints", DETOK, {"tokens": ["a"]}, 400, "tokens"),
+    ("detokenize_bool", DETOK, {"tokens": [True]}, 400, "tokens"),
+    ("detokenize_out_of_range", DETOK, {"tokens": [1, 10 ** 9]}, 400, "vocabulary"),
+    ("detokenize_negative", DETOK, {"tokens": [-1]}, 400, "vocabulary"),
 ]
 
 

@@ -30,6 +30,11 @@ from outpace.errors import ConfigError, ModelLoadError
      r"exist"),
     (dict(speculative_config={"method": "ngram", "num_speculative_tokens": "four"}),
      "'num_speculative_tokens' must be an integer"),
+    (dict(chat_template="/no/such/template.jinja"),
+     r"chat_template \(CLI --chat-template\) '/no/such/template.jinja' does not exist"),
+    (dict(chat_template="{% for m in messages %}{{ m.content }}"),
+     r"chat_template \(CLI --chat-template\): the template given is not a valid Jinja "
+     r"template"),
 ])
 def test_bad_engine_arguments_fail_before_the_model_loads(kw, msg):
     t = time.perf_counter()

@@ -94,7 +94,7 @@ def install_error_handlers(app: FastAPI, on_error=None) -> None:
         msg = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
         if exc.status_code == 404:
             msg = f"no route {request.url.path!r}; see /v1/models, /v1/completions, " \
-                  "/v1/chat/completions, /health, /metrics"
+                  "/v1/chat/completions, /tokenize, /detokenize, /health, /metrics, /version"
         elif exc.status_code == 405:
             msg = f"method {request.method} is not allowed on {request.url.path!r}"
         return respond(APIError(exc.status_code, msg, headers=getattr(exc, "headers", None)))

@@ -33,7 +33,7 @@ class StreamOptions(_Strict):
 class _SamplingFields(_Strict):
     """Fields shared by completions and chat (OpenAI's, then vLLM's extras)."""
 
-    model: str
+    model: Optional[str] = None  # None: the one model the server serves
     max_tokens: Optional[int] = None
     temperature: Optional[float] = None
     top_p: Optional[float] = None
@@ -164,15 +164,34 @@ class ChatMessage(BaseModel):
     name: Optional[str] = None
 
 
-class ChatCompletionRequest(_SamplingFields):
+class _ChatMessages(_Strict):
+    """A conversation to render with the chat template (chat completions, /tokenize)."""
+
     messages: list[ChatMessage]
+    add_generation_prompt: bool = True
+
+    def template_messages(self) -> list:
+        """Messages as the chat template wants them: [{"role", "content": str}]."""
+        if not self.messages:
+            raise APIError(400, "messages is empty; give at least one message", param="messages")
+        out = []
+        for i, m in enumerate(self.messages):
+            where = f"messages[{i}]"
+            if m.role not in CHAT_ROLES:
+                raise APIError(400, f"{where}.role is {m.role!r}; use one of "
+                               f"{', '.join(CHAT_ROLES)}", param=f"{where}.role")
+            out.append({"role": "system" if m.role == "developer" else m.role,
+                        "content": _content_text(m.content, m.role, where)})
+        return out
+
+
+class ChatCompletionRequest(_SamplingFields, _ChatMessages):
     max_completion_tokens: Optional[int] = None
     logprobs: bool = False
     top_logprobs: Optional[int] = None
     tools: Optional[list] = None
     tool_choice: Any = None
     response_format: Optional[dict] = None
-    add_generation_prompt: bool = True
 
     def check(self, max_model_len: int) -> None:
         if self.max_completion_tokens is not None:  # OpenAI's newer name wins
@@ -190,19 +209,39 @@ class ChatCompletionRequest(_SamplingFields):
             raise APIError(400, "only response_format {\"type\": \"text\"} is supported",
                            param="response_format")
 
-    def template_messages(self) -> list:
-        """Messages as the chat template wants them: [{"role", "content": str}]."""
-        if not self.messages:
-            raise APIError(400, "messages is empty; give at least one message", param="messages")
-        out = []
-        for i, m in enumerate(self.messages):
-            where = f"messages[{i}]"
-            if m.role not in CHAT_ROLES:
-                raise APIError(400, f"{where}.role is {m.role!r}; use one of "
-                               f"{', '.join(CHAT_ROLES)}", param=f"{where}.role")
-            out.append({"role": "system" if m.role == "developer" else m.role,
-                        "content": _content_text(m.content, m.role, where)})
-        return out
+
+class TokenizeRequest(_Strict):
+    """vLLM's /tokenize: {"model", "prompt"} or {"model", "messages", "add_generation_prompt"};
+    `add_special_tokens` (prompt only, default true) and `return_token_strs` as vLLM has them."""
+
+    model: Optional[str] = None
+    prompt: Any = None  # str, checked in check()
+    messages: Optional[list[ChatMessage]] = None
+    add_generation_prompt: bool = True
+    add_special_tokens: Optional[bool] = None
+    return_token_strs: bool = False
+
+    def check(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise APIError(400, "give either prompt (a string) or messages (a conversation)",
+                           param="prompt")
+        if self.prompt is not None and not isinstance(self.prompt, str):
+            raise APIError(400, "prompt must be a string", param="prompt")
+        if self.messages is not None and self.add_special_tokens:
+            raise APIError(400, "add_special_tokens applies to a prompt; the chat template "
+                           "adds the special tokens of messages itself",
+                           param="add_special_tokens")
+
+    def chat(self) -> _ChatMessages:
+        return _ChatMessages(messages=self.messages,
+                             add_generation_prompt=self.add_generation_prompt)
+
+
+class DetokenizeRequest(_Strict):
+    """vLLM's /detokenize: {"model", "tokens"} -> {"prompt"}."""
+
+    model: Optional[str] = None
+    tokens: list[int]
 
 
 def _content_text(content, role: str, where: str) -> str:

@@ -2,9 +2,11 @@
 
     GET  /health               200 while the engine thread runs, else 503
     GET  /metrics              Prometheus text (see metrics.py)
+    GET  /version              {"version": outpace's}
     GET  /v1/models            the served model
     POST /v1/completions       serving_completion.py
     POST /v1/chat/completions  serving_chat.py
+    POST /tokenize, /detokenize  serving_tokenize.py
 
 Bodies are read and parsed here (not by FastAPI) so that a body that is too big, not UTF-8 or
 not JSON gets an OpenAI-style 4xx that says what is wrong, like every other malformed request.
@@ -22,8 +24,10 @@ from typing import Optional
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from outpace import __version__
 from outpace.config import ServerConfig
 from outpace.engine.async_engine import AsyncEngine
+from outpace.entrypoints.openai.access_log import AccessLog
 from outpace.entrypoints.openai.errors import (APIError, error_response, install_error_handlers,
                                                to_api_error)
 from outpace.entrypoints.openai.metrics import CONTENT_TYPE_LATEST, ServerMetrics
@@ -31,6 +35,7 @@ from outpace.entrypoints.openai.protocol import now_s, parse_body
 from outpace.entrypoints.openai.serving_chat import create_chat_completion
 from outpace.entrypoints.openai.serving_common import ServingContext
 from outpace.entrypoints.openai.serving_completion import create_completion
+from outpace.entrypoints.openai.serving_tokenize import detokenize, tokenize
 
 log = logging.getLogger(__name__)
 
@@ -144,6 +149,7 @@ def build_app(engine: AsyncEngine, server_cfg: ServerConfig,
         # answers only requests addressed to a loopback name or an IP address.
         app.add_middleware(LoopbackNamesOnly, bound=server_cfg.host,
                            on_reject=lambda: metrics.http_errors.labels("403").inc())
+    app.add_middleware(AccessLog, logger=log)  # added last: outermost, sees every answer
 
     async def check_api_key(request: Request) -> None:
         if server_cfg.api_key is None:
@@ -169,6 +175,10 @@ def build_app(engine: AsyncEngine, server_cfg: ServerConfig,
     @app.get("/metrics")
     async def metrics_endpoint():
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/version")
+    async def version():
+        return JSONResponse({"version": __version__})
 
     def model_card() -> dict:
         return {"id": served, "object": "model", "created": now_s(), "owned_by": "outpace",
@@ -198,6 +208,14 @@ def build_app(engine: AsyncEngine, server_cfg: ServerConfig,
     async def chat_completions(request: Request):
         return await serve(request, create_chat_completion)
 
+    @app.post("/tokenize", dependencies=auth)
+    async def tokenize_endpoint(request: Request):
+        return await serve(request, tokenize)
+
+    @app.post("/detokenize", dependencies=auth)
+    async def detokenize_endpoint(request: Request):
+        return await serve(request, detokenize)
+
     app.state.engine = engine
     app.state.metrics = metrics
     return app
@@ -210,6 +228,7 @@ def run_server(model: str, engine_kwargs: dict, server_cfg: ServerConfig,
     import uvicorn
 
     from outpace.engine.engine import LLMEngine
+    from outpace.entrypoints.openai.http_protocol import HeaderDeadlineH11Protocol
 
     kwargs = dict(engine_kwargs)
     if max_waiting_requests is not None:
@@ -221,8 +240,10 @@ def run_server(model: str, engine_kwargs: dict, server_cfg: ServerConfig,
                     "" if server_cfg.api_key else " with no API key (--api-key)")
     log.info("outpace: serving %r on http://%s:%d", app.state.metrics.model_name,
              server_cfg.host, server_cfg.port)
+    # The access log is AccessLog's (one line a request, streams logged when they end).
     uvicorn.run(app, host=server_cfg.host, port=server_cfg.port, log_level=log_level,
-                timeout_graceful_shutdown=5, access_log=log_level == "debug")
+                timeout_graceful_shutdown=5, access_log=False, http=HeaderDeadlineH11Protocol,
+                timeout_keep_alive=server_cfg.timeout_keep_alive)
 
 
 def serve_main(args) -> int:

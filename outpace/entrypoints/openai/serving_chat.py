@@ -1,13 +1,15 @@
 """POST /v1/chat/completions, non-streaming and SSE streaming.
 
-The prompt is the model's own chat template (from its tokenizer files) rendered over the messages,
-with the assistant turn opened."""
+The prompt is the chat template (the model's, from its tokenizer files, or --chat-template)
+rendered over the messages, with the assistant turn opened; text in a message's content is
+plain text, never a special token."""
 
 from __future__ import annotations
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
+from outpace.chat_template import ChatPrompt
 from outpace.entrypoints.openai.errors import APIError
 from outpace.entrypoints.openai.protocol import (ChatCompletionRequest, chat_logprobs, new_id,
                                                  now_s, usage, validate)
@@ -16,10 +18,12 @@ from outpace.entrypoints.openai.serving_common import (DeltaTracker, ServingCont
 from outpace.errors import InvalidRequestError
 
 
-def render_prompt(ctx: ServingContext, req: ChatCompletionRequest) -> str:
+def render_prompt(ctx: ServingContext, req) -> ChatPrompt:
+    """The request's messages rendered with the chat template; tokenized later, in the engine
+    thread, with special tokens only where the template put them (Tokenizer.encode_chat)."""
     messages = req.template_messages()
     try:
-        return ctx.engine.tokenizer.apply_chat_template(
+        return ctx.engine.tokenizer.render_chat(
             messages, add_generation_prompt=req.add_generation_prompt)
     except InvalidRequestError as e:
         raise APIError(400, str(e), param="messages") from e
@@ -36,7 +40,7 @@ async def create_chat_completion(ctx: ServingContext, body: dict, http_request: 
     n_top = (req.top_logprobs or 0) if req.logprobs else None
     params = req.sampling_params(req.max_tokens, n_top)
     rid = new_id("chatcmpl")
-    stream = await ctx.admit(rid, prompt, params, add_special_tokens=False)
+    stream = await ctx.admit(rid, prompt, params)
     created = now_s()
     if req.stream:
         return SSEResponse(_stream(ctx, req, rid, created, stream, params.stop, n_top), stream)

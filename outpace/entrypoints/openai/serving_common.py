@@ -32,8 +32,9 @@ class ServingContext:
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
-    def check_model(self, name: str) -> None:
-        if name not in self.accepted_names:
+    def check_model(self, name: Optional[str]) -> None:
+        """A request may name the served model or leave `model` out (it is the only one)."""
+        if name is not None and name not in self.accepted_names:
             raise APIError(404, f"the model {name!r} does not exist; this server serves "
                            f"{self.served_name!r} (see /v1/models)", param="model",
                            code="model_not_found")

@@ -1,0 +1,35 @@
+"""The server's HTTP/1.1 protocol: uvicorn's h11 protocol with a deadline for request headers.
+
+uvicorn closes a connection left idle after a response (`timeout_keep_alive`), but not one that
+was just opened and sends nothing, nor one that sends a request header a byte at a time: its
+timer starts only after a response, and any byte received stops it. Each such connection holds
+a socket and a file descriptor for as long as the client likes, so a few thousand of them
+exhaust the server's descriptors (slowloris). Here the same timer also runs from the moment a
+connection opens, and only a complete request header stops it: a connection must deliver one
+within `timeout_keep_alive` seconds of opening or of its last response, or it is closed.
+"""
+
+from __future__ import annotations
+
+import h11
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+
+class HeaderDeadlineH11Protocol(H11Protocol):
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._unset_keepalive_if_required()
+        self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive,
+                                                            self.timeout_keep_alive_handler)
+
+    def data_received(self, data: bytes) -> None:
+        # uvicorn stops the timer here, on any byte; handle_events stops it once a whole request
+        # header has been parsed, which is the only thing that may stop it
+        self.conn.receive_data(data)
+        self.handle_events()
+
+    def timeout_keep_alive_handler(self) -> None:
+        try:
+            super().timeout_keep_alive_handler()
+        except h11.LocalProtocolError:  # a state h11 can't close from: close the socket anyway
+            self.transport.close()
