@@ -48,7 +48,7 @@ def default_prefill_with_decodes(device: torch.device) -> int:
     """Prefill tokens a step may carry beside decodes (0: the whole budget). On a CPU a chunk of
     the default budget takes seconds, so running streams would stall that long: a small chunk
     keeps their gap near a decode step's."""
-    return 32 if device.type == "cpu" else 0
+    return 16 if device.type == "cpu" else 0
 
 
 def default_token_budget(device: torch.device) -> int:
