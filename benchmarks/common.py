@@ -275,9 +275,10 @@ def make_eagle3_reduced(gguf, tmp, draft_vocab_size: int = 32000) -> Path:
 
 # ---- CUDA graphs and profiles --------------------------------------------------------------
 
-def fused_graphs(eng, mode: str) -> dict:
-    """The fused step's captured graphs of a sampling mode ("greedy", "sample", "masked")."""
-    return eng.runner.fused._by_mode[mode]
+def fused_graphs(eng, mode=None) -> dict:
+    """The fused step's captured graphs of a GraphMode (runner/graph_mode.py; None: greedy)."""
+    from outpace.runner.graph_mode import GREEDY
+    return eng.runner.fused._by_mode[GREEDY if mode is None else mode]
 
 
 def graph_ms(graph, reps: int = 50) -> float:
@@ -316,8 +317,9 @@ def run_deferred_profiles() -> None:
         torch.cuda.empty_cache()
 
 
-def profile_graph(eng, k, path, reps=20, mode: str = "greedy"):
-    """Kernel time table of the batch-1 fused graph (q = k + 1) under torch.profiler."""
+def profile_graph(eng, k, path, reps=20, mode=None):
+    """Kernel time table of the batch-1 fused graph (q = k + 1; of GraphMode `mode`, None:
+    greedy) under torch.profiler."""
     import torch
     graphs = fused_graphs(eng, mode)
     keys = [key for key in graphs if key[0] == 1 and key[1] == k + 1 and not key[3]]

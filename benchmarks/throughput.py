@@ -325,24 +325,25 @@ def section_smol(args, results):
             rows.append(r)
             print(r, flush=True)
         # Last (it replays over finished requests' freed blocks): the fused step's graph alone.
-        graph_ms = time_fused_graphs(eng, args.batches, spec_k, mode=sampling_mode(args))
+        graph_ms = time_fused_graphs(eng, args.batches, spec_k, mode=graph_mode(args))
         for r in rows:
             if r["config"] == name:
                 r["graph_ms"] = graph_ms.get(r["batch"])
         save(args, results)  # results["smol"] is rows
         if name in ("no-spec", "eagle3-fa3.0"):
             defer_profile(profile_graph, eng, spec_k, Path(args.out_dir) / f"profile_{name}_b1.txt",
-                          20, sampling_mode(args))
+                          20, graph_mode(args))
             defer_profile(profile_host, eng, prompts[:args.batch1_requests], args.max_tokens,
                           Path(args.out_dir) / f"host_profile_{name}_b1.txt")
         del eng
         torch.cuda.empty_cache()
 
 
-def sampling_mode(args) -> str:
-    """The fused graphs a run's requests replay (run_engine's SamplingParams)."""
+def graph_mode(args):
+    """The GraphMode of the fused graphs a run's requests replay (run_engine's
+    SamplingParams)."""
     from outpace import SamplingParams
-    from outpace.runner.fused_sampling import sampling_mode as mode_of
+    from outpace.runner.graph_mode import graph_mode as mode_of
     sampled = dict(temperature=args.temperature, top_p=args.top_p) if args.temperature > 0 \
         else dict(temperature=0.0)
     return mode_of([SamplingParams(**sampled, **penalties(args))])
@@ -369,10 +370,11 @@ def extras_off_the_graphs(fused) -> None:
         or sr.request.sampling_params.logprobs is not None for sr in plan.scheduled)
 
 
-def time_fused_graphs(eng, batches, k, reps=50, mode: str = "greedy") -> dict:
-    """GPU time of one replay of the fused step's graph per batch bucket -> {batch: ms}: the
-    graph steady decoding replays there, at the verify length of the draft length the policy
-    gives that batch (q = k_b + 1; k_b = k without a schedule). TPOT minus this is host time.
+def time_fused_graphs(eng, batches, k, reps=50, mode=None) -> dict:
+    """GPU time of one replay of the fused step's graph (of GraphMode `mode`, None: greedy)
+    per batch bucket -> {batch: ms}: the graph steady decoding replays there, at the verify
+    length of the draft length the policy gives that batch (q = k_b + 1; k_b = k without a
+    schedule). TPOT minus this is host time.
     (Timing q = k + 1 at every batch would time, where the k schedule turns drafting down, a
     graph that steady decoding does not run.)
     Each replay moves the last request's sequence on by its accepted tokens, past the blocks it

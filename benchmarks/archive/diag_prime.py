@@ -81,7 +81,7 @@ def graph_times(eng, x) -> dict:
               if q in g.prefill_graphs}
     graphs.update({f"varlen_t{t}": g.varlen_graphs[t][0] for t in (64, 256, 1024)
                    if t in g.varlen_graphs})
-    fused = fused_graphs(eng, "greedy")
+    fused = fused_graphs(eng)  # the greedy graphs
     graphs.update({f"fused_{k}": v[0] for k, v in fused.items() if k[0] == 1})
     out = {}
     for name, graph in graphs.items():

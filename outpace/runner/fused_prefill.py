@@ -40,8 +40,7 @@ import torch
 
 from outpace.attention.base import ForwardContext
 from outpace.kernels.argmax import argmax_rows
-from outpace.runner.fused_sampling import (BASE_MODES, GREEDY, masked, penalized, samples,
-                                           sampling_mode, with_logprobs)
+from outpace.runner.graph_mode import BASE_MODES, GREEDY, GraphMode, graph_mode
 
 if TYPE_CHECKING:
     from outpace.runner.fused_step import Launched
@@ -57,7 +56,7 @@ class PrefillGraphs:
         # Prefill: (q, kd) -> (graph, (drafts [1, kd],) or ()), and what the host fills in:
         # the token after every row, the row whose head output drafts (drafts).
         self.heads: dict = {}
-        # A prefill's end where steps chain: (sampling mode, q, kd) -> (graph, packed
+        # A prefill's end where steps chain: (GraphMode, q, kd) -> (graph, packed
         # [1, 2 + kd]) (launch)
         self.tails: dict = {}
         self.launches = 0  # prefill steps launched that way (tests read it)
@@ -176,7 +175,7 @@ class PrefillGraphs:
         return self.step.graphs.capture(fn)
 
     def _capture_head(self, q: int, kd: int, tail: bool = False,
-                              mode: str = GREEDY):
+                              mode: GraphMode = GREEDY):
         """The head's pass and kd drafts over prefill graph q's hidden states, from the
         host's next ids (drafts). With `tail`, a prefill's whole end (launch):
         its token, from the graph's logits as a decode graph of `mode` draws it (the argmax,
@@ -200,18 +199,18 @@ class PrefillGraphs:
             logprobs = None
             if tail:
                 packed = torch.zeros(1, 2 + kd, dtype=torch.long, device=pos.device)
-                if not samples(mode):
+                if not mode.samples:
                     tok = argmax_rows(logits, also=(packed[:, 0], self.step.carry_tokens[:1, 0]))
                 else:  # the token at first + 1, drawn as the decode graphs of `mode` draw
                     rows = logits
-                    if penalized(mode):  # (row 0's tables: the prompt, no output yet)
+                    if mode.penalties:  # (row 0's tables: the prompt, no output yet)
                         rows = self.step.penalties.penalize(logits.clone(), first, 1, 1)
-                    tok = self.step.sampling.sample_logits(rows, first, 1, 1, masks=masked(mode))
+                    tok = self.step.sampling.sample_logits(rows, first, 1, 1, masks=mode.masks)
                     packed[:, 0].copy_(tok)
                     self.step.carry_tokens[:1, 0].copy_(tok)
-                    if penalized(mode):  # the first output token, for the next step
+                    if mode.penalties:  # the first output token, for the next step
                         self.step.penalties.count_emitted(packed, 1, 1)
-                if with_logprobs(mode):  # the raw logits (penalties went to a clone)
+                if mode.logprobs:  # the raw logits (penalties went to a clone)
                     logprobs = self.step.sampling.logprobs(logits, packed, 1, 1)
                 if self.step.head is not None:
                     self.step.prefill_next_ids[:q].index_copy_(0, self.step.prefill_last_row, tok)
@@ -233,7 +232,7 @@ class PrefillGraphs:
         to prefill graph q, with a tail of its sampling family; the tail of a family with
         penalties or logprobs is captured by `launch` when first needed)."""
         sr = plan.scheduled[0]
-        mode = sampling_mode([sr.request.sampling_params])
+        mode = graph_mode([sr.request.sampling_params])
         if mode not in BASE_MODES:  # penalties or logprobs: a tail captured when needed
             return sr.sample and self.step.chainable and q in self.step.graphs.prefill_graphs
         return sr.sample and (mode, q, self.step.draft_steps(plan.draft_batch_size)) \
@@ -249,7 +248,7 @@ class PrefillGraphs:
         t0 = time.perf_counter()
         kd = self.step.draft_steps(plan.draft_batch_size)
         n = plan.scheduled[0].num_new_tokens
-        mode = sampling_mode([plan.scheduled[0].request.sampling_params])
+        mode = graph_mode([plan.scheduled[0].request.sampling_params])
         if mode not in BASE_MODES and (mode, q, kd) not in self.tails:
             # Nothing is in flight (PrefillGraphs.launch follows can_launch, as FusedStep.launch does): the
             # tail, and the decode graphs that chain from it
@@ -264,7 +263,7 @@ class PrefillGraphs:
             next_ids[:n - 1] = hb.input_ids[1:n]
             extra.append((self.step.prefill_next_ids, next_ids))
         self.step.graphs.run_prefill(hb, extra=tuple(extra))  # staged with the batch (primed)
-        if penalized(mode):
+        if mode.penalties:
             # row 0's tables, queued between the prefill graph (which doesn't read them) and
             # the tail (which does): their host launches then run while the device runs the
             # prefill, not before it

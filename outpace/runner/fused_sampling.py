@@ -1,19 +1,19 @@
-"""The fused step's sampling (runner/fused_step.py): which graph family a step's requests need,
-what a sampled graph stages for them, and the tokens it draws.
+"""The fused step's sampling (runner/fused_step.py): what a sampled graph stages for a step's
+requests, and the tokens it draws (which graphs the requests need: runner/graph_mode.py).
 
 Greedy, sampled and masked graphs share their keys (bucket, q, kd, chained) and differ only in
 how a row's token is chosen from the LM head's logits: the argmax; the race of sample/gumbel.py
 with the request's temperature, seed and the position sampled, all inside the argmax kernel; or
 that race over the top-k / top-p / min-p nucleus (`masked_race_tokens`: kernels/masked_gumbel.py,
 no sort). A request with repetition, frequency or presence penalties takes the sampled or masked
-graph with penalties (SAMPLE_PENALIZED, MASKED_PENALIZED: runner/fused_penalties.py), whose rows
-are penalized before the race; a greedy one races there with no noise (its argmax). A step
-pays only for what its requests ask, so a request that sets only a temperature costs about what
-a greedy one does, and the masks and penalties are paid only where some request asks for them
-(decisions-log.md: "Sampled graphs", "top-k / top-p / min-p without a sort", "penalties and
-logprobs in the fused graphs"). Each token equals the one the general path
-(runner/sampling_step.py, the same kernels on CUDA) draws for the same seed and position, so
-accept's strict prefix match verifies sampled drafts exactly as greedy ones.
+graph with penalties (SAMPLE_PENALIZED, MASKED_PENALIZED in runner/graph_mode.py; the tables:
+runner/fused_penalties.py), whose rows are penalized before the race; a greedy one races there
+with no noise (its argmax). A step pays only for what its requests ask, so a request that sets
+only a temperature costs about what a greedy one does, and the masks and penalties are paid only
+where some request asks for them (decisions-log.md: "Sampled graphs", "top-k / top-p / min-p
+without a sort", "penalties and logprobs in the fused graphs"). Each token equals the one the
+general path (runner/sampling_step.py, the same kernels on CUDA) draws for the same seed and
+position, so accept's strict prefix match verifies sampled drafts exactly as greedy ones.
 """
 
 from __future__ import annotations
@@ -22,52 +22,10 @@ import numpy as np
 import torch
 
 from outpace.kernels.logprobs import row_logprobs
+from outpace.runner.graph_mode import GraphMode
 from outpace.sample.logits_processing import SAMPLING_EPS
 from outpace.sample.gumbel import masked_race_tokens, race_tokens
 from outpace.types import MAX_LOGPROBS
-
-GREEDY, SAMPLE, MASKED = "greedy", "sample", "masked"  # a fused graph's sampling
-# ...and what a graph adds to it: penalties first (runner/fused_penalties.py; a greedy request
-# with penalties takes SAMPLE + PENALTIES's argmax row), logprobs of every row's token and its
-# top MAX_LOGPROBS after accept (raw: the LM head's logits, as the general path's).
-PENALTIES, LOGPROBS = "+penalties", "+logprobs"
-SAMPLE_PENALIZED, MASKED_PENALIZED = SAMPLE + PENALTIES, MASKED + PENALTIES
-BASE_MODES = (GREEDY, SAMPLE, MASKED)  # captured at start-up; the others when first needed
-MODES = tuple(m + lp for m in (*BASE_MODES, SAMPLE_PENALIZED, MASKED_PENALIZED)
-              for lp in ("", LOGPROBS))
-
-
-def sampling_mode(params) -> str:
-    """The graph a step's requests (their SamplingParams) need: GREEDY when none samples,
-    MASKED when a sampling one asks for top-k, top-p or min-p, else SAMPLE; + PENALTIES when
-    any asks for a penalty (greedy ones then race in SAMPLE's graphs, with no noise), +
-    LOGPROBS when any asks for logprobs."""
-    mode, penalties, logprobs = GREEDY, False, False
-    for p in params:
-        penalties = penalties or p.needs_penalties
-        logprobs = logprobs or p.logprobs is not None
-        if p.temperature >= SAMPLING_EPS and mode != MASKED:
-            mode = MASKED if p.needs_masks else SAMPLE
-    if penalties:
-        mode = (MASKED if mode == MASKED else SAMPLE) + PENALTIES
-    return mode + LOGPROBS if logprobs else mode
-
-
-def samples(mode: str) -> bool:
-    """Whether a mode's graphs race (fp32 logits, staged sampling rows), not argmax."""
-    return not mode.startswith(GREEDY)
-
-
-def masked(mode: str) -> bool:
-    return mode.startswith(MASKED)
-
-
-def penalized(mode: str) -> bool:
-    return PENALTIES in mode
-
-
-def with_logprobs(mode: str) -> bool:
-    return LOGPROBS in mode
 
 
 class StepSampling:
@@ -112,17 +70,17 @@ class StepSampling:
                 (self.sample_min_p, cols[3].astype(np.float32)),
                 (self.sample_seed, cols[4].astype(np.int64))]
 
-    def mode_rows(self, plan, bucket: int, mode: str) -> list:
+    def mode_rows(self, plan, bucket: int, mode: GraphMode) -> list:
         """What a graph of `mode` stages per request, as (buffer, values) pairs: the sampling
         rows of a racing graph, a logprobs graph's count, the penalties of a penalized one
         (StepPenalties)."""
-        rows = self.sampling_rows(plan, bucket) if samples(mode) else []
-        if with_logprobs(mode):
+        rows = self.sampling_rows(plan, bucket) if mode.samples else []
+        if mode.logprobs:
             rows.append((self.logprobs_count, np.array([max(
                 sr.request.sampling_params.logprobs or 0 for sr in plan.scheduled)], np.int32)))
-        return rows + (self.penalties.rows(plan, bucket) if penalized(mode) else [])
+        return rows + (self.penalties.rows(plan, bucket) if mode.penalties else [])
 
-    def sample(self, logits, ids, pos, bucket: int, q: int, mode: str) -> torch.Tensor:
+    def sample(self, logits, ids, pos, bucket: int, q: int, mode: GraphMode) -> torch.Tensor:
         """[n] tokens of a sampled graph from its [n, V] float32 logits (rows with input ids
         `ids` at positions `pos`; penalized in place on CUDA): greedy rows' argmax, the others'
         race (their temperature, and in a masked graph top-k, top-p, min-p; keyed by their seed
@@ -130,9 +88,9 @@ class StepSampling:
         masked race for every row when a row asks for a mask; a mask that keeps everything
         changes nothing), over the penalized logits in a penalized graph. Without masks the
         temperature, the keys and the noise are all in the argmax kernel."""
-        if penalized(mode):
+        if mode.penalties:
             logits = self.penalties.penalize(logits, ids, bucket, q)
-        return self.sample_logits(logits, pos, bucket, q, masks=masked(mode))
+        return self.sample_logits(logits, pos, bucket, q, masks=mode.masks)
 
     def logprobs(self, logits, packed, bucket: int, q: int) -> torch.Tensor:
         """[bucket, q, 1 + 2 * top] float32 from the rows' [n, V] raw logits: each row's

@@ -22,7 +22,7 @@ the host:
 A sampled row's token is the one the general path (runner/sampling_step.py) draws for the same
 seed and position, so accept's strict prefix match verifies sampled requests exactly as greedy
 ones, and graph and eager steps give the same tokens. Greedy, sampled and masked graphs are
-captured apart, with the same keys (runner/fused_sampling.py); the sampled and masked ones with
+captured apart, with the same keys (runner/graph_mode.py); the sampled and masked ones with
 penalties, and every family with logprobs, when a request first needs such a key.
 
 The host then trims each request's drafts to its own draft length (max_tokens, context, the
@@ -82,8 +82,8 @@ from outpace.runner.chained_tables import ChainedTables
 from outpace.runner.fused_output import StepOutput
 from outpace.runner.fused_penalties import StepPenalties
 from outpace.runner.fused_prefill import PrefillGraphs
-from outpace.runner.fused_sampling import (BASE_MODES, GREEDY, MODES, StepSampling, penalized,
-                                           samples, sampling_mode, with_logprobs)
+from outpace.runner.fused_sampling import StepSampling
+from outpace.runner.graph_mode import BASE_MODES, GREEDY, MODES, GraphMode, graph_mode
 from outpace.speculative.base import DraftBatch
 from outpace.speculative.head_proposer import HeadProposer
 from outpace.types import StepResult
@@ -100,7 +100,7 @@ class Launched:
     t_launch: float = 0.0  # host seconds spent launching (benchmarks)
     prefill: bool = False  # a prefill step's (PrefillGraphs.launch), not a decode step's
     drafts: Optional[list] = None  # a relaunched step's draft count per row (host drafter)
-    mode: str = "greedy"  # its graph's sampling (fused_sampling.MODES): its successors' too
+    mode: GraphMode = GREEDY  # its graph's variant (graph_mode.MODES): its successors' too
     host_logprobs: Optional[object] = None  # a logprobs graph's second output, as `host`
 
     @property
@@ -154,8 +154,8 @@ class FusedStep:
         # verification doesn't have.
         self.zero_draws = torch.zeros(m, device=dev)
         self._captured: dict = {}  # (bucket, q, kd, chained) -> (graph, packed output)
-        # ...per sampling mode: the greedy graphs above, sampled ones, sampled with masks, those
-        # two with penalties, and each of these with logprobs (fused_sampling.MODES)
+        # ...per GraphMode: the greedy graphs above, sampled ones, sampled with masks, those
+        # two with penalties, and each of these with logprobs (graph_mode.MODES)
         self._by_mode = {mode: {} for mode in MODES}
         self._by_mode[GREEDY] = self._captured
         self.prefill = PrefillGraphs(weakref.proxy(self))
@@ -164,7 +164,7 @@ class FusedStep:
         self.replays = 0  # steps served (tests read it)
         self.chained = 0  # of which launched from the previous step's outputs
         self.relaunched = 0  # of which a host drafter's, launched from the previous carry
-        self.mode_steps = {mode: 0 for mode in self._by_mode}  # ...by their graph's sampling
+        self.mode_steps = {mode: 0 for mode in self._by_mode}  # ...by their graph's GraphMode
         # Host seconds summed over steps (benchmarks read it): copying inputs and launching,
         # waiting for the output copy, turning it into the StepResult.
         self.timing = {"launch_s": 0.0, "wait_s": 0.0, "unpack_s": 0.0}
@@ -215,7 +215,7 @@ class FusedStep:
         b = len(plan.scheduled)
         bucket = self.graphs.bucket_for(b)
         key = (bucket, q, self.draft_steps(plan.draft_batch_size), False)
-        mode = sampling_mode(sr.request.sampling_params for sr in plan.scheduled)
+        mode = graph_mode(sr.request.sampling_params for sr in plan.scheduled)
         table = self._by_mode[mode]
         if key not in table:
             self._capture_later(key, mode)
@@ -225,7 +225,7 @@ class FusedStep:
         extra = [(self.num_drafts, nd), (self.real, np.arange(bucket) < b)]
         extra += self.sampling.mode_rows(plan, bucket, mode)
         self.graphs.load_padded(hb, full_width=True, extra=tuple(extra))
-        if penalized(mode):
+        if mode.penalties:
             self.penalties.fill_tables(plan, bucket)
         rows = [sr.request.request_id for sr in plan.scheduled]
         launched = self._replay(key, rows, t0, entry=table[key])
@@ -346,7 +346,7 @@ class FusedStep:
                        host_drafts=self.host_drafts[:bucket] if self.relaunchable else None)
 
     def _compute(self, bucket: int, q: int, kd: int, chained: bool = False,
-                 mode: str = "greedy") -> torch.Tensor:
+                 mode: GraphMode = GREEDY) -> torch.Tensor:
         buf = self.inputs
         n = bucket * q
         if chained:
@@ -361,11 +361,11 @@ class FusedStep:
         hidden, aux = self.model(ids, pos, ctx, capture_layers=capture)
         # [n]: each row's token, the target's choice that accept verifies the drafts against
         logits = raw = logprobs = None
-        if samples(mode) or with_logprobs(mode):
+        if mode.samples or mode.logprobs:
             logits = self.model.compute_logits(hidden)  # [n, V] float32
-        if with_logprobs(mode):  # raw: as they were before the penalties change them in place
-            raw = logits.clone() if penalized(mode) else logits
-        if samples(mode):
+        if mode.logprobs:  # raw: as they were before the penalties change them in place
+            raw = logits.clone() if mode.penalties else logits
+        if mode.samples:
             target = self.sampling.sample(logits, ids, pos, bucket, q, mode)
         else:
             target = (self.model.greedy_tokens(hidden) if logits is None
@@ -387,7 +387,7 @@ class FusedStep:
         next_ids, last_rows, first = accept(target, ids, self.num_drafts[:bucket], pos, q,
                                             packed, u, mean or 0.0,
                                             head=self.head is not None, carry=carry)
-        if penalized(mode):  # what the next step's penalties read (fused_penalties.py)
+        if mode.penalties:  # what the next step's penalties read (fused_penalties.py)
             self.penalties.count_emitted(packed, q, bucket)
         if raw is not None:
             logprobs = self.sampling.logprobs(raw, packed, bucket, q)
@@ -429,7 +429,7 @@ class FusedStep:
             h = head.step(h, tok, p, ForwardContext(self.backend, meta))
             tok = head.draft_ids(h, also=tuple(o[:, j] for o in outs))
 
-    def _capture_later(self, key: tuple, mode: str) -> None:
+    def _capture_later(self, key: tuple, mode: GraphMode) -> None:
         """Capture a graph when its key is first launched (a launch from the host: nothing is
         in flight), with, for a mode not captured at start-up (penalties, logprobs), the
         chained step that follows it and the relaunched ones (chain and relaunch never
@@ -437,7 +437,7 @@ class FusedStep:
         if mode in BASE_MODES:
             self._by_mode[mode][key] = self._capture(*key, mode=mode)
             return
-        if penalized(mode):
+        if mode.penalties:
             self.penalties.ensure_tables()
         bucket, q, kd, _ = key
         keys = [key]
@@ -450,7 +450,8 @@ class FusedStep:
             if k not in table:
                 table[k] = self._capture(*k, mode=mode)
 
-    def _capture(self, bucket: int, q: int, kd: int, chained: bool, mode: str = "greedy"):
+    def _capture(self, bucket: int, q: int, kd: int, chained: bool,
+                 mode: GraphMode = GREEDY):
         """Fill the buffers with a dummy batch that writes nowhere, warm up, capture."""
         self.graphs.fill_dummy(bucket, q)
         self.num_drafts[:bucket].zero_()

@@ -162,7 +162,7 @@ def test_decode_steps_do_not_sync_with_host(cuda_loaded, cuda_heads, method, k, 
 def steps_without_sync(eng, prompts: list, params: list, steps: int = 10) -> dict:
     """Run `prompts` once (warm-up: their graphs), start them again, and run `steps` decode
     steps under torch.cuda.set_sync_debug_mode("error") (then the rest) -> what the fused
-    step counted in those steps (replays, chained, and steps by sampling mode)."""
+    step counted in those steps (replays, chained, and steps by GraphMode)."""
     run_batch(eng, prompts, params)
     for i, (p, sp) in enumerate(zip(prompts, params)):
         eng.add_request(f"s{i}", p, sp)

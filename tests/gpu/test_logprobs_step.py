@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 pytest.importorskip("triton")
 
-from outpace.runner.fused_sampling import LOGPROBS  # noqa: E402
+from outpace.runner.graph_mode import GraphMode  # noqa: E402
 from tests.engine_helpers import make_engine, run_batch_outputs  # noqa: E402
 from tests.gpu.test_fused_step import (CASES, gpu_engine, spec_for,  # noqa: E402
                                        steps_without_sync)
@@ -62,7 +62,7 @@ def test_logprobs_graph_replay_equals_eager_and_cpu(cuda_loaded, cuda_heads, met
     assert [t for t, _ in got] == [t for t, _ in want]
     assert all(close(a, b) for (_, a), (_, b) in zip(got, want))
     fused = graphed.runner.fused
-    served = sum(n for mode, n in fused.mode_steps.items() if mode.endswith(LOGPROBS))
+    served = sum(n for mode, n in fused.mode_steps.items() if mode.logprobs)
     assert served > 15, "the logprobs graphs served too few steps"
     if overlap and method != "ngram":
         assert fused.chained > 10
@@ -84,7 +84,7 @@ def test_logprobs_decode_steps_do_not_sync_with_host(cuda_loaded, cuda_heads, me
     prompts = repetitive_prompts(4, 3)
     params = [dataclasses.replace(p, max_tokens=80) for p in params_for(len(prompts))]
     done = steps_without_sync(eng, prompts, params)
-    served = sum(n for mode, n in done.items() if mode.endswith(LOGPROBS))
+    served = sum(n for mode, n in done.items() if isinstance(mode, GraphMode) and mode.logprobs)
     assert done["replays"] == served == 10
 
 

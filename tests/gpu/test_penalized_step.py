@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 pytest.importorskip("triton")
 
-from outpace.runner.fused_sampling import MASKED_PENALIZED, SAMPLE_PENALIZED  # noqa: E402
+from outpace.runner.graph_mode import MASKED_PENALIZED, SAMPLE_PENALIZED, GraphMode  # noqa: E402
 from tests.engine_helpers import make_engine, run_batch  # noqa: E402
 from tests.gpu.test_fused_step import (CASES, gpu_engine, spec_for,  # noqa: E402
                                        steps_without_sync)
@@ -60,11 +60,11 @@ def test_penalty_kernels_match_reference(bucket, q, vocab):
     assert torch.equal(a, b) and not torch.equal(a, counts)
 
 
-def params_for(prompts, mode: str, kinds=KINDS) -> list:
+def params_for(prompts, mode: GraphMode, kinds=KINDS) -> list:
     return [kinds[mode][i % len(kinds[mode])] for i in range(len(prompts))]
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", MODES, ids=str)
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
 @pytest.mark.parametrize("method,k", CASES, ids=[f"{m}-k{k}" for m, k in CASES])
 def test_penalized_graph_replay_equals_eager_and_cpu(cuda_loaded, cuda_heads, method, k,
@@ -88,7 +88,7 @@ def test_penalized_graph_replay_equals_eager_and_cpu(cuda_loaded, cuda_heads, me
     assert sum(a != b for a, b in zip(got, plain)) >= 2, "the penalties changed nothing"
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", MODES, ids=str)
 @pytest.mark.parametrize("method,k", [("ngram", 3), ("suffix", 3)])
 def test_penalized_output_is_the_same_with_and_without_speculation(cuda_loaded, cuda_heads,
                                                                    method, k, mode):
@@ -118,7 +118,7 @@ def test_penalized_decode_steps_do_not_sync_with_host(cuda_loaded, cuda_heads, m
     assert done["replays"] == done[MASKED_PENALIZED] == 10
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", MODES, ids=str)
 @pytest.mark.parametrize("method,k", [(None, 0), ("eagle3", 3), ("mtp", 2)])
 def test_penalized_prefill_launched_like_a_decode_step(cuda_loaded, cuda_heads, method, k,
                                                        mode):

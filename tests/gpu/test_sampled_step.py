@@ -19,6 +19,7 @@ pytestmark = [pytest.mark.gpu,
 pytest.importorskip("triton")
 
 from outpace import SamplingParams  # noqa: E402
+from outpace.runner.graph_mode import MASKED, SAMPLE, GraphMode  # noqa: E402
 from outpace.sample.gumbel import gumbel_noise, race_tokens, race_key, seed_word  # noqa: E402
 from tests.engine_helpers import make_engine, run_batch  # noqa: E402
 from tests.gpu.test_fused_step import (CASES, gpu_engine, spec_for,  # noqa: E402
@@ -28,16 +29,16 @@ from tests.speculative.spec_helpers import repetitive_prompts, tiny_target  # no
 GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
 # seeded and not, each of top-p, top-k and min-p (masked graphs), or a temperature alone
 # (sampled graphs), and a greedy request
-SAMPLED = {"masked": [
+SAMPLED = {MASKED: [
     SamplingParams(max_tokens=40, temperature=0.8, top_p=0.9, seed=3, ignore_eos=True),
     SamplingParams(max_tokens=40, temperature=1.2, top_k=12, ignore_eos=True), GREEDY,
     SamplingParams(max_tokens=40, temperature=0.6, min_p=0.05, seed=-5, ignore_eos=True),
     SamplingParams(max_tokens=40, temperature=1.0, seed=11, ignore_eos=True)],
-    "sample": [SamplingParams(max_tokens=40, temperature=0.8, seed=3, ignore_eos=True),
-               SamplingParams(max_tokens=40, temperature=1.2, ignore_eos=True), GREEDY]}
+    SAMPLE: [SamplingParams(max_tokens=40, temperature=0.8, seed=3, ignore_eos=True),
+             SamplingParams(max_tokens=40, temperature=1.2, ignore_eos=True), GREEDY]}
 
 
-def params_for(prompts, mode: str = "masked") -> list:
+def params_for(prompts, mode: GraphMode = MASKED) -> list:
     kinds = SAMPLED[mode]
     return [kinds[i % len(kinds)] for i in range(len(prompts))]
 
@@ -75,7 +76,7 @@ def test_race_kernel_matches_reference(dtype, rows, vocab, with_temp):
     assert got[rows // 2] == x[rows // 2].float().argmax()
 
 
-@pytest.mark.parametrize("mode", ["masked", "sample"])
+@pytest.mark.parametrize("mode", [MASKED, SAMPLE], ids=str)
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
 @pytest.mark.parametrize("method,k", CASES, ids=[f"{m}-k{k}" for m, k in CASES])
 def test_sampled_graph_replay_equals_eager_and_cpu(cuda_loaded, cuda_heads, method, k, overlap,
@@ -96,7 +97,7 @@ def test_sampled_graph_replay_equals_eager_and_cpu(cuda_loaded, cuda_heads, meth
     assert sum(a != b for a, b in zip(got, run_batch(graphed, prompts, GREEDY))) >= 3
 
 
-@pytest.mark.parametrize("mode", ["masked", "sample"])
+@pytest.mark.parametrize("mode", [MASKED, SAMPLE], ids=str)
 @pytest.mark.parametrize("method,k", [(None, 0), ("eagle3", 3), ("mtp", 2)])
 def test_sampled_prefill_launched_like_a_decode_step(cuda_loaded, cuda_heads, method, k, mode):
     """One request at a time: a sampled prefill is launched like a decode step (its family's
@@ -122,7 +123,7 @@ def test_sampled_output_is_the_same_with_and_without_speculation(cuda_loaded, cu
     plain = run_batch(gpu_engine(cuda_loaded, None, eager=False), prompts, params)
     eng = gpu_engine(cuda_loaded, spec_for(cuda_heads, method, k), eager=False)
     assert run_batch(eng, prompts, params) == plain
-    assert eng.stats()["spec"]["num_drafts"] > 50 and eng.runner.fused.mode_steps["masked"] > 20
+    assert eng.stats()["spec"]["num_drafts"] > 50 and eng.runner.fused.mode_steps[MASKED] > 20
 
 
 @pytest.mark.parametrize("method,k,opts", [(None, 0, {}), ("ngram", 3, {}),
@@ -137,4 +138,4 @@ def test_sampled_decode_steps_do_not_sync_with_host(cuda_loaded, cuda_heads, met
     params = [SamplingParams(max_tokens=80, temperature=0.9, top_p=0.95, seed=i,
                              ignore_eos=True) for i in range(4)]
     done = steps_without_sync(eng, repetitive_prompts(4, 3), params)
-    assert done["replays"] == done["masked"] == 10
+    assert done["replays"] == done[MASKED] == 10

@@ -13,7 +13,7 @@ import math
 import pytest
 
 from outpace import SamplingParams
-from outpace.runner.fused_sampling import LOGPROBS, MODES, sampling_mode
+from outpace.runner.graph_mode import MODES, graph_mode
 from outpace.types import MAX_LOGPROBS
 from tests.engine_helpers import make_engine, run_batch_outputs
 from tests.speculative.spec_helpers import repetitive_prompts, run_waves
@@ -62,7 +62,7 @@ def test_logprobs_fused_step_equals_eager(tiny_loaded, tiny_heads, fake_graph_ca
             assert len(got_lp) == len(got.token_ids)
             assert all(len(d) >= max(p.logprobs, 1) for d in got_lp)
     steps = fused.engine.runner.fused
-    served = sum(n for mode, n in steps.mode_steps.items() if mode.endswith(LOGPROBS))
+    served = sum(n for mode, n in steps.mode_steps.items() if mode.logprobs)
     assert served > 20, "the logprobs graphs served too few steps"
     assert set(steps.mode_steps) == set(MODES)
     if overlap and method not in ("ngram", "suffix"):
@@ -86,7 +86,7 @@ def test_logprobs_prefill_launched_like_a_decode_step(tiny_loaded, tiny_heads,
     for n, (prompt, p) in enumerate(zip(prompts, PARAMS)):
         if p.logprobs is None:
             continue
-        own = sampling_mode([p])
+        own = graph_mode([p])
         launches, chained, steps = fused.prefill.launches, fused.chained, fused.mode_steps[own]
         got = run_batch_outputs(eng, [prompt], p)[0]
         want = run_batch_outputs(eager, [prompt], p)[0]

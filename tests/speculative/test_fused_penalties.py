@@ -18,7 +18,7 @@ import dataclasses
 import pytest
 
 from outpace import SamplingParams
-from outpace.runner.fused_sampling import MASKED_PENALIZED, SAMPLE_PENALIZED, sampling_mode
+from outpace.runner.graph_mode import MASKED_PENALIZED, SAMPLE_PENALIZED, GraphMode, graph_mode
 from tests.engine_helpers import make_engine, run_batch
 from tests.speculative.spec_helpers import repetitive_prompts, run_waves
 from tests.speculative.test_draft_plane import waves
@@ -49,7 +49,14 @@ MILD = {SAMPLE_PENALIZED: [SamplingParams(frequency_penalty=0.5, temperature=0.0
                                           seed=4, **HOT),
                            SamplingParams(presence_penalty=0.7, repetition_penalty=1.2,
                                           temperature=0.5, top_p=0.8, **HOT)]}
-def params_for(mode: str, n: int = None) -> list:
+
+
+def mode_id(value):
+    """A GraphMode's part of a test id: its name (None: pytest's own id for other values)."""
+    return str(value) if isinstance(value, GraphMode) else None
+
+
+def params_for(mode: GraphMode, n: int = None) -> list:
     kinds = KINDS[mode]
     n = n or sum(len(w) for w in waves())
     return [kinds[i % len(kinds)] for i in range(n)]
@@ -97,7 +104,7 @@ def test_penalized_fused_step_equals_eager(tiny_loaded, tiny_heads, fake_graph_c
 
 
 @pytest.mark.parametrize("method,k,mode", [("ngram", 3, SAMPLE_PENALIZED),
-                                           ("suffix", 3, MASKED_PENALIZED)])
+                                           ("suffix", 3, MASKED_PENALIZED)], ids=mode_id)
 def test_penalized_output_is_the_same_with_and_without_speculation(
         tiny_loaded, tiny_heads, fake_graph_capture, method, k, mode):
     """Row j of a verify step counts the drafts in rows 1 .. j as output tokens: on repetitive
@@ -152,7 +159,7 @@ def test_tables_refilled_after_steps_off_the_graphs(tiny_loaded, tiny_heads,
 @pytest.mark.parametrize("method,k,mode", [(None, 0, MASKED_PENALIZED),
                                            (None, 0, SAMPLE_PENALIZED),
                                            ("eagle3", 2, SAMPLE_PENALIZED),
-                                           ("mtp", 2, MASKED_PENALIZED)])
+                                           ("mtp", 2, MASKED_PENALIZED)], ids=mode_id)
 def test_penalized_prefill_launched_like_a_decode_step(tiny_loaded, tiny_heads,
                                                        fake_graph_capture, method, k, mode):
     """A penalized request's prefill is launched like a decode step too: its family's prefill
@@ -177,7 +184,7 @@ def test_penalized_prefill_launched_like_a_decode_step(tiny_loaded, tiny_heads,
             for prompt, p in zip(prompts, params)]
     assert first != free, "the prompt's penalties moved no first token"
     for n, (prompt, p) in enumerate(zip(prompts, params * 2)):
-        own = sampling_mode([p])  # (a greedy request with penalties: sample+penalties)
+        own = graph_mode([p])  # (a greedy request with penalties: sample+penalties)
         launches, chained, steps = fused.prefill.launches, fused.chained, fused.mode_steps[own]
         got = run_batch(eng, [prompt], p)
         assert got == run_batch(eager, [prompt], p), n

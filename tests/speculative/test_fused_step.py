@@ -18,6 +18,7 @@ from __future__ import annotations
 import pytest
 
 from outpace import SamplingParams
+from outpace.runner import graph_mode
 from tests.engine_helpers import make_engine, run_batch
 from tests.speculative.conftest import RerunGraph
 from tests.speculative.spec_helpers import TINY_BLOCK, repetitive_prompts, run_waves
@@ -203,16 +204,16 @@ MASKED = [SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, seed=3, igno
           SamplingParams(max_tokens=24, temperature=0.6, min_p=0.05, seed=-5, ignore_eos=True)]
 PLAIN = [SamplingParams(max_tokens=24, temperature=0.8, seed=3, ignore_eos=True),
          SamplingParams(max_tokens=24, temperature=1.2, ignore_eos=True), GREEDY]
-SAMPLED = {"masked": MASKED, "sample": PLAIN}
+SAMPLED = {graph_mode.MASKED: MASKED, graph_mode.SAMPLE: PLAIN}
 SAMPLED_CASES = [(None, 0), ("ngram", 3), ("eagle3", 3), ("mtp", 2)]
 
 
-def sampled_params(mode: str = "masked") -> list:
+def sampled_params(mode: graph_mode.GraphMode = graph_mode.MASKED) -> list:
     kinds = SAMPLED[mode]
     return [kinds[i % len(kinds)] for i in range(sum(len(w) for w in waves()))]
 
 
-@pytest.mark.parametrize("mode", ["masked", "sample"])
+@pytest.mark.parametrize("mode", [graph_mode.MASKED, graph_mode.SAMPLE], ids=str)
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
 @pytest.mark.parametrize("method,k", SAMPLED_CASES, ids=[str(m) for m, _ in SAMPLED_CASES])
 def test_sampled_fused_step_equals_eager(tiny_loaded, tiny_heads, fake_graph_capture, method,
@@ -250,7 +251,7 @@ def test_sampled_output_is_the_same_with_and_without_speculation(
         assert spec.stats["spec"]["num_accepted_tokens"] > 0
 
 
-@pytest.mark.parametrize("mode", ["masked", "sample"])
+@pytest.mark.parametrize("mode", [graph_mode.MASKED, graph_mode.SAMPLE], ids=str)
 @pytest.mark.parametrize("method,k", [(None, 0), ("eagle3", 2), ("mtp", 2)])
 def test_sampled_prefill_launched_like_a_decode_step(tiny_loaded, tiny_heads,
                                                      fake_graph_capture, method, k, mode):
@@ -268,7 +269,8 @@ def test_sampled_prefill_launched_like_a_decode_step(tiny_loaded, tiny_heads,
     hot = dict(max_tokens=12, ignore_eos=True)
     params = ([SamplingParams(temperature=4.0, top_p=0.95, seed=1, **hot),
                SamplingParams(temperature=5.0, top_k=12, **hot),
-               SamplingParams(temperature=3.0, min_p=0.01, seed=2, **hot)] if mode == "masked"
+               SamplingParams(temperature=3.0, min_p=0.01, seed=2, **hot)]
+              if mode == graph_mode.MASKED
               else [SamplingParams(temperature=t, seed=s, **hot)
                     for t, s in ((4.0, 1), (5.0, None), (3.0, 2))])
     for n, (prompt, p) in enumerate(zip(prompts, params)):
