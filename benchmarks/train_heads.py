@@ -149,7 +149,7 @@ def phase_train(args, loaded) -> dict:
 def init_head(args, method: str):
     """--init-from: None (a new head), "shipped" (the head shipped for the target) or a folder
     holding one folder per method."""
-    if args.init_from is None or args.resume:
+    if args.init_from is None:  # (kept on --resume: it is part of the run's trajectory)
         return None
     if args.init_from == "shipped":
         from outpace.models.shipped_heads import shipped_head

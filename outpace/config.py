@@ -500,10 +500,17 @@ class ServerConfig:
     # seconds a connection may go without a complete request header: from when it opens, and
     # after each response (uvicorn's keep-alive timeout, applied to fresh connections too)
     timeout_keep_alive: float = 5.0
+    # seconds the whole request body may take to arrive once its header has (a body trickled
+    # in a byte at a time would otherwise hold a connection and a task forever)
+    body_timeout: float = 30.0
 
     def __post_init__(self):
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port must be in 0..65535, got {self.port}")
+        b = self.body_timeout
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not 0 < b <= 3600:
+            raise ConfigError(f"body_timeout must be a number of seconds in (0, 3600], got "
+                              f"{b!r}")
         t = self.timeout_keep_alive
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t <= 3600:
             raise ConfigError(f"timeout_keep_alive (CLI --timeout-keep-alive) must be a number "

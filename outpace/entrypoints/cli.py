@@ -366,8 +366,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="start from this exported head (its weights, and for EAGLE-3 its "
                    "draft vocabulary and aux layers), e.g. one shipped in outpace/heads/")
     t.add_argument("--compile", action="store_true",
-                   help="torch.compile the training step (GPU: faster after a compile of about "
-                   "2 minutes)")
+                   help="torch.compile the training step (on a GPU, faster steps after a "
+                   "compile at the start; see docs/performance.md)")
     t.add_argument("--num-modules", type=int, default=1,
                    help="MTP modules (more than one trains depths mode)")
     t.add_argument("--epochs", type=float, default=1.0, help="passes over the data")

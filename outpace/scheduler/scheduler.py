@@ -310,7 +310,7 @@ class Scheduler:
         """The plan of the step the device launched from prev's outputs (LLMEngine.step), made
         after prev's update: every request of prev still running decodes its last token and
         its drafts, in prev's order; nobody is admitted. Its blocks were reserved at launch."""
-        step = _Step(budget=self.cfg.max_num_batched_tokens)
+        step = _Step(budget=self.cfg.max_num_batched_tokens, prefill_budget=0)
         requests, running = self._requests, RequestStatus.RUNNING
         allocate, lookahead, add = self.kv.allocate_slots, self.num_lookahead_tokens, self._add
         for s in prev.scheduled:

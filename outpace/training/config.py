@@ -60,7 +60,7 @@ class TrainConfig:
     init_head: Optional[str] = None
     export_dtype: str = "bfloat16"
     # torch.compile the target's layer, the head's step and the loss (dynamic shapes): fewer,
-    # fused kernels a step, after a compile of about a minute at the start
+    # fused kernels a step, after a compile at the start
     compile: bool = False
     quiet: bool = False
 

@@ -14,10 +14,12 @@ reads (`layers.{d}.*`, `num_nextn_predict_layers`).
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
 
+from outpace.errors import ConfigError
 from outpace.models.draft_loader import (eagle3_config_dict, export_weights, head_slices,
                                          mtp_config_dict, save_draft_head)
 from outpace.models.eagle3 import Eagle3Head
@@ -81,6 +83,12 @@ def head_from_export(method: str, path, target, target_cfg, device):
                                False, tuple(loaded.aux_layer_ids))
     else:
         head = new_mtp_head(target, target_cfg, loaded.num_modules, 0, device, False)
+    if head.config != loaded.config:
+        mine, theirs = dataclasses.asdict(head.config), dataclasses.asdict(loaded.config)
+        diff = sorted(k for k in mine if mine[k] != theirs.get(k))
+        raise ConfigError(f"--init-head {path}: train-draft trains heads shaped like the "
+                          f"target's layers, and this head differs in {', '.join(diff[:6])}; "
+                          f"start a new head instead")
     fill_head_(head, {n: t.float() if t.is_floating_point() else t for n, t in tensors.items()})
     return head
 

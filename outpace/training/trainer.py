@@ -249,9 +249,9 @@ class Trainer:
     def losses(self, seqs, idxs, grad: bool = True) -> tuple:
         """(total loss, [per-step loss], [per-step accuracy], [per-step weight]) of one batch.
 
-        The host waits on the device twice a batch: once for the number of rows each step
-        trains (their selection is built for all steps at once) and once at the end for the
-        step losses and accuracies (kept on the device until then)."""
+        The host waits on the device a fixed number of times a batch, not per TTT step: for
+        the number of rows each step trains and their indices (built for all steps at once),
+        and at the end for the step losses and accuracies (kept on the device until then)."""
         ids, mask, lengths = collate(seqs, idxs, self.device)
         cfg = self.cfg
         vocab_ids = draft_ids_of(self.head.d2t) if cfg.method == "eagle3" else None

@@ -100,7 +100,18 @@ def is_json_media_type(content_type: Optional[str]) -> bool:
                                            and media.endswith("+json"))
 
 
-async def read_json(request: Request, limit: int) -> dict:
+async def read_json(request: Request, limit: int, deadline_s: float = 30.0) -> dict:
+    """The request's JSON body, at most `limit` bytes, received within `deadline_s` seconds
+    (APIError 408 otherwise)."""
+    try:
+        async with asyncio.timeout(deadline_s):
+            return await _read_json(request, limit)
+    except TimeoutError:
+        raise APIError(408, f"the request body did not arrive within {deadline_s:g} s "
+                       f"(server option body_timeout)") from None
+
+
+async def _read_json(request: Request, limit: int) -> dict:
     if not is_json_media_type(request.headers.get("content-type")):
         raise APIError(415, f"the request body must be JSON: send the header 'Content-Type: "
                        f"application/json', not {request.headers.get('content-type')!r}")
@@ -195,7 +206,8 @@ def build_app(engine: AsyncEngine, server_cfg: ServerConfig,
 
     async def serve(request: Request, handler):
         try:
-            body = await read_json(request, server_cfg.max_body_bytes)
+            body = await read_json(request, server_cfg.max_body_bytes,
+                                   server_cfg.body_timeout)
             return await handler(ctx, body, request)
         except Exception as e:  # noqa: BLE001 -- answered here so the connection stays usable
             raise to_api_error(e) from e
