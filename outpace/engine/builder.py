@@ -45,10 +45,10 @@ _BIG_GPU_BYTES = 70 * 2**30
 
 
 def default_prefill_with_decodes(device: torch.device) -> int:
-    """Prefill tokens a step may carry beside decodes (0: the whole budget). On a CPU a chunk of
-    the default budget takes seconds, so running streams would stall that long: a small chunk
-    keeps their gap near a decode step's."""
-    return 16 if device.type == "cpu" else 0
+    """Prefill tokens a step may carry beside decodes by default: 0, the whole budget. (A bound
+    keeps running streams' gaps short on a CPU, but the draft statistics then depend on
+    overlap; it stays an option until that is understood.)"""
+    return 0
 
 
 def default_token_budget(device: torch.device) -> int:
