@@ -215,7 +215,8 @@ class MTPWindowProposer(HeadProposer):
             ids = torch.where(use[d], flat[src[d]], tokens[d])  # [R]
             h = self.head(d, h, ids, pos, ctx, **self.embed_args(h))
             if d < num_out:
-                logits = self.head.compute_logits(h.index_select(0, draft_rows), self.target)
+                logits = self.head.compute_logits(h.index_select(0, draft_rows), self.target,
+                                                  d)
                 table[:num_sampled, d] = logits.argmax(dim=-1)
         # sync-ok: the drafts are the step's output (one copy)
         out = table[:num_sampled, :num_out].tolist() if num_out else []  # sync-ok: the drafts
