@@ -122,3 +122,22 @@ def test_drafts_read_each_modules_own_norm(tiny_loaded, shared_norm_head, mode, 
     assert compared >= 10
     assert differs >= compared // 2, "the module norm and the target's give the same drafts"
     assert [done[f"r{i}"] for i in range(len(prompts))] == want  # lossless
+
+
+def test_fused_step_reads_the_modules_norm(tiny_loaded, shared_norm_head, fake_graph_capture):
+    """The fused step's device draft loop (its gather + norm before the LM head, on CPU through
+    the graph stand-in) proposes the eager path's drafts, which read module 0's own norm
+    (above)."""
+    from tests.speculative.test_fused_step import record_drafts
+    spec = {"method": "mtp", "model": str(shared_norm_head), "num_speculative_tokens": 3,
+            "mtp_mode": "eagle"}
+    prompts = [repetitive_prompts(4, 13)]
+    want, got = [], []
+    eager = run_waves(tiny_loaded, prompts, GREEDY, speculative_config=spec,
+                      on_engine=lambda e: record_drafts(e, want), block_size=TINY_BLOCK)
+    fused = run_waves(tiny_loaded, prompts, GREEDY, speculative_config=spec, overlap=False,
+                      on_engine=lambda e: record_drafts(e, got, graphs_k=3),
+                      block_size=TINY_BLOCK)
+    assert fused.engine.runner.fused.replays > 10
+    assert sum(len(d) for step in got for d in step.values()) > 30
+    assert got == want and fused.outputs == eager.outputs
