@@ -265,6 +265,10 @@ class SpecConfig:
     # Benchmarking only: accept drafts at random with this mean acceptance length, to time
     # the speculative step apart from a head's quality (output is then not the target's).
     force_accept_mean: Optional[float] = None
+    # Testing only: every n-th propose call raises (speculative/injected_failures.py), to
+    # exercise what the engine does after a drafter fails (output unchanged, the draft plane
+    # repaired, the failure counted and logged).
+    inject_draft_failures: Optional[int] = None
 
     def __post_init__(self):
         if self.method is not None and self.method not in SPEC_METHODS:
@@ -284,6 +288,7 @@ class SpecConfig:
         _int("suffix_max_match_len", self.suffix_max_match_len, 1)
         _int("suffix_cache_requests", self.suffix_cache_requests, 0, optional=True)
         _int("enhancer_min_match", self.enhancer_min_match, 0, optional=True)
+        _int("inject_draft_failures", self.inject_draft_failures, 1, optional=True)
         for name in ("suffix_periodic", "adaptive"):
             if getattr(self, name) in (0, 1) and not isinstance(getattr(self, name), float):
                 object.__setattr__(self, name, bool(getattr(self, name)))  # 1 / 0 as JSON has them

@@ -207,6 +207,10 @@ class Request:
     output_token_ids: list = field(default_factory=list)
     output_logprobs: list = field(default_factory=list)  # per output token: (logprob, {id: lp})
     num_computed_tokens: int = 0  # tokens whose KV is in the pool (target plane)
+    # draft-plane entries of positions below this are exact (docs/glossary.md, "draft-plane
+    # mark"); the scheduler keeps num_computed_tokens from passing it
+    num_draft_exact_tokens: int = 0
+    draft_repair_mark: int = -1  # the mark a drafter failure last recomputed it from
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache (first admission)
     num_preemptions: int = 0
     spec_token_ids: list = field(default_factory=list)  # drafts to verify in the next step
@@ -300,11 +304,15 @@ class RequestStepOutput:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     next_draft_token_ids: list = field(default_factory=list)  # drafts for the next step
+    # False: the drafter raised in this step, so the draft plane's entries for this step's rows
+    # may be stale (the scheduler then recomputes from Request.num_draft_exact_tokens)
+    draft_plane_written: bool = True
 
 
 @dataclass
 class StepResult:
     outputs: dict = field(default_factory=dict)  # request_id -> RequestStepOutput
+    num_draft_failures: int = 0  # drafter calls of this step that raised
 
 
 @dataclass

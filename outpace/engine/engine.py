@@ -36,6 +36,7 @@ class LLMEngine:
         self.generation_tokens_total = 0
         self.spec_stats = SpecStats()
         self.num_preemptions_total = 0
+        self.num_draft_failures_total = 0  # drafter calls that raised (the runner logs them)
         self.overlap = config.runner.overlap
         self._inflight = None  # (plan, launched step) read by the next step() call
 
@@ -216,6 +217,7 @@ class LLMEngine:
                                     [self.kv.block_table(rid) for rid in launched.rows])
 
     def _commit(self, plan, result) -> list:
+        self.num_draft_failures_total += result.num_draft_failures
         progressed = self.scheduler.update(plan, result, totals=self.spec_stats)
         outs = (self._output_of(req) for req in progressed if req.request_id in self._requests)
         return [out for out in outs if out is not None]
@@ -285,7 +287,7 @@ class LLMEngine:
             while rid in self._requests:
                 self.step()
         self.prompt_tokens_total = self.generation_tokens_total = 0
-        self.num_preemptions_total = 0
+        self.num_preemptions_total = self.num_draft_failures_total = 0
         self.spec_stats = SpecStats()
         self.kv.stats = PrefixCacheStats()
 
@@ -299,5 +301,6 @@ class LLMEngine:
             "prompt_tokens_total": self.prompt_tokens_total,
             "generation_tokens_total": self.generation_tokens_total,
             "num_preemptions_total": self.num_preemptions_total,
+            "num_draft_failures_total": self.num_draft_failures_total,
             "spec": self.spec_stats.as_dict(),
         }

@@ -12,7 +12,9 @@ request:
 
 cache_committed() hashes a block once all its tokens are committed and their KV is written
 (prompt tokens and accepted outputs, never unverified drafts), so a block the runner may still
-overwrite (a rejected draft's slot) is never findable by another request.
+overwrite (a rejected draft's slot) is never findable by another request. The scheduler passes
+no more tokens than the request's draft-plane mark (Request.num_draft_exact_tokens), so a block
+whose draft entries a failed drafter left stale is never published either.
 
 Prefix-cache trim (docs/design.md, "Prefix caching"): with a draft KV plane, the last draft
 entry of a matched block depends on the first token of the next block, which its hash does not

@@ -73,6 +73,8 @@ def head_slices(head) -> dict:
             out[p + "enorm.weight"] = (m.enorm.weight, 0, None)
             out[p + "hnorm.weight"] = (m.hnorm.weight, 0, None)
             out[p + "eh_proj.weight"] = (m.eh_proj_weight, 0, None)
+            if m.shared_head_norm is not None:
+                out[p + "shared_head.norm.weight"] = (m.shared_head_norm.weight, 0, None)
             out.update(decoder_layer_slices(m.layer, p))
     return {k: (t, off, t.shape[0] if rows is None else rows) for k, (t, off, rows) in out.items()}
 
@@ -184,14 +186,16 @@ def _check_attention_shape(path, cfg: ModelConfig, target_cfg: ModelConfig) -> N
     _same(path, "head_dim", cfg.head_dim, target_cfg.head_dim, why)
 
 
-def _copy_weights(head, tensors: dict, path) -> None:
+def _copy_weights(head, tensors: dict, path, known_unused=()) -> None:
+    """known_unused: names the head reads elsewhere and drops here without a warning."""
     slots = head_slices(head)
     missing = sorted(set(slots) - set(tensors))
     if missing:
         raise ModelLoadError(
             f"draft head {path} lacks {len(missing)} tensor(s) the head needs, e.g. "
             f"{', '.join(missing[:4])}; the files are incomplete or for another head type")
-    unused = sorted(n for n in tensors if n not in slots and not n.endswith("inv_freq"))
+    unused = sorted(n for n in tensors if n not in slots and n not in known_unused
+                    and not n.endswith("inv_freq"))
     if unused:
         log.warning("draft head %s: ignoring %d unknown tensor(s), e.g. %s", path, len(unused),
                     ", ".join(unused[:4]))
@@ -291,6 +295,32 @@ def _mtp_config(config: dict, target_cfg: ModelConfig, path) -> tuple:
     return layer, n
 
 
+def _mtp_shared_head(tensors: dict, n: int, target_cfg: ModelConfig, path) -> tuple:
+    """-> (whether the modules have their own final norm, the shared_head tensor names not
+    loaded). A DeepSeek-layout module has `shared_head.norm` (its norm before the LM head) and
+    `shared_head.head` (a copy of the target's LM head: the target's own is used, so the head
+    holds no vocabulary-sized tensor). Either every module has its norm or none does."""
+    has = [f"layers.{d}.shared_head.norm.weight" in tensors for d in range(n)]
+    if any(has) and not all(has):
+        which = [d for d in range(n) if not has[d]]
+        raise ModelLoadError(
+            f"draft head {path}: layers.{has.index(True)}.shared_head.norm.weight is there but "
+            f"module(s) {which} lack their shared_head.norm.weight; a head's modules all have "
+            f"their own final norm or none does (the files are incomplete)")
+    heads = sorted(f"layers.{d}.shared_head.head.weight" for d in range(n)
+                   if f"layers.{d}.shared_head.head.weight" in tensors)
+    for name in heads:
+        shape = (target_cfg.vocab_size, target_cfg.hidden_size)
+        if tuple(tensors[name].shape) != shape:
+            raise ModelLoadError(f"draft head {path}: {name} has shape "
+                                 f"{tuple(tensors[name].shape)}, but the target's LM head is "
+                                 f"{shape}; the head was made for another target")
+    if heads:
+        log.info("draft head %s: %s not loaded; the MTP modules use the target's LM head",
+                 path, ", ".join(heads))
+    return all(has), tuple(heads)
+
+
 def _method_of(config: dict, tensors: dict):
     """'eagle3' or 'mtp' when a head's files say which kind they are (its architecture, or
     tensors only that kind has), else None."""
@@ -334,11 +364,13 @@ def load_draft_head(method: str, path: Union[str, Path], target_cfg: ModelConfig
         _fill_vocab_maps(cfg, tensors, path)
         head = Eagle3Head(cfg, first_layer_slot, dtype=dtype, device=device,
                           max_positions=max_positions)
-    else:
+    known_unused = ()
+    if method == "mtp":
         layer_cfg, n = _mtp_config(config, target_cfg, path)
+        own_norm, known_unused = _mtp_shared_head(tensors, n, target_cfg, path)
         head = MTPHead(layer_cfg, n, first_layer_slot, dtype=dtype, device=device,
-                       max_positions=max_positions)
-    _copy_weights(head, tensors, path)
+                       max_positions=max_positions, shared_head_norm=own_norm)
+    _copy_weights(head, tensors, path, known_unused)
     if weight_dtype is not None and weight_dtype != dtype:
         store_weights_in_(head, weight_dtype)
     if torch.device(device).type == "cpu":

@@ -4,13 +4,17 @@ Module d (weights `layers.{d}.*` in the checkpoint):
 
     x   = eh_proj(cat[enorm(embed(t[p+1])), hnorm(h[p])])      eh_proj: [H, 2H]
     out = decoder_layer_d(x)                                      same architecture as the target
-    logits = target.lm_head(target.norm(out))                     shared with the target
+    logits = target.lm_head(norm_d(out))                          the LM head is the target's
+
+`norm_d` is the module's own final norm (`layers.{d}.shared_head.norm.weight`, as DeepSeek-V3's
+checkpoints have it) when the checkpoint has one, else the target's final norm (outpace's own
+MTP heads: docs/decisions.md, "MTP logits through the module's shared_head.norm").
 
 `h[p]` is the target's hidden (first depth) or the previous depth's `out` (later depths). The
 proposer picks the schedule: one module applied k times ("MTP-Eagle"), or the D modules in order
 (depth d uses module d). Module d keeps its KV in draft-plane slot `first_layer_slot + d` of the
-target's pool. The embedding, final norm and LM head are the target's, passed in at call time,
-so the head holds no vocabulary-sized tensor.
+target's pool. The embedding and LM head (and the final norm of a head without its own) are the
+target's, passed in at call time, so the head holds no vocabulary-sized tensor.
 """
 
 from __future__ import annotations
@@ -29,7 +33,8 @@ from outpace.models.cpu_fast_paths import linear
 
 
 class MTPModule(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_slot: int, dtype=torch.float32, device="cpu"):
+    def __init__(self, cfg: ModelConfig, layer_slot: int, dtype=torch.float32, device="cpu",
+                 shared_head_norm: bool = False):
         super().__init__()
         kw = dict(dtype=dtype, device=device)
         h = cfg.hidden_size
@@ -38,20 +43,26 @@ class MTPModule(nn.Module):
         # Uninitialized: the loader (or init-draft) fills it.
         self.eh_proj_weight = nn.Parameter(torch.empty(h, 2 * h, **kw))
         self.layer = LlamaDecoderLayer(cfg, layer_slot, **kw)
+        # The module's own final norm before the (shared) LM head; None: the target's
+        self.shared_head_norm = RMSNorm(h, cfg.rms_norm_eps, **kw) if shared_head_norm else None
 
 
 class MTPHead(nn.Module):
     def __init__(self, cfg: ModelConfig, num_modules: int, first_layer_slot: int,
-                 dtype=torch.float32, device="cpu", max_positions: Optional[int] = None):
-        # max_positions: the positions the rope tables cover (None: the config's; rotary.py)
+                 dtype=torch.float32, device="cpu", max_positions: Optional[int] = None,
+                 shared_head_norm: bool = False):
+        # max_positions: the positions the rope tables cover (None: the config's; rotary.py);
+        # shared_head_norm: every module has its own final norm (a DeepSeek-layout checkpoint)
         super().__init__()
         if num_modules < 1:
             raise ValueError(f"an MTP head needs >= 1 module, got {num_modules}")
         self.config = cfg
         self.num_modules = num_modules
         self.first_layer_slot = first_layer_slot
+        self.has_shared_head_norm = shared_head_norm
         self.layers = nn.ModuleList(
-            MTPModule(cfg, first_layer_slot + d, dtype=dtype, device=device)
+            MTPModule(cfg, first_layer_slot + d, dtype=dtype, device=device,
+                      shared_head_norm=shared_head_norm)
             for d in range(num_modules))
         self.rotary = RotaryEmbedding(cfg, dtype=dtype, device=device,
                                       max_positions=max_positions)
@@ -81,6 +92,13 @@ class MTPHead(nn.Module):
             return m.layer.forward_few_rows(x, cos_sin, self.rotary, ctx)
         return m.layer(x, cos_sin, self.rotary, ctx)
 
-    def compute_logits(self, hidden: torch.Tensor, target) -> torch.Tensor:
-        # [N, H] (forward output) -> [N, vocab] float32, through the target's final norm and head
-        return target.compute_logits(target.norm(hidden))
+    def final_norm(self, depth: int, target) -> RMSNorm:
+        """The norm between module `depth`'s output and the LM head: its own shared_head.norm
+        when the checkpoint has one, else the target's final norm."""
+        own = self.layers[depth].shared_head_norm
+        return target.norm if own is None else own
+
+    def compute_logits(self, hidden: torch.Tensor, target, depth: int = 0) -> torch.Tensor:
+        # [N, H] (module `depth`'s output) -> [N, vocab] float32, through that module's final
+        # norm (final_norm) and the target's LM head
+        return target.compute_logits(self.final_norm(depth, target)(hidden))

@@ -93,7 +93,11 @@ class StepOutput:
             batch = DraftBatch(requests=[sr.request for sr in plan.scheduled],
                                committed=committed, row_start=[], row_end=[],
                                last_row=[len(c) - 2 for c in committed])
-            drafts = self.host_drafter.propose(batch, ks)
+            try:
+                drafts = self.host_drafter.propose(batch, ks)
+            except Exception as e:  # as on the general path: no drafts for this step
+                runner.drafter_failed(e, plan, result)
+                return result
         for sr, d, k in zip(plan.scheduled, drafts, ks):
             if k > 0 and d:
                 result.outputs[sr.request.request_id].next_draft_token_ids = list(d[:k])

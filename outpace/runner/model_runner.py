@@ -23,6 +23,7 @@ from outpace.attention.base import ForwardContext
 from outpace.attention.inputs import InputBuffers, build_host_batch
 from outpace.config import KernelOptions
 from outpace.kernels.options import use_kernel_options
+from outpace.rate_limited_log import RateLimitedLog
 from outpace.runner.sampling_step import RelaxedAcceptance, SamplingStep
 from outpace.speculative.base import DraftBatch
 from outpace.types import RequestStepOutput, StepPlan, StepResult
@@ -97,7 +98,11 @@ class ModelRunner:
         self.sampling = SamplingStep(device, seed)
         self.graphs = None  # GraphRunner once enable_cuda_graphs() ran
         self.fused = None  # FusedStep: greedy decode steps as one graph each (with graphs)
-        self._proposer_failed = False  # log a drafter error once, not every step
+        # Every drafter exception is counted (StepResult.num_draft_failures, the engine's
+        # total, /metrics) and logged at most once an interval: a drafter that fails every
+        # step must not flood the log
+        self.draft_failures = RateLimitedLog(
+            log, "the drafter raised; continuing without drafts for that step")
         if proposer is not None:
             self.sampling.force_accept_mean = proposer.spec.force_accept_mean
             self.sampling.relaxed = RelaxedAcceptance.from_spec(proposer.spec,
@@ -311,14 +316,23 @@ class ModelRunner:
                     hidden=hidden, aux_hidden=aux, meta=meta,
                     block_ids=[sr.block_ids for sr in plan.scheduled])
                 drafts = self.proposer.propose(batch, ks)
-        except Exception:  # a drafter bug must not take the engine down: go on without drafts
-            if not self._proposer_failed:
-                log.exception("the drafter raised; continuing without drafts for this step")
-                self._proposer_failed = True
+        except Exception as e:  # a drafter bug must not take the engine down: go on without drafts
+            self.drafter_failed(e, plan, result)
             return
         for sr, d, k in zip(plan.scheduled, drafts, ks):
             if k > 0 and d:
                 result.outputs[sr.request.request_id].next_draft_token_ids = list(d[:k])
+
+    def drafter_failed(self, exc: Exception, plan: StepPlan, result: StepResult) -> None:
+        """The drafter raised in `plan`'s step: count and log it (rate-limited) and, for a head
+        with a draft plane, mark every request's rows of the step as not written (the
+        scheduler recomputes them before any draft reads them: Scheduler.update)."""
+        self.draft_failures.record(exc)
+        result.num_draft_failures += 1
+        if self.proposer.num_kv_layers:
+            outputs = result.outputs
+            for sr in plan.scheduled:
+                outputs[sr.request.request_id].draft_plane_written = False
 
     def draft_length(self, req, batch_size: int, num_committed: int,
                      k: Optional[int] = None) -> int:

@@ -16,6 +16,14 @@ num_computed_tokens advances in schedule() by everything scheduled, drafts inclu
 rolls back the rejected drafts, so afterwards a decoding request has exactly
 num_computed_tokens == num_tokens - 1 (the last sampled token has no KV yet).
 
+The draft-plane mark (Request.num_draft_exact_tokens): a head's draft KV is exact below it.
+update() advances it with num_computed_tokens when the step's first pass ran; when the drafter
+raised it stays, and num_computed_tokens goes back to it (once per mark value): the request's
+next step recomputes its committed tokens from there as a prefill chunk (target KV rewritten
+with the same values, the head's first pass rewriting the stale draft entries before any draft
+reads them). The prefix cache publishes only blocks below both, so never a block whose draft
+entries are stale.
+
 Context limit: a request may not grow past what the whole pool holds for it alone (less the
 lookahead), so a request running alone can always get its blocks and preemption never loops.
 """
@@ -233,6 +241,7 @@ class Scheduler:
             req = self.waiting[0]
             cached = self.kv.get_computed_blocks(req)
             req.num_computed_tokens = cached
+            req.num_draft_exact_tokens = cached  # a hit's draft entries are exact (the trim)
             remaining = req.num_tokens - cached
             n = self._chunk(remaining, min(step.budget, step.prefill_budget))
             sample = n == remaining
@@ -264,7 +273,8 @@ class Scheduler:
         if undone is not None:
             step.budget += undone.num_new_tokens
         req.status = RequestStatus.PREEMPTED
-        req.num_computed_tokens = 0
+        req.num_computed_tokens = req.num_draft_exact_tokens = 0
+        req.draft_repair_mark = -1
         req.spec_token_ids = []
         req.num_preemptions += 1
         self.waiting.appendleft(req)
@@ -361,9 +371,24 @@ class Scheduler:
                     totals.record(*counted)
             if tokens:
                 self._append(req, tokens, out.logprobs)
+            # The draft-plane mark: the step's first pass wrote exact entries for its rows
+            # whose next token is committed, all of them below num_computed_tokens now, when
+            # it ran and started at or below the mark
+            mark = req.num_draft_exact_tokens
+            if (out is None or out.draft_plane_written) and s.num_computed_tokens <= mark:
+                req.num_draft_exact_tokens = mark = req.num_computed_tokens
+            elif req.num_computed_tokens > mark and req.draft_repair_mark != mark:
+                # It did not (the drafter raised): recompute from the mark, so the next step's
+                # first pass rewrites the stale entries before any draft reads them. Once per
+                # mark: when that step's drafter raises too the request goes on with the
+                # entries above the mark stale (its drafts may suffer, never its output), or
+                # a drafter raising every step would recompute forever
+                req.draft_repair_mark = mark
+                req.num_computed_tokens = mark
             if cache is not None:
-                # Tokens after a stop token were dropped: cache only what is still the sequence.
-                cache(req, min(req.num_computed_tokens, req.num_tokens))
+                # Tokens after a stop token were dropped: cache only what is still the sequence,
+                # and no block whose draft entries are not exact.
+                cache(req, min(req.num_computed_tokens, req.num_tokens, mark))
             if req.status is not running:  # _append ended it
                 self.running.remove(req)
                 self.kv.free(req)

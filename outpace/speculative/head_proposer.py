@@ -39,6 +39,7 @@ from outpace.models.cpu_fast_paths import cpu_threads_for
 from outpace.attention.inputs import InputBuffers, build_host_batch
 from outpace.speculative.base import DraftBatch, Proposer
 from outpace.speculative.draft_length import DraftLengthPolicy
+from outpace.speculative.injected_failures import InjectedFailures
 
 
 class HeadProposer(Proposer):
@@ -57,6 +58,7 @@ class HeadProposer(Proposer):
         # may differ where two logits are within the quantization error.
         self.draft_lm_head_dtype = spec.draft_lm_head_dtype
         self._int8_lm_head = None  # (int8 weight or its exact float copy on CPU, scale, d2t)
+        self.injected = InjectedFailures(spec.inject_draft_failures)  # testing only
         if spec.enhancer_min_match:
             from outpace.speculative.model_free import SuffixProposer
             self.enhancer = SuffixProposer(DraftLengthPolicy(policy.k), spec)
@@ -149,8 +151,11 @@ class HeadProposer(Proposer):
             return self._propose(batch, k)
 
     def _propose(self, batch: DraftBatch, k: list) -> list:
+        self.injected.begin(points=2)
+        self.injected.at(0)  # before the first pass: this step's rows keep stale entries
         ctx = ForwardContext(self.runner.backend, batch.meta)
         h = self.step(self.first_hidden(batch), batch.next_token_ids, batch.positions, ctx)
+        self.injected.at(1)  # after it: the plane is written, the drafts are not
         active = [i for i, ki in enumerate(k) if ki > 0 and batch.last_row[i] >= 0]
         drafts = [[] for _ in k]
         if not active:

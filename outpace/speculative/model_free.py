@@ -9,14 +9,16 @@ from __future__ import annotations
 from outpace.errors import ConfigError
 from outpace.speculative.base import DraftBatch, Proposer
 from outpace.speculative.draft_length import DraftLengthPolicy
+from outpace.speculative.injected_failures import InjectedFailures
 from outpace.speculative.ngram import NgramState, ngram_options
 from outpace.speculative.suffix import SuffixDrafter
 
 
 class _StatefulProposer(Proposer):
-    def __init__(self, policy: DraftLengthPolicy):
+    def __init__(self, policy: DraftLengthPolicy, spec):
         self.policy = policy
         self._states: dict = {}  # request_id -> drafter state
+        self.injected = InjectedFailures(spec.inject_draft_failures)  # testing only
 
     def draft_length(self, req, batch_size: int) -> int:
         return self.policy(req.request_id, batch_size)
@@ -31,6 +33,8 @@ class _StatefulProposer(Proposer):
         self._state(request)
 
     def propose(self, batch: DraftBatch, k: list) -> list:
+        self.injected.begin()
+        self.injected.at(0)  # (testing only: inject_draft_failures)
         out = []
         for req, committed, ki in zip(batch.requests, batch.committed, k):
             if ki <= 0:
@@ -50,7 +54,7 @@ class NgramProposer(_StatefulProposer):
     """Prompt lookup: continue the most recent earlier occurrence of the longest suffix n-gram."""
 
     def __init__(self, policy: DraftLengthPolicy, spec):
-        super().__init__(policy)
+        super().__init__(policy, spec)
         self.kw = ngram_options(spec)
 
     def _new_state(self, prompt):
@@ -66,7 +70,7 @@ class SuffixProposer(_StatefulProposer):
     """Suffix automaton over prompt and output (and optionally recent requests' outputs)."""
 
     def __init__(self, policy: DraftLengthPolicy, spec):
-        super().__init__(policy)
+        super().__init__(policy, spec)
         self.drafter = make_suffix_drafter(spec)
 
     def _new_state(self, prompt):

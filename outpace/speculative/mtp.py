@@ -38,7 +38,8 @@ class MTPEagleProposer(HeadProposer):
         return self.head(0, hidden, input_ids, positions, ctx, **self.embed_args(hidden))
 
     def draft_norm(self):
-        return self.target.norm
+        # module 0's own shared_head.norm when the checkpoint has one, else the target's
+        return self.head.final_norm(0, self.target)
 
     def draft_lm_head(self):
         return self.target.lm_head_weight, None  # shared with the target

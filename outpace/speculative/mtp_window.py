@@ -191,8 +191,10 @@ class MTPWindowProposer(HeadProposer):
     # ---- the step -------------------------------------------------------------------------
     def propose(self, batch: DraftBatch, k: list) -> list:
         drafts = [[] for _ in k]
+        self.injected.begin(points=3)
         if not batch.requests:
             return drafts
+        self.injected.at(0)  # before any depth: the window's rows keep stale entries
         K, dev = self.depth, batch.hidden.device
         win = self._geometry(batch)
         _, pos, _, meta = self.win_inputs.load(build_host_batch(win.host_rows, self.block_size))
@@ -214,16 +216,24 @@ class MTPWindowProposer(HeadProposer):
         for d in range(K):
             ids = torch.where(use[d], flat[src[d]], tokens[d])  # [R]
             h = self.head(d, h, ids, pos, ctx, **self.embed_args(h))
+            if d == 0:
+                self.injected.at(1)  # depth 0 rewrote its window, the others did not
             if d < num_out:
-                logits = self.head.compute_logits(h.index_select(0, draft_rows), self.target)
+                logits = self.head.compute_logits(h.index_select(0, draft_rows), self.target,
+                                                  d)
                 table[:num_sampled, d] = logits.argmax(dim=-1)
         # sync-ok: the drafts are the step's output (one copy)
         out = table[:num_sampled, :num_out].tolist() if num_out else []  # sync-ok: the drafts
-        self._keep_stash(batch, win, h0, out)
         for j, i in enumerate(win.sampled):
             if k[i] > 0:
                 drafts[i] = out[j][:k[i]]
-        return self._enhance(batch, drafts, k)
+        drafts = self._enhance(batch, drafts, k)
+        self.injected.at(2)  # every depth wrote its window, the stash is not kept yet
+        # Last: a call that raises before here leaves every stash as the last good step left
+        # it, which the step that repairs the plane after a failure starts from (its first
+        # row is the failed step's, the stash's end)
+        self._keep_stash(batch, win, h0, out)
+        return drafts
 
     @staticmethod
     def _gather_h0(hidden: torch.Tensor, win: _Window, num_rows: int) -> torch.Tensor:
@@ -246,8 +256,10 @@ class MTPWindowProposer(HeadProposer):
         kept = h0.index_select(0, torch.tensor(idx, dtype=torch.long, device=h0.device))
         parts = kept.split([n for _, n in win.keep])
         fed = {i: out[j][:self.depth - 1] if out else [] for j, i in enumerate(win.sampled)}
+        new = {}
         for i, req in enumerate(batch.requests):
-            self.stash[req.request_id] = RequestStash(
+            new[req.request_id] = RequestStash(
                 start=win.starts[i], end=win.ends[i], hidden=parts[i],
                 frontier=len(batch.committed[i]), fed=fed.get(i),
                 preemptions=req.num_preemptions)
+        self.stash.update(new)  # all requests' or none

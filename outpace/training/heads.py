@@ -52,10 +52,12 @@ def new_eagle3_head(target, target_cfg, d2t: torch.Tensor, t2d: torch.Tensor, se
 
 
 def new_mtp_head(target, target_cfg, num_modules: int, seed: int, device,
-                 warm_start: bool = True) -> MTPHead:
-    """An fp32 MTP head of `num_modules` modules shaped like the target's layers."""
+                 warm_start: bool = True, shared_head_norm: bool = False) -> MTPHead:
+    """An fp32 MTP head of `num_modules` modules shaped like the target's layers;
+    shared_head_norm: each module with its own final norm (a head continued from a
+    DeepSeek-layout checkpoint; new heads read the target's)."""
     head = MTPHead(target_cfg, num_modules, target_cfg.num_hidden_layers, dtype=torch.float32,
-                   device=device)
+                   device=device, shared_head_norm=shared_head_norm)
     tensors = random_head_tensors(head, seed)
     if warm_start:
         last = len(target.layers) - 1
@@ -82,7 +84,8 @@ def head_from_export(method: str, path, target, target_cfg, device):
         head = new_eagle3_head(target, target_cfg, loaded.d2t.cpu(), loaded.t2d.cpu(), 0, device,
                                False, tuple(loaded.aux_layer_ids))
     else:
-        head = new_mtp_head(target, target_cfg, loaded.num_modules, 0, device, False)
+        head = new_mtp_head(target, target_cfg, loaded.num_modules, 0, device, False,
+                            shared_head_norm=loaded.has_shared_head_norm)
     if head.config != loaded.config:
         mine, theirs = dataclasses.asdict(head.config), dataclasses.asdict(loaded.config)
         diff = sorted(k for k in mine if mine[k] != theirs.get(k))

@@ -292,7 +292,7 @@ class Trainer:
                     step_losses.append(None)
                     accs.append(None)
                     continue
-                logits = self.unroll.logits(hidden.reshape(b * t, -1).index_select(0, sel))
+                logits = self.unroll.logits(hidden.reshape(b * t, -1).index_select(0, sel), i)
                 loss, acc = loss_fn(logits, tgt_flat.index_select(0, sel + 1 + i))
                 step_losses.append(loss.detach())
                 accs.append(acc)

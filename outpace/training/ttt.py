@@ -126,7 +126,8 @@ class Eagle3Unroll:
         return layer_step(head.midlayer, head.config.layer, attn_in, residual, positions, cache,
                           self.mode)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def logits(self, hidden: torch.Tensor, i: int = 0) -> torch.Tensor:
+        # step i's output -> logits (every step reads the head's one norm and LM head)
         n = self.head.norm
         return _linear(rms_norm(hidden, n.weight, n.eps), self.head.lm_head_weight)
 
@@ -136,8 +137,9 @@ class Eagle3Unroll:
 
 class MTPUnroll:
     """MTP's TTT over an MTPHead: module 0 applied S times (chain mode, the engine's 'eagle'
-    MTP mode) or module d at step d (depths mode). The target's embedding, final norm and LM
-    head are shared and frozen."""
+    MTP mode) or module d at step d (depths mode). The target's embedding and LM head are
+    shared and frozen, its final norm too unless the modules have their own (a head continued
+    from a DeepSeek-layout checkpoint: `shared_head.norm`, trained with the rest)."""
 
     def __init__(self, head, target, mode: str):
         if mode not in (CHAIN, DEPTHS):
@@ -160,8 +162,10 @@ class MTPUnroll:
         return layer_step(m.layer, self.head.config, rms_norm(x, ln.weight, ln.eps), x,
                           positions, cache, self.mode)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        n = self.target.norm
+    def logits(self, hidden: torch.Tensor, i: int = 0) -> torch.Tensor:
+        # step i's output -> logits through the norm the engine reads it with (MTPHead.final_norm)
+        own = self.module(i).shared_head_norm
+        n = self.target.norm if own is None else own
         return _linear(rms_norm(hidden, n.weight, n.eps), self.target.lm_head_weight)
 
     def caches(self) -> list:

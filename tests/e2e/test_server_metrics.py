@@ -13,7 +13,7 @@ EXPECTED = [
     "outpace:generation_tokens_total", "outpace:time_to_first_token_seconds_count",
     "outpace:time_per_output_token_seconds_count", "outpace:e2e_request_latency_seconds_count",
     "outpace:spec_decode_num_drafts_total", "outpace:spec_decode_num_draft_tokens_total",
-    "outpace:spec_decode_num_accepted_tokens_total",
+    "outpace:spec_decode_num_accepted_tokens_total", "outpace:spec_decode_draft_failures_total",
 ]
 
 

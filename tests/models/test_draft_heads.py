@@ -3,6 +3,7 @@ forward pass over a paged KV pool against one-sequence-at-a-time runs and an ind
 reference (plain causal attention written here from the checkpoint tensors)."""
 
 import json
+import logging
 import math
 
 import pytest
@@ -408,6 +409,55 @@ def test_mtp_forward_matches_references(tmp_path, arch):
             logits = head.compute_logits(packed[s][:, :cfg.hidden_size], target)
             ref_logits = rms(refs[0], target.norm.weight) @ target.lm_head_weight.T
             torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
+
+
+def test_mtp_shared_head_norm_is_loaded_and_used(tmp_path, caplog):
+    """A DeepSeek-layout head: each module's shared_head.norm is the norm before the LM head
+    (its logits equal a dense reference through it, not through the target's final norm);
+    shared_head.head, a copy of the target's LM head, is dropped without a warning."""
+    cfg = target_config()
+    out = make_head(tmp_path, "mtp", cfg, num_layers=2)
+    randomize(out, seed=5)
+    g = torch.Generator().manual_seed(6)
+    target = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for prm in target.parameters():
+            prm.copy_(0.3 * torch.randn(prm.shape, generator=g))
+    norms = [torch.rand(cfg.hidden_size, generator=g) * 3 for _ in range(2)]
+    rewrite(out, lambda t: t.update({
+        **{f"model.layers.{d}.shared_head.norm.weight": norms[d] for d in range(2)},
+        **{f"model.layers.{d}.shared_head.head.weight": target.lm_head_weight.detach().clone()
+           for d in range(2)}}))
+    with caplog.at_level(logging.WARNING, logger="outpace.models.draft_loader"):
+        head = load_draft_head("mtp", out, cfg, first_layer_slot=L)
+    assert head.has_shared_head_norm and not caplog.records, caplog.text
+    h = torch.randn(5, cfg.hidden_size, generator=g)
+    with torch.no_grad():
+        for d in range(2):
+            want = rms(h, norms[d]) @ target.lm_head_weight.T
+            got = head.compute_logits(h, target, d)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            through_target = rms(h, target.norm.weight) @ target.lm_head_weight.T
+            assert not torch.allclose(got, through_target, atol=1e-2)
+    # a head without the norms reads the target's
+    (tmp_path / "plain").mkdir()
+    plain = make_head(tmp_path / "plain", "mtp", cfg, num_layers=2)
+    head = load_draft_head("mtp", plain, cfg, first_layer_slot=L)
+    assert not head.has_shared_head_norm
+    with torch.no_grad():
+        torch.testing.assert_close(head.compute_logits(h, target, 1),
+                                   rms(h, target.norm.weight) @ target.lm_head_weight.T,
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_mtp_shared_head_errors(tmp_path):
+    cfg = target_config()
+    out = make_head(tmp_path, "mtp", cfg, num_layers=2)
+    rewrite(out, lambda t: t.update({"layers.1.shared_head.norm.weight": torch.ones(32)}))
+    err("mtp", out, cfg, "module(s) [0] lack their shared_head.norm.weight")
+    rewrite(out, lambda t: t.update({"layers.0.shared_head.norm.weight": torch.ones(32),
+                                     "layers.0.shared_head.head.weight": torch.ones(96, 32)}))
+    err("mtp", out, cfg, "layers.0.shared_head.head.weight", "(96, 32)", "(97, 32)")
 
 
 # ---- the CUDA few-row path (LlamaDecoderLayer.forward_few_rows), run through the references --

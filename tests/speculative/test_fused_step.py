@@ -110,6 +110,27 @@ def test_fused_step_equals_eager(tiny_loaded, tiny_heads, fake_graph_capture, me
     assert fused.engine.kv.prefix_cache_hit_tokens > 0
 
 
+@pytest.mark.parametrize("method,overlap", [("ngram", False), ("ngram", True),
+                                            ("suffix", True)])
+def test_host_drafter_failures_in_the_fused_step(tiny_loaded, fake_graph_capture, method,
+                                                 overlap):
+    """A host drafter that raises (injected) inside the fused step's output: no drafts for
+    that step (with overlap its successor relaunched without drafts), every failure counted,
+    the output as without speculation. (A head drafts inside the fused graphs, where nothing
+    raises; its failures on the general path: test_draft_plane.py.)"""
+    want = run_waves(tiny_loaded, waves(), GREEDY, **SMALL).outputs
+    run = run_waves(tiny_loaded, waves(), GREEDY, overlap=overlap,
+                    on_engine=lambda e: enable_graphs(e, 3),
+                    speculative_config=spec_for(None, method, 3, inject_draft_failures=2),
+                    **SMALL)
+    assert run.outputs == want
+    injected = run.engine.runner.proposer.injected
+    assert injected.raised >= 10 and run.stats["num_draft_failures_total"] == injected.raised
+    assert run.engine.runner.fused.replays > 20
+    if overlap:
+        assert run.engine.runner.fused.relaunched > 10
+
+
 @pytest.mark.parametrize("method,k,mean", [("eagle3", 4, 3.5), ("mtp", 3, 2.5)])
 def test_device_draft_loop_writes_an_exact_draft_plane(tiny_loaded, tiny_heads,
                                                        fake_graph_capture, method, k, mean):

@@ -9,9 +9,10 @@ import torch
 
 from outpace.attention.base import ForwardContext
 from outpace.models.cpu_fast_paths import add_weight_copies_
-from outpace.models.draft_loader import load_draft_head
+from outpace.models.draft_loader import export_weights, load_draft_head
 from outpace.training.draft_vocab import choose_draft_vocab, count_tokens, coverage, draft_ids_of
-from outpace.training.heads import export_head, new_eagle3_head, new_mtp_head
+from outpace.training.heads import (export_head, head_from_export, new_eagle3_head,
+                                    new_mtp_head)
 from tests.models.helpers import PagedRunner
 
 
@@ -70,20 +71,25 @@ def test_exported_eagle3_head_has_the_public_names_dtypes_and_shapes(tiny_loaded
     assert torch.equal(head.lm_head_weight, model.lm_head_weight[draft_ids_of(d2t)].float())
 
 
-@pytest.mark.parametrize("method", ["eagle3", "mtp"])
-def test_export_then_load_gives_the_same_outputs(tiny_loaded, tmp_path, method):
+@pytest.mark.parametrize("method,own_norm", [("eagle3", False), ("mtp", False), ("mtp", True)])
+def test_export_then_load_gives_the_same_outputs(tiny_loaded, tmp_path, method, own_norm):
+    """own_norm: MTP modules with their own final norm (shared_head.norm) keep it."""
     model, cfg, _ = tiny_loaded
     L = cfg.num_hidden_layers
     if method == "eagle3":
         d2t, t2d = choose_draft_vocab(torch.arange(cfg.vocab_size), 50)
         head = new_eagle3_head(model, cfg, d2t, t2d, seed=1, device="cpu")
     else:
-        head = new_mtp_head(model, cfg, 2, seed=1, device="cpu")
+        head = new_mtp_head(model, cfg, 2, seed=1, device="cpu", shared_head_norm=own_norm)
     with torch.no_grad():  # move off the initialisation so every tensor matters
         for p in head.parameters():
             p.add_(0.01 * torch.randn_like(p))
     out = export_head(head, tmp_path / method, torch.float32)
     loaded = load_draft_head(method, out, cfg, first_layer_slot=L)
+    if method == "mtp":
+        assert loaded.has_shared_head_norm == own_norm
+        again = head_from_export(method, out, model, cfg, "cpu")  # train-draft --init-head
+        assert export_weights(again).keys() == export_weights(head).keys()
     # the loader gives a CPU head the target's fast weight copies; the same for the original,
     # so both compute through the same kernels
     add_weight_copies_(head, torch.float32)
@@ -101,7 +107,7 @@ def test_export_then_load_gives_the_same_outputs(tiny_loaded, tmp_path, method):
                 results.append((y, h.draft_to_target(y.argmax(-1))))
             else:
                 y = h.compute_logits(h(1, hidden, ids, pos, ctx, embed_fn=model.embed_tokens),
-                                     model)
+                                     model, 1)
                 results.append((y, y.argmax(-1)))
     torch.testing.assert_close(results[0][0], results[1][0], rtol=0, atol=0)
     assert torch.equal(results[0][1], results[1][1])

@@ -134,6 +134,30 @@ def test_mtp_depths_ttt_matches_each_module_over_the_window(setup):
             torch.testing.assert_close(h, ttt[d], rtol=1e-3, atol=1e-3)
 
 
+@pytest.mark.parametrize("mode", [CHAIN, DEPTHS])
+def test_mtp_logits_read_each_modules_own_norm(setup, mode):
+    """A head with shared_head.norm: step i's logits go through the norm the engine reads that
+    step's drafts with (MTPHead.compute_logits at module i in depths mode, module 0 in chain
+    mode), not the target's final norm."""
+    cfg, g, embed, _ = setup
+    L, D = cfg.num_hidden_layers, 3
+    head = _randomized(MTPHead(cfg, D, L, shared_head_norm=True), 5)
+    norm = torch.nn.Module()
+    norm.weight, norm.eps = torch.rand(cfg.hidden_size, generator=g) * 3, cfg.rms_norm_eps
+    lm = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g)
+    target = SimpleNamespace(embed_weight=embed, norm=norm, lm_head_weight=lm,
+                             compute_logits=lambda x: x @ lm.T)
+    model = MTPUnroll(head, target, mode)
+    hidden = torch.randn(5, cfg.hidden_size, generator=g)
+    for i in range(D):
+        got = model.logits(hidden, i)
+        want = head.compute_logits(hidden, target, i if mode == DEPTHS else 0)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        through_target = (hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) +
+                                               cfg.rms_norm_eps) * norm.weight) @ lm.T
+        assert not torch.allclose(got, through_target, atol=1e-2)
+
+
 def test_chain_mask_is_causal_then_diagonal():
     """The chain attention equals a dense softmax over the keys the draft loop leaves visible."""
     from outpace.training.ttt import ttt_attention

@@ -38,6 +38,8 @@ def test_defaults_and_typed_values():
     ({"relaxed_top_k": 4, "relaxed_delta": 0.5, "think_begin_ids": [], "think_end_ids": [2]},
      "think_begin_ids must be a token id or a list"),
     ({"force_accept_mean": 0.5}, "force_accept_mean must be a number >= 1"),
+    ({"inject_draft_failures": 0}, "'inject_draft_failures' must be an integer >= 1"),
+    ({"inject_draft_failures": "often"}, "'inject_draft_failures' must be an integer >= 1"),
     ({"method": "ngram", "num_speculative_tokens": "3"},
      "'num_speculative_tokens' must be an integer"),
 ])

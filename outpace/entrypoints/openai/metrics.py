@@ -68,6 +68,9 @@ class _EngineStatsCollector:
                       spec.get("num_draft_tokens", 0))
         yield counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.",
                       spec.get("num_accepted_tokens", 0))
+        yield counter("spec_decode_draft_failures",
+                      "Drafter calls that raised (those steps ran without drafts).",
+                      s.get("num_draft_failures_total", 0))
         per_pos = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
                                       "Draft tokens accepted, by draft position.",
                                       labels=["model_name", "position"])
