@@ -96,5 +96,5 @@ def test_connections_without_a_complete_header_are_dropped(server):
 def test_a_bad_header_timeout_is_one_error_line(capsys):
     rc = main(["serve", "/no/such/model", "--timeout-keep-alive", "0"])
     err = capsys.readouterr().err.strip().splitlines()
-    assert rc == 2 and err == ["outpace: error: timeout_keep_alive (CLI --timeout-keep-alive) "
-                               "must be a number of seconds in (0, 3600], got 0.0"]
+    assert rc == 2 and err == ["outpace: error: --timeout-keep-alive must be a number of "
+                               "seconds in (0, 3600], got 0.0"]

@@ -39,7 +39,10 @@ def test_defaults_and_typed_values():
      "think_begin_ids must be a token id or a list"),
     ({"force_accept_mean": 0.5}, "force_accept_mean must be a number >= 1"),
     ({"method": "ngram", "num_speculative_tokens": "3"},
-     "'num_speculative_tokens' must be an integer"),
+     "num_speculative_tokens must be an integer in 1..16"),
+    ({"method": "ngram", "num_speculative_tokens": 17}, "num_speculative_tokens must be an "
+                                                        "integer in 1..16 .draft tokens"),
+    ({"method": "beam"}, "method 'beam' is unknown; use one of ngram, suffix, mtp, eagle3"),
 ])
 def test_bad_options_are_clear_errors(d, msg):
     with pytest.raises(ConfigError, match=msg):
