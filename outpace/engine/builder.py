@@ -94,6 +94,7 @@ def build_engine(cls, model: str, *, device: str = "auto", dtype: str = "auto",
     from outpace.engine.preflight import check_engine_args, check_max_model_len
     checked = check_engine_args(model, **args)
     from outpace.kvcache.manager import KVCacheManager
+    from outpace.kvcache.sizing import activation_bytes
     from outpace.kvcache.sizing import num_kv_blocks as size_kv
     from outpace.models.loader import load_model
     from outpace.runner.model_runner import ModelRunner
@@ -162,8 +163,13 @@ def build_engine(cls, model: str, *, device: str = "auto", dtype: str = "auto",
 
     proposer = build_proposer(spec_cfg, target, model_cfg, runner_cfg) if spec_cfg.enabled else None
     num_slots = model_cfg.num_hidden_layers + (proposer.num_kv_layers if proposer else 0)
+    max_k = spec_cfg.num_speculative_tokens if proposer else 0
+    max_num_tokens = max_num_batched_tokens + max_num_seqs * (max_k + 1)
+    # a step's activations stay out of the pool (on a GPU; a CPU pool has its own size)
+    headroom = activation_bytes(model_cfg, max_num_tokens, max_num_seqs * (max_k + 1),
+                                runner_cfg.torch_dtype.itemsize)
     num_blocks = size_kv(cache_cfg, model_cfg, num_slots, runner_cfg.torch_kv_cache_dtype,
-                         torch_device)
+                         torch_device, headroom=headroom)
     lookahead = proposer.num_lookahead_tokens if proposer else 0
     # One request of the whole context must fit the pool (block 0 is the null block), or the
     # engine would advertise a context it cuts short.
@@ -195,10 +201,8 @@ def build_engine(cls, model: str, *, device: str = "auto", dtype: str = "auto",
                            if proposer is not None and proposer.num_kv_layers else {}))
     scheduler = Scheduler(sched_cfg, kv, config.max_model_len, num_lookahead_tokens=lookahead,
                           block_size=block_size)
-    max_k = spec_cfg.num_speculative_tokens if proposer else 0
     runner = ModelRunner(target, model_cfg, num_blocks=num_blocks, block_size=block_size,
-                         max_model_len=config.max_model_len,
-                         max_num_tokens=max_num_batched_tokens + max_num_seqs * (max_k + 1),
+                         max_model_len=config.max_model_len, max_num_tokens=max_num_tokens,
                          max_num_seqs=max_num_seqs, device=torch_device,
                          kv_dtype=runner_cfg.torch_kv_cache_dtype, proposer=proposer,
                          seed=seed, kernel_options=runner_cfg.kernel_options)
