@@ -79,8 +79,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    "from memory)")
     p.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="SHARE",
                    help="as in vLLM: the share of the GPU's total memory the engine may use, in "
-                   "(0, 1]; the KV pool gets what the weights leave of it (default: 0.85 of "
-                   "the memory free once the weights load; ignored on CPU)")
+                   "(0, 1]; the KV pool gets what the weights and a step's activations leave "
+                   "of it (default: 0.85 of the memory free once the weights load; ignored on "
+                   "CPU, whose pool is 1 GiB or --num-kv-blocks)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="requests running at once")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="tokens a step may hold, prefill chunks and decodes (default: 8192 on a "
