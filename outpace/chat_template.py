@@ -57,10 +57,13 @@ def load_chat_template(value: str) -> str:
     Checked here, before any model loads: a file that can't be read, a syntax error or a
     template that never reads `messages` is a ConfigError that says which."""
     import jinja2
-    what = "chat_template (CLI --chat-template)"
+
+    def bad(msg):  # every error here is about the one option
+        return ConfigError(msg, option="chat_template")
+
     if not isinstance(value, str) or not value.strip():
-        raise ConfigError(f"{what} is empty; give a Jinja template or the path of a file "
-                          "holding one")
+        raise bad("chat_template is empty; give a Jinja template or the path of a file holding "
+                  "one")
     path = Path(value).expanduser()
     looks_like_text = "{" in value or "\n" in value  # template syntax: never taken for a path
     try:
@@ -71,26 +74,26 @@ def load_chat_template(value: str) -> str:
         try:
             template = path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as e:
-            raise ConfigError(f"{what}: can't read {value} ({e})") from None
+            raise bad(f"chat_template: can't read {value} ({e})") from None
         where = f"file {value}"
     elif looks_like_text:
         template, where = value, "the template given"
     else:
         state = "is a folder" if path.is_dir() else "does not exist"
-        raise ConfigError(f"{what} {value!r} {state} and is no Jinja template either (it has "
-                          "no {{ or {%): give the path of a template file or the template text")
+        raise bad(f"chat_template {value!r} {state} and is no Jinja template either (it has "
+                  "no {{ or {%): give the path of a template file or the template text")
     try:
         _compile(template)
     except jinja2.TemplateSyntaxError as e:
-        raise ConfigError(f"{what}: {where} is not a valid Jinja template: {e.message} "
-                          f"(line {e.lineno})") from None
+        raise bad(f"chat_template: {where} is not a valid Jinja template: {e.message} "
+                  f"(line {e.lineno})") from None
     except Exception as e:  # noqa: BLE001 -- jinja's other errors: a template it can't compile
-        raise ConfigError(f"{what}: {where} can't be compiled: {type(e).__name__}: {e}"
-                          ) from None
+        raise bad(f"chat_template: {where} can't be compiled: {type(e).__name__}: {e}"
+                  ) from None
     if "messages" not in template:
-        raise ConfigError(f"{what}: {where} never reads `messages`, so every conversation "
-                          "would render to the same prompt; loop over messages as the model's "
-                          "own template does")
+        raise bad(f"chat_template: {where} never reads `messages`, so every conversation "
+                  "would render to the same prompt; loop over messages as the model's own "
+                  "template does")
     return template
 
 

@@ -151,7 +151,14 @@ class ModelConfig:
 def _share(name: str, v) -> None:
     """A share of memory: a number in (0, 1]."""
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 < v <= 1.0:
-        raise ConfigError(f"{name} must be a number in (0, 1], got {v!r}")
+        raise ConfigError(f"{name} must be a number in (0, 1], got {v!r}", option=name)
+
+
+def check_int(name: str, v, lo: int, hi: Optional[int] = None, why: str = "") -> None:
+    """An integer option (not a bool) in lo..hi; the error names it (ConfigError.option)."""
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo or (hi is not None and v > hi):
+        bound = f"in {lo}..{hi}" if hi is not None else f">= {lo}"
+        raise ConfigError(f"{name} must be an integer {bound}{why}, got {v!r}", option=name)
 
 
 @dataclass(frozen=True)
@@ -169,14 +176,15 @@ class CacheConfig:
     enable_prefix_caching: bool = True
 
     def __post_init__(self):
-        if self.block_size < 1 or self.block_size & (self.block_size - 1):
-            raise ConfigError(f"block_size must be a power of two, got {self.block_size}")
-        if self.num_blocks is not None and self.num_blocks < 1:
-            raise ConfigError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        check_int("block_size", self.block_size, 1, 1 << 12)
+        if self.block_size & (self.block_size - 1):
+            raise ConfigError(f"block_size must be a power of two, got {self.block_size}",
+                              option="block_size")
+        if self.num_blocks is not None:
+            check_int("num_blocks", self.num_blocks, 1)
         _share("memory_fraction", self.memory_fraction)
         if self.gpu_memory_utilization is not None:
-            _share("gpu_memory_utilization (--gpu-memory-utilization)",
-                   self.gpu_memory_utilization)
+            _share("gpu_memory_utilization", self.gpu_memory_utilization)
 
 
 @dataclass(frozen=True)
@@ -191,22 +199,20 @@ class SchedulerConfig:
     max_prefill_with_decodes: int = 0
 
     def __post_init__(self):
-        if self.max_prefill_with_decodes < 0:
-            raise ConfigError(f"max_prefill_with_decodes (--max-prefill-with-decodes) must be "
-                              f">= 0 (0: no bound), got {self.max_prefill_with_decodes}")
-        if self.max_num_seqs < 1:
-            raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < 1:
-            raise ConfigError("max_num_batched_tokens must be >= 1")
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise ConfigError("max_model_len must be >= 2")
-        if self.max_waiting_requests is not None and self.max_waiting_requests < 1:
-            raise ConfigError(f"max_waiting_requests (--max-waiting) must be >= 1 (it bounds "
-                              f"the queue; leave it unset for no bound), got "
-                              f"{self.max_waiting_requests}")
+        check_int("max_prefill_with_decodes", self.max_prefill_with_decodes, 0,
+                  why=" (0: no bound)")
+        check_int("max_num_seqs", self.max_num_seqs, 1)
+        check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        if self.max_model_len is not None:
+            check_int("max_model_len", self.max_model_len, 2,
+                      why=" (tokens of prompt and output)")
+        if self.max_waiting_requests is not None:
+            check_int("max_waiting_requests", self.max_waiting_requests, 1,
+                      why=" (it bounds the queue; leave it unset for no bound)")
 
 
 SPEC_METHODS = ("ngram", "suffix", "mtp", "eagle3")
+MAX_DRAFT_TOKENS = 16  # num_speculative_tokens at most (the verify graphs' query lengths)
 
 
 def _int(name, v, lo=None, optional=False):
@@ -272,13 +278,18 @@ class SpecConfig:
 
     def __post_init__(self):
         if self.method is not None and self.method not in SPEC_METHODS:
-            raise ConfigError(
-                f"speculative method {self.method!r} is unknown; use one of {', '.join(SPEC_METHODS)}")
-        _int("num_speculative_tokens", self.num_speculative_tokens)
-        if self.method is not None and not 1 <= self.num_speculative_tokens <= 16:
-            raise ConfigError("num_speculative_tokens must be in 1..16")
+            raise ConfigError(f"method {self.method!r} is unknown; use one of "
+                              f"{', '.join(SPEC_METHODS)} (speculative decoding methods)",
+                              option="method")
+        check_int("num_speculative_tokens", self.num_speculative_tokens, 1, MAX_DRAFT_TOKENS,
+                  why=" (draft tokens per step)")
         if self.method in ("mtp", "eagle3") and not self.model:
-            raise ConfigError(f"speculative method {self.method!r} needs a draft 'model' path")
+            raise ConfigError(f"speculative method {self.method!r} needs a draft head folder "
+                              f"(speculative_config['model'])",
+                              option="speculative_config['model']")
+        if self.model is not None and (not isinstance(self.model, str) or not self.model):
+            raise ConfigError(f"speculative_config['model'] must be the path of a draft head "
+                              f"folder, got {self.model!r}", option="speculative_config['model']")
         _int("prompt_lookup_min", self.prompt_lookup_min, 1)
         _int("prompt_lookup_max", self.prompt_lookup_max, 1)
         if self.prompt_lookup_min > self.prompt_lookup_max:
@@ -438,14 +449,22 @@ class RunnerConfig:
     kernel_options: KernelOptions = field(default_factory=KernelOptions)
 
     def __post_init__(self):
-        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
-            raise ConfigError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        if not isinstance(self.device, str) or (self.device not in ("cpu", "cuda") and not (
+                self.device.startswith("cuda:") and self.device[5:].isdigit())):
+            raise ConfigError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}",
+                              option="device")
         if self.dtype not in DTYPES:
             raise ConfigError(
-                f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}")
+                f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}",
+                option="dtype")
         if self.weight_dtype not in DTYPES:
             raise ConfigError(f"weight_dtype must be auto, float32, float16 or bfloat16, got "
-                              f"{self.weight_dtype!r}")
+                              f"{self.weight_dtype!r}", option="weight_dtype")
+        # torch's seed, and the source of requests' sampling seeds: 64 bits, as torch takes it
+        if (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                or not -(1 << 63) <= self.seed < 1 << 64):
+            raise ConfigError(f"seed must be an integer that fits in 64 bits (-2**63 .. "
+                              f"2**64 - 1), got {self.seed!r}", option="seed")
         act, weight = self._resolved(self.dtype), self._resolved(self.weight_dtype)
         # A weight is upcast to the activation dtype exactly; a wider (or merely different
         # 16-bit) one would be rounded on every use, which stores more bytes for nothing.
@@ -456,16 +475,18 @@ class RunnerConfig:
             fix = ("dtype float32 to run in float32" if weight == "float32" else
                    f"dtype float32 for float32 activations over {weight} weights")
             raise ConfigError(f"{what}: weights may be stored narrower than the activations, "
-                              f"never wider; use weight_dtype auto (or {act}), or {fix}")
+                              f"never wider; use weight_dtype auto (or {act}), or {fix}",
+                              option="weight_dtype")
         if self.kv_cache_dtype not in DTYPES:
             raise ConfigError(f"kv_cache_dtype must be auto, float32, float16 or bfloat16, got "
-                              f"{self.kv_cache_dtype!r}")
+                              f"{self.kv_cache_dtype!r}", option="kv_cache_dtype")
         kv = self._resolved(self.kv_cache_dtype)
         if kv != act and act != "float32":  # the same rule as for weights
             raise ConfigError(f"kv_cache_dtype {kv} with dtype {act} is not supported: the KV "
                               f"cache may be narrower than the activations, never wider or "
                               f"another 16-bit format; use kv_cache_dtype auto (or {act}), or "
-                              f"dtype float32 for float32 activations over a {kv} cache")
+                              f"dtype float32 for float32 activations over a {kv} cache",
+                              option="kv_cache_dtype")
 
     def _resolved(self, name: str) -> str:
         """A dtype option's value with auto resolved (weight_dtype / kv_cache_dtype auto:
@@ -510,16 +531,15 @@ class ServerConfig:
     body_timeout: float = 30.0
 
     def __post_init__(self):
-        if not 0 <= self.port <= 65535:
-            raise ConfigError(f"port must be in 0..65535, got {self.port}")
+        check_int("port", self.port, 0, 65535)
         b = self.body_timeout
         if isinstance(b, bool) or not isinstance(b, (int, float)) or not 0 < b <= 3600:
             raise ConfigError(f"body_timeout must be a number of seconds in (0, 3600], got "
-                              f"{b!r}")
+                              f"{b!r}", option="body_timeout")
         t = self.timeout_keep_alive
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t <= 3600:
-            raise ConfigError(f"timeout_keep_alive (CLI --timeout-keep-alive) must be a number "
-                              f"of seconds in (0, 3600], got {t!r}")
+            raise ConfigError(f"timeout_keep_alive must be a number of seconds in (0, 3600], "
+                              f"got {t!r}", option="timeout_keep_alive")
 
 
 @dataclass(frozen=True)

@@ -143,8 +143,8 @@ class Tokenizer:
         try:
             tok._render([{"role": "user", "content": "hi"}], True)
         except Exception as e:  # noqa: BLE001 -- jinja raises many kinds
-            raise ConfigError(f"chat_template (CLI --chat-template) fails to render a "
-                              f"conversation of one user message: {type(e).__name__}: {e}"
+            raise ConfigError(f"chat_template fails to render a conversation of one user "
+                              f"message: {type(e).__name__}: {e}", option="chat_template"
                               ) from None
         return tok
 

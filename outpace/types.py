@@ -60,60 +60,65 @@ class SamplingParams:
         self._validate()
 
     def _validate(self):
-        def bad(msg):
-            raise InvalidRequestError(msg)
+        def bad(option, msg):
+            raise InvalidRequestError(msg, option=option)
 
         def is_num(x):
             return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
         if self.n != 1:
-            bad(f"n={self.n} is not supported; outpace returns one completion per request (n=1)")
+            bad("n", f"n={self.n} is not supported; outpace returns one completion per request "
+                f"(n=1)")
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int)
                                             or isinstance(self.max_tokens, bool)
                                             or self.max_tokens < 1):
-            bad(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+            bad("max_tokens", f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not is_num(self.temperature) or self.temperature < 0:
-            bad(f"temperature must be >= 0, got {self.temperature!r}")
+            bad("temperature", f"temperature must be >= 0, got {self.temperature!r}")
         if not is_num(self.top_p) or not 0.0 < self.top_p <= 1.0:
-            bad(f"top_p must be in (0, 1], got {self.top_p!r}")
+            bad("top_p", f"top_p must be in (0, 1], got {self.top_p!r}")
         if self.top_p < FLOAT32_TINY:  # the kernels compare in float32, where it would be 0
-            bad(f"top_p must be at least {FLOAT32_TINY:.3g} (the smallest normal float32, the "
-                f"precision sampling runs in), got {self.top_p!r}; for the top token alone "
-                f"use temperature 0 or top_k 1")
+            bad("top_p", f"top_p must be at least {FLOAT32_TINY:.3g} (the smallest normal "
+                f"float32, the precision sampling runs in), got {self.top_p!r}; for the top "
+                f"token alone use temperature 0 or top_k 1")
         if (not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0
                 or self.top_k >= 1 << 31):
-            bad(f"top_k must be -1, 0 (off) or a positive integer, got {self.top_k!r}")
+            bad("top_k", f"top_k must be -1, 0 (off) or a positive integer, got {self.top_k!r}")
         if not is_num(self.min_p) or not 0.0 <= self.min_p <= 1.0:
-            bad(f"min_p must be in [0, 1], got {self.min_p!r}")
+            bad("min_p", f"min_p must be in [0, 1], got {self.min_p!r}")
         if not is_num(self.repetition_penalty) or self.repetition_penalty <= 0:
-            bad(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+            bad("repetition_penalty",
+                f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
         for name in ("frequency_penalty", "presence_penalty"):
             v = getattr(self, name)
             if not is_num(v) or not -2.0 <= v <= 2.0:
-                bad(f"{name} must be in [-2, 2], got {v!r}")
+                bad(name, f"{name} must be in [-2, 2], got {v!r}")
         # signed or unsigned 64-bit, as the OpenAI server takes them (the race keys on the
         # seed's 64 bits: sample/gumbel.py)
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
                                       or not -(1 << 63) <= self.seed < 1 << 64):
-            bad(f"seed must fit in 64 bits (-2**63 .. 2**64 - 1), got {self.seed!r}")
+            bad("seed", f"seed must fit in 64 bits (-2**63 .. 2**64 - 1), got {self.seed!r}")
         if len(self.stop) > MAX_STOP_STRINGS:
-            bad(f"stop has {len(self.stop)} strings; at most {MAX_STOP_STRINGS} are allowed")
+            bad("stop", f"stop has {len(self.stop)} strings; at most {MAX_STOP_STRINGS} are "
+                f"allowed")
         if not all(isinstance(s, str) and s for s in self.stop):
-            bad("stop must be a non-empty string or a list of non-empty strings")
+            bad("stop", "stop must be a non-empty string or a list of non-empty strings")
         if any(len(s) > MAX_STOP_STRING_CHARS for s in self.stop):
-            bad(f"each stop string may have at most {MAX_STOP_STRING_CHARS} characters")
+            bad("stop", f"each stop string may have at most {MAX_STOP_STRING_CHARS} characters")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-            bad(f"stop_token_ids has {len(self.stop_token_ids)} entries; at most "
-                f"{MAX_STOP_TOKEN_IDS} are allowed")
+            bad("stop_token_ids", f"stop_token_ids has {len(self.stop_token_ids)} entries; at "
+                f"most {MAX_STOP_TOKEN_IDS} are allowed")
         if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
                    for t in self.stop_token_ids):
-            bad("stop_token_ids must be a list of non-negative integers")
+            bad("stop_token_ids", "stop_token_ids must be a list of non-negative integers")
         if self.output_kind not in OUTPUT_KINDS:
-            bad(f"output_kind must be one of {', '.join(OUTPUT_KINDS)}, got {self.output_kind!r}")
+            bad("output_kind", f"output_kind must be one of {', '.join(OUTPUT_KINDS)}, got "
+                f"{self.output_kind!r}")
         if self.logprobs is not None and (not isinstance(self.logprobs, int)
                                           or isinstance(self.logprobs, bool)
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            bad(f"logprobs must be an integer in 0..{MAX_LOGPROBS}, got {self.logprobs!r}")
+            bad("logprobs", f"logprobs must be an integer in 0..{MAX_LOGPROBS}, got "
+                f"{self.logprobs!r}")
 
     @property
     def greedy(self) -> bool:

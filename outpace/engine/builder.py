@@ -6,15 +6,13 @@ import dataclasses
 import gc
 import logging
 import os
-from pathlib import Path
 from typing import Optional
 
 import torch
 
-from outpace.chat_template import load_chat_template
 from outpace.config import (CacheConfig, EngineConfig, KernelOptions, RunnerConfig,
-                            SchedulerConfig, SpecConfig)
-from outpace.errors import ConfigError, ModelLoadError
+                            SchedulerConfig)
+from outpace.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -58,13 +56,6 @@ def default_token_budget(device: torch.device) -> int:
     return 2048
 
 
-def check_max_model_len(max_model_len: Optional[int], model_cfg) -> None:
-    limit = model_cfg.max_position_embeddings
-    if max_model_len is not None and max_model_len > limit:
-        raise ConfigError(f"max_model_len={max_model_len} is longer than the model's "
-                          f"{limit} positions; use at most {limit}")
-
-
 def pool_tokens_at_most(cache_cfg: CacheConfig, model_cfg, kv_dtype, device) -> int:
     """An upper bound, known before the weights load, of the tokens one request can hold in
     the KV pool: the pool sized for the target's layers alone (draft heads add layers) from the
@@ -96,9 +87,16 @@ def build_engine(cls, model: str, *, device: str = "auto", dtype: str = "auto",
     store_weights_in_ casts them): the engine does not change a model it was lent.
     chat_template: a Jinja template, or the path of a file holding one, in place of the model's
     (chat_template.load_chat_template)."""
+    # Every argument is checked before torch's work and the model's load (which take seconds);
+    # the scheduler's again below with the model's context length.
+    args = dict(locals())
+    del args["cls"], args["model"]
+    from outpace.engine.preflight import check_engine_args, check_max_model_len
+    checked = check_engine_args(model, **args)
     from outpace.kvcache.manager import KVCacheManager
+    from outpace.kvcache.sizing import activation_bytes
     from outpace.kvcache.sizing import num_kv_blocks as size_kv
-    from outpace.models.loader import load_model, load_model_config
+    from outpace.models.loader import load_model
     from outpace.runner.model_runner import ModelRunner
     from outpace.scheduler.scheduler import Scheduler
     from outpace.speculative.factory import build_proposer
@@ -106,50 +104,24 @@ def build_engine(cls, model: str, *, device: str = "auto", dtype: str = "auto",
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError("device 'cuda' was asked for but CUDA is not available; use --device cpu")
+        raise ConfigError("device 'cuda' was asked for but CUDA is not available; use --device "
+                          "cpu", option="device")
     runner_cfg = RunnerConfig(device=device, dtype=dtype, weight_dtype=weight_dtype,
                               kv_cache_dtype=kv_cache_dtype, enforce_eager=enforce_eager,
                               seed=seed, overlap=overlap,
                               kernel_options=kernel_options or KernelOptions())
-    from outpace.models.shipped_heads import with_shipped_head
-    spec_cfg = SpecConfig.from_dict(with_shipped_head(speculative_config, model))
-    head_dir = Path(spec_cfg.model).expanduser() if spec_cfg.model else None
-    if spec_cfg.method in ("eagle3", "mtp") and head_dir is not None and not head_dir.is_dir():
-        what = "is a file, not a folder" if head_dir.exists() else "does not exist"
-        raise ModelLoadError(f"draft head {spec_cfg.model!r} (speculative_config['model'], CLI "
-                             f"--draft) {what}; give the folder that holds the head's "
-                             f"config.json and model.safetensors")
-    if head_dir is not None and str(head_dir) != spec_cfg.model:
-        spec_cfg = dataclasses.replace(spec_cfg, model=str(head_dir))  # "~" expanded
+    spec_cfg, cache_cfg, chat_template = checked.spec, checked.cache, checked.chat_template
     if spec_cfg.force_accept_mean is not None:
-        log.warning("speculative option force_accept_mean=%s is for benchmarking: drafts are "
-                    "accepted at random, so the output is NOT what the model would write",
-                    spec_cfg.force_accept_mean)
-    # Every setting is checked before the model loads (which takes seconds): the scheduler's
-    # and the cache's again below with the model's context length.
-    budget = max_num_batched_tokens or default_token_budget(torch.device(device))
+        log.warning("outpace: WARNING: speculative option force_accept_mean=%s is for "
+                    "benchmarking: drafts are accepted at random, so the output is NOT what the "
+                    "model would write", spec_cfg.force_accept_mean)
     if max_prefill_with_decodes is None:
         max_prefill_with_decodes = default_prefill_with_decodes(torch.device(device))
-    SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-                    max_model_len=max_model_len, enable_chunked_prefill=enable_chunked_prefill,
-                    max_waiting_requests=max_waiting_requests,
-                    max_prefill_with_decodes=max_prefill_with_decodes)
-    if memory_fraction is not None and gpu_memory_utilization is not None:
-        raise ConfigError("memory_fraction and gpu_memory_utilization both size the KV pool: "
-                          "give one (gpu_memory_utilization, as in vLLM: a share of the GPU's "
-                          "total memory; memory_fraction: a share of what the weights leave "
-                          "free)")
-    memory = dict(gpu_memory_utilization=gpu_memory_utilization,
-                  **({} if memory_fraction is None else {"memory_fraction": memory_fraction}))
-    cache_cfg = CacheConfig(block_size=block_size, num_blocks=num_kv_blocks,
-                            enable_prefix_caching=enable_prefix_caching, **memory)
     if gpu_memory_utilization is not None and not device.startswith("cuda"):
         # Accepted, as vLLM's CPU backend accepts it, so a vLLM command line runs unchanged.
         log.warning("gpu_memory_utilization (--gpu-memory-utilization) is ignored on %s: a CPU "
                     "KV pool is %d MiB (or set num_kv_blocks)", device,
                     CacheConfig().cpu_kv_bytes >> 20)
-    if chat_template is not None:
-        chat_template = load_chat_template(chat_template)
     torch_device = torch.device(device)
     torch.manual_seed(seed)
 
@@ -163,11 +135,9 @@ def build_engine(cls, model: str, *, device: str = "auto", dtype: str = "auto",
                               f"weight_dtype auto")
         check_max_model_len(max_model_len, model_cfg)
     else:
-        # The model's config first (cheap: config.json or the GGUF header), so max_model_len
-        # is checked before the weights load, and the rope tables are built only for the
-        # positions the engine can reach: a model may claim millions.
-        model_cfg = load_model_config(model, quiet=quiet, download_dir=download_dir)
-        check_max_model_len(max_model_len, model_cfg)
+        # The rope tables are built only for the positions the engine can reach (the model's
+        # config, read by the checks, may claim millions).
+        model_cfg = checked.model_config
         positions = max_model_len or min(
             model_cfg.max_position_embeddings,
             pool_tokens_at_most(cache_cfg, model_cfg, runner_cfg.torch_kv_cache_dtype,
@@ -193,8 +163,13 @@ def build_engine(cls, model: str, *, device: str = "auto", dtype: str = "auto",
 
     proposer = build_proposer(spec_cfg, target, model_cfg, runner_cfg) if spec_cfg.enabled else None
     num_slots = model_cfg.num_hidden_layers + (proposer.num_kv_layers if proposer else 0)
+    max_k = spec_cfg.num_speculative_tokens if proposer else 0
+    max_num_tokens = max_num_batched_tokens + max_num_seqs * (max_k + 1)
+    # a step's activations stay out of the pool (on a GPU; a CPU pool has its own size)
+    headroom = activation_bytes(model_cfg, max_num_tokens, max_num_seqs * (max_k + 1),
+                                runner_cfg.torch_dtype.itemsize)
     num_blocks = size_kv(cache_cfg, model_cfg, num_slots, runner_cfg.torch_kv_cache_dtype,
-                         torch_device)
+                         torch_device, headroom=headroom)
     lookahead = proposer.num_lookahead_tokens if proposer else 0
     # One request of the whole context must fit the pool (block 0 is the null block), or the
     # engine would advertise a context it cuts short.
@@ -226,10 +201,8 @@ def build_engine(cls, model: str, *, device: str = "auto", dtype: str = "auto",
                            if proposer is not None and proposer.num_kv_layers else {}))
     scheduler = Scheduler(sched_cfg, kv, config.max_model_len, num_lookahead_tokens=lookahead,
                           block_size=block_size)
-    max_k = spec_cfg.num_speculative_tokens if proposer else 0
     runner = ModelRunner(target, model_cfg, num_blocks=num_blocks, block_size=block_size,
-                         max_model_len=config.max_model_len,
-                         max_num_tokens=max_num_batched_tokens + max_num_seqs * (max_k + 1),
+                         max_model_len=config.max_model_len, max_num_tokens=max_num_tokens,
                          max_num_seqs=max_num_seqs, device=torch_device,
                          kv_dtype=runner_cfg.torch_kv_cache_dtype, proposer=proposer,
                          seed=seed, kernel_options=runner_cfg.kernel_options)

@@ -74,12 +74,13 @@ class LLMEngine:
         if n >= self.max_model_len:
             raise InvalidRequestError(
                 f"the prompt has {n} tokens but the context is {self.max_model_len} tokens "
-                f"(prompt and output together); shorten the prompt or raise max_model_len")
+                f"(prompt and output together); shorten the prompt or raise max_model_len",
+                option="max_model_len")
         if params.max_tokens is not None and n + params.max_tokens > self.max_model_len:
             raise InvalidRequestError(
                 f"this model's context is {self.max_model_len} tokens, but {n + params.max_tokens}"
                 f" were asked for ({n} in the prompt, {params.max_tokens} for the output); "
-                f"lower max_tokens or shorten the prompt")
+                f"lower max_tokens or shorten the prompt", option="max_tokens")
         eos = () if params.ignore_eos else tuple(self.tokenizer.eos_token_ids)
         req = Request(request_id=request_id, prompt_token_ids=ids, sampling_params=params,
                       eos_token_ids=eos, max_model_len=self.max_model_len, prompt=text)

@@ -9,7 +9,36 @@ import sys
 import time
 
 from outpace import __version__
-from outpace.errors import OutpaceError
+from outpace.errors import OutpaceError, spelled
+
+# How the CLI spells the options its errors name (errors.spelled): config key -> flag.
+ENGINE_FLAGS = {
+    "device": "--device", "dtype": "--dtype",
+    "weight_dtype": "--weight-dtype", "kv_cache_dtype": "--kv-cache-dtype",
+    "max_model_len": "--max-model-len", "num_kv_blocks": "--num-kv-blocks",
+    "gpu_memory_utilization": "--gpu-memory-utilization", "max_num_seqs": "--max-num-seqs",
+    "max_num_batched_tokens": "--max-num-batched-tokens",
+    "max_prefill_with_decodes": "--max-prefill-with-decodes", "seed": "--seed",
+    "chat_template": "--chat-template", "max_waiting_requests": "--max-waiting"}
+# ... where the speculative config came from --spec and its flags (not --speculative-config,
+# whose errors name its JSON keys)
+SPEC_FLAGS = {"method": "--spec", "num_speculative_tokens": "--k",
+              "speculative_config['model']": "--draft"}
+SAMPLING_FLAGS = {
+    "max_tokens": "--max-tokens", "temperature": "--temperature", "top_p": "--top-p",
+    "top_k": "--top-k", "min_p": "--min-p", "seed": "--sample-seed",
+    "repetition_penalty": "--repetition-penalty", "frequency_penalty": "--frequency-penalty",
+    "presence_penalty": "--presence-penalty", "max_model_len": "--max-model-len"}
+SERVER_FLAGS = {"port": "--port", "timeout_keep_alive": "--timeout-keep-alive",
+                "host": "--host"}
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser whose usage errors are one line (`outpace: error: ...`, naming the
+    subcommand's --help), as every other error of the CLI is."""
+
+    def error(self, message):
+        self.exit(2, f"outpace: error: {message} (see {self.prog} --help)\n")
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -50,8 +79,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    "from memory)")
     p.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="SHARE",
                    help="as in vLLM: the share of the GPU's total memory the engine may use, in "
-                   "(0, 1]; the KV pool gets what the weights leave of it (default: 0.85 of "
-                   "the memory free once the weights load; ignored on CPU)")
+                   "(0, 1]; the KV pool gets what the weights and a step's activations leave "
+                   "of it (default: 0.85 of the memory free once the weights load; ignored on "
+                   "CPU, whose pool is 1 GiB or --num-kv-blocks)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="requests running at once")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="tokens a step may hold, prefill chunks and decodes (default: 8192 on a "
@@ -94,6 +124,11 @@ def _parse_value(v: str):
         return {"true": True, "false": False}.get(v.lower(), v)
 
 
+def engine_flags(a: argparse.Namespace) -> dict:
+    """Config key -> flag, for the engine's errors on this command line."""
+    return {**ENGINE_FLAGS, **({} if a.speculative_config is not None else SPEC_FLAGS)}
+
+
 def engine_kwargs(a: argparse.Namespace) -> dict:
     spec = None
     if a.speculative_config is not None:
@@ -114,8 +149,6 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
             raise OutpaceError(f"speculative options without --spec ({', '.join(given)}): add "
                                f"--spec eagle3|mtp|ngram|suffix, or leave them out")
     else:
-        if a.k is not None and not 1 <= a.k <= 16:
-            raise OutpaceError(f"--k must be in 1..16 (draft tokens per step), got {a.k}")
         spec = {"method": a.spec, "num_speculative_tokens": 3 if a.k is None else a.k}
         if a.draft:
             spec["model"] = a.draft
@@ -142,15 +175,49 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling, in (0, 1]")
     p.add_argument("--top-k", type=int, default=0, help="0: off")
     p.add_argument("--min-p", type=float, default=0.0, help="in [0, 1]; 0: off")
+    p.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="> 0; divides the logits of tokens seen in the prompt or output (1: off)")
+    p.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="in [-2, 2]; subtracted per earlier occurrence in the output (0: off)")
+    p.add_argument("--presence-penalty", type=float, default=0.0,
+                   help="in [-2, 2]; subtracted once a token occurs in the output (0: off)")
     p.add_argument("--sample-seed", type=int, default=None,
                    help="per-request sampling seed (default: one drawn from --seed)")
     p.add_argument("--spec-stats", action="store_true", help="print speculative decoding stats")
 
 
 def sampling_params(a: argparse.Namespace):
+    """The sampling flags as SamplingParams; a bad value is an error naming its flag."""
     from outpace.types import SamplingParams
-    return SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p,
-                          top_k=a.top_k, min_p=a.min_p, seed=a.sample_seed)
+    try:
+        return SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature,
+                              top_p=a.top_p, top_k=a.top_k, min_p=a.min_p,
+                              repetition_penalty=a.repetition_penalty,
+                              frequency_penalty=a.frequency_penalty,
+                              presence_penalty=a.presence_penalty, seed=a.sample_seed)
+    except OutpaceError as e:
+        raise spelled(e, SAMPLING_FLAGS) from None
+
+
+def check_engine(a: argparse.Namespace, kwargs: dict, **more) -> None:
+    """The engine's arguments checked before torch or the model loads (engine/preflight.py),
+    so a wrong flag is an error at once; the error names the flag."""
+    from outpace.engine.preflight import check_engine_args
+    try:
+        check_engine_args(a.model, **kwargs, **more)
+    except OutpaceError as e:
+        raise spelled(e, engine_flags(a)) from None
+
+
+def load_engine(a: argparse.Namespace):
+    """The engine of generate and chat, its flags checked first."""
+    kwargs = engine_kwargs(a)
+    check_engine(a, kwargs)
+    from outpace.engine.engine import LLMEngine
+    try:
+        return LLMEngine.from_args(a.model, **kwargs)
+    except OutpaceError as e:
+        raise spelled(e, engine_flags(a)) from None
 
 
 def _stream(engine, request_id: str, prompt_ids: list, params, out) -> tuple:
@@ -201,26 +268,38 @@ def _prompt_ids(engine, text: str, raw: bool) -> list:
 
 
 def cmd_generate(a) -> int:
-    from outpace.engine.engine import LLMEngine
-    engine = LLMEngine.from_args(a.model, **engine_kwargs(a))
-    final, interrupted = _stream(engine, "cli-0", _prompt_ids(engine, a.prompt, a.raw),
-                                 sampling_params(a), sys.stdout)
+    params = sampling_params(a)
+    engine = load_engine(a)
+    try:
+        final, interrupted = _stream(engine, "cli-0", _prompt_ids(engine, a.prompt, a.raw),
+                                     params, sys.stdout)
+    except OutpaceError as e:  # the prompt and --max-tokens against the context
+        raise spelled(e, SAMPLING_FLAGS) from None
     if final is not None and (a.spec_stats or not a.quiet):
         _print_stats(final, sys.stderr)
     return 130 if interrupted else 0
 
 
 def cmd_chat(a) -> int:
-    from outpace.engine.engine import LLMEngine
-    engine = LLMEngine.from_args(a.model, **engine_kwargs(a))
+    params = sampling_params(a)
+    return run_chat(load_engine(a), params, a.spec_stats)
+
+
+def run_chat(engine, params, spec_stats: bool = False, read=input, out=None, err=None) -> int:
+    """The chat loop over `engine`: `read(prompt)` gives each line (Ctrl-D or Ctrl-C there
+    leave); Ctrl-C during an answer stops it and the conversation goes on; a conversation
+    that fills the context says to /reset."""
+    import dataclasses
+    out, err = out or sys.stdout, err or sys.stderr
     tok = engine.tokenizer
     messages, turn = [], 0
-    print("outpace chat: type a message, /reset to start over, /exit or Ctrl-D to leave.")
+    print("outpace chat: type a message, /reset to start over, /exit or Ctrl-D to leave.",
+          file=out)
     while True:
         try:
-            line = input("> ")
+            line = read("> ")
         except (EOFError, KeyboardInterrupt):
-            print()
+            print(file=out)
             return 0
         if line.strip() in ("/exit", "/quit"):
             return 0
@@ -232,31 +311,55 @@ def cmd_chat(a) -> int:
         messages.append({"role": "user", "content": line})
         try:
             ids = tok.chat_token_ids(messages, add_generation_prompt=True)
-            final, interrupted = _stream(engine, f"chat-{turn}", ids, sampling_params(a),
-                                         sys.stdout)
-        except OutpaceError as e:  # e.g. the conversation outgrew the context
-            print(f"error: {e}\n(/reset starts a new conversation)", file=sys.stderr)
+            room = engine.max_model_len - len(ids)
+            if room < 1:
+                messages.pop()
+                print(f"(the conversation fills the context: {len(ids)} tokens with this "
+                      f"message, of {engine.max_model_len}; /reset starts a new one, /exit "
+                      f"leaves)", file=err)
+                continue
+            # the answer may take what is left of the context, at most --max-tokens
+            turn_params = dataclasses.replace(params, max_tokens=min(params.max_tokens, room))
+            final, interrupted = _stream(engine, f"chat-{turn}", ids, turn_params, out)
+        except KeyboardInterrupt:  # before the answer started: the message is dropped
             messages.pop()
+            print("\n(stopped; type the next message, /reset or /exit)", file=err)
+            continue
+        except OutpaceError as e:
+            messages.pop()
+            print(f"outpace: error: {spelled(e, SAMPLING_FLAGS)}\n(/reset starts a new "
+                  f"conversation)", file=err)
             continue
         turn += 1
         # an interrupted answer stays in the conversation as far as it got
         messages.append({"role": "assistant", "content": final.text if final else ""})
         if interrupted:
             print("(stopped; the conversation goes on: type the next message, /reset or /exit)",
-                  file=sys.stderr)
-        elif a.spec_stats:
-            _print_stats(final, sys.stderr)
+                  file=err)
+        elif spec_stats and final is not None:
+            _print_stats(final, err)
+        if final is not None and len(ids) + len(final.token_ids) >= engine.max_model_len:
+            print(f"(the context is full: {engine.max_model_len} tokens; /reset starts a new "
+                  f"conversation)", file=err)
 
 
 def cmd_serve(a) -> int:
     from outpace.config import ServerConfig
-    from outpace.entrypoints.openai.server import run_server
     if a.model_pos:
         a.model = a.model_pos
-    server_cfg = ServerConfig(host=a.host, port=a.port, api_key=a.api_key,
-                              served_model_name=a.served_model_name,
-                              timeout_keep_alive=a.timeout_keep_alive)
-    run_server(a.model, engine_kwargs(a), server_cfg, max_waiting_requests=a.max_waiting)
+    try:
+        server_cfg = ServerConfig(host=a.host, port=a.port, api_key=a.api_key,
+                                  served_model_name=a.served_model_name,
+                                  timeout_keep_alive=a.timeout_keep_alive)
+    except OutpaceError as e:
+        raise spelled(e, SERVER_FLAGS) from None
+    kwargs = engine_kwargs(a)
+    check_engine(a, kwargs, max_waiting_requests=a.max_waiting)
+    from outpace.entrypoints.openai.server import run_server
+    try:
+        run_server(a.model, kwargs, server_cfg, max_waiting_requests=a.max_waiting)
+    except OutpaceError as e:
+        raise spelled(e, engine_flags(a)) from None
     return 0
 
 
@@ -301,10 +404,9 @@ def cmd_eval_draft(a) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="outpace", description=__doc__,
-                                formatter_class=HelpFormatter)
+    p = ArgumentParser(prog="outpace", description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--version", action="version", version=f"outpace {__version__}")
-    sub = p.add_subparsers(dest="cmd", required=True)
+    sub = p.add_subparsers(dest="cmd", required=True, parser_class=ArgumentParser)
 
     def add_parser(name, **kw):
         return sub.add_parser(name, formatter_class=HelpFormatter,
@@ -425,13 +527,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.WARNING if getattr(args, "quiet", False) else logging.INFO,
-                        format="%(message)s")
+    # outpace's own progress at INFO; other libraries' warnings only (their INFO lines, e.g.
+    # torch's at exit, are not the user's business)
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    logging.getLogger("outpace").setLevel(
+        logging.WARNING if getattr(args, "quiet", False) else logging.INFO)
     try:
         return args.func(args)
     except OutpaceError as e:
         print(f"outpace: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C while loading or starting: no traceback
+        print("\noutpace: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -61,10 +61,13 @@ def cached_path(name: str) -> Path:
     return cache_dir() / "models" / name / entry.filename
 
 
-def resolve_model(name_or_path, quiet: bool = False, download_dir=None) -> Path:
+def resolve_model(name_or_path, quiet: bool = False, download_dir=None,
+                  weights: bool = True) -> Path:
     """A catalog name -> its cached .gguf (fetched on first use); a path -> that path, checked;
     a Hugging Face model id (owner/name, not a local path) -> its folder in the Hugging Face
-    cache (`download_dir`, else huggingface_hub's), fetched on first use (models/hub.py)."""
+    cache (`download_dir`, else huggingface_hub's), fetched on first use (models/hub.py);
+    weights=False: the id's config and tokenizer files only, where its weights are not there
+    yet."""
     key = str(name_or_path)
     if key.lower() in CATALOG:
         return ensure_cached(key.lower(), quiet)
@@ -72,7 +75,7 @@ def resolve_model(name_or_path, quiet: bool = False, download_dir=None) -> Path:
     if not path.exists():
         from outpace.models.hub import is_hub_id, snapshot
         if is_hub_id(key):
-            return snapshot(key, cache_dir=download_dir, quiet=quiet)
+            return snapshot(key, cache_dir=download_dir, quiet=quiet, weights=weights)
         raise ModelLoadError(
             f"no model at {path}; pass a Hugging Face model folder, a .gguf file, a Hugging "
             f"Face model id (owner/name), or one of the named models: "

@@ -134,8 +134,8 @@ def save_draft_head(config: dict, tensors: dict, out_dir: Union[str, Path]) -> P
 # ---- reading ----------------------------------------------------------------------------------
 
 
-def _read_folder(path: Path) -> tuple:
-    """-> (config dict, {checkpoint name: CPU tensor}). Raises ModelLoadError."""
+def _read_config(path: Path) -> tuple:
+    """-> (config dict, the weight files). Raises ModelLoadError."""
     if not path.is_dir():
         raise ModelLoadError(f"draft head folder {str(path)!r} does not exist (or is not a "
                              f"folder); pass the folder written by `outpace init-draft` or a "
@@ -150,10 +150,47 @@ def _read_folder(path: Path) -> tuple:
         raise ModelLoadError(f"{cfg_file} is not valid JSON: {e}") from e
     except RecursionError:
         raise ModelLoadError(f"{cfg_file} nests too deeply to be a draft head's config") from None
+    if not isinstance(config, dict):
+        raise ModelLoadError(f"{cfg_file} is not a JSON object; it is not a draft head's config")
     files = sorted(path.glob("*.safetensors")) or sorted(path.glob("pytorch_model*.bin"))
     if not files:
         raise ModelLoadError(f"{path} has no *.safetensors (or pytorch_model.bin) weight file; "
                              f"the draft head folder is incomplete")
+    return config, files
+
+
+def _checkpoint_name(name: str) -> str:
+    return name[len("model."):] if name.startswith("model.") else name
+
+
+# A safetensors header larger than this is no draft head's (a head has some dozens of tensors).
+_MAX_HEADER_BYTES = 100 << 20
+
+
+def _tensor_names(files: list) -> Optional[set]:
+    """The checkpoint's tensor names from the safetensors headers (read as bytes: no weight is
+    read or mapped); None for pytorch_model*.bin files, which are read whole to learn them."""
+    if files[0].suffix != ".safetensors":
+        return None
+    names = set()
+    for f in files:
+        try:
+            with open(f, "rb") as fh:
+                n = int.from_bytes(fh.read(8), "little")
+                if not 2 <= n <= min(f.stat().st_size - 8, _MAX_HEADER_BYTES):
+                    raise ValueError(f"a header of {n} bytes")
+                header = json.loads(fh.read(n))
+            if not isinstance(header, dict):
+                raise ValueError("a header that is not a JSON object")
+        except (OSError, ValueError, RecursionError) as e:
+            raise ModelLoadError(f"can't read draft head weights {f}: it is not a safetensors "
+                                 f"file ({e})") from e
+        names.update(_checkpoint_name(k) for k in header if k != "__metadata__")
+    return names
+
+
+def _read_tensors(files: list) -> dict:
+    """{checkpoint name: CPU tensor} of every weight file."""
     tensors = {}
     for f in files:
         try:
@@ -165,9 +202,15 @@ def _read_folder(path: Path) -> tuple:
         except Exception as e:  # corrupt or truncated file: say which one
             raise ModelLoadError(f"can't read draft head weights {f}: {e}") from e
         for name, t in part.items():
-            name = name[len("model."):] if name.startswith("model.") else name
-            tensors[name] = t
-    return config, tensors
+            tensors[_checkpoint_name(name)] = t
+    return tensors
+
+
+def _vllm_names(names) -> dict:
+    """vLLM-style EAGLE-3 exports name the one layer layers.0 instead of midlayer: the
+    checkpoint's name -> ours."""
+    return {n: "midlayer." + n[len("layers.0."):] if n.startswith("layers.0.") else n
+            for n in names}
 
 
 def _same(path, what: str, draft, target, why: str) -> None:
@@ -238,9 +281,9 @@ def _fill_vocab_maps(cfg: Eagle3Config, tensors: dict, path) -> None:
     tensors["d2t"], tensors["t2d"] = d2t, tensors["t2d"].to(torch.bool)
 
 
-def _eagle3_config(config: dict, tensors: dict, target_cfg: ModelConfig, path) -> Eagle3Config:
+def _eagle3_config(config: dict, names, target_cfg: ModelConfig, path) -> Eagle3Config:
     L = target_cfg.num_hidden_layers
-    cfg = Eagle3Config.from_hf_dict(config, L, has_embedding="embed_tokens.weight" in tensors)
+    cfg = Eagle3Config.from_hf_dict(config, L, has_embedding="embed_tokens.weight" in names)
     # The head's rope table must cover every position the target can reach.
     layer = dataclasses.replace(cfg.layer, max_position_embeddings=max(
         cfg.layer.max_position_embeddings, target_cfg.max_position_embeddings))
@@ -274,20 +317,26 @@ def _mtp_config(config: dict, target_cfg: ModelConfig, path) -> tuple:
     if not isinstance(n, int) or n < 1:
         raise ModelLoadError(f"draft head {path}: num_nextn_predict_layers={n!r} must be an "
                              f"integer >= 1")
+    def number(key, kind):
+        """config.json's `key` as `kind` (the target's value where it has none)."""
+        v = config.get(key, getattr(target_cfg, key))
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and v == v
+        if not ok or (kind is int and not float(v).is_integer()):
+            raise ModelLoadError(f"draft head {path}: config.json has {key}={v!r:.60}, not "
+                                 f"{'an integer' if kind is int else 'a number'}")
+        return kind(v)
+
     try:
         layer = dataclasses.replace(
-            target_cfg, intermediate_size=int(config.get("intermediate_size",
-                                                          target_cfg.intermediate_size)),
-            rms_norm_eps=float(config.get("rms_norm_eps", target_cfg.rms_norm_eps)),
-            num_attention_heads=int(config.get("num_attention_heads",
-                                               target_cfg.num_attention_heads)),
-            num_key_value_heads=int(config.get("num_key_value_heads",
-                                               target_cfg.num_key_value_heads)),
-            hidden_size=int(config.get("hidden_size", target_cfg.hidden_size)))
-    except (ConfigError, TypeError, ValueError) as e:
+            target_cfg, intermediate_size=number("intermediate_size", int),
+            rms_norm_eps=number("rms_norm_eps", float),
+            num_attention_heads=number("num_attention_heads", int),
+            num_key_value_heads=number("num_key_value_heads", int),
+            hidden_size=number("hidden_size", int))
+        hd = config.get("head_dim") or layer.hidden_size // layer.num_attention_heads
+        layer = dataclasses.replace(layer, head_dim=hd)
+    except ConfigError as e:
         raise ModelLoadError(f"draft head {path}: invalid MTP config.json: {e}") from e
-    hd = config.get("head_dim") or layer.hidden_size // max(layer.num_attention_heads, 1)
-    layer = dataclasses.replace(layer, head_dim=int(hd))
     _check_attention_shape(path, layer, target_cfg)
     _same(path, "vocab_size", config.get("vocab_size", target_cfg.vocab_size),
           target_cfg.vocab_size, "the head was made for another tokenizer; use a head trained "
@@ -321,13 +370,14 @@ def _mtp_shared_head(tensors: dict, n: int, target_cfg: ModelConfig, path) -> tu
     return all(has), tuple(heads)
 
 
-def _method_of(config: dict, tensors: dict):
+def _method_of(config: dict, names):
     """'eagle3' or 'mtp' when a head's files say which kind they are (its architecture, or
     tensors only that kind has), else None."""
-    arch = " ".join(str(a) for a in config.get("architectures") or [])
-    if "Eagle3" in arch or "d2t" in tensors or any(n.startswith("fc.") for n in tensors):
+    archs = config.get("architectures")
+    arch = " ".join(str(a) for a in archs) if isinstance(archs, list) else str(archs or "")
+    if "Eagle3" in arch or "d2t" in names or any(n.startswith("fc.") for n in names):
         return "eagle3"
-    if config.get("num_nextn_predict_layers") or any(".eh_proj." in n for n in tensors):
+    if config.get("num_nextn_predict_layers") or any(".eh_proj." in n for n in names):
         return "mtp"
     return None
 
@@ -348,25 +398,41 @@ def load_draft_head(method: str, path: Union[str, Path], target_cfg: ModelConfig
         raise ConfigError(f"draft head method {method!r} is unknown; use one of "
                           f"{', '.join(DRAFT_METHODS)}")
     path = Path(path)
-    config, tensors = _read_folder(path)
-    other = _method_of(config, tensors)
+    config, files = _read_config(path)
+    # Everything the config and the tensor names decide is checked before a weight is read:
+    # the kind of head, its shapes against the target's, its rope and positions
+    # (ModelConfig's checks); a head the target can't use costs no load.
+    names = _tensor_names(files)
+    tensors = None
+    if names is None:
+        tensors = _read_tensors(files)
+        names = set(tensors)
+    other = _method_of(config, names)
     if other is not None and other != method:
         flag = {"eagle3": "--spec eagle3 (speculative_config method 'eagle3')",
                 "mtp": "--spec mtp (speculative_config method 'mtp')"}[other]
         kind = {"eagle3": "an EAGLE-3", "mtp": "an MTP"}
         raise ModelLoadError(f"draft head {path} is {kind[other]} head, not {kind[method]} "
                              f"one: use it with {flag}")
+    try:
+        if method == "eagle3":
+            cfg = _eagle3_config(config, set(_vllm_names(names).values()), target_cfg, path)
+        else:
+            layer_cfg, n = _mtp_config(config, target_cfg, path)
+    except (TypeError, ValueError, AttributeError, KeyError) as e:
+        # a config value of the wrong type (a string for a number, a list for an object)
+        raise ModelLoadError(f"draft head {path}: invalid config.json ({type(e).__name__}: "
+                             f"{e}); it is not a config outpace can build a head from") from e
+    if tensors is None:
+        tensors = _read_tensors(files)
     if method == "eagle3":
-        # vLLM-style exports name the one layer layers.0 instead of midlayer
-        tensors = {("midlayer." + n[len("layers.0."):] if n.startswith("layers.0.") else n): t
-                   for n, t in tensors.items()}
-        cfg = _eagle3_config(config, tensors, target_cfg, path)
+        renamed = _vllm_names(tensors)
+        tensors = {renamed[n]: t for n, t in tensors.items()}
         _fill_vocab_maps(cfg, tensors, path)
         head = Eagle3Head(cfg, first_layer_slot, dtype=dtype, device=device,
                           max_positions=max_positions)
     known_unused = ()
     if method == "mtp":
-        layer_cfg, n = _mtp_config(config, target_cfg, path)
         own_norm, known_unused = _mtp_shared_head(tensors, n, target_cfg, path)
         head = MTPHead(layer_cfg, n, first_layer_slot, dtype=dtype, device=device,
                        max_positions=max_positions, shared_head_norm=own_norm)

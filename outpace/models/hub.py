@@ -6,7 +6,8 @@ The cache is looked at first (no network), then the hub is asked through
 HF_TOKEN and HF_HUB_OFFLINE. Only what outpace loads is fetched: config and tokenizer files,
 then the safetensors weights the shard index names (or the top-level *.safetensors without
 one), so a repository's other formats (PyTorch .bin, original/ consolidated checkpoints, GGUF
-files) are never downloaded.
+files) are never downloaded. The config comes alone first where only it is needed
+(`weights=False`): the engine checks its arguments against it before the weights are fetched.
 """
 
 from __future__ import annotations
@@ -81,11 +82,13 @@ def _why(e: Exception) -> tuple[str, bool]:
     return f"the hub could not be reached ({first[0] if first else type(e).__name__})", True
 
 
-def snapshot(repo_id: str, cache_dir: Optional[str] = None, quiet: bool = False) -> Path:
+def snapshot(repo_id: str, cache_dir: Optional[str] = None, quiet: bool = False,
+             weights: bool = True) -> Path:
     """The local folder of Hugging Face model `repo_id`: its snapshot in the cache (`cache_dir`,
     else huggingface_hub's: HF_HUB_CACHE, HF_HOME/hub, ~/.cache/huggingface/hub), downloaded
-    there first when it is not complete. Raises ModelLoadError saying why it could not be
-    fetched and how to pass a local folder instead."""
+    there first when it is not complete. weights=False: a snapshot with config.json is enough
+    (only the config and tokenizer files are fetched when it has none). Raises ModelLoadError
+    saying why it could not be fetched and how to pass a local folder instead."""
     try:
         from huggingface_hub import snapshot_download
     except ImportError as e:  # a dependency of transformers, so normally present
@@ -95,12 +98,14 @@ def snapshot(repo_id: str, cache_dir: Optional[str] = None, quiet: bool = False)
     kw = dict(cache_dir=str(Path(cache_dir).expanduser()) if cache_dir else None)
     try:
         folder = Path(snapshot_download(repo_id, local_files_only=True, **kw))
-        if _complete(folder):
+        if _complete(folder) or (not weights and (folder / "config.json").is_file()):
             return folder
+        has_config = (folder / "config.json").is_file()
     except Exception:  # noqa: BLE001 - any failure to find it locally means: download it
-        pass
+        has_config = False
     if not quiet:
-        print(f"outpace: fetching {repo_id} from the Hugging Face hub", file=sys.stderr)
+        what = f"{repo_id}'s weights" if has_config else repo_id
+        print(f"outpace: fetching {what} from the Hugging Face hub", file=sys.stderr)
     try:
         folder = Path(snapshot_download(repo_id, allow_patterns=_META_PATTERNS, **kw))
         if not (folder / "config.json").is_file():
@@ -111,6 +116,8 @@ def snapshot(repo_id: str, cache_dir: Optional[str] = None, quiet: bool = False)
                                  f"safetensors) and .gguf files. If the hub was not reachable "
                                  f"(the cache at {folder.parent.parent.parent} is used then), "
                                  f"{_offline_advice(repo_id)}")
+        if not weights:
+            return folder
         folder = Path(snapshot_download(repo_id, allow_patterns=_weight_patterns(folder),
                                         ignore_patterns=["*/*"], **kw))
     except ModelLoadError:

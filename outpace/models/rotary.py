@@ -51,7 +51,7 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 
 # Rows past the model's last position. A graph's draft loop runs its fixed number of steps for
 # every request (runner/fused_step.py) and the host trims the drafts; near the context's end
-# those discarded steps reach up to k - 3 (< 16, SpecConfig's bound on k) positions past it,
+# those discarded steps reach up to k - 3 positions past it (k <= config.MAX_DRAFT_TOKENS, 16),
 # and the rope kernels index the tables without a bound check.
 POSITION_MARGIN = 16
 

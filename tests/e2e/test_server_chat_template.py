@@ -58,5 +58,5 @@ def test_a_bad_template_is_one_error_line_before_the_model_loads(tiny_model_dir,
                    "--port", "0"])
         err = capsys.readouterr().err.strip().splitlines()
         assert rc == 2 and len(err) == 1 and err[0].startswith(
-            "outpace: error: chat_template (CLI --chat-template)") and says in err[0], err
+            "outpace: error: --chat-template") and says in err[0], err
 

@@ -81,3 +81,19 @@ def test_tokenize_needs_the_api_key(server):
     for path, body in (("/tokenize", {"prompt": "a"}), ("/detokenize", {"tokens": [1]})):
         r = httpx.post(server.url + path, json=body, timeout=30)
         assert r.status_code == 401 and "API key" in r.json()["error"]["message"]
+
+
+def test_detokenize_takes_every_id_the_tokenizer_knows_and_no_other(server):
+    """The bound is len(tokenizer), added tokens included: its last id decodes, the next is a
+    400 naming the range (the tokenizer itself would decode it to nothing, silently)."""
+    import json
+    from pathlib import Path
+    n = json.loads((Path(server.model) / "config.json").read_text())["vocab_size"]  # = len(tok)
+    assert _post(server, "/detokenize", {"tokens": [n - 1]})["prompt"]
+    with server.client() as c:
+        r = c.post("/detokenize", json={"tokens": [1, n]})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["message"] == (f"token id {n} is not in this tokenizer's vocabulary "
+                              f"(0..{n - 1})") and err["param"] == "tokens"
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 200

@@ -142,6 +142,7 @@ def test_bad_template_files(tmp_path):
 
 
 def test_a_template_that_fails_to_render_is_refused(smol):
-    with pytest.raises(ConfigError, match=r"--chat-template\) fails to render a conversation of "
-                                          r"one user message: .*no users here"):
+    with pytest.raises(ConfigError, match=r"^chat_template fails to render a conversation of "
+                                          r"one user message: .*no users here") as e:
         smol.with_chat_template("{{ raise_exception('no users here') }}{{ messages }}")
+    assert e.value.option == "chat_template"  # the CLI names --chat-template (errors.spelled)

@@ -664,3 +664,39 @@ def test_a_head_of_the_other_kind_is_named_as_such(tmp_path, made, asked):
     with pytest.raises(ModelLoadError, match=f"is {kind[made]} head, not {kind[asked]} one: use "
                                              f"it with --spec {made}"):
         load_draft_head(asked, out, cfg, first_layer_slot=L)
+
+
+def _huge_weights(folder, name: str, gib: int = 4) -> None:
+    """Replace the head's weights by one sparse file of `gib` GiB with a sound safetensors
+    header naming one tensor (nothing is written to disk; reading it takes the whole size)."""
+    n = gib << 30
+    header = json.dumps({name: {"dtype": "F32", "shape": [n // 4],
+                                       "data_offsets": [0, n]}}).encode()
+    header += b" " * (-len(header) % 8)
+    with open(folder / "model.safetensors", "wb") as f:
+        f.write(len(header).to_bytes(8, "little") + header)
+        f.truncate(8 + len(header) + n)
+
+
+@pytest.mark.parametrize("method", ["eagle3", "mtp"])
+def test_a_head_that_does_not_fit_the_target_is_refused_before_its_weights_load(tmp_path,
+                                                                              method):
+    """The config's checks (shapes against the target's, the kind of head, a bad value) come
+    before a weight is read or mapped: with weights of 4 GiB and 1 GiB of address space to
+    spare, the config's error is the one raised (the control, a head that fits, fails on the
+    weights)."""
+    from tests.models.test_reader_fuzz import capped_address_space
+    cfg = target_config()
+    out = make_head(tmp_path, method, cfg)
+    _huge_weights(out, "fc.weight" if method == "eagle3" else "layers.0.eh_proj.weight")
+    other = "mtp" if method == "eagle3" else "eagle3"
+    with capped_address_space(1 << 30):
+        err(method, out, target_config(hidden_size=48), "hidden_size=32", "hidden_size=48")
+        err(other, out, cfg, f"head, not an")
+        with pytest.raises(BaseException) as control:
+            load_draft_head(method, out, cfg, L)
+    assert not isinstance(control.value, (AssertionError, KeyboardInterrupt))
+    assert "hidden_size" not in str(control.value)
+    edit_config(out, lambda d: d.update(rms_norm_eps="small"))
+    with capped_address_space(1 << 30):
+        err(method, out, cfg, "rms_norm_eps")

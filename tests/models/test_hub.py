@@ -83,13 +83,12 @@ def _cli(args, env_extra, timeout=120):
                           env=env, capture_output=True, text=True, timeout=timeout)
 
 
-def _one_error(r) -> str:
-    """The run failed with one `outpace: error:` line (after the fetch notice), no traceback."""
+def _one_error(r, notice: str) -> str:
+    """The run failed with one `outpace: error:` line (after the fetch notice, if any), no
+    traceback."""
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
-    assert lines[:-1] == ["outpace: fetching tiny-org/not-here from the Hugging Face hub"
-                          if "not-here" in lines[-1] else
-                          f"outpace: fetching {REPO_ID} from the Hugging Face hub"], r.stderr
+    assert lines[:-1] == ([notice] if notice else []), r.stderr
     assert lines[-1].startswith("outpace: error: "), r.stderr
     return lines[-1]
 
@@ -118,7 +117,7 @@ def test_id_that_cannot_be_fetched_is_one_clear_error(tmp_path, offline):
     if offline:
         env["HF_HUB_OFFLINE"] = "1"
     r = _cli(["generate", "hi", "--model", "tiny-org/not-here", "--device", "cpu"], env)
-    line = _one_error(r)
+    line = _one_error(r, "outpace: fetching tiny-org/not-here from the Hugging Face hub")
     assert line.startswith("outpace: error: could not fetch Hugging Face model "
                            "'tiny-org/not-here' (no local folder of that name exists): ")
     assert ("HF_HUB_OFFLINE is set" if offline else "the hub could not be reached") in line
@@ -126,16 +125,41 @@ def test_id_that_cannot_be_fetched_is_one_clear_error(tmp_path, offline):
     assert "pass DIR as the model" in line and str(tmp_path / "empty-cache") in line
 
 
+def _config_only_snapshot(cache: Path) -> Path:
+    """A snapshot with its config and tokenizer but no weights (an interrupted download)."""
+    snap = hub_layout(cache, REPO_ID)
+    model = tiny_hf("llama", seed=3)
+    model.config.save_pretrained(snap)
+    word_tokenizer(snap)
+    return snap
+
+
 def test_incomplete_snapshot_is_fetched_again(tmp_path):
     """A snapshot without its weights (an interrupted download) is not used as it is: the hub
     is asked for the rest, and without it the error says what to do."""
-    snap = hub_layout(tmp_path, REPO_ID)
-    (snap / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    snap = _config_only_snapshot(tmp_path)
     r = _cli(["generate", "hi", "--model", REPO_ID, "--device", "cpu",
               "--download-dir", str(tmp_path)],
              {"HF_ENDPOINT": f"http://127.0.0.1:{_closed_port()}"})
-    _one_error(r)
+    _one_error(r, f"outpace: fetching {REPO_ID}'s weights from the Hugging Face hub")
     assert (f"'{REPO_ID}' has no *.safetensors weights in the cache ({snap}): either the hub "
             f"was not reachable (then download it where there is a network (`hf download "
             f"{REPO_ID} --local-dir DIR`), copy DIR here and pass DIR as the model), or the "
             f"model has only PyTorch .bin weights") in r.stderr
+
+
+def test_max_model_len_is_checked_against_the_config_before_the_weights_are_fetched(tmp_path):
+    """--max-model-len beyond the config's positions: refused from the config alone, the
+    weights never asked for (the same snapshot without the flag goes on to fetch them)."""
+    _config_only_snapshot(tmp_path)
+    r = _cli(["generate", "hi", "--model", REPO_ID, "--device", "cpu", "--max-model-len", "129",
+              "--download-dir", str(tmp_path)],
+             {"HF_ENDPOINT": f"http://127.0.0.1:{_closed_port()}"})
+    assert _one_error(r, "") == ("outpace: error: --max-model-len=129 is longer than the "
+                                 "model's 128 positions; use at most 128")
+
+
+def test_the_config_of_an_id_comes_without_its_weights(tmp_path):
+    snap = _config_only_snapshot(tmp_path)
+    assert locate(REPO_ID, download_dir=tmp_path, weights=False) == ("hf", snap)
+    assert load_model_config(REPO_ID, download_dir=tmp_path).max_position_embeddings == 128

@@ -207,3 +207,22 @@ def test_detokenizer_survives_a_failing_stream(loaded_default):
 def test_no_stream_where_transformers_cleans_up():
     assert Tokenizer(_punct_tokenizer(True)).decode_stream([4, 5]) is None
     assert Tokenizer(_punct_tokenizer(False)).decode_stream([4, 5]) is not None
+
+
+def test_vocab_size_counts_the_added_tokens(tmp_path):
+    """vocab_size is every id the tokenizer knows, tokens added past the base vocabulary too
+    (len(tokenizer), not transformers' vocab_size): what /detokenize and prompts of ids are
+    checked against."""
+    from transformers import AutoTokenizer
+    from tokenizers import Tokenizer as RawTokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+    from transformers import PreTrainedTokenizerFast
+    raw = RawTokenizer(WordLevel({"<unk>": 0, "hello": 1, "</s>": 2}, unk_token="<unk>"))
+    raw.pre_tokenizer = Whitespace()
+    hf = PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="<unk>", eos_token="</s>")
+    hf.add_tokens(["<tool>"], special_tokens=True)
+    hf.save_pretrained(tmp_path)
+    tok = Tokenizer.from_folder(tmp_path)
+    assert AutoTokenizer.from_pretrained(tmp_path).vocab_size == 3
+    assert tok.vocab_size == 4 and tok.decode([3], skip_special_tokens=False) == "<tool>"

@@ -14,32 +14,40 @@ from outpace.errors import ConfigError, ModelLoadError
 @pytest.mark.parametrize("kw,msg", [
     (dict(max_num_seqs_=4), r"unknown engine argument\(s\) \['max_num_seqs_'\]; the engine "
                             r"takes device, .*max_num_seqs"),
-    (dict(max_waiting_requests=0), r"max_waiting_requests \(--max-waiting\) must be >= 1"),
-    (dict(max_num_seqs=0), "max_num_seqs must be >= 1"),
-    (dict(max_model_len=1), "max_model_len must be >= 2"),
+    (dict(max_waiting_requests=0), r"max_waiting_requests must be an integer >= 1 \(it bounds "
+                                   r"the queue"),
+    (dict(max_num_seqs=0), "max_num_seqs must be an integer >= 1, got 0"),
+    (dict(max_num_seqs="8"), "max_num_seqs must be an integer >= 1, got '8'"),
+    (dict(max_model_len=1), "max_model_len must be an integer >= 2"),
+    (dict(max_model_len=2.5), "max_model_len must be an integer >= 2"),
+    (dict(num_kv_blocks=1), r"num_kv_blocks must be an integer >= 2 \(block 0 is reserved\)"),
+    (dict(seed=2 ** 64), "seed must be an integer that fits in 64 bits"),
+    (dict(device="tpu"), "device must be 'cpu', 'cuda' or 'cuda:N', got 'tpu'"),
+    (dict(enforce_eager="no"), "enforce_eager must be true or false, got 'no'"),
+    (dict(speculative_config="ngram"), "speculative_config must be a dict"),
     (dict(block_size=12), "block_size must be a power of two"),
     (dict(memory_fraction=1.5), r"memory_fraction must be a number in \(0, 1\]"),
-    (dict(gpu_memory_utilization=0), r"gpu_memory_utilization \(--gpu-memory-utilization\) "
-                                     r"must be a number in \(0, 1\], got 0"),
+    (dict(gpu_memory_utilization=0), r"^gpu_memory_utilization must be a number in \(0, 1\], "
+                                     r"got 0"),
     (dict(gpu_memory_utilization=1.01), r"gpu_memory_utilization .*in \(0, 1\], got 1.01"),
     (dict(gpu_memory_utilization="0.9"), r"gpu_memory_utilization .*in \(0, 1\], got '0.9'"),
     (dict(gpu_memory_utilization=0.9, memory_fraction=0.5),
      "memory_fraction and gpu_memory_utilization both size the KV pool: give one"),
     (dict(speculative_config={"method": "eagle3", "model": "/no/such/head"}),
-     r"draft head '/no/such/head' \(speculative_config\['model'\], CLI --draft\) does not "
-     r"exist"),
+     r"^speculative_config\['model'\] '/no/such/head' does not exist; give the folder of a "
+     r"draft head"),
     (dict(speculative_config={"method": "ngram", "num_speculative_tokens": "four"}),
-     "'num_speculative_tokens' must be an integer"),
+     "num_speculative_tokens must be an integer in 1..16 .draft tokens per step., got 'four'"),
     (dict(chat_template="/no/such/template.jinja"),
-     r"chat_template \(CLI --chat-template\) '/no/such/template.jinja' does not exist"),
+     r"^chat_template '/no/such/template.jinja' does not exist"),
     (dict(chat_template="{% for m in messages %}{{ m.content }}"),
-     r"chat_template \(CLI --chat-template\): the template given is not a valid Jinja "
+     r"^chat_template: the template given is not a valid Jinja "
      r"template"),
 ])
 def test_bad_engine_arguments_fail_before_the_model_loads(kw, msg):
     t = time.perf_counter()
     with pytest.raises((ConfigError, ModelLoadError), match=msg):
-        LLMEngine.from_args("/no/such/model/either", device="cpu", **kw)
+        LLMEngine.from_args("/no/such/model/either", **{"device": "cpu", **kw})
     assert time.perf_counter() - t < 2.0
 
 
@@ -82,3 +90,29 @@ def test_a_lent_model_whose_rope_tables_are_shorter_than_the_context_is_refused(
     with pytest.raises(ConfigError, match=r"the loaded model's rope tables cover 32 positions, "
                                           r"fewer than max_model_len=64"):
         make_engine((short, cfg, tok), max_model_len=64)
+
+
+def test_the_checks_take_every_engine_argument_with_its_default():
+    """check_engine_args (engine/preflight.py) is called with build_engine's arguments: the
+    same names, and the same defaults for a caller that leaves some out (the CLI)."""
+    import inspect
+
+    from outpace.engine.builder import build_engine
+    from outpace.engine.preflight import check_engine_args
+    built = {n: p.default for n, p in inspect.signature(build_engine).parameters.items()
+             if n != "cls"}
+    checked = {n: p.default for n, p in inspect.signature(check_engine_args).parameters.items()}
+    assert built == checked
+
+
+def test_force_accept_mean_warns_that_the_output_changes(caplog):
+    """A benchmarking option that changes the output says so, loudly, whenever it is set."""
+    from tests.engine_helpers import make_engine
+    from tests.speculative.spec_helpers import tiny_target
+    loaded = tiny_target()
+    make_engine(loaded, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    assert "force_accept_mean" not in caplog.text
+    make_engine(loaded, speculative_config={"method": "ngram", "num_speculative_tokens": 2,
+                                            "force_accept_mean": 2})
+    assert ("WARNING: speculative option force_accept_mean=2 is for benchmarking: drafts are "
+            "accepted at random, so the output is NOT what the model would write") in caplog.text

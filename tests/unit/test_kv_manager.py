@@ -1,5 +1,6 @@
 """KV cache manager: prefix hits, all-or-nothing allocation, lookahead, caching; sizing."""
 
+import dataclasses
 import logging
 
 import pytest
@@ -268,3 +269,29 @@ def test_gpu_budget_follows_vllms_gpu_memory_utilization():
         with pytest.raises(ConfigError, match="gpu_memory_utilization"):
             CacheConfig(gpu_memory_utilization=bad)
     assert CacheConfig(gpu_memory_utilization=1).gpu_memory_utilization == 1
+
+
+def test_gpu_memory_utilization_near_1_leaves_the_activations_their_memory():
+    """At gpu_memory_utilization 1.0 (or 0.99) the pool takes what is left less a step's
+    activations, never all of the GPU; memory_fraction never takes the headroom either; a share
+    that cannot cover the weights and the activations gives no budget (num_kv_blocks then
+    refuses it, naming the option)."""
+    from outpace.kvcache.sizing import GPU_RESERVE_BYTES, activation_bytes, gpu_kv_budget
+    gib = 2 ** 30
+    free, total = 50 * gib, 80 * gib
+    headroom = activation_bytes(MODEL, 8192 + 64 * 4, 64 * 4, 2)
+    assert headroom > GPU_RESERVE_BYTES
+    # more tokens a step, more headroom; a bigger vocabulary, more logits
+    assert activation_bytes(MODEL, 2 * 8448, 256, 2) > activation_bytes(MODEL, 8448, 256, 2)
+    wide = dataclasses.replace(MODEL, vocab_size=128_000)
+    assert activation_bytes(wide, 8448, 256, 2) > activation_bytes(MODEL, 8448, 256, 2) + (
+        256 * 127_000 * 4)
+    budget, source = gpu_kv_budget(CacheConfig(gpu_memory_utilization=1.0), free, total,
+                                   headroom)
+    assert budget == free - headroom and "GiB for activations" in source
+    assert gpu_kv_budget(CacheConfig(gpu_memory_utilization=0.99), free, total, headroom)[0] \
+        == int(0.99 * total) - 30 * gib - headroom
+    assert gpu_kv_budget(CacheConfig(memory_fraction=1.0), free, total, headroom)[0] == \
+        free - headroom
+    assert gpu_kv_budget(CacheConfig(gpu_memory_utilization=0.375), free, total,
+                         headroom)[0] < 0  # 30 GiB share, 30 GiB in use

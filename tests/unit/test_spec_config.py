@@ -41,8 +41,22 @@ def test_defaults_and_typed_values():
     ({"inject_draft_failures": 0}, "'inject_draft_failures' must be an integer >= 1"),
     ({"inject_draft_failures": "often"}, "'inject_draft_failures' must be an integer >= 1"),
     ({"method": "ngram", "num_speculative_tokens": "3"},
-     "'num_speculative_tokens' must be an integer"),
+     "num_speculative_tokens must be an integer in 1..16"),
+    ({"method": "ngram", "num_speculative_tokens": 17}, "num_speculative_tokens must be an "
+                                                        "integer in 1..16 .draft tokens"),
+    ({"method": "beam"}, "method 'beam' is unknown; use one of ngram, suffix, mtp, eagle3"),
 ])
 def test_bad_options_are_clear_errors(d, msg):
     with pytest.raises(ConfigError, match=msg):
         SpecConfig.from_dict(d)
+
+
+def test_draft_positions_stay_within_the_rope_tables():
+    """A draft loop reaches at most k positions past the context's end (models/rotary.py): the
+    bound on num_speculative_tokens keeps them inside the tables' margin, so no head drafts at a
+    position its (or the target's) rope tables lack."""
+    from outpace.config import MAX_DRAFT_TOKENS
+    from outpace.models.rotary import POSITION_MARGIN
+    assert MAX_DRAFT_TOKENS <= POSITION_MARGIN
+    with pytest.raises(ConfigError, match="num_speculative_tokens must be an integer in 1..16"):
+        SpecConfig(method="ngram", num_speculative_tokens=MAX_DRAFT_TOKENS + 1)

@@ -6,6 +6,8 @@ plain text, never a special token."""
 
 from __future__ import annotations
 
+import asyncio
+
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
@@ -18,13 +20,17 @@ from outpace.entrypoints.openai.serving_common import (DeltaTracker, ServingCont
 from outpace.errors import InvalidRequestError
 
 
-def render_prompt(ctx: ServingContext, req) -> ChatPrompt:
+async def render_prompt(ctx: ServingContext, req) -> ChatPrompt:
     """The request's messages rendered with the chat template; tokenized later, in the engine
-    thread, with special tokens only where the template put them (Tokenizer.encode_chat)."""
+    thread, with special tokens only where the template put them (Tokenizer.encode_chat).
+
+    The rendering runs in a worker thread: its time grows with the messages' content (up to
+    the body limit), and on the event loop it would hold up every other request and stream
+    meanwhile. Rendering is Jinja alone, safe beside the engine thread's tokenizer calls."""
     messages = req.template_messages()
     try:
-        return ctx.engine.tokenizer.render_chat(
-            messages, add_generation_prompt=req.add_generation_prompt)
+        return await asyncio.to_thread(ctx.engine.tokenizer.render_chat, messages,
+                                       add_generation_prompt=req.add_generation_prompt)
     except InvalidRequestError as e:
         raise APIError(400, str(e), param="messages") from e
     except Exception as e:  # noqa: BLE001 -- jinja raises plain exceptions on bad conversations
@@ -36,7 +42,7 @@ async def create_chat_completion(ctx: ServingContext, body: dict, http_request: 
     req = validate(ChatCompletionRequest, body)
     ctx.check_model(req.model)
     req.check(ctx.max_model_len)
-    prompt = render_prompt(ctx, req)
+    prompt = await render_prompt(ctx, req)
     n_top = (req.top_logprobs or 0) if req.logprobs else None
     params = req.sampling_params(req.max_tokens, n_top)
     rid = new_id("chatcmpl")

@@ -6,7 +6,7 @@
 
 Messages are tokenized exactly as a chat completion tokenizes them (the same ids reach the
 model). The tokenizer runs in the engine thread, as for every request (it is not shared across
-threads)."""
+threads); the chat template renders in a worker thread (serving_chat.render_prompt)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ async def tokenize(ctx: ServingContext, body: dict, _http_request: Request):
     req = validate(TokenizeRequest, body)
     ctx.check_model(req.model)
     req.check()
-    chat = render_prompt(ctx, req.chat()) if req.messages is not None else None
+    chat = await render_prompt(ctx, req.chat()) if req.messages is not None else None
 
     def encode(tok) -> tuple:
         if chat is not None:

@@ -9,16 +9,16 @@ import time
 from pathlib import Path
 from typing import Optional
 
-import torch
-
 from outpace.errors import ModelLoadError
 
 
-def locate(path_or_name, quiet: bool = False, download_dir=None) -> tuple[str, Path]:
+def locate(path_or_name, quiet: bool = False, download_dir=None,
+           weights: bool = True) -> tuple[str, Path]:
     """-> ("hf", folder) or ("gguf", file). Catalog names and Hugging Face model ids are
-    fetched into their caches first (a model id's: `download_dir`, else Hugging Face's)."""
+    fetched into their caches first (a model id's: `download_dir`, else Hugging Face's; with
+    weights=False its config and tokenizer only)."""
     from outpace.models.catalog import resolve_model
-    path = resolve_model(path_or_name, quiet, download_dir=download_dir)
+    path = resolve_model(path_or_name, quiet, download_dir=download_dir, weights=weights)
     if path.is_dir():
         if (path / "config.json").is_file():
             return "hf", path
@@ -41,8 +41,9 @@ def locate(path_or_name, quiet: bool = False, download_dir=None) -> tuple[str, P
 
 
 def load_model_config(path_or_name, quiet: bool = False, download_dir=None):
-    """Just the ModelConfig (cheap: reads config.json or the GGUF header)."""
-    kind, path = locate(path_or_name, quiet, download_dir)
+    """Just the ModelConfig (cheap: reads config.json or the GGUF header; a Hugging Face id's
+    weights are not fetched for it)."""
+    kind, path = locate(path_or_name, quiet, download_dir, weights=False)
     if kind == "hf":
         from outpace.models.loader.safetensors import read_hf_config
         return read_hf_config(path)
@@ -64,6 +65,8 @@ def load_model(path_or_name, runner_cfg=None, quiet: bool = False, *, dtype=None
     defaults to dtype then).
     """
     import sys
+
+    import torch
 
     from outpace.config import RunnerConfig
     from outpace.models.weight_dtype import store_weights_in_

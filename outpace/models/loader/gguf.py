@@ -10,6 +10,10 @@ CUDA).
 
 llama.cpp's converter permutes the rows of q/k for Llama (interleaved rope); we undo that on the
 raw quantized rows (quant blocks never cross a row) so HF's rotate_half rope applies.
+
+torch is imported by the functions that make tensors: the header and the config read without it,
+so that the engine's arguments are checked against the config before torch loads
+(engine/preflight.py).
 """
 
 from __future__ import annotations
@@ -22,13 +26,15 @@ import struct
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import numpy as np
-import torch
 
 from outpace.config import MODEL_SIZE_LIMITS, ModelConfig
 from outpace.errors import ConfigError, ModelLoadError, UnsupportedModelError
+
+if TYPE_CHECKING:
+    import torch
 
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q",
             11: "<q", 12: "<d"}
@@ -174,6 +180,7 @@ class GGUFFile:
 
 def _f16_pairs(b: torch.Tensor, start: int, n: int) -> torch.Tensor:
     """n float16 values per block from byte column `start` -> float32 [blocks, n]."""
+    import torch
     return b[:, start:start + 2 * n].contiguous().view(torch.float16).float()
 
 
@@ -183,6 +190,7 @@ def dequantize(raw: np.ndarray, type_name: str, shape: tuple, device=None) -> to
     On a CUDA `device` the raw bytes are moved first and dequantized there (fast, and the host
     never holds the float32 copy); K-quants always go through gguf's numpy code on the host.
     """
+    import torch
     if type_name not in SUPPORTED_TYPES:
         raise UnsupportedModelError(
             f"GGUF tensor type {type_name} is not supported; outpace reads "
@@ -351,6 +359,7 @@ def _one_cpu_thread(device):
     """Dequantize on one CPU thread: the ops are memory-bound, so a second thread gains little,
     and when the cores are shared with other processes OpenMP barriers make it many times
     slower."""
+    import torch
     if torch.device(device).type != "cpu":
         yield
         return
@@ -362,9 +371,12 @@ def _one_cpu_thread(device):
         torch.set_num_threads(n)
 
 
-def load_gguf(path, dtype=torch.float32, device="cpu", quiet: bool = False, max_positions=None):
+def load_gguf(path, dtype=None, device="cpu", quiet: bool = False, max_positions=None):
     """-> (model, ModelConfig, GGUFFile). The GGUFFile stays useful for the tokenizer cache key.
-    max_positions: the positions the rope tables cover (None: the model's context_length)."""
+    dtype: the activations' (None: float32). max_positions: the positions the rope tables cover
+    (None: the model's context_length)."""
+    import torch
+    dtype = torch.float32 if dtype is None else dtype
     from outpace.models.loader.shapes import check_shapes
     from outpace.models.registry import model_class
     g = GGUFFile(path)

@@ -1,16 +1,20 @@
-"""Load a Hugging Face model folder: config.json + *.safetensors (single file or sharded)."""
+"""Load a Hugging Face model folder: config.json + *.safetensors (single file or sharded).
+
+torch is imported by the loading functions only: config.json reads without it, so that the
+engine's arguments are checked against the config before torch loads (engine/preflight.py)."""
 
 from __future__ import annotations
 
 import json
 import sys
 from pathlib import Path
-from typing import Iterator
-
-import torch
+from typing import TYPE_CHECKING, Iterator
 
 from outpace.config import ModelConfig
 from outpace.errors import ConfigError, ModelLoadError, UnsupportedModelError
+
+if TYPE_CHECKING:
+    import torch
 
 _INDEX = "model.safetensors.index.json"
 
@@ -108,10 +112,12 @@ def iter_safetensors(files: list[Path], quiet: bool = False) -> Iterator[tuple[s
                 bar.update(1)
 
 
-def load_hf_folder(folder, dtype=torch.float32, device="cpu", quiet: bool = False,
+def load_hf_folder(folder, dtype=None, device="cpu", quiet: bool = False,
                    max_positions=None):
-    """-> (model, ModelConfig). max_positions: the positions the rope tables cover (None: the
-    model's max_position_embeddings)."""
+    """-> (model, ModelConfig). dtype: the activations' (None: float32). max_positions: the
+    positions the rope tables cover (None: the model's max_position_embeddings)."""
+    import torch
+    dtype = torch.float32 if dtype is None else dtype
     from outpace.models.loader.shapes import check_shapes
     from outpace.models.registry import model_class
     cfg = read_hf_config(folder)
