@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from outpace.errors import ConfigError
 
@@ -256,9 +256,11 @@ class SpecConfig:
     suffix_cache_requests: Optional[int] = None  # finished requests kept as a global cache
     suffix_periodic: bool = False
     # draft length: ((max_batch_size, k), ...) -> k at that batch size (0 beyond the last);
-    # adaptive: each request's k follows its own acceptance
+    # adaptive: each request's k follows its own acceptance (true: up or down by one a step;
+    # "cost": the cost model picks every request's k in 0..k for the most tokens per second
+    # of measured step time, speculative/cost_model.py)
     k_schedule: Optional[tuple] = None
-    adaptive: bool = False
+    adaptive: Union[bool, str] = False
     # draft heads
     enhancer_min_match: Optional[int] = None  # suffix drafts replace the head's at this match
     mtp_mode: Optional[str] = None  # "eagle" | "depths"; None: eagle for one module, else depths
@@ -301,10 +303,14 @@ class SpecConfig:
         _int("enhancer_min_match", self.enhancer_min_match, 0, optional=True)
         _int("inject_draft_failures", self.inject_draft_failures, 1, optional=True)
         for name in ("suffix_periodic", "adaptive"):
+            if name == "adaptive" and self.adaptive == "cost":
+                continue
             if getattr(self, name) in (0, 1) and not isinstance(getattr(self, name), float):
                 object.__setattr__(self, name, bool(getattr(self, name)))  # 1 / 0 as JSON has them
             if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"speculative option {name!r} must be true or false, got "
+                allowed = ('true, false or "cost" (the draft-length cost model)'
+                           if name == "adaptive" else "true or false")
+                raise ConfigError(f"speculative option {name!r} must be {allowed}, got "
                                   f"{getattr(self, name)!r}")
         if self.k_schedule is not None:
             try:

@@ -218,6 +218,7 @@ def build_engine(cls, model: str, *, device: str = "auto", dtype: str = "auto",
         log.info("outpace: %s on %s (%s), %d KV blocks of %d tokens", model, device, dtypes,
                  num_blocks, block_size)
     engine = cls(config, tokenizer, scheduler, kv, runner, model_name=model)
+    engine.measure_step_times()  # the draft-length cost model's table, where it is used
     if torch_device.type == "cuda":
         limit_host_threads(quiet)
         engine.warm_up()  # compile the prefill kernels now (see LLMEngine.warm_up)

@@ -148,8 +148,9 @@ class LLMEngine:
         """Launch the step after `launched` from its device outputs, or None when its shape
         isn't known without them or it would serve nobody: a request waits to be admitted,
         a request may reach the end of its context (its drafts would be trimmed), every
-        request may reach max_tokens in `launched`, the draft length may change (adaptive k,
-        another batch size), or its blocks can't be reserved ahead.
+        request may reach max_tokens in `launched`, the draft length may change (adaptive k
+        or the cost model's per-request k, another batch size), or its blocks can't be
+        reserved ahead.
 
         A request that may reach max_tokens in the next step doesn't stop the chain: that
         step verifies all its drafts, and the tokens past max_tokens are dropped when they
@@ -291,6 +292,16 @@ class LLMEngine:
         self.num_preemptions_total = self.num_draft_failures_total = 0
         self.spec_stats = SpecStats()
         self.kv.stats = PrefixCacheStats()
+
+    def measure_step_times(self) -> None:
+        """Give the draft-length cost model (`"adaptive": "cost"`) the step times of this
+        engine's steps, measured now (runner/step_timing.py: graph replays, or a few eager
+        forwards); nothing without it. Run at start-up, and again by whoever changes how steps
+        run (capturing graphs later)."""
+        proposer = self.runner.proposer
+        if proposer is None or proposer.policy.cost_model is None:
+            return
+        proposer.policy.set_step_times(self.runner.measure_step_times(proposer.policy.k))
 
     # ---- introspection --------------------------------------------------------------------
     def stats(self) -> dict:

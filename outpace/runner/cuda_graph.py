@@ -246,6 +246,13 @@ class GraphRunner:
         buf.block_tables[:bucket].zero_()
         buf.forget(buf.block_tables)
 
+    def dummy_step(self, bucket: int, q: int):
+        """The target graph of (bucket, q) with a dummy batch staged for it, as a function that
+        replays it (start-up timing, runner/step_timing.py)."""
+        graph = self.graphs[(bucket, q)][0]
+        self.fill_dummy(bucket, q)
+        return lambda: self.replay(graph, "plain")
+
     def capture(self, fn):
         """fn warmed up (run twice: Triton compiles, cuBLAS picks its kernels) and captured
         -> (replayable graph, static outputs of fn)."""

@@ -47,7 +47,7 @@ class StepOutput:
         runner = self.runner
         proposer = runner.proposer
         result = StepResult()
-        committed, ks = [], []
+        committed, asked, num_committed = [], [], []
         batch_size = plan.draft_batch_size
         # A head at a batch size where the policy drafts nothing (k_schedule): no lengths to
         # trim, no drafts to read. Skipping that per-request work keeps such a step as cheap on
@@ -83,10 +83,11 @@ class StepOutput:
                 if self.host_drafter is not None:  # it reads the committed sequence's tail
                     committed.append(CommittedTokens(req.prompt_token_ids,
                                                      req.output_token_ids, toks))
-                ks.append(runner.draft_length(req, batch_size, req.num_tokens + len(toks),
-                                              k=k_all))
+                asked.append(req)
+                num_committed.append(req.num_tokens + len(toks))
         if not drafting:
             return result
+        ks = runner.draft_lengths(asked, batch_size, num_committed, k=k_all)
         if self.head is not None:
             drafts = [row[q + 1:q + 1 + min(k, kd)] for row, k in zip(rows, ks)]
         else:

@@ -193,6 +193,7 @@ class FusedStep:
 
     # ---- eligibility ----------------------------------------------------------------------
     def accepts(self, plan) -> bool:
+        """Whether decode steps run here (plan: any decode step; the answer is the engine's)."""
         proposer = self.runner.proposer
         if proposer is not None and self.head is None and self.host_drafter is None:
             return False  # a head that can't draft on the device (enhancer, MTP depths mode)
@@ -450,9 +451,8 @@ class FusedStep:
             if k not in table:
                 table[k] = self._capture(*k, mode=mode)
 
-    def _capture(self, bucket: int, q: int, kd: int, chained: bool,
-                 mode: GraphMode = GREEDY):
-        """Fill the buffers with a dummy batch that writes nowhere, warm up, capture."""
+    def _fill_dummy(self, bucket: int, q: int) -> None:
+        """A dummy batch that writes nowhere in the buffers (graphs are captured over it)."""
         self.graphs.fill_dummy(bucket, q)
         self.num_drafts[:bucket].zero_()
         self.real[:bucket].zero_()  # chained: every row is padding (slot -1)
@@ -460,6 +460,25 @@ class FusedStep:
         self.carry_tokens[:bucket].zero_()
         self.sampling.greedy_rows(bucket)  # the dummy batch samples nothing...
         self.penalties.neutral_rows(bucket)  # ...and has no penalties
+
+    def dummy_step(self, bucket: int, q: int):
+        """The greedy graph a decode step of `bucket` rows of q tokens replays (the draft loop
+        the policy gives that bucket), with a dummy batch staged for it, as a function that
+        replays it; None where the fused step doesn't serve such steps or the graph is not
+        captured. Start-up timing (runner/step_timing.py) replays it; nothing is in flight."""
+        if not self.accepts(None):
+            return None
+        entry = self._captured.get((bucket, q, self.draft_steps(bucket), False))
+        if entry is None:
+            return None
+        self._fill_dummy(bucket, q)
+        graph = entry[0]
+        return lambda: self.graphs.replay(graph, "step")
+
+    def _capture(self, bucket: int, q: int, kd: int, chained: bool,
+                 mode: GraphMode = GREEDY):
+        """Fill the buffers with a dummy batch that writes nowhere, warm up, capture."""
+        self._fill_dummy(bucket, q)
         fn = lambda: self._compute(bucket, q, kd, chained, mode)  # noqa: E731
         graph, packed = self.graphs.capture(fn)
         return graph, packed

@@ -132,6 +132,13 @@ class ModelRunner:
         if capture_fused:
             self.fused.capture_common()
 
+    @_under_kernel_options
+    def measure_step_times(self, max_draft: int):
+        """The step-time table of this runner's steps (runner/step_timing.py): from its graphs
+        once enable_cuda_graphs ran, else from a few eager forwards."""
+        from outpace.runner.step_timing import measure_step_times
+        return measure_step_times(self, max_draft)
+
     def _graph_q(self, plan: StepPlan):
         """The captured query length a pure decode/verify step pads to, or None."""
         if self.graphs is None:
@@ -277,7 +284,8 @@ class ModelRunner:
         the fused step's head graph after a prefill or varlen graph's step, where one was
         captured)."""
         qsl = hb.query_start_loc
-        reqs, committed, starts, ends, last_rows, ks = [], [], [], [], [], []
+        reqs, committed, starts, ends, last_rows = [], [], [], [], []
+        drafting = []  # the rows of requests that committed a token: they get a draft length
         next_ids = np.empty_like(hb.input_ids)
         for i, (sr, out) in enumerate(zip(plan.scheduled, per_req)):
             req = sr.request
@@ -296,10 +304,14 @@ class ModelRunner:
             if out is not None and new:
                 # Last committed-next row: the row of position len(full) - 2.
                 last_rows.append(a + (len(full) - 2 - s))
-                ks.append(self.draft_length(req, plan.draft_batch_size, len(full)))
+                drafting.append(i)
             else:
                 last_rows.append(-1)
-                ks.append(0)
+        ks = [0] * len(reqs)
+        for i, k in zip(drafting, self.draft_lengths([reqs[i] for i in drafting],
+                                                     plan.draft_batch_size,
+                                                     [len(committed[i]) for i in drafting])):
+            ks[i] = k
         try:
             drafts = None
             if q_prefill is not None and self.fused is not None:
@@ -334,15 +346,17 @@ class ModelRunner:
             for sr in plan.scheduled:
                 outputs[sr.request.request_id].draft_plane_written = False
 
-    def draft_length(self, req, batch_size: int, num_committed: int,
-                     k: Optional[int] = None) -> int:
-        """Drafts to propose for req: the policy's k (or `k`, the policy's answer already
-        asked), never past the context (the next step emits up to k + 1 tokens, so
-        k <= context left - 1).
+    def draft_lengths(self, reqs: list, batch_size: int, num_committed: list,
+                      k: Optional[int] = None) -> list:
+        """Drafts to propose for each of reqs (a step's requests that committed tokens, asked
+        together: the cost model chooses for the batch): the policy's k (or `k`, the policy's
+        answer for everyone, already asked), never past the context (the next step emits up
+        to k + 1 tokens, so k <= context left - 1).
 
         Not trimmed to max_tokens: a step launched ahead on the device (LLMEngine._chain)
         verifies all of them, so the host's plan must hold them all; a step scheduled on the
         host trims them there (Scheduler._drafts_for)."""
-        if k is None:
-            k = self.proposer.draft_length(req, batch_size)
-        return max(0, min(k, req.max_model_len - num_committed - 1))
+        ks = ([k] * len(reqs) if k is not None
+              else self.proposer.draft_lengths(reqs, batch_size))
+        return [max(0, min(ki, req.max_model_len - n - 1))
+                for ki, req, n in zip(ks, reqs, num_committed)]

@@ -19,6 +19,8 @@ from typing import Optional
 
 import torch
 
+from outpace.speculative.draft_length import DEFAULT_PRIOR
+
 
 class CommittedTokens(Sequence):
     """A request's committed tokens, the concatenation of `parts` (its prompt, its output, a
@@ -90,6 +92,9 @@ class DraftBatch:
 class Proposer(ABC):
     num_kv_layers: int = 0  # draft KV layer slots this proposer needs in the pool
     capture_layers: tuple = ()  # target layers whose hidden states it reads
+    # Conditional acceptance per draft position (a number, or one per position) that the
+    # draft-length cost model starts each request from (speculative/acceptance.py)
+    acceptance_prior = DEFAULT_PRIOR
 
     def begin(self, request) -> None:
         pass

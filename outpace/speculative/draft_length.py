@@ -8,21 +8,50 @@
                  ramp-up step holds are about to decode in the full batch
     adaptive     per request, between 1 and k: up by one after a step that accepted everything,
                  down by one after a step that accepted less than half
+    cost         (adaptive="cost") every request's k in 0..k chosen together, each step, for
+                 the most tokens per second of step time, from each request's acceptance per
+                 position and the engine's step-time table (speculative/cost_model.py)
+
+A schedule bounds the adaptive and cost choices: they pick at most its k at the batch size.
+`lengths` asks for a whole step's requests at once (the cost model's choice is the batch's);
+`observe` feeds each verify step's drafts and accepted count back.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence, Union
 
 from outpace.errors import ConfigError
+from outpace.speculative.acceptance import AcceptanceEstimates
+from outpace.speculative.cost_model import CostModel
+from outpace.speculative.step_times import StepTimes
+
+# A drafter's conditional acceptance per position before a request has been verified: even
+# odds, so that a new request drafts where steps are cheap and learns its own rate.
+DEFAULT_PRIOR = 0.5
 
 
 class DraftLengthPolicy:
-    def __init__(self, k: int, schedule: Optional[list] = None, adaptive: bool = False):
+    def __init__(self, k: int, schedule: Optional[list] = None,
+                 adaptive: Union[bool, str] = False,
+                 prior: Union[float, Sequence[float]] = DEFAULT_PRIOR):
         self.k = k
         self.schedule = self._check_schedule(schedule, k)
+        # truthy for both per-request modes: each request's k may differ from base_k
         self.adaptive = adaptive
-        self._per_request: dict = {}  # request_id -> current k (adaptive)
+        self._per_request: dict = {}  # request_id -> current k (adaptive=True)
+        self.cost_model = (CostModel(k, AcceptanceEstimates(k, prior)) if adaptive == "cost"
+                           else None)
+
+    def seed_prior(self, prior: Union[float, Sequence[float]]) -> None:
+        """The drafter's prior acceptance per position, where new requests' estimates start."""
+        if self.cost_model is not None:
+            self.cost_model.estimates = AcceptanceEstimates(self.k, prior)
+
+    def set_step_times(self, table: StepTimes) -> None:
+        """The step-time table the cost model reads (the engine's, measured at start-up)."""
+        if self.cost_model is not None:
+            self.cost_model.table = table
 
     @staticmethod
     def _check_schedule(schedule, k):
@@ -46,13 +75,23 @@ class DraftLengthPolicy:
         return 0
 
     def __call__(self, request_id: str, batch_size: int) -> int:
+        return self.lengths([request_id], batch_size)[0]
+
+    def lengths(self, request_ids: Sequence[str], batch_size: int) -> list:
+        """The draft length of each request of a step (batch_size: StepPlan.draft_batch_size)."""
         k = self.base_k(batch_size)
+        if self.cost_model is not None:
+            return self.cost_model.choose(request_ids, batch_size, k)
         if self.adaptive:
-            k = min(k, self._per_request.get(request_id, k))
-        return k
+            get = self._per_request.get
+            return [min(k, get(rid, k)) for rid in request_ids]
+        return [k] * len(request_ids)
 
     def observe(self, request_id: str, num_draft: int, num_accepted: int) -> None:
         if not self.adaptive or num_draft == 0:
+            return
+        if self.cost_model is not None:
+            self.cost_model.estimates.observe(request_id, num_draft, num_accepted)
             return
         cur = self._per_request.get(request_id, self.k)
         if num_accepted == num_draft:
@@ -63,3 +102,5 @@ class DraftLengthPolicy:
 
     def forget(self, request_id: str) -> None:
         self._per_request.pop(request_id, None)
+        if self.cost_model is not None:
+            self.cost_model.estimates.forget(request_id)

@@ -25,6 +25,7 @@ def build_proposer(spec: SpecConfig, target, model_cfg, runner_cfg):
         raise ConfigError(f"unknown speculative method {spec.method!r}")
     p.k = spec.num_speculative_tokens
     p.spec = spec
+    policy.seed_prior(p.acceptance_prior)
     # Lookahead (docs/design.md, "Scheduling and lookahead reservation"): a head's draft loop
     # writes draft KV up to k-1 positions past the verify block; model-free drafters write
     # nothing.

@@ -81,8 +81,8 @@ class HeadProposer(Proposer):
                 q = q.float()
             self._int8_lm_head = (q, scale, offsets)
 
-    def draft_length(self, req, batch_size: int) -> int:
-        return self.policy(req.request_id, batch_size)
+    def draft_lengths(self, reqs: list, batch_size: int) -> list:
+        return self.policy.lengths([req.request_id for req in reqs], batch_size)
 
     def begin(self, request) -> None:
         if self.enhancer is not None:

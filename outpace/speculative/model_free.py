@@ -20,8 +20,8 @@ class _StatefulProposer(Proposer):
         self._states: dict = {}  # request_id -> drafter state
         self.injected = InjectedFailures(spec.inject_draft_failures)  # testing only
 
-    def draft_length(self, req, batch_size: int) -> int:
-        return self.policy(req.request_id, batch_size)
+    def draft_lengths(self, reqs: list, batch_size: int) -> list:
+        return self.policy.lengths([req.request_id for req in reqs], batch_size)
 
     def _state(self, req):
         st = self._states.get(req.request_id)

@@ -1,0 +1,99 @@
+"""The draft-length cost model: every request's k in 0..K for the next step, chosen together so
+that the batch emits the most tokens per second of step time.
+
+With E_r(k) the expected tokens request r emits when it drafts k (speculative/acceptance.py) and
+the step's time from the engine's table (speculative/step_times.py), the choice maximises
+
+    (sum_r E_r(k_r) + requests of the batch that are not asked) / (batch_time(batch, max_r k_r)
+                                                                  + sum_r per_draft[k_r])
+
+The batch term depends on the longest draft only (a graph step pads every row to one captured
+query length), so the search runs over that longest draft m = 0..K: for each m, every request
+takes the k <= m that is best for the ratio. Without per-request costs that is k = m for all
+(rows padded anyway cost nothing more); with them (eager rows, host drafting) a request drafts
+only where its expected gain pays for its own rows, so one batch mixes lengths. The ratio of
+separable sums is maximised per m by Dinkelbach's iteration (each request's best k for the
+ratio found so far, until the ratio stops rising), a few numpy passes over a [B, K + 1] array.
+Ties go to the shorter draft: speculation is chosen only where it is expected to gain.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import numpy as np
+
+from outpace.speculative.acceptance import AcceptanceEstimates
+from outpace.speculative.step_times import StepTimes
+
+_MAX_ROUNDS = 8  # Dinkelbach rounds per longest draft; it converges in two or three
+_EPS = 1e-12
+
+
+class CostModel:
+    def __init__(self, k: int, estimates: AcceptanceEstimates,
+                 table: Optional[StepTimes] = None):
+        self.k = k
+        self.estimates = estimates
+        self.table = table
+
+    def choose(self, request_ids: Sequence[str], batch_size: int, k_max: int) -> list:
+        """Each request's draft length (0..k_max) for a step of batch_size requests (those
+        asked and any others, which draft nothing), from the estimates with their probes
+        (AcceptanceEstimates.for_choice)."""
+        if self.table is None:
+            raise RuntimeError("the draft-length cost model has no step-time table; the engine "
+                               "measures one at start-up (LLMEngine.measure_step_times)")
+        n = len(request_ids)
+        if n == 0:
+            return []
+        est = self.estimates
+        rows = est.rows(request_ids)
+        k_max = max(0, min(k_max, self.k, self.table.max_draft))
+        alpha, probe = est.for_choice(rows)
+        ks = self.best_lengths(alpha[:, :k_max], batch_size)
+        est.chosen(rows, ks, k_max, probe)
+        return ks.tolist()
+
+    def best_lengths(self, alpha: np.ndarray, batch_size: int) -> np.ndarray:
+        """[B, K] conditional acceptance -> [B] draft lengths maximising the batch's tokens per
+        second under self.table (no estimates touched)."""
+        table = self.table
+        n, k_max = alpha.shape
+        batch_size = max(batch_size, n)
+        gain = AcceptanceEstimates.expected_emitted(alpha)  # [B, K + 1]
+        others = float(batch_size - n)  # they emit one token each
+        cost = np.array([table.draft_cost(k) for k in range(k_max + 1)])
+        per_row_cost = bool(cost.any())
+        best_ks = np.zeros(n, np.int64)
+        best = (gain[:, 0].sum() + others) / (table.batch_time(batch_size, 0) + n * cost[0])
+        idx = np.arange(n)
+        for m in range(1, k_max + 1):
+            t = table.batch_time(batch_size, m)
+            if not np.isfinite(t):
+                break
+            if not per_row_cost:  # every request drafts m: padded rows cost nothing more
+                ks = np.full(n, m, np.int64)
+                ratio = (gain[:, m].sum() + others) / t
+            else:
+                ks, ratio = self._best_for(gain[:, :m + 1], cost[:m + 1], t, others, idx, best)
+            if ratio > best * (1 + 1e-9) + _EPS:
+                best, best_ks = ratio, ks
+        return best_ks
+
+    @staticmethod
+    def _best_for(gain, cost, t, others, idx, lam):
+        """Dinkelbach over per-request k <= m: from ratio lam, each request's k maximises
+        gain - lam * cost; the new ratio; repeat while it rises."""
+        ks = np.argmax(gain - lam * cost[None, :], axis=1)
+        ratio = (gain[idx, ks].sum() + others) / (t + cost[ks].sum())
+        for _ in range(_MAX_ROUNDS):
+            if ratio <= lam + _EPS:
+                break
+            lam = ratio
+            nxt = np.argmax(gain - lam * cost[None, :], axis=1)
+            r = (gain[idx, nxt].sum() + others) / (t + cost[nxt].sum())
+            if r <= ratio + _EPS:
+                break
+            ks, ratio = nxt, r
+        return ks, ratio
