@@ -11,6 +11,7 @@ without its weights) and the draft head's folder. Errors name each option by its
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -57,6 +58,38 @@ def check_draft_folder(spec: SpecConfig) -> SpecConfig:
         raise ModelLoadError(f"{DRAFT_PATH} {spec.model!r} is not a draft head folder: it has "
                              f"no {' and no '.join(missing)}; {hint}", option=DRAFT_PATH)
     return dataclasses.replace(spec, model=str(path)) if str(path) != spec.model else spec
+
+
+def check_mtp_mode(spec: SpecConfig, block_size: int) -> None:
+    """An MTP head's mode against the options and the head's module count, from its config.json
+    alone (the rules MTPProposer and MTPWindowProposer apply once the head is loaded): a wrong
+    --k or draft_lm_head_dtype must not cost the target's load first. A config.json that can't
+    tell is left to the loader, whose errors say what is wrong with it."""
+    if spec.method != "mtp" or spec.model is None:
+        return
+    try:
+        config = json.loads((Path(spec.model) / "config.json").read_text(encoding="utf-8"))
+        n = config.get("num_nextn_predict_layers")
+    except (OSError, ValueError, RecursionError, AttributeError):
+        return
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        return
+    if (spec.mtp_mode or ("eagle" if n == 1 else "depths")) != "depths":
+        return
+    k = spec.num_speculative_tokens
+    if k > n:
+        raise ConfigError(f"mtp_mode 'depths' drafts one token per module: the head has {n} "
+                          f"modules, so num_speculative_tokens must be <= {n} (or use mtp_mode "
+                          f"'eagle')", option="num_speculative_tokens")
+    if spec.draft_lm_head_dtype != "auto":
+        raise ConfigError("draft_lm_head_dtype applies to EAGLE-3 heads and MTP's 'eagle' mode; "
+                          "mtp_mode 'depths' drafts from each module's logits (leave "
+                          "draft_lm_head_dtype unset or use mtp_mode 'eagle')",
+                          option="draft_lm_head_dtype")
+    if k > block_size:
+        raise ConfigError(f"mtp_mode 'depths' needs num_speculative_tokens ({k}) <= block_size "
+                          f"({block_size}); lower k or raise block_size",
+                          option="num_speculative_tokens")
 
 
 def _check_bools(**flags) -> None:
@@ -123,6 +156,7 @@ def check_engine_args(model: str, *, device: str = "auto", dtype: str = "auto",
                   **({} if memory_fraction is None else {"memory_fraction": memory_fraction}))
     cache = CacheConfig(block_size=block_size, num_blocks=num_kv_blocks,
                         enable_prefix_caching=enable_prefix_caching, **memory)
+    check_mtp_mode(spec, block_size)
 
     template = None
     if chat_template is not None:

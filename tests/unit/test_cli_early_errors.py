@@ -110,6 +110,41 @@ def test_a_folder_that_is_no_draft_head_is_refused_before_the_model(head_folders
         assert line.startswith(f"--draft '{head_folders[key]}' {says}"), line
 
 
+@pytest.fixture(scope="module")
+def mtp_head_of_two(tmp_path_factory) -> str:
+    """An MTP head folder of 2 modules (config.json) whose weights can't load."""
+    folder = tmp_path_factory.mktemp("mtp2")
+    (folder / "config.json").write_text(json.dumps({"num_nextn_predict_layers": 2}))
+    (folder / "model.safetensors").write_bytes(b"not a safetensors file")
+    return str(folder)
+
+
+def test_mtp_depths_options_are_checked_against_the_head_config_before_the_model(
+        mtp_head_of_two, unloadable_model, capsys):
+    """MTP's depths mode (the default for a head of several modules) drafts one token per
+    module, needs the modules' own logits and k <= block_size: refused from the head's
+    config.json, before the target (here: unloadable) loads."""
+    base = ["generate", "hi", "--model", str(unloadable_model), "--device", "cpu", "--quiet",
+            "--spec", "mtp", "--draft", mtp_head_of_two]
+    assert _error_line(base + ["--k", "3"], capsys) == (
+        "mtp_mode 'depths' drafts one token per module: the head has 2 modules, so --k must be "
+        "<= 2 (or use mtp_mode 'eagle')")
+    line = _error_line(base + ["--k", "2", "--spec-option", "draft_lm_head_dtype=int8"], capsys)
+    assert line.startswith("draft_lm_head_dtype applies to EAGLE-3 heads"), line
+    # the controls: eagle mode takes any k and the int8 LM head; depths mode within its
+    # bounds; each gets as far as the target's weights
+    for more in (["--k", "3", "--spec-option", "mtp_mode=eagle",
+                  "--spec-option", "draft_lm_head_dtype=int8"], ["--k", "2"]):
+        assert "is not a valid safetensors file" in _error_line(base + more, capsys)
+    from outpace.engine.preflight import check_engine_args
+    from outpace.errors import ConfigError
+    with pytest.raises(ConfigError, match=r"needs num_speculative_tokens \(2\) <= block_size "
+                                          r"\(1\)") as e:
+        check_engine_args(NO_MODEL, block_size=1, speculative_config={
+            "method": "mtp", "model": mtp_head_of_two, "num_speculative_tokens": 2})
+    assert e.value.option == "num_speculative_tokens"
+
+
 def test_serve_flags_are_checked_before_the_model(capsys):
     for flags, says in ((["--port", "70000"], "--port must be an integer in 0..65535"),
                         (["--max-waiting", "0"], "--max-waiting must be an integer >= 1"),
