@@ -53,7 +53,7 @@ def check_draft_folder(spec: SpecConfig) -> SpecConfig:
         raise ModelLoadError(f"{DRAFT_PATH} {spec.model!r} {what}; {hint}", option=DRAFT_PATH)
     missing = [] if (path / "config.json").is_file() else ["config.json"]
     if not any(path.glob("*.safetensors")) and not any(path.glob("pytorch_model*.bin")):
-        missing.append("a *.safetensors weight file")
+        missing.append("*.safetensors weight file")
     if missing:
         raise ModelLoadError(f"{DRAFT_PATH} {spec.model!r} is not a draft head folder: it has "
                              f"no {' and no '.join(missing)}; {hint}", option=DRAFT_PATH)

@@ -101,9 +101,9 @@ def test_the_model_error_is_what_a_sound_command_line_gets(capsys):
 
 
 def test_a_folder_that_is_no_draft_head_is_refused_before_the_model(head_folders, capsys):
-    for key, says in (("empty", "is not a draft head folder: it has no config.json and no a "
+    for key, says in (("empty", "is not a draft head folder: it has no config.json and no "
                                 "*.safetensors weight file"),
-                      ("no_weights", "is not a draft head folder: it has no a *.safetensors"),
+                      ("no_weights", "is not a draft head folder: it has no *.safetensors"),
                       ("a_file", "is a file, not a folder")):
         line = _error_line(["generate", "hi", "--model", NO_MODEL, "--spec", "mtp", "--draft",
                             head_folders[key]], capsys)
