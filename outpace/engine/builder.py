@@ -200,7 +200,8 @@ def build_engine(cls, model: str, *, device: str = "auto", dtype: str = "auto",
                         **({"trim_last_matched_block": True}
                            if proposer is not None and proposer.num_kv_layers else {}))
     scheduler = Scheduler(sched_cfg, kv, config.max_model_len, num_lookahead_tokens=lookahead,
-                          block_size=block_size)
+                          block_size=block_size,
+                          draft_plane=proposer is not None and proposer.num_kv_layers > 0)
     runner = ModelRunner(target, model_cfg, num_blocks=num_blocks, block_size=block_size,
                          max_model_len=config.max_model_len, max_num_tokens=max_num_tokens,
                          max_num_seqs=max_num_seqs, device=torch_device,

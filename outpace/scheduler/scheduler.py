@@ -57,7 +57,8 @@ class _Step:
 
 class Scheduler:
     def __init__(self, cfg: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
-                 num_lookahead_tokens: int = 0, block_size: int = 16):
+                 num_lookahead_tokens: int = 0, block_size: int = 16,
+                 draft_plane: bool = False):
         if block_size != kv.block_size:
             raise ConfigError(f"scheduler block_size {block_size} differs from the KV cache's "
                               f"{kv.block_size}; build both from one CacheConfig")
@@ -66,6 +67,8 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.num_lookahead_tokens = num_lookahead_tokens
         self.block_size = block_size
+        # whether requests have a draft plane (a head's KV in the pool) whose mark to keep
+        self.draft_plane = draft_plane
         # The manager caps lookahead at max_model_len, so only a pool smaller than one
         # max-length request shortens the context (see the module docstring).
         cap = kv.capacity_tokens
@@ -200,6 +203,23 @@ class Scheduler:
             return []
         k = min(len(spec), self._tokens_left(req) - 1, budget - 1)  # k drafts: <= k + 1 tokens
         return list(spec[:k]) if k > 0 else []
+
+    def _draft_plane_mark(self, req: Request, s, out) -> int:
+        """Keep req's draft-plane mark after its step s (out: the runner's output) and return
+        it. The step's first pass wrote exact entries for its rows whose next token is
+        committed, all of them below num_computed_tokens now, when it ran and started at or
+        below the mark. When it did not (the drafter raised), req recomputes from the mark, so
+        the next step's first pass rewrites the stale entries before any draft reads them.
+        Once per mark: when that step's drafter raises too the request goes on with the
+        entries above the mark stale (its drafts may suffer, never its output), or a drafter
+        raising every step would recompute forever."""
+        mark = req.num_draft_exact_tokens
+        if (out is None or out.draft_plane_written) and s.num_computed_tokens <= mark:
+            req.num_draft_exact_tokens = mark = req.num_computed_tokens
+        elif req.num_computed_tokens > mark and req.draft_repair_mark != mark:
+            req.draft_repair_mark = mark
+            req.num_computed_tokens = mark
+        return mark
 
     def counted_drafts(self, req: Request, num_draft: int, num_accepted: int) -> tuple:
         """(drafts, accepted) of a step as the statistics count them, asked before the step's
@@ -371,20 +391,8 @@ class Scheduler:
                     totals.record(*counted)
             if tokens:
                 self._append(req, tokens, out.logprobs)
-            # The draft-plane mark: the step's first pass wrote exact entries for its rows
-            # whose next token is committed, all of them below num_computed_tokens now, when
-            # it ran and started at or below the mark
-            mark = req.num_draft_exact_tokens
-            if (out is None or out.draft_plane_written) and s.num_computed_tokens <= mark:
-                req.num_draft_exact_tokens = mark = req.num_computed_tokens
-            elif req.num_computed_tokens > mark and req.draft_repair_mark != mark:
-                # It did not (the drafter raised): recompute from the mark, so the next step's
-                # first pass rewrites the stale entries before any draft reads them. Once per
-                # mark: when that step's drafter raises too the request goes on with the
-                # entries above the mark stale (its drafts may suffer, never its output), or
-                # a drafter raising every step would recompute forever
-                req.draft_repair_mark = mark
-                req.num_computed_tokens = mark
+            mark = self._draft_plane_mark(req, s, out) if self.draft_plane \
+                else req.num_computed_tokens
             if cache is not None:
                 # Tokens after a stop token were dropped: cache only what is still the sequence,
                 # and no block whose draft entries are not exact.

@@ -80,9 +80,9 @@ class AcceptanceEstimates:
         return self.at(self.rows(request_ids))
 
     def observe(self, request_id: str, num_draft: int, num_accepted: int) -> None:
-        if num_draft <= 0:
-            return
-        row = self._row(request_id)  # first: it may grow the array
+        row = self._slot.get(request_id)
+        if num_draft <= 0 or row is None:
+            return  # (a request ended, or never asked for drafts, keeps no slot)
         a = self._alpha[row]
         seen = min(num_accepted + 1, num_draft, self.k)
         hit = np.arange(seen) < num_accepted  # accepted positions 1, the first rejected 0
