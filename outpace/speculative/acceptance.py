@@ -79,7 +79,12 @@ class AcceptanceEstimates:
         """[B, k] conditional acceptance per position of the requests (a copy)."""
         return self.at(self.rows(request_ids))
 
+    def __len__(self) -> int:
+        return len(self._slot)  # the requests with a row
+
     def observe(self, request_id: str, num_draft: int, num_accepted: int) -> None:
+        """A step's drafts and accepted count for a request with a row (`rows`: asked for its
+        draft length); others are ignored."""
         row = self._slot.get(request_id)
         if num_draft <= 0 or row is None:
             return  # (a request ended, or never asked for drafts, keeps no slot)

@@ -109,6 +109,10 @@ def test_estimates_update_per_position():
     assert est.alpha(["b"]).tolist() == [[0.5, 0.5, 0.5]]  # another request: its own row
     est.forget("a")
     assert est.alpha(["c", "a"]).tolist() == [[0.5] * 3, [0.5] * 3]  # reused slot, fresh row
+    est.forget("a")
+    n = len(est)
+    est.observe("a", 2, 1)  # a step drained after its request ended: no slot comes back
+    assert len(est) == n
 
 
 def test_estimates_prior_per_position_and_expected_emitted():
@@ -125,11 +129,13 @@ def test_estimates_prior_per_position_and_expected_emitted():
 def test_estimates_grow_past_their_first_rows():
     est = AcceptanceEstimates(2, 0.5)
     ids = [f"r{i}" for i in range(40)]
+    est.rows(ids)
     for i, rid in enumerate(ids):
         est.observe(rid, 2, i % 3)
     got = est.alpha(ids)
     for i in range(40):
         want = AcceptanceEstimates(2, 0.5)
+        want.rows(["z"])
         want.observe("z", 2, i % 3)
         assert got[i].tolist() == want.alpha(["z"])[0].tolist()
 
@@ -200,6 +206,7 @@ def test_probes_back_off_and_reset():
     after 8, 16 (the backoff doubles to its cap); drafting on its own estimate resets it."""
     est = AcceptanceEstimates(2, 0.9, probe_after=4, probe_max=16)
     cm = CostModel(2, est, eager_table(2))
+    est.rows(["a"])
     for _ in range(8):
         est.observe("a", 2, 0)
     probes = [i for i in range(80) if cm.choose(["a"], 1, 2) != [0]]
