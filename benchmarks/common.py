@@ -22,9 +22,13 @@ HERE = Path(__file__).resolve().parent
 PREFIX_CACHING = False
 
 
-def load_prompts(name: str, n: int) -> list:
-    """First n prompts of benchmarks/prompts/<name>.jsonl."""
+def load_prompts(name: str, n: int, spread: bool = False) -> list:
+    """First n prompts of benchmarks/prompts/<name>.jsonl; spread: n prompts spaced evenly
+    over the whole set instead (MT-bench is ordered by category, so the first few are all of
+    one kind: 8 spread prompts take the first of each of its 8 categories)."""
     rows = [json.loads(line) for line in open(HERE / "prompts" / f"{name}.jsonl")]
+    if spread and 0 < n < len(rows):
+        rows = [rows[i * len(rows) // n] for i in range(n)]
     return [r["prompt"] for r in rows[:n]]
 
 

@@ -610,7 +610,7 @@ def section_spec(a, results) -> None:
     llms = {n: LLM(a.gguf, device="cpu", dtype="float32", speculative_config=c,
                    quiet=True, loaded=loaded, kernel_options=a.kernel_options)
             for n, c in configs.items()}
-    ids_list = chat_ids(loaded[2], load_prompts("mtbench", a.num_prompts))
+    ids_list = chat_ids(loaded[2], load_prompts("mtbench", a.num_prompts, spread=True))
     sp = SamplingParams(max_tokens=a.max_tokens, temperature=0.0)
     for llm in llms.values():  # warm-up
         llm.generate(ids_list[:1], SamplingParams(max_tokens=8, temperature=0.0))
@@ -643,7 +643,8 @@ def section_spec(a, results) -> None:
         "benchmark": "cpu_spec_vs_no_spec", "device": device_name("cpu"),
         "threads": torch.get_num_threads(), "model": cpu_model_label(a),
         "heads": "shipped (outpace/heads)", "dtype": "float32", "batch": 1,
-        "prompts": f"mtbench first {a.num_prompts}", "max_tokens": a.max_tokens,
+        "prompts": f"mtbench {a.num_prompts} spread over the set (one per category at 8)",
+        "max_tokens": a.max_tokens,
         "rounds": a.rounds, "greedy": True, "ablate": a.ablate, "results": rows})
     print(f"wrote {path}")
 
@@ -753,7 +754,8 @@ def parse_args():
     cpu.add_argument("--spec", action="store_true",
                      help="no-spec vs the shipped heads: --device cpu --sections spec")
     cpu.add_argument("--spec-configs", default="eagle3-k1,eagle3-k2,eagle3-k3,mtp-k1,mtp-k2")
-    cpu.add_argument("--num-prompts", type=int, default=8)
+    cpu.add_argument("--num-prompts", type=int, default=8,
+                     help="vs_hf: the first N MT-bench prompts; spec: N spread over the set")
     cpu.add_argument("--rounds", type=int, default=3, help="spec: rounds alternating the configs")
     a = ap.parse_args()
     if a.plot:
