@@ -3,9 +3,6 @@ step, batch after batch, for EAGLE-3 and MTP, under bf16 autocast."""
 
 from __future__ import annotations
 
-import json
-import random
-
 import pytest
 import torch
 
@@ -15,13 +12,8 @@ pytestmark = [pytest.mark.gpu,
 
 @pytest.fixture(scope="module")
 def prompts(tmp_path_factory):
-    rng = random.Random(0)
-    path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
-    with open(path, "w") as f:
-        for i in range(24):
-            text = "".join(rng.choice("abcdefgh ") for _ in range(rng.randint(6, 40)))
-            f.write(json.dumps({"id": f"p{i}", "prompt": text}) + "\n")
-    return path
+    from tests.speculative.spec_helpers import write_prompt_file
+    return write_prompt_file(tmp_path_factory.mktemp("prompts") / "prompts.jsonl", 24, 40)
 
 
 @pytest.mark.parametrize("method", ["eagle3", "mtp"])

@@ -83,6 +83,17 @@ def head_spec(heads: dict, method: str, k: int = 3) -> dict:
     return cfg
 
 
+def write_prompt_file(path: Path, n: int, max_chars: int, seed: int = 0) -> Path:
+    """A train-draft prompt file (JSONL, {"id", "prompt"}) of n short random texts over the
+    tiny tokenizer's letters."""
+    rng = random.Random(seed)
+    with open(path, "w") as f:
+        for i in range(n):
+            text = "".join(rng.choice("abcdefgh ") for _ in range(rng.randint(6, max_chars)))
+            f.write(json.dumps({"id": f"p{i}", "prompt": text}) + "\n")
+    return path
+
+
 def random_tokens(rng: random.Random, length: int, vocab: int) -> list:
     return [rng.randrange(vocab) for _ in range(length)]
 

@@ -1,9 +1,7 @@
 """Fixtures for the draft-head training tests: the tiny peaked target (tests/speculative) and a prompt
 file for it."""
 
-import json
 import os
-import random
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
@@ -20,10 +18,5 @@ def tiny_loaded():
 @pytest.fixture(scope="session")
 def tiny_prompts(tmp_path_factory):
     """A JSONL file of 20 short random prompts for the tiny target."""
-    rng = random.Random(0)
-    path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
-    with open(path, "w") as f:
-        for i in range(20):
-            text = "".join(rng.choice("abcdefgh ") for _ in range(rng.randint(6, 24)))
-            f.write(json.dumps({"id": f"p{i}", "prompt": text}) + "\n")
-    return path
+    from tests.speculative.spec_helpers import write_prompt_file
+    return write_prompt_file(tmp_path_factory.mktemp("prompts") / "prompts.jsonl", 20, 24)
