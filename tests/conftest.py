@@ -1,8 +1,10 @@
-"""Session fixtures shared by every test folder: the default model, loaded once, and the
-no-leaked-blocks check on every engine a test built."""
+"""Session fixtures shared by every test folder: the default model, loaded once, the
+no-leaked-blocks check on every engine a test built, and the release of what each test and
+module let go of (the suite's memory stays that of the tests running, not of all before)."""
 
 from __future__ import annotations
 
+import gc
 import os
 
 # Idle OpenMP threads spin by default; with several processes on 2 cores that makes torch ~10x
@@ -55,12 +57,50 @@ def default_gguf(default_model_path):
 
 @pytest.fixture(autouse=True)
 def no_leaked_blocks():
-    """After every test, every engine it built holds no KV blocks (all back to free)."""
+    """After every test, every engine it built holds no KV blocks (all back to free); then the
+    engines are let go (release_memory)."""
     from tests import engine_helpers
     before = len(engine_helpers.engines_made())
     yield
     made = engine_helpers.engines_made()
-    for eng in made[before:]:
-        assert not eng.has_unfinished_requests(), "a test left requests in an engine"
-        assert eng.kv.num_used_blocks == 0, f"{eng.kv.num_used_blocks} KV blocks leaked"
+    new = made[before:]
     del made[before:]
+    try:
+        for eng in new:
+            assert not eng.has_unfinished_requests(), "a test left requests in an engine"
+            assert eng.kv.num_used_blocks == 0, f"{eng.kv.num_used_blocks} KV blocks leaked"
+    finally:
+        if new:
+            del new, eng
+            release_memory()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def release_module_memory():
+    """After each test module (its module fixtures are gone by then), what it let go of is
+    freed and what is left frozen (release_memory)."""
+    yield
+    release_memory()
+    gc.freeze()
+
+
+def pytest_collection_finish(session):
+    """Freeze what collection made (imported libraries, the collected tests): the collections
+    of release_memory then skip it."""
+    gc.collect()
+    gc.freeze()
+
+
+def pytest_sessionfinish(session):
+    gc.unfreeze()  # the interpreter's exit then finalizes everything as usual
+
+
+def release_memory() -> None:
+    """Free what the tests let go of now, not at the interpreter's next full collection. An
+    engine is freed by reference counting alone (tests/speculative/test_engine_release.py),
+    but tests put engines in reference cycles (hooks that wrap an engine's methods in closures
+    over it; the CPU stand-in for CUDA graphs keeps each captured step's closure), and with
+    many of those alive at once the suite's memory grew by gigabytes. The collector skips what
+    is frozen (gc.freeze: what collection made, and what outlived each finished module), so a
+    collection scans only what the current module made."""
+    gc.collect()
