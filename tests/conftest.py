@@ -36,21 +36,6 @@ def loaded_default(default_model_path):
 
 
 @pytest.fixture(scope="session")
-def hf_default_model(default_gguf):
-    """transformers' own GGUF loading of the default model (slow: ~20 s, once per session)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging
-    logging.disable_progress_bar()
-    try:
-        model = AutoModelForCausalLM.from_pretrained(
-            str(default_gguf.parent), gguf_file=default_gguf.name, dtype=torch.float32)
-    finally:
-        logging.enable_progress_bar()
-    return model.eval()
-
-
-@pytest.fixture(scope="session")
 def default_gguf(default_model_path):
     return default_model_path
 
@@ -99,8 +84,25 @@ def release_memory() -> None:
     """Free what the tests let go of now, not at the interpreter's next full collection. An
     engine is freed by reference counting alone (tests/speculative/test_engine_release.py),
     but tests put engines in reference cycles (hooks that wrap an engine's methods in closures
-    over it; the CPU stand-in for CUDA graphs keeps each captured step's closure), and with
-    many of those alive at once the suite's memory grew by gigabytes. The collector skips what
-    is frozen (gc.freeze: what collection made, and what outlived each finished module), so a
-    collection scans only what the current module made."""
+    over it; the CPU stand-in for CUDA graphs keeps each captured step's closure), which the
+    interpreter frees only at a full collection: until then every test would add its engines'
+    memory to the suite's. The collector skips what is frozen (gc.freeze: what collection
+    made, and what outlived each finished module), so a collection scans only what the current
+    module made. Then glibc's malloc hands the freed pages back (malloc_trim): weights and KV
+    pools in blocks below its mmap threshold are freed into the heap, which otherwise keeps
+    them, so each test would start from the high-water mark of all before it."""
     gc.collect()
+    if _libc is not None:
+        _libc.malloc_trim(0)
+
+
+def _glibc():
+    import ctypes
+    import ctypes.util
+    import platform
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return None
+    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+
+
+_libc = _glibc()

@@ -53,3 +53,10 @@ def default_gguf() -> Path:
         return resolve_model(DEFAULT_MODEL, quiet=True)
     except ModelLoadError as e:
         pytest.skip(f"default model unavailable: {e}")
+
+
+@pytest.fixture(scope="package")
+def hf_default_model(default_gguf):
+    """transformers' model of the default GGUF, for this folder's tests (tests/hf_helpers.py)."""
+    from tests.hf_helpers import load_hf_default_model
+    return load_hf_default_model(default_gguf)

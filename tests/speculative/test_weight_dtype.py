@@ -118,7 +118,8 @@ def test_smollm2_greedy_equals_rounded_fp32(default_model_path, loaded_default):
     ref.add_cpu_weight_copies_()  # the loader's copies hold the unrounded values
     prompts = chat_ids(tok, ["What is the capital of France?", "Write a haiku about rain.",
                              "List three prime numbers."])
-    want = run_batch(make_engine((ref, cfg, tok), max_num_seqs=4), prompts, GREEDY)
-    got = run_batch(make_engine(mixed, max_num_seqs=4, **MIXED), prompts, GREEDY)
+    blocks = dict(max_num_seqs=4, num_kv_blocks=32)  # 3 requests of < 100 tokens
+    want = run_batch(make_engine((ref, cfg, tok), **blocks), prompts, GREEDY)
+    got = run_batch(make_engine(mixed, **blocks, **MIXED), prompts, GREEDY)
     assert got == want
     assert_logits_match(ref, mixed[0], model, cfg, prompts[0])

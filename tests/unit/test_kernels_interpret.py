@@ -34,7 +34,7 @@ IN_CHILD = os.environ.get("TRITON_INTERPRET") == "1"
 
 def test_kernels_under_triton_interpreter():
     if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not installed (pip install --no-deps triton)")
+        pytest.skip('triton is not installed (the test extra has it: pip install -e ".[test]")')
     env = dict(os.environ, TRITON_INTERPRET="1")
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
            "-o", "python_functions=check_*", str(pathlib.Path(__file__).resolve())]
