@@ -41,9 +41,39 @@ def default_gguf(default_model_path):
 
 
 @pytest.fixture(autouse=True)
+def one_thread_for_the_tiny_model(request):
+    """Tests on the tiny random target (tiny_loaded) run torch's CPU ops on one thread, as the
+    test servers and CLI subprocesses do (OMP_NUM_THREADS=1): its steps are thousands of tiny
+    ops, which a second OpenMP thread does not speed up but has to be woken for (it sleeps
+    between them under OMP_WAIT_POLICY=PASSIVE). The second core is left to what runs beside
+    (the Triton interpreter's run, tests/unit/conftest.py). Real-model tests keep all threads."""
+    if "tiny_loaded" not in request.fixturenames:
+        yield
+        return
+    import torch
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
+@pytest.fixture(autouse=True)
 def no_leaked_blocks():
     """After every test, every engine it built holds no KV blocks (all back to free); then the
     engines are let go (release_memory)."""
+    yield from _check_and_let_go(freeze=False)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def release_module_memory():
+    """The same for the engines a test module's fixtures built, after its last test (its module
+    fixtures are gone by then); what is left is frozen (release_memory)."""
+    yield from _check_and_let_go(freeze=True)
+
+
+def _check_and_let_go(freeze: bool):
     from tests import engine_helpers
     before = len(engine_helpers.engines_made())
     yield
@@ -55,18 +85,11 @@ def no_leaked_blocks():
             assert not eng.has_unfinished_requests(), "a test left requests in an engine"
             assert eng.kv.num_used_blocks == 0, f"{eng.kv.num_used_blocks} KV blocks leaked"
     finally:
-        if new:
-            del new, eng
+        if new or freeze:
+            new = eng = None
             release_memory()
-
-
-@pytest.fixture(autouse=True, scope="module")
-def release_module_memory():
-    """After each test module (its module fixtures are gone by then), what it let go of is
-    freed and what is left frozen (release_memory)."""
-    yield
-    release_memory()
-    gc.freeze()
+        if freeze:
+            gc.freeze()
 
 
 def pytest_collection_finish(session):

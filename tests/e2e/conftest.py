@@ -54,10 +54,3 @@ def server(start_server) -> ServerProcess:
 def spec_server(start_server) -> ServerProcess:
     """Same model with n-gram speculation (k=3), no API key."""
     return start_server("spec", ["--seed", "0", "--spec", "ngram", "--k", "3"])
-
-
-@pytest.fixture(scope="package")
-def hf_default_model(default_gguf):
-    """transformers' model of the default GGUF, for this folder's tests (tests/hf_helpers.py)."""
-    from tests.hf_helpers import load_hf_default_model
-    return load_hf_default_model(default_gguf)

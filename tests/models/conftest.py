@@ -57,6 +57,16 @@ def default_gguf() -> Path:
 
 @pytest.fixture(scope="package")
 def hf_default_model(default_gguf):
-    """transformers' model of the default GGUF, for this folder's tests (tests/hf_helpers.py)."""
-    from tests.hf_helpers import load_hf_default_model
-    return load_hf_default_model(default_gguf)
+    """transformers' own GGUF loading of the default model (slow: it dequantizes every tensor),
+    the reference of this folder's tests; package-scoped, so the rest of the session does not
+    hold it."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging
+    logging.disable_progress_bar()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(default_gguf.parent), gguf_file=default_gguf.name, dtype=torch.float32)
+    finally:
+        logging.enable_progress_bar()
+    return model.eval()

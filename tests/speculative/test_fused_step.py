@@ -221,9 +221,10 @@ PLAIN = [SamplingParams(max_tokens=24, temperature=0.8, seed=3, ignore_eos=True)
          SamplingParams(max_tokens=24, temperature=1.2, ignore_eos=True), GREEDY]
 SAMPLED = {graph_mode.MASKED: MASKED, graph_mode.SAMPLE: PLAIN}
 SAMPLED_CASES = [(None, 0), ("ngram", 3), ("eagle3", 3), ("mtp", 2)]
-# Each drafter in both families (sampled, masked) and both ways of launching (sync, overlap),
-# each family sync and overlapped with two drafters each (as test_fused_penalties does): the
-# full product repeats each pair's code.
+# Each drafter in both graph families (sample, masked) and both launches (sync, overlap), in
+# two of the four pairings, so that each family runs sync with two drafters and overlapped with
+# the other two (as in test_fused_penalties): what a family's graph computes does not depend on
+# how its step was launched, so the other pairings run no code these don't.
 SAMPLED_EQUAL = [(m, k, overlap, mode) for i, (m, k) in enumerate(SAMPLED_CASES)
                  for overlap, mode in (((False, graph_mode.MASKED), (True, graph_mode.SAMPLE))
                                        if i % 2 == 0 else

@@ -3,7 +3,8 @@
 TRITON_INTERPRET=1 must be set before any kernel is decorated (triton.jit reads it then), and other
 tests in this process may already have imported the kernel modules without it. So the one
 `test_*` function here reruns this file in a fresh subprocess with the variable set, where pytest
-collects the `check_*` functions instead (`-o python_functions=check_*`).
+collects the `check_*` functions instead (`-o python_functions=check_*`). The subprocess starts
+when collection ends (tests/unit/conftest.py), so that it runs beside the rest of the suite.
 
 Interpreter limits worked around here (the GPU tests cover what is left out):
   - its tl.dot on bfloat16 operands is wrong (it multiplies raw bits), so attention runs in fp32
@@ -23,6 +24,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -32,17 +34,51 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 IN_CHILD = os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def test_kernels_under_triton_interpreter():
-    if importlib.util.find_spec("triton") is None:
+def triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+class InterpreterRun:
+    """The subprocess that runs this file's check_* functions under TRITON_INTERPRET=1. Its
+    output goes to a file (a pipe nobody reads while the suite runs could fill up and stall
+    it); it runs torch on one thread, beside a suite that keeps the other core busy."""
+
+    def __init__(self):
+        self.out = tempfile.TemporaryFile(mode="w+")
+        env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+               "-o", "python_functions=check_*", str(pathlib.Path(__file__).resolve())]
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self.out,
+                                     stderr=subprocess.STDOUT, text=True)
+
+    def result(self, timeout: float) -> tuple:
+        """-> (exit code, output), waiting for the run at most `timeout` seconds more."""
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.stop()
+            code = "timed out"
+        self.out.seek(0)
+        return code, self.out.read()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+# the run tests/unit/conftest.py starts when collection ends, if this test was collected
+INTERPRETER_RUN = pytest.StashKey[InterpreterRun]()
+
+
+def test_kernels_under_triton_interpreter(request):
+    if not triton_installed():
         pytest.skip('triton is not installed (the test extra has it: pip install -e ".[test]")')
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-           "-o", "python_functions=check_*", str(pathlib.Path(__file__).resolve())]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
-                          check=False)
-    tail = proc.stdout[-12000:] + proc.stderr[-3000:]
-    assert proc.returncode == 0, tail
-    assert " passed" in proc.stdout and "failed" not in proc.stdout, tail
+    run = request.config.stash.get(INTERPRETER_RUN, None) or InterpreterRun()
+    code, out = run.result(timeout=900)
+    tail = out[-15000:]
+    assert code == 0, tail
+    assert " passed" in out and "failed" not in out, tail
 
 
 def test_split_and_tile_choice_is_shape_only():
