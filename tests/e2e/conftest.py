@@ -3,7 +3,9 @@
 The model folder is built once per session (config.json + model.safetensors + the SmolLM2
 tokenizer with its chat template, taken from the default GGUF). Each server is a subprocess of
 `python -m outpace.entrypoints.cli serve` on a free loopback port, started on first use and kept
-for the session (tests read metric *deltas*, so sharing one is safe when tests run serially).
+until the last test of this folder (tests read metric *deltas*, so sharing one is safe when tests
+run serially), then stopped, whether tests failed or not; a server also dies with the pytest
+process (server_helpers._die_with_parent).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ def tiny_model_dir(tmp_path_factory, default_model_path) -> Path:
     return build_tiny_llama(tmp_path_factory.mktemp("tiny_llama"), Path(default_model_path))
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def start_server(tiny_model_dir, tmp_path_factory):
     """start_server(name, extra_args, api_key) -> ServerProcess, started once per name."""
     servers: dict = {}
@@ -35,18 +37,20 @@ def start_server(tiny_model_dir, tmp_path_factory):
         assert srv.proc.poll() is None, f"server {name} died:\n{srv.log_tail()}"
         return srv
 
-    yield start
-    for srv in servers.values():
-        srv.stop()
+    try:
+        yield start
+    finally:
+        for srv in servers.values():
+            srv.stop()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def server(start_server) -> ServerProcess:
     """Plain server with an API key."""
     return start_server("plain", ["--seed", "0"], api_key=API_KEY)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def spec_server(start_server) -> ServerProcess:
     """Same model with n-gram speculation (k=3), no API key."""
     return start_server("spec", ["--seed", "0", "--spec", "ngram", "--k", "3"])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -14,6 +15,10 @@ import httpx
 REPO = Path(__file__).resolve().parents[2]
 API_KEY = "test-key"
 MAX_MODEL_LEN = 256
+# KV blocks of every test engine over the tiny model (16 tokens each, 16 KiB): 64 requests of
+# up to MAX_MODEL_LEN tokens at once. The CPU default (cpu_kv_bytes, 1 GiB, written at start-up)
+# would make each server and in-process engine cost a GiB of memory.
+NUM_KV_BLOCKS = 64 * MAX_MODEL_LEN // 16 + 1
 
 
 def build_tiny_llama(folder: Path, gguf: Path) -> Path:
@@ -40,6 +45,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _die_with_parent() -> None:
+    """In the server child before exec: on Linux, the kernel sends it SIGTERM when the pytest
+    process dies, so a run killed from outside (Ctrl-C twice, the OOM killer) leaves no server
+    behind; the fixtures stop the servers themselves otherwise."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
 class ServerProcess:
     """One `outpace serve` subprocess; its output goes to a log file (a pipe could fill up)."""
 
@@ -52,13 +68,14 @@ class ServerProcess:
         self.log_path = log_path
         cmd = [sys.executable, "-m", "outpace.entrypoints.cli", "serve", "--model", str(model_dir),
                "--device", "cpu", "--port", str(self.port), "--max-model-len",
-               str(MAX_MODEL_LEN), *extra_args]
+               str(MAX_MODEL_LEN), "--num-kv-blocks", str(NUM_KV_BLOCKS), *extra_args]
         if api_key:
             cmd += ["--api-key", api_key]
         env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
         self._log = open(log_path, "wb")
         self.proc = subprocess.Popen(cmd, cwd=str(REPO), stdout=self._log,
-                                     stderr=subprocess.STDOUT, env=env)
+                                     stderr=subprocess.STDOUT, env=env,
+                                     preexec_fn=_die_with_parent)
 
     @property
     def headers(self) -> dict:

@@ -13,7 +13,7 @@ from outpace.engine.engine import LLMEngine
 from outpace.entrypoints.cli import main
 from outpace.entrypoints.openai.server import build_app
 
-from tests.e2e.server_helpers import MAX_MODEL_LEN
+from tests.e2e.server_helpers import MAX_MODEL_LEN, NUM_KV_BLOCKS
 
 TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] | upper }}: {{ m['content'] }}"
             "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>ASSISTANT: "
@@ -24,6 +24,7 @@ def test_chats_render_with_the_given_template(tiny_model_dir, tmp_path):
     path = tmp_path / "chat.jinja"
     path.write_text(TEMPLATE)
     engine = LLMEngine.from_args(str(tiny_model_dir), device="cpu", max_model_len=MAX_MODEL_LEN,
+                                 num_kv_blocks=NUM_KV_BLOCKS,
                                  chat_template=str(path), quiet=True)
     aengine = AsyncEngine(engine)
     app = build_app(aengine, ServerConfig())

@@ -15,11 +15,12 @@ from outpace.engine.async_engine import AsyncEngine
 from outpace.engine.engine import LLMEngine
 from outpace.entrypoints.openai.server import build_app
 
-from tests.e2e.server_helpers import MAX_MODEL_LEN
+from tests.e2e.server_helpers import MAX_MODEL_LEN, NUM_KV_BLOCKS
 
 
 def test_step_failure_is_contained_then_fatal(tiny_model_dir):
     engine = LLMEngine.from_args(str(tiny_model_dir), device="cpu", max_model_len=MAX_MODEL_LEN,
+                                 num_kv_blocks=NUM_KV_BLOCKS,
                                  quiet=True)
     aengine = AsyncEngine(engine, max_consecutive_step_failures=2)
     app = build_app(aengine, ServerConfig())

@@ -16,11 +16,12 @@ from outpace.engine.async_engine import AsyncEngine
 from outpace.engine.engine import LLMEngine
 from outpace.entrypoints.openai.server import build_app
 
-from tests.e2e.server_helpers import MAX_MODEL_LEN
+from tests.e2e.server_helpers import MAX_MODEL_LEN, NUM_KV_BLOCKS
 
 
 def test_non_streaming_requests_get_final_outputs_only(tiny_model_dir):
     engine = LLMEngine.from_args(str(tiny_model_dir), device="cpu", max_model_len=MAX_MODEL_LEN,
+                                 num_kv_blocks=NUM_KV_BLOCKS,
                                  quiet=True)
     timings = []
     aengine = AsyncEngine(engine, on_finished=timings.append)

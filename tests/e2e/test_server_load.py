@@ -1,5 +1,6 @@
-"""Load: 64 concurrent streaming clients for 60 s (benchmarks/serve.py as the client): no errors,
-every request completes, and the KV blocks are back to zero after the drain."""
+"""Load: 64 concurrent streaming clients (benchmarks/serve.py as the client) for 8 s, long enough
+for several rounds of 64 requests (OUTPACE_LOAD_TEST_S sets a longer soak): no errors, every
+request completes, and the KV blocks are back to zero after the drain."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from pathlib import Path
 from tests.e2e.server_helpers import API_KEY, scrape, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
-DURATION_S = float(os.environ.get("OUTPACE_LOAD_TEST_S", "60"))
+DURATION_S = float(os.environ.get("OUTPACE_LOAD_TEST_S", "8"))
 
 
 def _bench_module():
@@ -25,7 +26,7 @@ def _bench_module():
     return mod
 
 
-def test_64_concurrent_streams_for_60s(server, tmp_path):
+def test_64_concurrent_streams(server, tmp_path):
     bench = _bench_module()
     cfg = bench.BenchConfig(base_url=server.url, model=server.model, endpoint="completions",
                             api_key=API_KEY, dataset="random", num_prompts=None,

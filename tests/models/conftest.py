@@ -53,3 +53,20 @@ def default_gguf() -> Path:
         return resolve_model(DEFAULT_MODEL, quiet=True)
     except ModelLoadError as e:
         pytest.skip(f"default model unavailable: {e}")
+
+
+@pytest.fixture(scope="package")
+def hf_default_model(default_gguf):
+    """transformers' own GGUF loading of the default model (slow: it dequantizes every tensor),
+    the reference of this folder's tests; package-scoped, so the rest of the session does not
+    hold it."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging
+    logging.disable_progress_bar()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(default_gguf.parent), gguf_file=default_gguf.name, dtype=torch.float32)
+    finally:
+        logging.enable_progress_bar()
+    return model.eval()

@@ -89,3 +89,22 @@ def test_greedy_decode_matches_transformers_generate(ours, hf_default_model):
         ref = hf_default_model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False,
                                         eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
     assert out == ref, (tok.decode(out), tok.decode(ref))
+
+
+def test_greedy_output_equals_transformers_generate(loaded_default, hf_default_model):
+    """5 chat prompts x 32 tokens, batched through the engine, == HF generate one by one."""
+    from outpace import SamplingParams
+    from tests.engine_helpers import chat_ids, make_engine, run_batch
+    eng = make_engine(loaded_default)
+    prompts = chat_ids(eng.tokenizer, ["What is the capital of France?",
+                                       "Write a haiku about the sea.",
+                                       "Explain recursion to a child in two sentences.",
+                                       "List three prime numbers.",
+                                       "Translate 'good morning' into Spanish."])
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    got = run_batch(eng, prompts, params)
+    for p, ours in zip(prompts, got):
+        with torch.inference_mode():
+            ref = hf_default_model.generate(torch.tensor([p]), max_new_tokens=32, do_sample=False,
+                                            eos_token_id=None, pad_token_id=0)[0, len(p):]
+        assert ours == ref.tolist(), eng.tokenizer.decode(ours)

@@ -33,7 +33,8 @@ def test_deleting_a_frozen_engine_frees_its_kv_pool(tiny_loaded, tiny_heads, mon
         spec = {**head_spec(tiny_heads, method, k), **opts}
     else:
         spec = {"method": method, "num_speculative_tokens": 2} if method else None
-    eng = make_engine(tiny_loaded, speculative_config=spec, num_kv_blocks=40)
+    # (2 sequence slots: the fused step captures graphs for every bucket up to max_num_seqs)
+    eng = make_engine(tiny_loaded, speculative_config=spec, num_kv_blocks=40, max_num_seqs=2)
     run_batch(eng, repetitive_prompts(2, 10),
               SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
     if with_fused_step:

@@ -25,7 +25,11 @@ from tests.speculative.spec_helpers import TINY_BLOCK, repetitive_prompts, run_w
 from tests.speculative.test_draft_plane import PlaneChecker, head_spec, waves
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-SMALL = dict(block_size=TINY_BLOCK, max_num_batched_tokens=16, num_kv_blocks=30)
+# Graphs are captured for every batch bucket up to max_num_seqs (the stand-in capture runs each
+# step once): 8 covers the at most 6 requests these tests run at once without capturing the
+# buckets up to the default 64 that no step uses.
+FEW_SEQS = dict(max_num_seqs=8)
+SMALL = dict(block_size=TINY_BLOCK, max_num_batched_tokens=16, num_kv_blocks=30, **FEW_SEQS)
 
 
 def enable_graphs(engine, k: int):
@@ -51,6 +55,16 @@ CASES = [(None, 0, {}), ("ngram", 3, {}), ("suffix", 2, {}), ("eagle3", 1, {}),
          ("eagle3", 3, {"draft_lm_head_dtype": "int8"}),
          ("mtp", 3, {"draft_lm_head_dtype": "int8"})]
 CASE_IDS = [f"{m}-k{k}" + "".join(f"-{o}" for o in opts) for m, k, opts in CASES]
+# Sync steps are launched from the host, overlapped ones chained (heads) or relaunched (host
+# drafters). What a case adds inside the graph (suffix beside n-gram: another host drafter;
+# k = 1: a draft loop of one step; the int8 draft LM head) is the same code either way, so
+# those run in one of the two; the rest in both.
+ONE_WAY = {("suffix", 2, ()): True, ("eagle3", 1, ()): True,
+           ("eagle3", 3, ("draft_lm_head_dtype",)): True,
+           ("mtp", 3, ("draft_lm_head_dtype",)): False}
+EQUAL_CASES = [(f"{cid}-{'overlap' if overlap else 'sync'}", *case, overlap)
+               for cid, case in zip(CASE_IDS, CASES) for overlap in (False, True)
+               if ONE_WAY.get((case[0], case[1], tuple(case[2])), overlap) == overlap]
 
 
 def record_drafts(engine, into: list, graphs_k=None):
@@ -73,8 +87,8 @@ def record_drafts(engine, into: list, graphs_k=None):
     runner.execute, runner.collect = execute, collect
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
-@pytest.mark.parametrize("method,k,opts", CASES, ids=CASE_IDS)
+@pytest.mark.parametrize("method,k,opts,overlap", [c[1:] for c in EQUAL_CASES],
+                         ids=[c[0] for c in EQUAL_CASES])
 def test_fused_step_equals_eager(tiny_loaded, tiny_heads, fake_graph_capture, method, k, opts,
                                  overlap):
     spec = spec_for(tiny_heads, method, k, **opts)
@@ -161,9 +175,10 @@ def test_prefill_head_graph_equals_eager(tiny_loaded, tiny_heads, fake_graph_cap
     for graphs in (False, True):
         drafts, checker = [], PlaneChecker(tiny_loaded)
         run = run_waves(tiny_loaded, [[p] for p in prompts], GREEDY, after_step=checker,
-                        overlap=False, max_num_seqs=1,
+                        overlap=False,
                         on_engine=lambda e: record_drafts(e, drafts, k if graphs else None),
-                        speculative_config=head_spec(tiny_heads, method, k), **SMALL)
+                        speculative_config=head_spec(tiny_heads, method, k),
+                        **{**SMALL, "max_num_seqs": 1})
         assert checker.entries_checked > 100
         runs.append((run, drafts))
     (eager, want), (fused, got) = runs
@@ -187,7 +202,7 @@ def test_fused_draft_loop_at_the_context_end(tiny_loaded, tiny_heads, fake_graph
     params = SamplingParams(max_tokens=512 - len(prompt), temperature=0.0, ignore_eos=True)
     outs = []
     for graphs in (False, True):
-        eng = make_engine(tiny_loaded, block_size=TINY_BLOCK, num_kv_blocks=200,
+        eng = make_engine(tiny_loaded, block_size=TINY_BLOCK, num_kv_blocks=200, max_num_seqs=1,
                           overlap=overlap, speculative_config=head_spec(tiny_heads, "eagle3", k))
         if graphs:
             enable_graphs(eng, k)
@@ -227,6 +242,14 @@ PLAIN = [SamplingParams(max_tokens=24, temperature=0.8, seed=3, ignore_eos=True)
          SamplingParams(max_tokens=24, temperature=1.2, ignore_eos=True), GREEDY]
 SAMPLED = {graph_mode.MASKED: MASKED, graph_mode.SAMPLE: PLAIN}
 SAMPLED_CASES = [(None, 0), ("ngram", 3), ("eagle3", 3), ("mtp", 2)]
+# Each drafter in both graph families (sample, masked) and both launches (sync, overlap), in
+# two of the four pairings, so that each family runs sync with two drafters and overlapped with
+# the other two (as in test_fused_penalties): what a family's graph computes does not depend on
+# how its step was launched, so the other pairings run no code these don't.
+SAMPLED_EQUAL = [(m, k, overlap, mode) for i, (m, k) in enumerate(SAMPLED_CASES)
+                 for overlap, mode in (((False, graph_mode.MASKED), (True, graph_mode.SAMPLE))
+                                       if i % 2 == 0 else
+                                       ((False, graph_mode.SAMPLE), (True, graph_mode.MASKED)))]
 
 
 def sampled_params(mode: graph_mode.GraphMode = graph_mode.MASKED) -> list:
@@ -234,9 +257,9 @@ def sampled_params(mode: graph_mode.GraphMode = graph_mode.MASKED) -> list:
     return [kinds[i % len(kinds)] for i in range(sum(len(w) for w in waves()))]
 
 
-@pytest.mark.parametrize("mode", [graph_mode.MASKED, graph_mode.SAMPLE], ids=str)
-@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
-@pytest.mark.parametrize("method,k", SAMPLED_CASES, ids=[str(m) for m, _ in SAMPLED_CASES])
+@pytest.mark.parametrize("method,k,overlap,mode", SAMPLED_EQUAL,
+                         ids=[f"{m}-{'overlap' if o else 'sync'}-{md}"
+                              for m, _, o, md in SAMPLED_EQUAL])
 def test_sampled_fused_step_equals_eager(tiny_loaded, tiny_heads, fake_graph_capture, method,
                                          k, overlap, mode):
     spec = spec_for(tiny_heads, method, k)
@@ -340,7 +363,7 @@ def test_overlap_with_arrivals_aborts_and_stops(tiny_loaded, tiny_heads, fake_gr
     eager = make_engine(tiny_loaded, speculative_config=spec)
     want = [run_batch(eager, [p], sp)[0] for p, sp in zip(prompts, plist)]
 
-    eng = make_engine(tiny_loaded, speculative_config=spec, overlap=True)
+    eng = make_engine(tiny_loaded, speculative_config=spec, overlap=True, **FEW_SEQS)
     enable_graphs(eng, k)
     got, steps = {}, 0
 
@@ -390,7 +413,7 @@ def test_steps_chain_up_to_max_tokens(tiny_loaded, tiny_heads, fake_graph_captur
         pytest.skip("force-accept needs drafts")
     spec = spec_for(tiny_heads, method, k, **({"force_accept_mean": k + 1.0} if force else {}))
     prompt = repetitive_prompts(1, 31)[0]
-    eng = make_engine(tiny_loaded, speculative_config=spec, overlap=True)
+    eng = make_engine(tiny_loaded, speculative_config=spec, overlap=True, max_num_seqs=1)
     enable_graphs(eng, k)
     eager = make_engine(tiny_loaded, speculative_config=spec)
     fused = eng.runner.fused
@@ -463,7 +486,7 @@ def test_host_launched_graphs_prime_pdl_and_chained_steps_do_not(tiny_loaded, ti
     on CPU; tests/gpu/test_pdl.py runs it.)"""
     from outpace.kernels import pdl
     eng = make_engine(tiny_loaded, speculative_config=spec_for(tiny_heads, method, k),
-                      overlap=True)
+                      overlap=True, **FEW_SEQS)
     enable_graphs(eng, k)
     fused, graphs = eng.runner.fused, eng.runner.graphs
     before = (fused.prefill.launches, graphs.varlen_replays,

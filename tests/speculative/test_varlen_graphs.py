@@ -16,8 +16,10 @@ from tests.speculative.test_draft_plane import PlaneChecker, head_spec, waves
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 # A budget of 48 tokens: prompts of ~30 tokens each, so a step holds a chunk or two beside the
-# decodes; a pool small enough to preempt.
-KW = dict(block_size=TINY_BLOCK, max_num_batched_tokens=48, num_kv_blocks=40)
+# decodes; a pool small enough to preempt. 8 sequence slots hold the waves' at most 5 requests:
+# graphs are captured for every bucket up to max_num_seqs, and a varlen graph spans every
+# slot (the default 64 would make each capture and replay attend 65 sequences).
+KW = dict(block_size=TINY_BLOCK, max_num_batched_tokens=48, num_kv_blocks=40, max_num_seqs=8)
 
 
 def spec_for(tiny_heads, method, k):

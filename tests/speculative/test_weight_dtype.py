@@ -17,7 +17,7 @@ import torch
 
 from outpace import SamplingParams
 from outpace.models.weight_dtype import store_weights_in_, weight_bytes
-from tests.engine_helpers import chat_ids, make_engine, run_batch
+from tests.engine_helpers import chat_ids, engines_made, make_engine, run_batch
 from tests.speculative.spec_helpers import dense_target, head_spec, repetitive_prompts
 
 GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
@@ -52,9 +52,13 @@ def assert_matrices_bf16(module):
 
 def assert_logits_match(ref, mixed, unrounded, cfg, ids):
     """Mixed logits == the rounded model's to 1e-5 relative; the unrounded model's are not."""
-    _, _, want = dense_target(ref, cfg, ids)
-    _, _, got = dense_target(mixed, cfg, ids)
-    _, _, far = dense_target(unrounded, cfg, ids)
+    assert_logits_close(dense_target(ref, cfg, ids)[2], dense_target(mixed, cfg, ids)[2],
+                        dense_target(unrounded, cfg, ids)[2])
+
+
+def assert_logits_close(want, got, far):
+    """got (the mixed model's logits) == want (the rounded model's) to 1e-5 relative; far (the
+    unrounded model's) are not."""
     assert got.dtype == torch.float32
     scale = want.abs().max().item()
     tol = dict(atol=1e-5 * scale, rtol=1e-5)
@@ -106,19 +110,34 @@ def test_smollm2_greedy_equals_rounded_fp32(default_model_path, loaded_default):
     weight copies in fp32) against the fp32 load with its matrices rounded."""
     from outpace.models.loader import load_model
     cpu = torch.device("cpu")
+    model, cfg, tok = loaded_default
+    prompts = chat_ids(tok, ["What is the capital of France?", "Write a haiku about rain.",
+                             "List three prime numbers."])
+    # The rounded oracle runs first and is freed before the mixed model loads: each is a
+    # whole model with its CPU weight copies, beside the session's default model.
+    ref = round_matrices_(load_model(str(default_model_path), dtype=torch.float32, device=cpu,
+                                     quiet=True)[0])
+    ref.add_cpu_weight_copies_()  # the loader's copies hold the unrounded values
+    want = run_released((ref, cfg, tok), prompts)
+    want_logits = dense_target(ref, cfg, prompts[0])[2]
+    del ref
     mixed = load_model(str(default_model_path), dtype=torch.float32,
                        weight_dtype=torch.bfloat16, device=cpu, quiet=True)
-    model, cfg, tok = loaded_default
     assert_matrices_bf16(mixed[0])
     assert mixed[0].lm_head_weight is mixed[0].embed_weight  # still tied
     ratio = weight_bytes(mixed[0]) / weight_bytes(model)
     assert 0.5 <= ratio < 0.501, ratio
-    ref = round_matrices_(load_model(str(default_model_path), dtype=torch.float32, device=cpu,
-                                     quiet=True)[0])
-    ref.add_cpu_weight_copies_()  # the loader's copies hold the unrounded values
-    prompts = chat_ids(tok, ["What is the capital of France?", "Write a haiku about rain.",
-                             "List three prime numbers."])
-    want = run_batch(make_engine((ref, cfg, tok), max_num_seqs=4), prompts, GREEDY)
-    got = run_batch(make_engine(mixed, max_num_seqs=4, **MIXED), prompts, GREEDY)
+    got = run_released(mixed, prompts, **MIXED)
     assert got == want
-    assert_logits_match(ref, mixed[0], model, cfg, prompts[0])
+    assert_logits_close(want_logits, dense_target(mixed[0], cfg, prompts[0])[2],
+                        dense_target(model, cfg, prompts[0])[2])
+
+
+def run_released(loaded, prompts, **kw) -> list:
+    """run_batch's greedy outputs from a fresh engine over `loaded` that is let go on return
+    (its leaked-blocks check done here), so that its model can be freed within the test."""
+    eng = make_engine(loaded, max_num_seqs=4, num_kv_blocks=32, **kw)  # 3 short requests
+    out = run_batch(eng, prompts, GREEDY)
+    assert not eng.has_unfinished_requests() and eng.kv.num_used_blocks == 0
+    engines_made().remove(eng)
+    return out

@@ -3,7 +3,8 @@
 TRITON_INTERPRET=1 must be set before any kernel is decorated (triton.jit reads it then), and other
 tests in this process may already have imported the kernel modules without it. So the one
 `test_*` function here reruns this file in a fresh subprocess with the variable set, where pytest
-collects the `check_*` functions instead (`-o python_functions=check_*`).
+collects the `check_*` functions instead (`-o python_functions=check_*`). The subprocess starts
+when collection ends (tests/unit/conftest.py), so that it runs beside the rest of the suite.
 
 Interpreter limits worked around here (the GPU tests cover what is left out):
   - its tl.dot on bfloat16 operands is wrong (it multiplies raw bits), so attention runs in fp32
@@ -23,6 +24,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -32,17 +34,51 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 IN_CHILD = os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def test_kernels_under_triton_interpreter():
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not installed (pip install --no-deps triton)")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-           "-o", "python_functions=check_*", str(pathlib.Path(__file__).resolve())]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
-                          check=False)
-    tail = proc.stdout[-12000:] + proc.stderr[-3000:]
-    assert proc.returncode == 0, tail
-    assert " passed" in proc.stdout and "failed" not in proc.stdout, tail
+def triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+class InterpreterRun:
+    """The subprocess that runs this file's check_* functions under TRITON_INTERPRET=1. Its
+    output goes to a file (a pipe nobody reads while the suite runs could fill up and stall
+    it); it runs torch on one thread, beside a suite that keeps the other core busy."""
+
+    def __init__(self):
+        self.out = tempfile.TemporaryFile(mode="w+")
+        env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+               "-o", "python_functions=check_*", str(pathlib.Path(__file__).resolve())]
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self.out,
+                                     stderr=subprocess.STDOUT, text=True)
+
+    def result(self, timeout: float) -> tuple:
+        """-> (exit code, output), waiting for the run at most `timeout` seconds more."""
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.stop()
+            code = "timed out"
+        self.out.seek(0)
+        return code, self.out.read()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+# the run tests/unit/conftest.py starts when collection ends, if this test was collected
+INTERPRETER_RUN = pytest.StashKey[InterpreterRun]()
+
+
+def test_kernels_under_triton_interpreter(request):
+    if not triton_installed():
+        pytest.skip('triton is not installed (the test extra has it: pip install -e ".[test]")')
+    run = request.config.stash.get(INTERPRETER_RUN, None) or InterpreterRun()
+    code, out = run.result(timeout=900)
+    tail = out[-15000:]
+    assert code == 0, tail
+    assert " passed" in out and "failed" not in out, tail
 
 
 def test_split_and_tile_choice_is_shape_only():
@@ -362,8 +398,18 @@ EXTRA = {
 }
 
 
-@pytest.mark.parametrize("prefetch", [False, True], ids=["wait-first", "prefetch"])
-@pytest.mark.parametrize("case", ATTN_CASES, ids=lambda c: f"{c[0]}-{str(c[1])[6:]}-"
+# The PREFETCH variant at one case of each composition: the one with KV splits where there is
+# one (each split's first tile is then its whole range, part of it, or empty), else the
+# non-power-of-two group or the launch bound above the real maximum. The first tile's old and
+# new columns are a property of the composition; dtype and head shape are the wait-first
+# cases' (the variant differs only in when the first tile is loaded).
+PREFETCH_CASES = [ATTN_CASES[i] for i in (0, 3, 6, 9, 12, 14, 16)]
+
+
+@pytest.mark.parametrize("case,prefetch", [(c, False) for c in ATTN_CASES]
+                         + [(c, True) for c in PREFETCH_CASES],
+                         ids=lambda c: ("prefetch" if c else "wait-first")
+                         if isinstance(c, bool) else f"{c[0]}-{str(c[1])[6:]}-"
                          f"h{c[2]}g{c[3]}d{c[4]}s{c[5]}b{c[6]}")
 def check_paged_attention(case, prefetch, monkeypatch):
     """Both kernel variants (PREFETCH: the first KV tile loaded before the PDL wait, then the
@@ -423,8 +469,11 @@ def check_harness_catches_a_wrong_kernel():
 # ----------------------------------------------------------------------------- few-row linears
 
 # (M, N, K): N and K off the block sizes; K = 600 takes several K steps with a ragged last one;
-# M = 5 and 16 take several row blocks on the broadcast path.
-LINEAR_SHAPES = [(1, 50, 72), (3, 40, 576), (5, 96, 160), (16, 40, 600)]
+# M = 5 and 16 take several row blocks on the broadcast path. The interpreter runs a kernel's
+# programs one after another, and at these sizes N only sets how many column programs there
+# are (choose_blocks' branches turn on N only from thousands of columns): so N is small, odd
+# and above 16, which leaves a ragged last program on both paths and two on the tl.dot path.
+LINEAR_SHAPES = [(1, 19, 72), (3, 17, 576), (5, 21, 160), (16, 19, 600)]
 # The fused kernels round bf16 at up to four points (the normalized input, its product with the
 # RMSNorm weight, g and u, silu and the product). The interpreter truncates at each, and since
 # truncation is biased toward zero its errors add up over K instead of cancelling: a few ulps,
@@ -460,10 +509,13 @@ def check_small_linear(shape, dtype):
     torch.testing.assert_close(y, small_linear_ref(x, w), **NORM_TOL[dtype])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 @pytest.mark.parametrize("use_dot", [False, True])
-def check_small_linear_both_paths(use_dot, dtype):
-    """The broadcast-sum and the tl.dot path at every row count of the shapes above."""
+def check_small_linear_both_paths(use_dot):
+    """The broadcast-sum and the tl.dot path at every row count of the shapes above, in fp16
+    (fp32 takes the default path at each row count in check_small_linear and the broadcast
+    path at every one in check_fp32_activations_over_bf16_weights; bf16 the broadcast path in
+    check_small_linear)."""
+    dtype = torch.float16
     for m, n, k in LINEAR_SHAPES:
         x, w, _ = _linear_inputs(m, n, k, dtype, seed=30 + m)
         y = small_linear_triton(x, w, blocks=choose_blocks(m, n, k, use_dot=use_dot))
@@ -474,7 +526,7 @@ def check_small_linear_both_paths(use_dot, dtype):
 @pytest.mark.parametrize("cfg", [(4, 4, 16, 1, 1, False), (4, 32, 64, 8, 3, False),
                                  (2, 8, 32, 1, 2, False, 32),  # several steps and a tail tile
                                  (16, 16, 32, 4, 1, True), (16, 16, 64, 1, 2, True)], ids=str)
-@pytest.mark.parametrize("shape", [(3, 50, 72), (4, 40, 600)])
+@pytest.mark.parametrize("shape", [(3, 19, 72), (4, 17, 600)])
 def check_small_linear_explicit_blocks(shape, cfg):
     """Configurations a benchmark sweep may pick: many K steps, ragged N and K tails, the norm
     statistics over several steps (one warp at K = 600)."""
@@ -488,7 +540,7 @@ def check_small_linear_explicit_blocks(shape, cfg):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("shape", [(1, 300, 576), (3, 70, 96), (2, 40, 600)])
+@pytest.mark.parametrize("shape", [(1, 37, 576), (3, 19, 96), (2, 17, 600)])
 def check_int8_linear(shape, dtype):
     """An int8 weight with a per-column scale (the broadcast path: the interpreter's bf16 tl.dot,
     which the tensor-core path uses for int8 tiles, is wrong; tests/gpu covers that path)."""
@@ -504,9 +556,9 @@ def check_int8_linear(shape, dtype):
 
 # (M, N, K, rows a program, columns a program): K = 576 is 2 steps of 256 and a masked one, 1536
 # 4 + 2 steps, 1728 4 + 4 (masked past K), 64 one step; 3 rows in a program of 4, and in three
-# one-warp programs (choose_blocks' pick at 3 rows)
-ROW_WARPS_CASES = [(2, 24, 576, 2, 2), (4, 20, 1536, 2, 4), (3, 12, 1728, 4, 2),
-                   (4, 8, 64, 2, 4), (3, 12, 576, 1, 2)]
+# one-warp programs (choose_blocks' pick at 3 rows); N: two column programs and a ragged third
+ROW_WARPS_CASES = [(2, 5, 576, 2, 2), (4, 9, 1536, 2, 4), (3, 5, 1728, 4, 2),
+                   (4, 8, 64, 2, 4), (3, 5, 576, 1, 2)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -540,8 +592,8 @@ def check_small_linear_row_warps(case, dtype):
 def check_norm_qkv_rope_store_row_warps(dtype, m, k):
     """The rope + store epilogue after a warp-a-row product (choose_blocks' own pick)."""
     import outpace.kernels.skinny_gemm as sl
-    assert sl.choose_blocks(m, 60, k, gate_up=True).rw_steps  # (3 + 2) x 24 / 2 columns
-    check_norm_qkv_rope_store(dtype, dtype, m, 3, 1, 24, k, True)
+    assert sl.choose_blocks(m, 20, k, gate_up=True).rw_steps  # (3 + 2) x 8 / 2 columns
+    check_norm_qkv_rope_store(dtype, dtype, m, 3, 1, 8, k, True)
 
 
 def check_small_linear_rejects_a_short_tail():
@@ -584,7 +636,10 @@ NORM_DTYPES = [(torch.float32,) * 3, (torch.bfloat16,) * 3,
                (torch.float32, torch.bfloat16, torch.float32)]
 
 
-@pytest.mark.parametrize("dtypes", NORM_DTYPES, ids=lambda d: "-".join(str(t)[6:] for t in d))
+# (the last of NORM_DTYPES, fp32 over a bf16 weight with an fp32 RMSNorm weight, is
+# check_fp32_activations_over_bf16_weights' norm case, on the same path)
+@pytest.mark.parametrize("dtypes", NORM_DTYPES[:3],
+                         ids=lambda d: "-".join(str(t)[6:] for t in d))
 @pytest.mark.parametrize("shape", LINEAR_SHAPES)
 def check_norm_small_linear(shape, dtypes):
     m, n, k = shape
@@ -610,8 +665,9 @@ def check_norm_small_linear_silu_mul(shape, dtypes):
                                **FUSED_TOL[x_dtype])
 
 
+# (16 rows take the tl.dot path over a bf16 weight; row blocks on the broadcast path: 5 rows)
 @pytest.mark.parametrize("use_dot", [False])  # the tl.dot path: tests/gpu/test_weight_dtype.py
-@pytest.mark.parametrize("shape", LINEAR_SHAPES)
+@pytest.mark.parametrize("shape", LINEAR_SHAPES[:3])
 def check_fp32_activations_over_bf16_weights(shape, use_dot):
     """weight_dtype: fp32 x (RMSNorm weight, residual) over a bf16 weight, on the broadcast
     path: fp32 results matching the references (fp32 over the upcast weight) to fp32
@@ -732,7 +788,9 @@ def check_argmax_race(dtype, rows, vocab, with_temp):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows,vocab,chunk", [(14, 300, 2048), (28, 300, 64), (6, 2500, 2048)])
+# 18 rows: every row kind of masked_gumbel_cases.PARAMS in one case, over five chunks; 14 rows
+# in one chunk; a vocabulary of two chunks
+@pytest.mark.parametrize("rows,vocab,chunk", [(14, 300, 2048), (18, 300, 64), (6, 2500, 2048)])
 def check_masked_race(dtype, rows, vocab, chunk, monkeypatch):
     """kernels/masked_gumbel.py against race_tokens over apply_sampling_params' masks: top-k,
     top-p, min-p and their combinations, greedy rows, ties, -inf entries, one chunk or many
@@ -744,7 +802,7 @@ def check_masked_race(dtype, rows, vocab, chunk, monkeypatch):
     from tests.unit.masked_gumbel_cases import assert_matches_reference, make_case
     monkeypatch.setattr(masked_race, "CHUNK", chunk)
     changed = 0
-    for seed in range(3):
+    for seed in range(2):  # (the seed also shifts which row kinds the rows get)
         case = make_case(rows, vocab, seed + rows, dtype)
         got = masked_race_triton(*case, pos_offset=1)
         assert_matches_reference(got, case, pos_offset=1)
@@ -754,7 +812,9 @@ def check_masked_race(dtype, rows, vocab, chunk, monkeypatch):
     assert changed >= 3
 
 
-@pytest.mark.parametrize("vocab,chunk", [(300, 64), (5000, 256), (2500, 4096)])
+# chunks: 5 (two bisection reads of SPAN), 12 (three, the last partly past the vocabulary), and
+# one chunk wider than the vocabulary
+@pytest.mark.parametrize("vocab,chunk", [(300, 64), (3000, 256), (2500, 4096)])
 def check_masked_race_top_k_mass(vocab, chunk):
     """The top-k set's mass (what top-p renormalises over when both are set), as the descent
     computes it (a bisection that skips chunks below its trial key, SPAN chunks a read,
@@ -762,7 +822,7 @@ def check_masked_race_top_k_mass(vocab, chunk):
     from outpace.kernels import next_pow2
     from outpace.kernels.masked_gumbel import SPAN
     g = torch.Generator().manual_seed(vocab)
-    for row in range(6):
+    for row in range(2):  # the second row with ties at the k-th value
         x = torch.randn(vocab, generator=g) * (1 + row)
         if row % 2:
             x = x.round()  # ties at the k-th value
@@ -888,16 +948,19 @@ def check_rope_and_store(dtype, d):
 
 
 # (activation dtype, weight dtype); the last: fp32 over bf16 weights (weight_dtype)
-@pytest.mark.parametrize("dtype,w_dtype", [(torch.float32,) * 2, (torch.bfloat16,) * 2,
-                                           (torch.float32, torch.bfloat16)], ids=str)
-@pytest.mark.parametrize("m,hq,hkv,d,k,with_norm", [(1, 4, 2, 16, 40, True),
-                                                    (3, 3, 1, 24, 72, True),
-                                                    (16, 2, 2, 8, 96, True),
-                                                    (3, 3, 1, 24, 72, False),
-                                                    # a prefill's rows (mid_rows_ok): tl.dot
-                                                    # in row blocks (fp32; bf16: broadcast)
-                                                    (33, 3, 1, 16, 64, False),
-                                                    (80, 3, 1, 16, 64, False)])
+QKV_DTYPES = [(torch.float32,) * 2, (torch.bfloat16,) * 2, (torch.float32, torch.bfloat16)]
+QKV_SHAPES = [(1, 4, 2, 16, 40, True), (3, 3, 1, 24, 72, True), (16, 2, 2, 8, 96, True),
+              (3, 3, 1, 24, 72, False)]
+# A prefill's rows (mid_rows_ok): tl.dot in row blocks of 16 (33 rows: a ragged third) and of
+# 32 (80 rows), in fp32 (the interpreter's tl.dot is wrong for a bf16 weight, which would take
+# the broadcast path here, a path no prefill takes; tests/gpu covers bf16)
+QKV_MID_ROWS = [(torch.float32, torch.float32, 33, 3, 1, 16, 64, False),
+                (torch.float32, torch.float32, 80, 3, 1, 16, 64, False)]
+
+
+@pytest.mark.parametrize("dtype,w_dtype,m,hq,hkv,d,k,with_norm",
+                         [(*dt, *shape) for shape in QKV_SHAPES for dt in QKV_DTYPES]
+                         + QKV_MID_ROWS, ids=str)
 def check_norm_qkv_rope_store(dtype, w_dtype, m, hq, hkv, d, k, with_norm):
     g = torch.Generator().manual_seed(m * d + k)
     blocks, bs = max(6, m // 4 + 3), 4
