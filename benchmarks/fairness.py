@@ -33,52 +33,68 @@ from benchmarks.common import (  # noqa: E402
 
 
 def one_run(engine, cap_label, rep: int, seed: int, a) -> dict:
-    """The stream, the long prompt's arrival, the gaps -> one row of the result."""
+    """The stream, the long prompt's arrival, the gaps -> one row of the result. cap_label
+    "none": the control, no prompt arrives and the stream is timed for --control-tokens more."""
     from outpace import SamplingParams
 
+    control = cap_label == "none"
     vocab = engine.vocab_size
     stream, long_id = f"stream-{cap_label}-{rep}", f"long-{cap_label}-{rep}"
     g = torch.Generator().manual_seed(seed)
     stream_prompt = torch.randint(0, vocab, (a.stream_prompt_tokens,), generator=g).tolist()
     long_prompt = torch.randint(0, vocab, (a.prompt_tokens,), generator=g).tolist()
-    budget = a.before + a.after + a.prompt_tokens  # a bound of 1 token a step still finishes
+    budget = a.before + a.after + max(a.prompt_tokens, a.control_tokens)  # (a bound of 1 ends)
     engine.add_request(stream, stream_prompt,
                        SamplingParams(max_tokens=budget, temperature=0.0, ignore_eos=True))
-    times, arrival, long_first, steps_after = [], None, None, 0
-    n_before = n_first = 0
+    # each stream token's wall time and the engine thread's CPU time (torch's calling thread
+    # takes its share of every parallel op and sleeps at the barrier: its CPU time is about
+    # the step's wall time on an idle machine, whoever else holds the cores)
+    times, cpu_times, arrival, long_first = [], [], None, None
+    n_before = n_first = steps = steps_to_first = 0
     while True:
+        count = len(times)
         outs = engine.step()
-        now = time.perf_counter()
-        if arrival is not None:
-            steps_after += 1
+        now, cpu_now = time.perf_counter(), time.thread_time()
+        steps += 1
         for o in outs:
             if o.request_id == stream:
-                times.extend([now] * (len(o.token_ids) - (len(times))))
+                new = len(o.token_ids) - len(times)
+                times.extend([now] * new)
+                cpu_times.extend([cpu_now] * new)
             elif o.request_id == long_id and long_first is None and o.token_ids:
-                long_first = now
+                long_first, n_first, steps_to_first = now, count, steps
         if arrival is None and len(times) >= a.before:
-            arrival = time.perf_counter()
-            n_before = len(times)
-            engine.add_request(long_id, long_prompt,
-                               SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
-        if long_first is not None and len(times) >= n_first + a.after:
+            arrival, n_before, steps = time.perf_counter(), len(times), 0
+            if control:
+                long_first, n_first = arrival, n_before
+            else:
+                engine.add_request(long_id, long_prompt,
+                                   SamplingParams(max_tokens=4, temperature=0.0,
+                                                  ignore_eos=True))
+        if long_first is not None and \
+                len(times) >= n_first + (a.control_tokens if control else a.after):
             break
-        if long_first is None:
-            n_first = len(times)
     engine.abort_request(stream)
-    engine.abort_request(long_id)
-    gaps = [(t1 - t0) * 1e3 for t0, t1 in zip(times, times[1:])]
-    # the first gap before: from the stream's prefill (its first token) to its first decode
-    normal = statistics.median(gaps[1:n_before - 1])
-    after = gaps[n_before - 1:]  # from the last token before the arrival on
-    worst = max(after)
-    during = after[:max(n_first - n_before + 1, 1)]  # up to the long prompt's first token
+    if not control:
+        engine.abort_request(long_id)
+
+    def gaps_of(ts):
+        gaps = [(t1 - t0) * 1e3 for t0, t1 in zip(ts, ts[1:])]
+        # the first gap before: from the stream's prefill (its first token) to its first decode
+        normal = statistics.median(gaps[1:n_before - 1])
+        return normal, gaps[n_before - 1:]  # after: from the last token before the arrival on
+
+    normal, after = gaps_of(times)
+    cpu_normal, cpu_after = gaps_of(cpu_times)
+    during = after if control else after[:max(n_first - n_before + 1, 1)]
     return {"max_prefill_with_decodes": cap_label, "rep": rep,
-            "median_gap_ms": round(normal, 2), "worst_gap_ms": round(worst, 2),
-            "ratio": round(worst / normal, 2),
+            "median_gap_ms": round(normal, 2), "worst_gap_ms": round(max(after), 2),
+            "ratio": round(max(after) / normal, 2),
             "mean_gap_during_prefill_ms": round(statistics.mean(during), 2),
             "p90_gap_during_prefill_ms": round(_percentile(during, 0.9), 2),
-            "long_ttft_s": round(long_first - arrival, 3), "steps_to_long_first": steps_after}
+            "cpu_ratio": round(max(cpu_after) / cpu_normal, 2),
+            "long_ttft_s": None if control else round(long_first - arrival, 3),
+            "steps_to_long_first": None if control else steps_to_first}
 
 
 def _percentile(xs: list, q: float) -> float:
@@ -88,7 +104,7 @@ def _percentile(xs: list, q: float) -> float:
 
 def build(loaded, model: str, cap):
     from outpace import LLMEngine
-    kw = {} if cap == "default" else {"max_prefill_with_decodes": cap}
+    kw = {} if cap in ("default", "none") else {"max_prefill_with_decodes": cap}
     return LLMEngine.from_args(model, device="cpu", loaded=loaded, quiet=True, **kw)
 
 
@@ -96,8 +112,9 @@ def main():
     drop_script_folder()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m", help="catalog name, .gguf or HF folder")
-    ap.add_argument("--caps", nargs="+", default=["default", "0", "64", "32", "16"],
-                    help="--max-prefill-with-decodes values; 'default': the builder's default")
+    ap.add_argument("--caps", nargs="+", default=["none", "default", "0", "32", "16"],
+                    help="--max-prefill-with-decodes values; 'default': the builder's default; "
+                    "'none': the control (the default engine, no prompt arrives)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--prompt-tokens", type=int, default=2500)
     ap.add_argument("--stream-prompt-tokens", type=int, default=32)
@@ -105,14 +122,16 @@ def main():
                     help="stream tokens before the long prompt arrives (its normal gap)")
     ap.add_argument("--after", type=int, default=4,
                     help="stream tokens timed after the long prompt's first token")
+    ap.add_argument("--control-tokens", type=int, default=150,
+                    help="the control's stream tokens timed after the arrival point")
     ap.add_argument("--threads", type=int, default=None, help="torch's CPU threads")
     ap.add_argument("--out", default=str(HERE / "results" / "latest"))
     a = ap.parse_args()
     caps = []
     for c in a.caps:
-        if c != "default" and not c.isdigit():
-            ap.error(f"--caps takes non-negative integers or 'default', got {c!r}")
-        caps.append(c if c == "default" else int(c))
+        if c not in ("default", "none") and not c.isdigit():
+            ap.error(f"--caps takes non-negative integers, 'default' or 'none', got {c!r}")
+        caps.append(c if c in ("default", "none") else int(c))
     if a.before < 4:
         ap.error("--before must be at least 4 (the normal gap is their median)")
     if a.threads:
@@ -146,6 +165,7 @@ def main():
         label = f"default ({default_cap})" if cap == "default" else cap
         mine = [r for r in rows if r["max_prefill_with_decodes"] == label]
         ratios = sorted(r["ratio"] for r in mine)
+        ttft = [r["long_ttft_s"] for r in mine if r["long_ttft_s"] is not None]
         summary.append({
             "max_prefill_with_decodes": label,
             "median_gap_ms": round(statistics.median(r["median_gap_ms"] for r in mine), 1),
@@ -154,9 +174,12 @@ def main():
             "ratio_min": ratios[0], "ratio_max": ratios[-1],
             "p90_gap_during_prefill_ms": round(statistics.median(
                 r["p90_gap_during_prefill_ms"] for r in mine), 1),
-            "long_ttft_s": round(statistics.median(r["long_ttft_s"] for r in mine), 2)})
+            "cpu_ratio_median": round(statistics.median(r["cpu_ratio"] for r in mine), 2),
+            "cpu_ratio_max": max(r["cpu_ratio"] for r in mine),
+            "long_ttft_s": round(statistics.median(ttft), 2) if ttft else None})
     cols = ["max_prefill_with_decodes", "median_gap_ms", "worst_gap_ms", "ratio_median",
-            "ratio_min", "ratio_max", "p90_gap_during_prefill_ms", "long_ttft_s"]
+            "ratio_min", "ratio_max", "p90_gap_during_prefill_ms", "cpu_ratio_median",
+            "cpu_ratio_max", "long_ttft_s"]
     print_table(summary, cols)
     path = write_result(out_file(a.out, "cpu_fairness.json"), {
         "benchmark": "cpu_fairness", "device": device_name("cpu"),
