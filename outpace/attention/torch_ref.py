@@ -3,11 +3,13 @@
 It is the oracle the Triton kernels are compared with, and the CPU engine's backend. It reads
 the host mirrors of the metadata, so it is not graph-capturable.
 
-On CPU a step where every sequence has one query token (plain decode) takes a batched path
-(see DecodePlan): a decode step is hundreds of tiny ops, so their count is what costs. So does
-a step of one sequence with a few query tokens (a verify step at batch 1, the draft head's
-first pass over it): one 4-D SDPA (the flash kernel) with a causal mask made once per step,
-where the general path builds the mask in every layer and takes SDPA's slower math kernel.
+On CPU a step where every sequence has one query token (plain decode, the lengths near
+enough) takes a batched path (see DecodePlan): a decode step is hundreds of tiny ops, so their
+count is what costs. So does a step of one sequence with a few query tokens (a verify step at
+batch 1, the draft head's first pass over it): one 4-D SDPA (the flash kernel) with a causal
+mask made once per step, where the general path builds the mask in every layer. Other steps
+(prefill chunks, chunks beside decodes) attend each sequence on the flash kernel too
+(attend_sequence_cpu); CUDA keeps the oracle's way (attend_sequence_oracle).
 """
 
 from __future__ import annotations
@@ -141,12 +143,20 @@ class DecodePlan:
 _FEW_QUERY_MAX = 16
 
 
+# A plain-decode step pads its sequences' keys to the longest one's, and every layer gathers,
+# zeroes and attends the padding; past this many padded keys a sequence on average (a long
+# context beside short ones) that costs more than a call per sequence, so the general path
+# attends each sequence over its own keys instead.
+_PADDING_PER_SEQ_MAX = 128
+
+
 def make_decode_plan(meta: AttentionMetadata, block_size: int, dtype=torch.float32,
                      group: int = 1) -> Optional[DecodePlan]:
-    """A DecodePlan when every sequence has exactly one query token, or when a single sequence
-    has a few (2.._FEW_QUERY_MAX), and the host mirrors are there (the
-    CPU engine's decode and batch-1 verify steps); None otherwise (prefill, batched verify,
-    graph metadata). dtype: the queries' (the mask's); group: query heads per KV head."""
+    """A DecodePlan when every sequence has exactly one query token (and their lengths are
+    near enough: _PADDING_PER_SEQ_MAX), or when a single sequence has a few
+    (2.._FEW_QUERY_MAX), and the host mirrors are there (the CPU engine's decode and batch-1
+    verify steps); None otherwise (prefill, batched verify, graph metadata). dtype: the
+    queries' (the mask's); group: query heads per KV head."""
     qsl, seq_lens = meta.query_start_loc_host, meta.seq_lens_host
     b = len(seq_lens)
     if b == 1 and len(qsl) == 2 and qsl[0] == 0 and 1 < qsl[1] <= min(_FEW_QUERY_MAX,
@@ -154,9 +164,11 @@ def make_decode_plan(meta: AttentionMetadata, block_size: int, dtype=torch.float
         return _few_query_plan(meta, block_size, dtype, group, qsl[1], seq_lens[0])
     if b == 0 or len(qsl) != b + 1 or qsl != list(range(b + 1)) or min(seq_lens) < 1:
         return None
+    kv_len = max(seq_lens)
+    if b * kv_len - sum(seq_lens) > _PADDING_PER_SEQ_MAX * b:
+        return None  # lengths too unequal to pad (see _PADDING_PER_SEQ_MAX)
     slots = meta.slot_mapping[:b]
     slots = torch.where(slots < 0, NULL_BLOCK * block_size, slots)
-    kv_len = max(seq_lens)
     nb = (kv_len + block_size - 1) // block_size
     table = meta.block_tables[:b, :nb]
     if b == 1:
