@@ -37,6 +37,31 @@ def _flatten_content(content, i: int) -> str:
         "content types are not supported")
 
 
+# A normalizer may compose characters (NFC: a letter and its combining marks into one), so a
+# text can be longer than the token strings it becomes; no composition takes more than this
+# many characters into one.
+_NORMALIZE_SHRINK = 4
+
+
+def _max_token_chars(hf) -> Optional[int]:
+    """The longest token string of the vocabulary (special tokens included), or None where a
+    token may stand for more text than its string spells (an unknown-token fallback: a run of
+    unknown characters, a whole unknown word).
+
+    A text's tokens, spelled out, cover the text (after normalization): in a byte-level
+    vocabulary a token's string has one character per byte, at least as many as the text it
+    decodes to; a SentencePiece piece spells its text (a space as one character, a byte
+    fallback as six)."""
+    model = getattr(getattr(hf, "_tokenizer", None), "model", None)
+    if type(model).__name__ != "BPE" or (getattr(model, "unk_token", None) is not None
+                                         and not getattr(model, "byte_fallback", False)):
+        return None
+    try:
+        return max(map(len, hf.get_vocab()), default=0) or None
+    except Exception:  # an unusual tokenizer: no bound
+        return None
+
+
 class Tokenizer:
     def __init__(self, hf_tokenizer, model_eos_ids=()):
         self.hf = hf_tokenizer
@@ -47,6 +72,7 @@ class Tokenizer:
         eos = [] if hf_tokenizer.eos_token_id is None else [hf_tokenizer.eos_token_id]
         self.eos_token_ids: tuple = tuple(dict.fromkeys([*eos, *model_eos_ids]))
         self._backend_decode = self._find_backend_decode()
+        self._max_token_chars = _max_token_chars(hf_tokenizer)
 
     def _find_backend_decode(self):
         """The `tokenizers` library's decode when it gives what transformers' decode gives.
@@ -76,6 +102,14 @@ class Tokenizer:
         except Exception:  # an unusual tokenizer: keep transformers' decode
             return None
         return backend.decode
+
+    def fewest_tokens(self, text: str) -> int:
+        """A lower bound of the tokens `text` encodes to, from its length alone: O(1), so a
+        text far past any context is refused before it is tokenized (which takes seconds for
+        megabytes). 0 where this tokenizer allows no bound (see _max_token_chars)."""
+        if self._max_token_chars is None:
+            return 0
+        return len(text) // (self._max_token_chars * _NORMALIZE_SHRINK)
 
     # ---- construction -------------------------------------------------------------------
 

@@ -3,11 +3,13 @@
 It is the oracle the Triton kernels are compared with, and the CPU engine's backend. It reads
 the host mirrors of the metadata, so it is not graph-capturable.
 
-On CPU a step where every sequence has one query token (plain decode) takes a batched path
-(see DecodePlan): a decode step is hundreds of tiny ops, so their count is what costs. So does
-a step of one sequence with a few query tokens (a verify step at batch 1, the draft head's
-first pass over it): one 4-D SDPA (the flash kernel) with a causal mask made once per step,
-where the general path builds the mask in every layer and takes SDPA's slower math kernel.
+On CPU a step where every sequence has one query token (plain decode, the lengths near
+enough) takes a batched path (see DecodePlan): a decode step is hundreds of tiny ops, so their
+count is what costs. So does a step of one sequence with a few query tokens (a verify step at
+batch 1, the draft head's first pass over it): one 4-D SDPA (the flash kernel) with a causal
+mask made once per step, where the general path builds the mask in every layer. Other steps
+(prefill chunks, chunks beside decodes) attend each sequence on the flash kernel too
+(attend_sequence_cpu); CUDA keeps the oracle's way (attend_sequence_oracle).
 """
 
 from __future__ import annotations
@@ -36,6 +38,75 @@ def causal_mask(q_len: int, kv_len: int, device) -> torch.Tensor:
     """[q_len, kv_len] bool: query i (position kv_len - q_len + i) sees kv j <= its position."""
     qpos = torch.arange(kv_len - q_len, kv_len, device=device)[:, None]
     return torch.arange(kv_len, device=device)[None, :] <= qpos
+
+
+def attend_sequence_oracle(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           scale: float) -> torch.Tensor:
+    """One sequence's attention, the oracle's way: q [n, Hq, D] (the sequence's last n
+    positions), k/v [Hkv, L, D] -> [n, Hq, D], causal. GQA without copying K/V: each KV head's
+    query group is folded into the query axis, [n, Hq, D] -> [Hkv, group * n, D], and one SDPA
+    takes an explicit causal mask."""
+    n, hq, d = q.shape
+    hkv, kv_len = k.shape[0], k.shape[1]
+    group = hq // hkv
+    qs = q.view(n, hkv, group, d).permute(1, 2, 0, 3).reshape(hkv, group * n, d)
+    mask = None if n == 1 else causal_mask(n, kv_len, q.device).repeat(group, 1)
+    o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale)
+    return o.view(hkv, group, n, d).permute(2, 0, 1, 3).reshape(n, hq, d)
+
+
+# From this many query tokens on, a CPU prefill chunk attends its cached prefix and its own
+# causal square in two flash calls (the square's masked half skipped), merged by logsumexp;
+# below it the two calls and the merge cost more than the masked half they save.
+_SPLIT_MIN_QUERIES = 256
+
+
+def attend_sequence_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        scale: float) -> torch.Tensor:
+    """attend_sequence_oracle's result on the CPU flash kernel, which SDPA takes only for 4-D
+    inputs (3-D ones, as the oracle passes, run its math kernel: several times slower on a
+    prefill chunk). q [n, Hq, D], k/v [Hkv, L, D] -> [n, Hq, D].
+
+    Queries go head-major, [Hq, n, D], which viewed as [1, Hkv, group * n, D] is the oracle's
+    fold (row g * n + i: query i of the KV head's g-th query head) without copying K/V. A
+    chunk of fewer than _SPLIT_MIN_QUERIES queries takes one call with the folded causal mask;
+    a longer one attends the prefix (keys 0 .. L - n - 1, seen by every query: no mask,
+    folded) and the chunk's own keys (causal: SDPA's is_causal over the square, its K/V
+    expanded to the query heads) separately, and the two are merged with their logsumexps."""
+    n, hq, d = q.shape
+    hkv, kv_len = k.shape[0], k.shape[1]
+    group = hq // hkv
+    qh = q.transpose(0, 1).contiguous()  # [Hq, n, D]
+    qf = qh.view(1, hkv, group * n, d)
+    kf, vf = k.unsqueeze(0), v.unsqueeze(0)
+    if n == 1:
+        o = F.scaled_dot_product_attention(qf, kf, vf, scale=scale)
+    elif n < _SPLIT_MIN_QUERIES:
+        mask = causal_mask(n, kv_len, q.device).repeat(group, 1)
+        o = F.scaled_dot_product_attention(qf, kf, vf, attn_mask=mask, scale=scale)
+    else:
+        o = _attend_split(qh, qf, kf, vf, scale)
+    return o.view(hq, n, d).transpose(0, 1)
+
+
+def _attend_split(qh, qf, kf, vf, scale: float) -> torch.Tensor:
+    """attend_sequence_cpu's two-part attention -> [Hq, n, D] (float32 for narrower inputs:
+    the caller's copy rounds once). The CPU flash kernel is called directly, not through SDPA,
+    for the logsumexp the merge needs."""
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    hq, n, d = qh.shape
+    group = hq // kf.shape[1]
+    prefix = kf.shape[2] - n
+    kd = kf[0, :, prefix:].repeat_interleave(group, 0).unsqueeze(0)  # [1, Hq, n, D]
+    vd = vf[0, :, prefix:].repeat_interleave(group, 0).unsqueeze(0)
+    o_own, lse_own = flash(qh.unsqueeze(0), kd, vd, 0.0, True, scale=scale)
+    if prefix == 0:
+        return o_own.reshape(hq, n, d)
+    o_pre, lse_pre = flash(qf, kf[:, :, :prefix], vf[:, :, :prefix], 0.0, False, scale=scale)
+    lse_pre, lse_own = lse_pre.reshape(hq, n, 1), lse_own.reshape(hq, n, 1)
+    lse = torch.logaddexp(lse_pre, lse_own)
+    return (o_pre.reshape(hq, n, d) * torch.exp(lse_pre - lse)
+            + o_own.reshape(hq, n, d) * torch.exp(lse_own - lse))
 
 
 @dataclass
@@ -72,12 +143,20 @@ class DecodePlan:
 _FEW_QUERY_MAX = 16
 
 
+# A plain-decode step pads its sequences' keys to the longest one's, and every layer gathers,
+# zeroes and attends the padding; past this many padded keys a sequence on average (a long
+# context beside short ones) that costs more than a call per sequence, so the general path
+# attends each sequence over its own keys instead.
+_PADDING_PER_SEQ_MAX = 128
+
+
 def make_decode_plan(meta: AttentionMetadata, block_size: int, dtype=torch.float32,
                      group: int = 1) -> Optional[DecodePlan]:
-    """A DecodePlan when every sequence has exactly one query token, or when a single sequence
-    has a few (2.._FEW_QUERY_MAX), and the host mirrors are there (the
-    CPU engine's decode and batch-1 verify steps); None otherwise (prefill, batched verify,
-    graph metadata). dtype: the queries' (the mask's); group: query heads per KV head."""
+    """A DecodePlan when every sequence has exactly one query token (and their lengths are
+    near enough: _PADDING_PER_SEQ_MAX), or when a single sequence has a few
+    (2.._FEW_QUERY_MAX), and the host mirrors are there (the CPU engine's decode and batch-1
+    verify steps); None otherwise (prefill, batched verify, graph metadata). dtype: the
+    queries' (the mask's); group: query heads per KV head."""
     qsl, seq_lens = meta.query_start_loc_host, meta.seq_lens_host
     b = len(seq_lens)
     if b == 1 and len(qsl) == 2 and qsl[0] == 0 and 1 < qsl[1] <= min(_FEW_QUERY_MAX,
@@ -85,9 +164,11 @@ def make_decode_plan(meta: AttentionMetadata, block_size: int, dtype=torch.float
         return _few_query_plan(meta, block_size, dtype, group, qsl[1], seq_lens[0])
     if b == 0 or len(qsl) != b + 1 or qsl != list(range(b + 1)) or min(seq_lens) < 1:
         return None
+    kv_len = max(seq_lens)
+    if b * kv_len - sum(seq_lens) > _PADDING_PER_SEQ_MAX * b:
+        return None  # lengths too unequal to pad (see _PADDING_PER_SEQ_MAX)
     slots = meta.slot_mapping[:b]
     slots = torch.where(slots < 0, NULL_BLOCK * block_size, slots)
-    kv_len = max(seq_lens)
     nb = (kv_len + block_size - 1) // block_size
     table = meta.block_tables[:b, :nb]
     if b == 1:
@@ -127,6 +208,8 @@ class TorchRefBackend(AttentionBackend):
         super().__init__(*args, **kwargs)
         self._plan_meta = None  # the metadata self._plan was made from (one step's)
         self._plan: Optional[DecodePlan] = None
+        self._runs_meta = None  # the metadata self._runs was made from (see _kv_runs)
+        self._runs: list = []
 
     def forward(self, layer, q, k, v, meta: AttentionMetadata):
         if not q.is_cuda:  # (on CUDA this backend is the oracle: keep it to the general path)
@@ -144,8 +227,9 @@ class TorchRefBackend(AttentionBackend):
         return self.attend_each(layer, q, None, None, meta)
 
     def attend_each(self, layer, q, k, v, meta: AttentionMetadata):
-        """The general path: store (unless k is None: already stored), then one SDPA per
-        sequence over its gathered pages."""
+        """The general path: store (unless k is None: already stored), then each sequence's
+        attention over its gathered pages (attend_sequence_cpu on the CPU; on CUDA, where this
+        backend is the oracle, attend_sequence_oracle)."""
         if k is not None:
             store_kv(self.kv_cache, layer, k, v, meta.slot_mapping)
         out = torch.empty_like(q)
@@ -153,23 +237,40 @@ class TorchRefBackend(AttentionBackend):
         # (a sync, which is fine for the oracle; the GPU path uses the Triton backend).
         qsl = meta.query_start_loc_host or meta.query_start_loc.tolist()  # sync-ok: oracle
         seq_lens = meta.seq_lens_host or meta.seq_lens.tolist()  # sync-ok: oracle
-        hkv, d = self.num_kv_heads, self.head_dim
-        group = self.num_heads // hkv
+        attend = attend_sequence_oracle if q.is_cuda else attend_sequence_cpu
+        # (graph metadata, without host mirrors, is one object refilled every replay: no
+        # per-step plan can be kept for it)
+        runs = None if q.is_cuda or not meta.seq_lens_host else self._kv_runs(meta, seq_lens)
         for s, kv_len in enumerate(seq_lens):
             a, b = qsl[s], qsl[s + 1]
-            n = b - a
-            if n == 0:
+            if b == a:
                 continue
-            ks, vs = gather_kv(self.kv_cache, layer, meta.block_tables[s], kv_len)
+            if runs is not None and runs[s] is not None:
+                pool = self.kv_cache[layer].flatten(1, 2)  # [K|V, slot, Hkv, D]
+                ks, vs = pool[0, runs[s]:runs[s] + kv_len], pool[1, runs[s]:runs[s] + kv_len]
+            else:
+                ks, vs = gather_kv(self.kv_cache, layer, meta.block_tables[s], kv_len)
             ks = ks.transpose(0, 1).to(q.dtype)  # [Hkv, L, D]
             vs = vs.transpose(0, 1).to(q.dtype)
-            # GQA without copying K/V: fold each KV head's query group into the query axis,
-            # [n, Hq, D] -> [Hkv, group * n, D]. (SDPA's enable_gqa is very slow on CPU.)
-            qs = q[a:b].view(n, hkv, group, d).permute(1, 2, 0, 3).reshape(hkv, group * n, d)
-            mask = None if n == 1 else causal_mask(n, kv_len, q.device).repeat(group, 1)
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=self.scale)
-            out[a:b] = o.view(hkv, group, n, d).permute(2, 0, 1, 3).reshape(n, hkv * group, d)
+            out[a:b] = attend(q[a:b], ks, vs, self.scale)
         return out
+
+    def _kv_runs(self, meta: AttentionMetadata, seq_lens: list) -> list:
+        """Per sequence, the first pool slot of its K/V where its blocks are consecutive (its
+        K/V is then a run of slots, read as a view: no copy a layer), else None; made at a
+        step's first layer (its metadata, made fresh each step with host mirrors, serves them
+        all)."""
+        if meta is not self._runs_meta:
+            bs = self.block_size
+            runs = []
+            for s, kv_len in enumerate(seq_lens):
+                nb = (kv_len + bs - 1) // bs
+                ids = meta.block_tables[s, :nb].tolist() if nb else []  # sync-ok: a CPU tensor
+                consecutive = ids and ids[0] != NULL_BLOCK and ids == list(
+                    range(ids[0], ids[0] + nb))
+                runs.append(ids[0] * bs if consecutive else None)
+            self._runs_meta, self._runs = meta, runs
+        return self._runs
 
     def decode(self, layer, q, k, v, plan: DecodePlan):
         """One query token per sequence: q [B, Hq, D], k/v [B, Hkv, D] -> [B, Hq, D]; or one

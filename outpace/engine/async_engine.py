@@ -102,10 +102,13 @@ class AsyncEngine:
 
         A text prompt or a rendered chat (`Tokenizer.render_chat`) is tokenized in the engine
         thread (the tokenizer is not shared across threads); `add_special_tokens=False` for text
-        that already holds them."""
+        that already holds them. One that is too long by its length alone is refused here,
+        before the engine thread spends a step's time or more tokenizing it."""
         if not self.healthy:
             raise EngineDeadError(f"the engine is not running ({self.dead_error!r}); "
                                   "restart the server")
+        if isinstance(prompt, (str, ChatPrompt)):
+            self.engine.check_text_length(prompt if isinstance(prompt, str) else prompt.text)
         loop = asyncio.get_running_loop()
         stream = RequestStream(request_id, self)
         timing = RequestTiming(request_id, arrival=time.monotonic())

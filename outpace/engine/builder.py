@@ -41,12 +41,17 @@ def limit_host_threads(quiet: bool = False) -> None:
 # decodes; smaller GPUs keep 2048 for activation headroom.
 _BIG_GPU_BYTES = 70 * 2**30
 
+# See default_prefill_with_decodes.
+_CPU_PREFILL_WITH_DECODES = 8
+
 
 def default_prefill_with_decodes(device: torch.device) -> int:
-    """Prefill tokens a step may carry beside decodes by default: 0, the whole budget. (A bound
-    keeps running streams' gaps short on a CPU, but the draft statistics then depend on
-    overlap; it stays an option until that is understood.)"""
-    return 0
+    """Prefill tokens a step may carry beside decodes by default. On a CPU a step's time grows
+    with every token it computes, so a bound keeps a running stream's gap near its normal one
+    while a long prompt is prefilled (docs/decisions.md, "A bound on the prefill beside decodes
+    on the CPU"); on a GPU a decode step is not slowed much by a chunk beside it: 0, the whole
+    budget."""
+    return _CPU_PREFILL_WITH_DECODES if device.type == "cpu" else 0
 
 
 def default_token_budget(device: torch.device) -> int:

@@ -60,6 +60,7 @@ class LLMEngine:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         if isinstance(prompt, str):
             text = prompt
+            self.check_text_length(prompt)
             ids = self.tokenizer.encode(prompt)
         else:
             text = None
@@ -92,6 +93,18 @@ class LLMEngine:
         self._emitted[request_id] = 0
         if self.runner.proposer is not None:
             self.runner.proposer.begin(req)
+
+    def check_text_length(self, text: str) -> None:
+        """Refuse a text prompt that holds a context's worth of tokens by its length alone
+        (Tokenizer.fewest_tokens), before it is tokenized: O(1), and safe from any thread (it
+        reads nothing that changes), so the server calls it before the engine thread sees the
+        request."""
+        n = self.tokenizer.fewest_tokens(text)
+        if n >= self.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {len(text)} characters, so at least {n} tokens, but the "
+                f"context is {self.max_model_len} tokens (prompt and output together); shorten "
+                f"the prompt", option="max_model_len")
 
     def abort_request(self, request_id: str) -> None:
         if request_id not in self._requests:

@@ -88,8 +88,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    "GPU of 70 GiB or more, else 2048)")
     p.add_argument("--max-prefill-with-decodes", type=int, default=None, metavar="N",
                    help="prefill tokens a step may carry beside running decodes, so that a long "
-                   "prompt does not stall other streams (16 on a CPU keeps their gaps under 3x); "
-                   "0: the whole budget")
+                   "prompt does not stall other streams (default: 8 on a CPU, 0 on a GPU); 0: "
+                   "the whole budget")
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="do not reuse the KV cache of prompt prefixes seen before")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")

@@ -60,15 +60,18 @@ class ServerProcess:
     """One `outpace serve` subprocess; its output goes to a log file (a pipe could fill up)."""
 
     def __init__(self, model_dir: Path, extra_args: list, log_path: Path,
-                 api_key: str | None = None):
+                 api_key: str | None = None, max_model_len: int | None = MAX_MODEL_LEN):
+        """max_model_len: --max-model-len, or None for none (the model's context)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
         self.model = str(model_dir)
         self.log_path = log_path
         cmd = [sys.executable, "-m", "outpace.entrypoints.cli", "serve", "--model", str(model_dir),
-               "--device", "cpu", "--port", str(self.port), "--max-model-len",
-               str(MAX_MODEL_LEN), "--num-kv-blocks", str(NUM_KV_BLOCKS), *extra_args]
+               "--device", "cpu", "--port", str(self.port), "--num-kv-blocks",
+               str(NUM_KV_BLOCKS), *extra_args]
+        if max_model_len is not None:
+            cmd += ["--max-model-len", str(max_model_len)]
         if api_key:
             cmd += ["--api-key", api_key]
         env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}

@@ -226,3 +226,43 @@ def test_vocab_size_counts_the_added_tokens(tmp_path):
     tok = Tokenizer.from_folder(tmp_path)
     assert AutoTokenizer.from_pretrained(tmp_path).vocab_size == 3
     assert tok.vocab_size == 4 and tok.decode([3], skip_special_tokens=False) == "<tool>"
+
+
+def test_no_length_bound_with_an_unknown_token_fallback(folder):
+    """A word-level vocabulary makes any unknown word, however long, one <unk>: no bound."""
+    tok = Tokenizer.from_folder(folder)
+    assert len(tok.encode("x" * 5000)) == 1
+    assert tok.fewest_tokens("x" * 5000) == 0
+
+
+def test_fewest_tokens_is_a_lower_bound(loaded_default):
+    """The default (byte-level) tokenizer: fewest_tokens never exceeds the real count, on texts
+    of its longest tokens, whitespace and symbol runs, special tokens' text, combining marks and
+    multi-byte characters; a 3.9 MB text is past any context without being tokenized."""
+    tok = loaded_default[2]
+    vocab = tok.hf.get_vocab()
+    longest = sorted(vocab, key=len)[-40:]  # the longest tokens' texts, back to back
+    texts = ["".join(tok.decode([vocab[t]], skip_special_tokens=False) for t in longest) * 20,
+             tok.decode([vocab[max(vocab, key=len)]]) * 60, " " * 5000, "#" * 8000,
+             "\n\t " * 2000, "<|im_start|>user\n" * 300, "e\u0301a\u0308" * 1500,
+             "héllo wörld, 你好世界 🙂 " * 300, "".join(chr(i) for i in range(32, 3000))]
+    for text in texts:
+        n = len(tok.encode(text))
+        assert 0 < tok.fewest_tokens(text) <= n, (text[:40], n)
+    assert tok.fewest_tokens("a" * 3_900_000) > 8192
+    # its premise: no token decodes to more characters than the bound's longest token
+    longest_text = max(len(tok.decode([i], skip_special_tokens=False))
+                       for i in range(len(vocab)))
+    assert longest_text == tok._max_token_chars
+
+
+def test_engine_refuses_a_huge_text_before_tokenizing(loaded_default):
+    """LLMEngine.add_request: a text past the context by its length alone is refused by the
+    length check (its message counts characters; the check after tokenizing counts tokens)."""
+    from tests.engine_helpers import make_engine
+    eng = make_engine(loaded_default, num_kv_blocks=64)
+    with pytest.raises(InvalidRequestError, match="3900000 characters, so at least"):
+        eng.add_request("huge", "a" * 3_900_000)
+    assert not eng.has_unfinished_requests()
+    with pytest.raises(InvalidRequestError, match=r"the prompt has \d+ tokens"):
+        eng.add_request("long", "hello " * 1100)  # past the pool's context, not its length

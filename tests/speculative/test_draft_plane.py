@@ -30,7 +30,10 @@ from tests.speculative.spec_helpers import (TINY_BLOCK, ChainRecorder, dense_cha
                                      engine_draft_plane, repetitive_prompts, run_waves)
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-SMALL = dict(block_size=TINY_BLOCK, max_num_batched_tokens=16, num_kv_blocks=30)
+# (whole-budget prefill chunks beside decodes, not the CPU default's bound: the scenarios'
+# preemptions come from them)
+SMALL = dict(block_size=TINY_BLOCK, max_num_batched_tokens=16, num_kv_blocks=30,
+             max_prefill_with_decodes=0)
 DRAFTER_RAISED = "the drafter raised"
 
 

@@ -2,7 +2,8 @@
 single request's prefill graph serves (several prefill chunks, chunks beside decodes) replays
 a graph of T tokens over every sequence slot, padded with sequences of its own. On CPU with the
 fake_graph_capture stand-in: outputs, statistics and the draft plane equal the eager engine's,
-with and without drafters, chunked prefill, prefix hits and preemption."""
+with and without drafters, chunked prefill, prefix hits and preemption (the statistics up to
+the preemptions a chained step's reserved blocks add: check_draft_stats)."""
 
 from __future__ import annotations
 
@@ -34,6 +35,26 @@ def with_graphs(engine, k: int):
     engine.runner.enable_cuda_graphs(tuple(range(1, k + 2)), capture_fused=True)
 
 
+def check_draft_stats(graphed: dict, eager: dict, k: int, overlap: bool) -> None:
+    """The draft statistics are the eager engine's when both preempted as often. With overlap a
+    chained step's blocks are reserved at its launch, for every draft accepted
+    (Scheduler.reserve_chained), so in a pool this small the graphed engine may preempt more:
+    a request recomputed after a preemption gets its next token from that prefill, not from a
+    verify step, so each extra preemption may take one draft step (up to k drafts, and what
+    they would have accepted) off the counts, and can add none."""
+    extra = graphed["num_preemptions_total"] - eager["num_preemptions_total"]
+    if extra == 0:
+        assert graphed["spec"] == eager["spec"]
+        return
+    assert overlap and extra > 0, (graphed["num_preemptions_total"],
+                                   eager["num_preemptions_total"])
+    got, want = graphed["spec"], eager["spec"]
+    assert 0 <= want["num_drafts"] - got["num_drafts"] <= extra, (got, want)
+    assert 0 <= want["num_draft_tokens"] - got["num_draft_tokens"] <= k * extra, (got, want)
+    assert 0 <= want["num_accepted_tokens"] - got["num_accepted_tokens"] <= k * extra, \
+        (got, want)
+
+
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
 @pytest.mark.parametrize("method,k", [(None, 0), ("ngram", 3), ("eagle3", 3), ("mtp", 2)])
 def test_varlen_graphs_equal_eager(tiny_loaded, tiny_heads, fake_graph_capture, method, k,
@@ -46,7 +67,7 @@ def test_varlen_graphs_equal_eager(tiny_loaded, tiny_heads, fake_graph_capture, 
     graphed = run_waves(tiny_loaded, waves(), GREEDY, speculative_config=spec, overlap=overlap,
                         on_engine=lambda e: with_graphs(e, k), after_step=checker, **KW)
     assert graphed.outputs == eager.outputs
-    assert graphed.stats["spec"] == eager.stats["spec"]
+    check_draft_stats(graphed.stats, eager.stats, k, overlap)
     graphs = graphed.engine.runner.graphs
     # VARLEN_TOKENS up to the input buffers' rows, and that many too
     rows = graphed.engine.runner.inputs.max_tokens

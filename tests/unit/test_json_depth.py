@@ -12,6 +12,8 @@ def test_depth_counts_brackets_outside_strings():
     assert json_depth('{"a": [1, {"b": "[[[[ {{"}]}') == 3
     assert json_depth('{"a": "x\\"y[", "b": [[[1]]]}') == 4  # an escaped quote in a string
     assert json_depth("[" * 100 + "]" * 100) == MAX_JSON_DEPTH + 1  # stops counting early
+    assert json_depth('[["a\\\\", "[", "b\\\\\\"]"]]') == 2  # escaped backslashes, quotes
+    assert json_depth('[["abc\\') == 2  # ends inside a string, on a lone backslash
 
 
 def test_unterminated_strings_take_linear_time():

@@ -136,3 +136,16 @@ def test_few_query_reads_consecutive_blocks_in_place(contiguous):
 def test_no_plan_past_the_few_query_bound():
     b = make_batch([(17, 30)], 3, 3, 64, torch.float32, "cpu")
     assert make_decode_plan(b.meta, 16) is None
+
+
+def test_no_plan_for_lengths_too_unequal_to_pad():
+    """A long context beside short ones: padding every sequence to it would cost more than
+    attending each over its own keys (the general path, whose outputs are checked in
+    test_torch_ref_prefill.py)."""
+    from outpace.attention.torch_ref import _PADDING_PER_SEQ_MAX as most
+    assert make_decode_plan(make_batch([(1, 40), (1, 2500)], 3, 3, 64, torch.float32,
+                                       "cpu").meta, 16) is None
+    near = [(1, 300), (1, 300 - 2 * most)]  # on average `most` padded keys a sequence
+    assert make_decode_plan(make_batch(near, 3, 3, 64, torch.float32, "cpu").meta, 16)
+    far = [(1, 300), (1, 300 - 2 * most - 1)]
+    assert make_decode_plan(make_batch(far, 3, 3, 64, torch.float32, "cpu").meta, 16) is None

@@ -275,9 +275,12 @@ def _reject_constant(name):
 
 MAX_JSON_DEPTH = 32  # an OpenAI request nests 5 levels at most (tools' schemas a few more)
 # a string, or an unterminated one to the end of the text: every attempt succeeds at once, so
-# the scan stays linear whatever the body (a pattern that can fail re-reads the rest each time)
-_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*(?:"|\Z)', re.S)
+# the scan stays linear whatever the body (a pattern that can fail re-reads the rest each time);
+# runs of plain characters are taken whole, not a character per alternation (megabytes of
+# prompt are scanned on the event loop)
+_JSON_STRING = re.compile(r'"[^"\\]*(?:\\(?:.|\Z)[^"\\]*)*(?:"|\Z)', re.S)
 _NOT_BRACKET = re.compile(r"[^\[\]{}]+")
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
 
 def json_depth(text: str) -> int:
@@ -314,8 +317,11 @@ def parse_body(body: bytes) -> dict:
         raise APIError(400, f"the request body is not valid JSON: {e}")
     if not isinstance(obj, dict):
         raise APIError(400, f"the request body must be a JSON object, not {type(obj).__name__}")
-    try:  # "\ud800" is valid JSON but no tokenizer can take a lone surrogate
-        json.dumps(obj, ensure_ascii=False).encode("utf-8")
+    # "\ud800" is valid JSON but no tokenizer can take a lone surrogate. Decoded UTF-8 holds
+    # none, so only a \u escape can make one: bodies without such an escape skip the check.
+    try:
+        if _SURROGATE_ESCAPE.search(text):
+            json.dumps(obj, ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError:
         raise APIError(400, "the request holds an unpaired UTF-16 surrogate (\\ud800-\\udfff); "
                        "send valid Unicode text")
