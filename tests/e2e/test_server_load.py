@@ -37,7 +37,9 @@ def test_64_concurrent_streams(server, tmp_path):
     (tmp_path / "load.json").write_text(json.dumps(s, indent=2))
     print("\nload:", json.dumps({k: v for k, v in s.items() if k not in ("config", "errors")}))
     assert s["failed"] == 0, s["errors"]
-    assert s["completed"] == s["num_requests"] > 64
+    # the 64 concurrent requests at least (more when the machine is quick enough to start a
+    # second wave within the duration)
+    assert s["completed"] == s["num_requests"] >= 64
     assert s["total_output_tokens"] == 32 * s["completed"]
     after = wait_for(lambda: (lambda m: m if m["outpace:kv_cache_blocks_used"] == 0
                               and m["outpace:num_requests_running"] == 0
