@@ -228,7 +228,10 @@ def test_ctrl_c_while_the_model_loads_is_no_traceback(default_model_path):
         [sys.executable, "-m", "outpace", "generate", "Write a long story about a dragon.",
          "--model", str(default_model_path), "--device", "cpu", "--quiet", "--max-tokens", "400"],
         cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, "PYTHONPATH": str(repo)})
+        env={**os.environ, "PYTHONPATH": str(repo)},
+        # a shell's background job ignores SIGINT, and a child inherits that: Ctrl-C's own
+        # disposition for the CLI, as in a terminal
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     time.sleep(0.8)  # past the argument checks, while torch and the model load
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)
