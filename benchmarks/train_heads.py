@@ -65,7 +65,7 @@ def phase_train(args, loaded) -> dict:
     prompts = read_prompts(DATA, limit=args.max_prompts)
     t = time.monotonic()
     regenerate(args.gguf, prompts, cache, loaded=loaded, device=args.device,
-               max_tokens=args.answer_tokens, samples=0, seed=0,
+               max_tokens=args.answer_tokens, samples=0, seed=args.seed,
                temperature=args.temperature)
     greedy_s = time.monotonic() - t
     log(f"greedy answers: {greedy_s:.0f} s")
@@ -73,7 +73,7 @@ def phase_train(args, loaded) -> dict:
     if args.samples and greedy_s < args.max_regen_s / (1 + args.samples):
         t = time.monotonic()
         regenerate(args.gguf, prompts, cache, loaded=loaded, device=args.device,
-                   max_tokens=args.answer_tokens, samples=args.samples, seed=0,
+                   max_tokens=args.answer_tokens, samples=args.samples, seed=args.seed,
                    temperature=args.temperature)
         samples = args.samples
         log(f"sampled answers: {time.monotonic() - t:.0f} s")
@@ -108,6 +108,7 @@ def phase_train(args, loaded) -> dict:
                               answer_tokens=args.answer_tokens, holdout=args.holdout,
                               temperature=args.temperature, loop_tokens=args.loop_tokens,
                               epochs=args.epochs, max_minutes=minutes, save_every=200,
+                              seed=args.seed,
                               warmup=0.01, max_prompts=args.max_prompts, device=args.device,
                               resume=str(work / name) if args.resume else None,
                               compile=args.compile, init_head=init_head(args, method),
@@ -301,7 +302,9 @@ def phase_bench(args, loaded) -> dict:
     from outpace.training.selfdistill import prompt_ids, read_prompts
     tok = loaded[2]
     mt = [prompt_ids(tok, p["prompt"]) for p in read_prompts(PROMPTS / "mtbench.jsonl")]
-    sets = {1: mt[:args.b1_requests], 32: mt[:64], 128: (mt * 2)[:128]}
+    # batch 32 and 128 run several waves (the prompts repeat, prefix caching off): one or two
+    # waves last well under a second, within the spread between processes
+    sets = {1: mt[:args.b1_requests], 32: (mt * 4)[:256], 128: (mt * 5)[:384]}
     sets = {b: ps for b, ps in sets.items() if b in args.batches}
     heads = {m: head_dir(args, m) for m in ("eagle3", "mtp")}
     configs = [("no-spec", None)]
@@ -363,6 +366,8 @@ def main():
     ap.add_argument("--answer-tokens", type=int, default=384)
     ap.add_argument("--samples", type=int, default=2)
     ap.add_argument("--temperature", type=float, default=0.8, help="of the sampled answers")
+    ap.add_argument("--seed", type=int, default=0,
+                    help="the sampled answers and the data order (another seed: other answers)")
     ap.add_argument("--loop-tokens", type=int, default=64,
                     help="answer tokens kept once an answer loops (-1: all)")
     ap.add_argument("--draft-vocab", type=int, default=8192)

@@ -4,6 +4,9 @@ acceptance floor, so a broken or random head fails here."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from outpace import SamplingParams
@@ -13,11 +16,13 @@ from outpace.models.shipped_heads import (HEADS_DIR, SHIPPED, catalog_name_of, s
                                           with_shipped_head)
 from tests.engine_helpers import chat_ids, engines_made, make_engine, run_batch_outputs
 
-# The shipped heads reach a mean acceptance length of 2.64 (EAGLE-3, k = 5) and 1.48 (MTP,
-# k = 3) on 80 MT-bench prompts x 256 tokens (docs/performance.md), 1.87 and 1.22 on this test's
-# three prompts x 48 tokens (CPU fp32); random heads reach ~1.0, and the EAGLE-3 head shipped
-# before it 1.62, so a broken or an older head fails here.
-FLOOR = {"eagle3": 1.75, "mtp": 1.15}
+PROMPTS = Path(__file__).resolve().parents[2] / "benchmarks" / "prompts" / "mtbench.jsonl"
+
+# The shipped heads reach a mean acceptance length of 2.79 (EAGLE-3, k = 5) and 1.48 (MTP,
+# k = 3) on 80 MT-bench prompts x 256 tokens (docs/performance.md); on this test's eight prompts
+# (the first of each MT-bench category) x 256 tokens, CPU fp32, 2.67 and 1.44. Random heads
+# reach ~1.0, so a broken head fails here; the EAGLE-3 floor is issue 33's.
+FLOOR = {"eagle3": 2.5, "mtp": 1.3}
 
 
 def test_every_shipped_head_is_in_the_package_and_small():
@@ -57,19 +62,14 @@ def test_the_default_model_file_is_recognised(default_model_path):
         str(HEADS_DIR / "smollm2-135m-mtp")
 
 
-MT_BENCH = ["Compose an engaging travel blog post about a recent trip to Hawaii, highlighting "
-            "cultural experiences and must-see attractions.",
-            "Draft a professional email seeking your supervisor's feedback on the 'Quarterly "
-            "Financial Report' you prepared. Ask specifically about the data analysis, "
-            "presentation style, and the clarity of conclusions drawn. Keep the email short "
-            "and to the point.",
-            "Imagine you are writing a blog post comparing two popular smartphone models. "
-            "Develop an outline for the blog post, including key points and subheadings to "
-            "effectively compare and contrast the features, performance, and user experience "
-            "of the two models. Please answer in fewer than 200 words."]
+def mt_bench_spread() -> list:
+    """The first turn of the first prompt of each MT-bench category (the file is ordered by
+    category: 80 prompts, 10 a category)."""
+    rows = [json.loads(line) for line in PROMPTS.read_text(encoding="utf-8").splitlines()]
+    return [r["prompt"] for r in rows[::10]]
 
 
-PARAMS = SamplingParams(max_tokens=48, temperature=0.0)
+PARAMS = SamplingParams(max_tokens=256, temperature=0.0)
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +78,7 @@ def plain_outputs(loaded_default) -> list:
     engine let go here (its leaked-blocks check too) rather than kept by the test helpers'
     registry until the session ends."""
     eng = make_engine(loaded_default)
-    outs = run_batch_outputs(eng, chat_ids(loaded_default[2], MT_BENCH), PARAMS)
+    outs = run_batch_outputs(eng, chat_ids(loaded_default[2], mt_bench_spread()), PARAMS)
     assert eng.kv.num_used_blocks == 0
     engines_made().remove(eng)
     return [o.token_ids for o in outs]
@@ -88,7 +88,7 @@ def plain_outputs(loaded_default) -> list:
 @pytest.mark.parametrize("method,k", [("eagle3", 5), ("mtp", 3)])
 def test_shipped_head_is_lossless_and_reaches_its_acceptance_floor(loaded_default, plain_outputs,
                                                                     method, k):
-    prompts = chat_ids(loaded_default[2], MT_BENCH)
+    prompts = chat_ids(loaded_default[2], mt_bench_spread())
     params = PARAMS
     plain = plain_outputs
     # the catalog name: the engine finds the shipped head itself
