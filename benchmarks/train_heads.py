@@ -311,6 +311,9 @@ def phase_bench(args, loaded) -> dict:
     for k in args.eagle_ks:
         configs.append((f"eagle3-k{k}", {"method": "eagle3", "model": str(heads["eagle3"]),
                                          "num_speculative_tokens": k}))
+    for k in args.cost_ks:  # the draft-length cost model, each request's k in 0..K
+        configs.append((f"eagle3-cost-k{k}", {"method": "eagle3", "model": str(heads["eagle3"]),
+                                              "num_speculative_tokens": k, "adaptive": "cost"}))
     for k in args.mtp_ks:
         configs.append((f"mtp-k{k}", {"method": "mtp", "model": str(heads["mtp"]),
                                       "num_speculative_tokens": k}))
@@ -325,7 +328,7 @@ def phase_bench(args, loaded) -> dict:
     for b, ps in sets.items():
         _run(eng, ps[:max(b, 1)], b, 16)
     del eng
-    rows = []
+    rows, tables = [], {}
     for name, spec in configs:
         if left(args) < 25:
             log(f"bench: out of time before {name}")
@@ -336,6 +339,9 @@ def phase_bench(args, loaded) -> dict:
                                   quiet=True)
         for b, ps in sets.items():
             _run(eng, ps[:b], b, 8 if b < 128 else args.bench_tokens)  # warm-up
+        table = step_time_table(eng)
+        if table:
+            tables[name] = table
         for b, ps in sets.items():
             runs = sorted((_run(eng, ps, b, args.bench_tokens) for _ in range(args.reps)),
                           key=lambda r: r["tok_s"])
@@ -349,7 +355,24 @@ def phase_bench(args, loaded) -> dict:
     for r in rows:
         r["vs_no_spec"] = round(r["tok_s"] / base[r["batch"]], 3) if r["batch"] in base else None
     return {"rows": rows, "max_tokens": args.bench_tokens, "reps": args.reps,
-            "b1_requests": args.b1_requests}
+            "b1_requests": args.b1_requests, "step_times": tables}
+
+
+def step_time_table(engine) -> dict:
+    """The cost model's step-time table of an engine that has one (`"adaptive": "cost"`), in
+    microseconds: verify[bucket][q], draft[bucket][m], per_draft[k]; {} otherwise."""
+    proposer = engine.runner.proposer
+    model = proposer.policy.cost_model if proposer is not None else None
+    table = getattr(model, "table", None)
+    if table is None:
+        return {}
+    us = lambda t: round(t * 1e6, 1)  # noqa: E731
+    out = {"verify": {}, "draft": {}, "per_draft": [us(t) for t in table.per_draft]}
+    for (b, q), t in sorted(table.verify.items()):
+        out["verify"].setdefault(str(b), {})[str(q)] = us(t)
+    for (b, m), t in sorted(table.draft.items()):
+        out["draft"].setdefault(str(b), {})[str(m)] = us(t)
+    return out
 
 
 def main():
@@ -409,6 +432,9 @@ def main():
     ap.add_argument("--variant-prompts", type=int, default=80)
     ap.add_argument("--eagle-ks", type=int, nargs="+", default=[1, 2, 3, 4, 5])
     ap.add_argument("--mtp-ks", type=int, nargs="+", default=[1, 2, 3])
+    ap.add_argument("--cost-ks", type=int, nargs="*", default=[],
+                    help="bench EAGLE-3 with the draft-length cost model (adaptive='cost') up to "
+                         "each K; its step-time table goes into the JSON")
     args = ap.parse_args()
     args.heads = args.heads.split(",")
     args.aux_layers = [tuple(int(i) for i in a.split(",")) for a in args.aux_layers]
