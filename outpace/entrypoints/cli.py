@@ -522,6 +522,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--plot", default=None, help="PNG of acceptance per position")
     e.add_argument("--quiet", action="store_true", help="no progress output")
     e.set_defaults(func=cmd_eval_draft)
+    from outpace.bench import add_bench_command  # bench latency | throughput | serve
+    add_bench_command(sub)
     return p
 
 

@@ -126,8 +126,13 @@ def test_help_shows_every_default():
     parser = build_parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     assert set(sub.choices) == {"generate", "chat", "serve", "init-draft", "train-draft",
-                                "eval-draft"}
-    for name, sp in sub.choices.items():
+                                "eval-draft", "bench"}
+    bench = next(a for a in sub.choices["bench"]._actions
+                 if isinstance(a, argparse._SubParsersAction))
+    assert set(bench.choices) == {"latency", "throughput", "serve"}
+    commands = {**{n: sp for n, sp in sub.choices.items() if n != "bench"},
+                **{f"bench {n}": sp for n, sp in bench.choices.items()}}
+    for name, sp in commands.items():
         text = re.sub(r"\s+", " ", sp.format_help())
         for a in sp._actions:
             if isinstance(a, argparse._HelpAction):

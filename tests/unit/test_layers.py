@@ -11,7 +11,8 @@ PKG = Path(__file__).resolve().parents[2] / "outpace"
 # Lower rank = lower layer. Core modules (config, types, errors, tokenizer) and heads/ hold no
 # layer logic and may be imported from anywhere.
 RANK = {"kernels": 0, "attention": 1, "models": 2, "kvcache": 2, "sample": 2, "speculative": 3,
-        "scheduler": 4, "runner": 4, "engine": 5, "entrypoints": 6, "training": 6}
+        "scheduler": 4, "runner": 4, "engine": 5, "entrypoints": 6, "training": 6,
+        "bench": 6}
 
 
 def _imports(path: Path):
