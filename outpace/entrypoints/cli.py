@@ -53,40 +53,47 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2-135m",
+    """The engine's flags; their defaults are EngineArgs' (engine/args.py)."""
+    from outpace.engine.args import EngineArgs
+    d = EngineArgs()
+    p.add_argument("--model", default=d.model,
                    help="catalog name (smollm2-135m), Hugging Face folder, .gguf file, or "
                    "Hugging Face model id (owner/name, fetched into the Hugging Face cache)")
-    p.add_argument("--download-dir", default=None, metavar="DIR",
+    p.add_argument("--download-dir", default=d.download_dir, metavar="DIR",
                    help="the cache Hugging Face model ids are fetched into and looked up in "
                    "(default: Hugging Face's: HF_HUB_CACHE, else ~/.cache/huggingface/hub)")
-    p.add_argument("--device", default="auto", help="cpu or cuda (auto: cuda when available)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
+    p.add_argument("--device", default=d.device,
+                   help="cpu or cuda (auto: cuda when available)")
+    p.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "float16", "bfloat16"],
                    help="activations, arithmetic and (unless --kv-cache-dtype) the KV cache "
                    "(auto: float32 on CPU, bfloat16 on CUDA)")
-    p.add_argument("--weight-dtype", default="auto",
+    p.add_argument("--weight-dtype", default=d.weight_dtype,
                    choices=["auto", "float32", "float16", "bfloat16"],
                    help="storage of the weight matrices (auto: --dtype); --dtype float32 "
                    "--weight-dtype bfloat16: bf16 weight memory, fp32 arithmetic")
-    p.add_argument("--kv-cache-dtype", default="auto",
+    p.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype,
                    choices=["auto", "float32", "float16", "bfloat16"],
                    help="the KV cache's dtype (auto: --dtype); with --dtype float32, bfloat16 "
                    "keeps bf16's cache size and attention bytes")
-    p.add_argument("--max-model-len", type=int, default=None,
+    p.add_argument("--max-model-len", type=int, default=d.max_model_len,
                    help="context length, prompt + output (default: the model's "
                    "max_position_embeddings, or what the KV cache holds if less)")
-    p.add_argument("--num-kv-blocks", type=int, default=None,
+    p.add_argument("--num-kv-blocks", type=int, default=d.num_kv_blocks,
                    help="KV pool size in blocks, counting the reserved block 0 (default: sized "
                    "from memory)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="SHARE",
+    p.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
+                   metavar="SHARE",
                    help="as in vLLM: the share of the GPU's total memory the engine may use, in "
                    "(0, 1]; the KV pool gets what the weights and a step's activations leave "
                    "of it (default: 0.85 of the memory free once the weights load; ignored on "
                    "CPU, whose pool is 1 GiB or --num-kv-blocks)")
-    p.add_argument("--max-num-seqs", type=int, default=64, help="requests running at once")
-    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
+                   help="requests running at once")
+    p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
                    help="tokens a step may hold, prefill chunks and decodes (default: 8192 on a "
                    "GPU of 70 GiB or more, else 2048)")
-    p.add_argument("--max-prefill-with-decodes", type=int, default=None, metavar="N",
+    p.add_argument("--max-prefill-with-decodes", type=int, default=d.max_prefill_with_decodes,
+                   metavar="N",
                    help="prefill tokens a step may carry beside running decodes, so that a long "
                    "prompt does not stall other streams (default: 8 on a CPU, 0 on a GPU); 0: "
                    "the whole budget")
@@ -95,12 +102,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--no-overlap", action="store_true",
                    help="read each decode step's outputs before launching the next")
-    p.add_argument("--seed", type=int, default=0,
+    p.add_argument("--seed", type=int, default=d.seed,
                    help="torch's seed and the source of requests' sampling seeds")
     p.add_argument("--spec", default=None, choices=["ngram", "suffix", "mtp", "eagle3"],
                    help="speculative decoding method (default: none)")
-    p.add_argument("--draft", default=None, help="draft head folder (mtp, eagle3; default: the head shipped for the "
-                   "model, if any)")
+    p.add_argument("--draft", default=None, help="draft head folder (mtp, eagle3; default: the "
+                   "head shipped for the model, if any)")
     p.add_argument("--k", type=int, default=None, help="draft tokens per step (default: 3)")
     p.add_argument("--spec-option", action="append", default=[], metavar="KEY=VALUE",
                    help="extra speculative option (repeatable), e.g. "
@@ -109,7 +116,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help='the whole speculative config as JSON, as vLLM takes it, e.g. '
                         '\'{"method": "eagle3", "num_speculative_tokens": 2}\' (instead of '
                         '--spec and its flags)')
-    p.add_argument("--chat-template", default=None, metavar="FILE_OR_STRING",
+    p.add_argument("--chat-template", default=d.chat_template, metavar="FILE_OR_STRING",
                    help="a Jinja chat template (a file, or the template itself) in place of the "
                    "model's")
     p.add_argument("--quiet", action="store_true", help="no progress output")
@@ -199,23 +206,26 @@ def sampling_params(a: argparse.Namespace):
         raise spelled(e, SAMPLING_FLAGS) from None
 
 
-def check_engine(a: argparse.Namespace, kwargs: dict, **more) -> None:
-    """The engine's arguments checked before torch or the model loads (engine/preflight.py),
-    so a wrong flag is an error at once; the error names the flag."""
+def engine_args(a: argparse.Namespace, **more):
+    """The command line's EngineArgs (`more`: a command's own engine arguments), checked before
+    torch or the model loads (engine/preflight.py), so a wrong flag is an error at once; the
+    error names the flag."""
+    from outpace.engine.args import EngineArgs
     from outpace.engine.preflight import check_engine_args
     try:
-        check_engine_args(a.model, **kwargs, **more)
+        args = EngineArgs(model=a.model, **engine_kwargs(a), **more)
+        check_engine_args(args)
     except OutpaceError as e:
         raise spelled(e, engine_flags(a)) from None
+    return args
 
 
 def load_engine(a: argparse.Namespace):
     """The engine of generate and chat, its flags checked first."""
-    kwargs = engine_kwargs(a)
-    check_engine(a, kwargs)
+    args = engine_args(a)
     from outpace.engine.engine import LLMEngine
     try:
-        return LLMEngine.from_args(a.model, **kwargs)
+        return LLMEngine.from_engine_args(args)
     except OutpaceError as e:
         raise spelled(e, engine_flags(a)) from None
 
@@ -353,11 +363,10 @@ def cmd_serve(a) -> int:
                                   timeout_keep_alive=a.timeout_keep_alive)
     except OutpaceError as e:
         raise spelled(e, SERVER_FLAGS) from None
-    kwargs = engine_kwargs(a)
-    check_engine(a, kwargs, max_waiting_requests=a.max_waiting)
+    args = engine_args(a, max_waiting_requests=a.max_waiting)
     from outpace.entrypoints.openai.server import run_server
     try:
-        run_server(a.model, kwargs, server_cfg, max_waiting_requests=a.max_waiting)
+        run_server(args, server_cfg)
     except OutpaceError as e:
         raise spelled(e, engine_flags(a)) from None
     return 0
