@@ -9,10 +9,10 @@ import os
 
 import torch
 
-from outpace.config import (CacheConfig, EngineConfig, KernelOptions, RunnerConfig,
-                            SchedulerConfig)
+from outpace.config import CacheConfig, EngineConfig, SchedulerConfig
 from outpace.engine.args import EngineArgs
 from outpace.errors import ConfigError
+from outpace.runner_config import KernelOptions, RunnerConfig
 
 log = logging.getLogger(__name__)
 

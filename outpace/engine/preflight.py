@@ -2,7 +2,7 @@
 a download of them. A wrong argument is then one error in a fraction of a second, not after a
 load of seconds (or a download of gigabytes).
 
-Nothing here imports torch: the checks use the config dataclasses (outpace/config.py), the
+Nothing here imports torch: the checks use the config dataclasses (outpace/config.py and the modules beside it), the
 model's config alone (config.json or the GGUF header; a Hugging Face id's config is fetched
 without its weights) and the draft head's folder. Errors name each option by its config key
 (`OutpaceError.option`); the CLI respells them as its flags (errors.spelled).
@@ -16,10 +16,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from outpace.config import (CacheConfig, KernelOptions, ModelConfig, RunnerConfig,
-                            SchedulerConfig, SpecConfig)
+from outpace.config import CacheConfig, SchedulerConfig
 from outpace.engine.args import EngineArgs
 from outpace.errors import ConfigError, ModelLoadError
+from outpace.model_config import ModelConfig
+from outpace.runner_config import KernelOptions, RunnerConfig
+from outpace.speculative_config import SpecConfig
 
 DRAFT_PATH = "speculative_config['model']"  # the option a draft head's folder is given as
 
@@ -138,7 +140,7 @@ def check_engine_args(args: EngineArgs) -> CheckedArgs:
                     max_prefill_with_decodes=(0 if a.max_prefill_with_decodes is None
                                               else a.max_prefill_with_decodes))
     if a.num_kv_blocks is not None:
-        from outpace.config import check_int
+        from outpace.option_checks import check_int
         check_int("num_kv_blocks", a.num_kv_blocks, 2, why=" (block 0 is reserved)")
     if a.memory_fraction is not None and a.gpu_memory_utilization is not None:
         raise ConfigError("memory_fraction and gpu_memory_utilization both size the KV pool: "

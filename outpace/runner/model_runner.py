@@ -21,10 +21,10 @@ import torch
 
 from outpace.attention.base import ForwardContext
 from outpace.attention.inputs import InputBuffers, build_host_batch
-from outpace.config import KernelOptions
 from outpace.kernels.options import use_kernel_options
 from outpace.rate_limited_log import RateLimitedLog
 from outpace.runner.sampling_step import RelaxedAcceptance, SamplingStep
+from outpace.runner_config import KernelOptions
 from outpace.speculative.base import DraftBatch
 from outpace.types import RequestStepOutput, StepPlan, StepResult
 

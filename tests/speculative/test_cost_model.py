@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 
 from outpace import SamplingParams
-from outpace.config import SpecConfig
 from outpace.errors import ConfigError
 from outpace.speculative.acceptance import AcceptanceEstimates
 from outpace.speculative.cost_model import CostModel
 from outpace.speculative.draft_length import DraftLengthPolicy
 from outpace.speculative.step_times import StepTimes
+from outpace.speculative_config import SpecConfig
 from tests.speculative.spec_helpers import TINY_BLOCK, repetitive_prompts, run_waves
 from tests.speculative.test_spec_engine import StepLog
 

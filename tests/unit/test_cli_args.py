@@ -105,7 +105,7 @@ def test_spec_option_values_parse_as_json():
                    "--spec-option", "suffix_periodic=1", "--spec-option", "adaptive=True",
                    "--spec-option", "mtp_mode=eagle")["speculative_config"]
     assert spec["k_schedule"] == [[8, 2], [32, 1]] and spec["mtp_mode"] == "eagle"
-    from outpace.config import SpecConfig
+    from outpace.speculative_config import SpecConfig
     cfg = SpecConfig.from_dict(spec)
     assert cfg.k_schedule == ((8, 2), (32, 1)) and cfg.suffix_periodic is True and cfg.adaptive
 
