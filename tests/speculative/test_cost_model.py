@@ -245,7 +245,8 @@ def test_policy_needs_a_table_and_keeps_the_schedule():
 
 
 def test_option_from_config_and_cli():
-    from outpace.entrypoints.cli import build_parser, engine_kwargs
+    from outpace.entrypoints.cli import build_parser
+    from outpace.entrypoints.cli_options import engine_kwargs
     a = build_parser().parse_args(["generate", "hi", "--spec", "ngram",
                                    "--spec-option", "adaptive=cost"])
     spec = engine_kwargs(a)["speculative_config"]

@@ -99,7 +99,8 @@ def test_every_engine_argument_is_an_engine_args_field_with_its_default():
     import dataclasses
 
     from outpace.engine.args import EngineArgs
-    from outpace.entrypoints.cli import build_parser, engine_kwargs
+    from outpace.entrypoints.cli import build_parser
+    from outpace.entrypoints.cli_options import engine_kwargs
     names = EngineArgs.names()
     assert "model" not in names and {"device", "max_num_seqs", "loaded"} <= set(names)
     args = EngineArgs.from_kwargs("m", max_num_seqs=3)

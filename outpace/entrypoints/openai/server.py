@@ -258,7 +258,7 @@ def run_server(engine_args: EngineArgs, server_cfg: ServerConfig,
 
 def serve_main(args) -> int:
     """Run `outpace serve` from the CLI's parsed arguments (the `serve` subparser)."""
-    from outpace.entrypoints.cli import cmd_serve
+    from outpace.entrypoints.cli_commands import cmd_serve
     return cmd_serve(args)
 
 
