@@ -3,8 +3,8 @@ a download of them. A wrong argument is then one error in a fraction of a second
 load of seconds (or a download of gigabytes).
 
 Nothing here imports torch: the checks use the config dataclasses (outpace/config.py and the
-modules beside it), the model's config alone (config.json or the GGUF header; a Hugging Face id's config is fetched
-without its weights) and the draft head's folder. Errors name each option by its config key
+modules beside it), the model's config alone (config.json or the GGUF header; a Hugging Face
+id's config is fetched without its weights) and the draft head's folder. Errors name each option by its config key
 (`OutpaceError.option`); the CLI respells them as its flags (errors.spelled).
 """
 

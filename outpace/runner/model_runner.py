@@ -130,7 +130,7 @@ class ModelRunner:
         self.fused = FusedStep(self)
         self.fused.prefill.capture()
         if capture_fused:
-            self.fused.capture_common()
+            self.fused.table.capture_common()
 
     @_under_kernel_options
     def measure_step_times(self, max_draft: int):
