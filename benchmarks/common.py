@@ -104,8 +104,8 @@ def add_ablate_arg(ap) -> None:
 def kernel_options(ap, ablate: list):
     """The run's KernelOptions: the defaults with each --ablate NAME's switch off (an unknown
     name is the command line's error)."""
-    from outpace.config import KernelOptions
     from outpace.errors import ConfigError
+    from outpace.runner_config import KernelOptions
     options = KernelOptions()
     try:
         for name in ablate:

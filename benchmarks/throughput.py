@@ -68,7 +68,7 @@ from benchmarks.common import (  # noqa: E402
 def smollm2_shaped(tmp: Path):
     """A SmolLM2-135M-shaped model with random bf16 weights on CUDA and a random EAGLE-3 head
     for it (no model file needed) -> (model, ModelConfig, head folder)."""
-    from outpace.config import ModelConfig
+    from outpace.model_config import ModelConfig
     import outpace.models.llama as llama
     from outpace.models.draft_loader import model_config_dict
     from outpace.training.init_draft import init_draft
@@ -466,7 +466,7 @@ class _NullTokenizer:
 
 def llama8b_shaped():
     """A Llama-3.1-8B-shaped model with random bf16 weights on CUDA -> (model, ModelConfig)."""
-    from outpace.config import ModelConfig
+    from outpace.model_config import ModelConfig
     from outpace.models.llama import LlamaForCausalLM
     cfg = ModelConfig(architecture="llama", vocab_size=128256, hidden_size=4096,
                       intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,

@@ -40,7 +40,7 @@ class NoopGraph:
 
 
 def tiny_model():
-    from outpace.config import ModelConfig
+    from outpace.model_config import ModelConfig
     from outpace.models.llama import LlamaForCausalLM
     cfg = ModelConfig(architecture="llama", vocab_size=96, hidden_size=64, intermediate_size=128,
                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

@@ -81,7 +81,7 @@ def sampling_params(a):
 
 def load_engine(a):
     """The engine of the CLI's engine flags, checked first (errors name the flags)."""
-    from outpace.entrypoints.cli import load_engine as cli_load_engine
+    from outpace.entrypoints.cli_options import load_engine as cli_load_engine
     return cli_load_engine(a)
 
 
@@ -153,5 +153,5 @@ def spec_result(before: dict, after: dict) -> dict:
 
 def spec_config(a):
     """The speculative config the flags give (for the result's record)."""
-    from outpace.entrypoints.cli import engine_kwargs
+    from outpace.entrypoints.cli_options import engine_kwargs
     return engine_kwargs(a)["speculative_config"]

@@ -6,13 +6,13 @@ import dataclasses
 import gc
 import logging
 import os
-from typing import Optional
 
 import torch
 
-from outpace.config import (CacheConfig, EngineConfig, KernelOptions, RunnerConfig,
-                            SchedulerConfig)
+from outpace.config import CacheConfig, EngineConfig, SchedulerConfig
+from outpace.engine.args import EngineArgs
 from outpace.errors import ConfigError
+from outpace.runner_config import KernelOptions, RunnerConfig
 
 log = logging.getLogger(__name__)
 
@@ -71,33 +71,16 @@ def pool_tokens_at_most(cache_cfg: CacheConfig, model_cfg, kv_dtype, device) -> 
     return (blocks - 1) * cache_cfg.block_size
 
 
-def build_engine(cls, model: str, *, device: str = "auto", dtype: str = "auto",
-                 weight_dtype: str = "auto", kv_cache_dtype: str = "auto",
-                 speculative_config: Optional[dict] = None,
-                 max_model_len: Optional[int] = None, num_kv_blocks: Optional[int] = None,
-                 block_size: int = 16,
-                 max_num_seqs: int = 64, max_num_batched_tokens: Optional[int] = None,
-                 max_waiting_requests: Optional[int] = None,
-                 max_prefill_with_decodes: Optional[int] = None,
-                 enable_prefix_caching: bool = True,
-                 enable_chunked_prefill: bool = True, memory_fraction: Optional[float] = None,
-                 gpu_memory_utilization: Optional[float] = None,
-                 enforce_eager: bool = False, overlap: bool = True, seed: int = 0,
-                 kernel_options: Optional[KernelOptions] = None,
-                 chat_template: Optional[str] = None, quiet: bool = False,
-                 download_dir: Optional[str] = None, loaded=None):
-    """loaded: an already loaded (model, ModelConfig, Tokenizer) to reuse, e.g. when several
-    engines with different cache or scheduler settings share one set of weights. A weight_dtype
-    other than auto must then be the one its weights are stored in (weight_dtype.py's
-    store_weights_in_ casts them): the engine does not change a model it was lent.
-    chat_template: a Jinja template, or the path of a file holding one, in place of the model's
-    (chat_template.load_chat_template)."""
+def build_engine(cls, args: EngineArgs):
+    """The engine `cls` of `args` (checked here first: engine/preflight.py)."""
     # Every argument is checked before torch's work and the model's load (which take seconds);
     # the scheduler's again below with the model's context length.
-    args = dict(locals())
-    del args["cls"], args["model"]
     from outpace.engine.preflight import check_engine_args, check_max_model_len
-    checked = check_engine_args(model, **args)
+    checked = check_engine_args(args)
+    a = args
+    model, device, max_num_seqs, block_size = a.model, a.device, a.max_num_seqs, a.block_size
+    max_num_batched_tokens = a.max_num_batched_tokens
+    max_prefill_with_decodes = a.max_prefill_with_decodes
     from outpace.kvcache.manager import KVCacheManager
     from outpace.kvcache.sizing import activation_bytes
     from outpace.kvcache.sizing import num_kv_blocks as size_kv
@@ -111,10 +94,10 @@ def build_engine(cls, model: str, *, device: str = "auto", dtype: str = "auto",
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ConfigError("device 'cuda' was asked for but CUDA is not available; use --device "
                           "cpu", option="device")
-    runner_cfg = RunnerConfig(device=device, dtype=dtype, weight_dtype=weight_dtype,
-                              kv_cache_dtype=kv_cache_dtype, enforce_eager=enforce_eager,
-                              seed=seed, overlap=overlap,
-                              kernel_options=kernel_options or KernelOptions())
+    runner_cfg = RunnerConfig(device=device, dtype=a.dtype, weight_dtype=a.weight_dtype,
+                              kv_cache_dtype=a.kv_cache_dtype, enforce_eager=a.enforce_eager,
+                              seed=a.seed, overlap=a.overlap,
+                              kernel_options=a.kernel_options or KernelOptions())
     spec_cfg, cache_cfg, chat_template = checked.spec, checked.cache, checked.chat_template
     if spec_cfg.force_accept_mean is not None:
         log.warning("outpace: WARNING: speculative option force_accept_mean=%s is for "
@@ -122,35 +105,35 @@ def build_engine(cls, model: str, *, device: str = "auto", dtype: str = "auto",
                     "model would write", spec_cfg.force_accept_mean)
     if max_prefill_with_decodes is None:
         max_prefill_with_decodes = default_prefill_with_decodes(torch.device(device))
-    if gpu_memory_utilization is not None and not device.startswith("cuda"):
+    if a.gpu_memory_utilization is not None and not device.startswith("cuda"):
         # Accepted, as vLLM's CPU backend accepts it, so a vLLM command line runs unchanged.
         log.warning("gpu_memory_utilization (--gpu-memory-utilization) is ignored on %s: a CPU "
                     "KV pool is %d MiB (or set num_kv_blocks)", device,
                     CacheConfig().cpu_kv_bytes >> 20)
     torch_device = torch.device(device)
-    torch.manual_seed(seed)
+    torch.manual_seed(a.seed)
 
-    if loaded is not None:
-        target, model_cfg, tokenizer = loaded
+    if a.loaded is not None:
+        target, model_cfg, tokenizer = a.loaded
         stored = target.embed_weight.dtype
-        if weight_dtype != "auto" and stored != runner_cfg.torch_weight_dtype:
+        if a.weight_dtype != "auto" and stored != runner_cfg.torch_weight_dtype:
             raise ConfigError(f"the loaded model stores its weights in {stored}, not "
-                              f"weight_dtype {weight_dtype}; cast it first "
+                              f"weight_dtype {a.weight_dtype}; cast it first "
                               f"(outpace.models.weight_dtype.store_weights_in_) or pass "
                               f"weight_dtype auto")
-        check_max_model_len(max_model_len, model_cfg)
+        check_max_model_len(a.max_model_len, model_cfg)
     else:
         # The rope tables are built only for the positions the engine can reach (the model's
         # config, read by the checks, may claim millions).
         model_cfg = checked.model_config
-        positions = max_model_len or min(
+        positions = a.max_model_len or min(
             model_cfg.max_position_embeddings,
             pool_tokens_at_most(cache_cfg, model_cfg, runner_cfg.torch_kv_cache_dtype,
                                 torch_device))
         target, model_cfg, tokenizer = load_model(model, dtype=runner_cfg.torch_dtype,
                                                   weight_dtype=runner_cfg.torch_weight_dtype,
-                                                  device=torch_device, quiet=quiet,
-                                                  download_dir=download_dir,
+                                                  device=torch_device, quiet=a.quiet,
+                                                  download_dir=a.download_dir,
                                                   max_positions=positions)
     if chat_template is not None:
         tokenizer = tokenizer.with_chat_template(chat_template)
@@ -159,9 +142,9 @@ def build_engine(cls, model: str, *, device: str = "auto", dtype: str = "auto",
         max_num_batched_tokens = default_token_budget(torch_device)
     sched_cfg = SchedulerConfig(max_num_seqs=max_num_seqs,
                                 max_num_batched_tokens=max_num_batched_tokens,
-                                max_model_len=max_model_len or limit,
-                                enable_chunked_prefill=enable_chunked_prefill,
-                                max_waiting_requests=max_waiting_requests,
+                                max_model_len=a.max_model_len or limit,
+                                enable_chunked_prefill=a.enable_chunked_prefill,
+                                max_waiting_requests=a.max_waiting_requests,
                                 max_prefill_with_decodes=max_prefill_with_decodes)
     config = EngineConfig(model=model, model_config=model_cfg, cache=cache_cfg,
                           scheduler=sched_cfg, spec=spec_cfg, runner=runner_cfg)
@@ -180,11 +163,11 @@ def build_engine(cls, model: str, *, device: str = "auto", dtype: str = "auto",
     # engine would advertise a context it cuts short.
     fits = (num_blocks - 1) * block_size - lookahead
     if fits < config.max_model_len:
-        where = ("num_kv_blocks (--num-kv-blocks)" if num_kv_blocks is not None
+        where = ("num_kv_blocks (--num-kv-blocks)" if a.num_kv_blocks is not None
                  else "gpu_memory_utilization (or set num_kv_blocks)"
-                 if gpu_memory_utilization is not None and torch_device.type == "cuda"
+                 if a.gpu_memory_utilization is not None and torch_device.type == "cuda"
                  else "memory_fraction (or set num_kv_blocks)")
-        if max_model_len is not None or fits < 2:
+        if a.max_model_len is not None or fits < 2:
             less = f", less {lookahead} of draft lookahead" if lookahead else ""
             raise ConfigError(
                 f"the KV cache holds {max(fits, 0)} tokens of one request ({num_blocks - 1} "
@@ -211,11 +194,11 @@ def build_engine(cls, model: str, *, device: str = "auto", dtype: str = "auto",
                          max_model_len=config.max_model_len, max_num_tokens=max_num_tokens,
                          max_num_seqs=max_num_seqs, device=torch_device,
                          kv_dtype=runner_cfg.torch_kv_cache_dtype, proposer=proposer,
-                         seed=seed, kernel_options=runner_cfg.kernel_options)
-    if torch_device.type == "cuda" and not enforce_eager:
+                         seed=a.seed, kernel_options=runner_cfg.kernel_options)
+    if torch_device.type == "cuda" and not a.enforce_eager:
         # Graphs for plain decode (q = 1) and every verify length (q = 2 .. k + 1).
         runner.enable_cuda_graphs(tuple(range(1, max_k + 2)), capture_fused=True)
-    if not quiet:
+    if not a.quiet:
         dtypes = str(runner_cfg.torch_dtype)
         if runner_cfg.torch_weight_dtype != runner_cfg.torch_dtype:
             dtypes += f", weights {runner_cfg.torch_weight_dtype}"
@@ -226,7 +209,7 @@ def build_engine(cls, model: str, *, device: str = "auto", dtype: str = "auto",
     engine = cls(config, tokenizer, scheduler, kv, runner, model_name=model)
     engine.measure_step_times()  # the draft-length cost model's table, where it is used
     if torch_device.type == "cuda":
-        limit_host_threads(quiet)
+        limit_host_threads(a.quiet)
         engine.warm_up()  # compile the prefill kernels now (see LLMEngine.warm_up)
         # Everything alive now (weights, graphs, tokenizer, library objects) lives as long as
         # the engine: keep it out of the garbage collector's scans, which otherwise land in

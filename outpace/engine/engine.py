@@ -12,7 +12,7 @@ import time
 from typing import Optional, Union
 
 from outpace.engine.detokenize import IncrementalDetokenizer
-from outpace.errors import ConfigError, InvalidRequestError
+from outpace.errors import InvalidRequestError
 from outpace.types import (CompletionOutput, Request, RequestOutput, RequestStatus,
                            SamplingParams, SpecStats)
 
@@ -42,15 +42,14 @@ class LLMEngine:
 
     @classmethod
     def from_args(cls, model: str, **kwargs) -> "LLMEngine":
-        import inspect
+        """An engine from keyword arguments: EngineArgs' fields (an unknown one is an error)."""
+        from outpace.engine.args import EngineArgs
+        return cls.from_engine_args(EngineArgs.from_kwargs(model, **kwargs))
 
+    @classmethod
+    def from_engine_args(cls, args) -> "LLMEngine":
         from outpace.engine.builder import build_engine
-        known = [n for n in inspect.signature(build_engine).parameters if n not in ("cls", "model")]
-        unknown = sorted(set(kwargs) - set(known))
-        if unknown:
-            raise ConfigError(f"unknown engine argument(s) {unknown}; the engine takes "
-                              f"{', '.join(known)}")
-        return build_engine(cls, model, **kwargs)
+        return build_engine(cls, args)
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: Union[str, list],

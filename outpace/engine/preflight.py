@@ -2,9 +2,9 @@
 a download of them. A wrong argument is then one error in a fraction of a second, not after a
 load of seconds (or a download of gigabytes).
 
-Nothing here imports torch: the checks use the config dataclasses (outpace/config.py), the
-model's config alone (config.json or the GGUF header; a Hugging Face id's config is fetched
-without its weights) and the draft head's folder. Errors name each option by its config key
+Nothing here imports torch: the checks use the config dataclasses (outpace/config.py and the
+modules beside it), the model's config alone (config.json or the GGUF header; a Hugging Face
+id's config is fetched without its weights) and the draft head's folder. Errors name each option by its config key
 (`OutpaceError.option`); the CLI respells them as its flags (errors.spelled).
 """
 
@@ -16,9 +16,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from outpace.config import (CacheConfig, ModelConfig, RunnerConfig, SchedulerConfig,
-                            SpecConfig)
+from outpace.config import CacheConfig, SchedulerConfig
+from outpace.engine.args import EngineArgs
 from outpace.errors import ConfigError, ModelLoadError
+from outpace.model_config import ModelConfig
+from outpace.runner_config import KernelOptions, RunnerConfig
+from outpace.speculative_config import SpecConfig
 
 DRAFT_PATH = "speculative_config['model']"  # the option a draft head's folder is given as
 
@@ -98,76 +101,68 @@ def _check_bools(**flags) -> None:
             raise ConfigError(f"{name} must be true or false, got {v!r}", option=name)
 
 
-def check_engine_args(model: str, *, device: str = "auto", dtype: str = "auto",
-                      weight_dtype: str = "auto", kv_cache_dtype: str = "auto",
-                      speculative_config: Optional[dict] = None,
-                      max_model_len: Optional[int] = None, num_kv_blocks: Optional[int] = None,
-                      block_size: int = 16,
-                      max_num_seqs: int = 64, max_num_batched_tokens: Optional[int] = None,
-                      max_waiting_requests: Optional[int] = None,
-                      max_prefill_with_decodes: Optional[int] = None,
-                      enable_prefix_caching: bool = True,
-                      enable_chunked_prefill: bool = True,
-                      memory_fraction: Optional[float] = None,
-                      gpu_memory_utilization: Optional[float] = None,
-                      enforce_eager: bool = False, overlap: bool = True, seed: int = 0,
-                      kernel_options=None, chat_template: Optional[str] = None,
-                      quiet: bool = False, download_dir: Optional[str] = None,
-                      loaded=None) -> CheckedArgs:
-    """The engine's arguments (build_engine's, the same names and defaults) checked, cheapest
-    first, the model's config last (it may be fetched): a ConfigError or ModelLoadError naming
-    the option. The model's config is not read when a loaded model is lent (`loaded`)."""
+def check_engine_args(args: EngineArgs) -> CheckedArgs:
+    """The engine's arguments checked, cheapest first, the model's config last (it may be
+    fetched): a ConfigError or ModelLoadError naming the option. The model's config is not read
+    when a loaded model is lent (`loaded`)."""
+    a = args
+    model = a.model
     if model is None or not isinstance(model, (str, Path)) or not str(model):
         raise ConfigError(f"model must be a catalog name, a path or a Hugging Face model id, "
                           f"got {model!r}", option="model")
-    _check_bools(enable_prefix_caching=enable_prefix_caching,
-                 enable_chunked_prefill=enable_chunked_prefill, enforce_eager=enforce_eager,
-                 overlap=overlap, quiet=quiet)
+    _check_bools(enable_prefix_caching=a.enable_prefix_caching,
+                 enable_chunked_prefill=a.enable_chunked_prefill, enforce_eager=a.enforce_eager,
+                 overlap=a.overlap, quiet=a.quiet)
+    if a.kernel_options is not None and not isinstance(a.kernel_options, KernelOptions):
+        raise ConfigError(f"kernel_options must be a KernelOptions (or None: every fast path "
+                          f"on), got {type(a.kernel_options).__name__}", option="kernel_options")
     # "auto" resolves to cuda or cpu once torch is loaded (the builder checks the dtypes again
     # there): here the rules that hold on either
-    RunnerConfig(device="cpu" if device == "auto" else device, dtype=dtype,
-                 weight_dtype=weight_dtype, kv_cache_dtype=kv_cache_dtype, seed=seed)
+    RunnerConfig(device="cpu" if a.device == "auto" else a.device, dtype=a.dtype,
+                 weight_dtype=a.weight_dtype, kv_cache_dtype=a.kv_cache_dtype, seed=a.seed)
 
-    if speculative_config is not None and not isinstance(speculative_config, dict):
+    if a.speculative_config is not None and not isinstance(a.speculative_config, dict):
         raise ConfigError(f"speculative_config must be a dict (vLLM's speculative_config, e.g. "
                           f"{{'method': 'ngram', 'num_speculative_tokens': 3}}), got "
-                          f"{type(speculative_config).__name__}", option="speculative_config")
+                          f"{type(a.speculative_config).__name__}", option="speculative_config")
     from outpace.models.shipped_heads import with_shipped_head
-    spec = check_draft_folder(SpecConfig.from_dict(with_shipped_head(speculative_config, model)))
+    spec = check_draft_folder(SpecConfig.from_dict(with_shipped_head(a.speculative_config,
+                                                                     model)))
 
     # the token budget's default depends on the GPU (builder.default_token_budget): any valid
     # value stands in for it here
-    SchedulerConfig(max_num_seqs=max_num_seqs,
-                    max_num_batched_tokens=(2048 if max_num_batched_tokens is None
-                                            else max_num_batched_tokens),
-                    max_model_len=max_model_len, enable_chunked_prefill=enable_chunked_prefill,
-                    max_waiting_requests=max_waiting_requests,
-                    max_prefill_with_decodes=(0 if max_prefill_with_decodes is None
-                                              else max_prefill_with_decodes))
-    if num_kv_blocks is not None:
-        from outpace.config import check_int
-        check_int("num_kv_blocks", num_kv_blocks, 2, why=" (block 0 is reserved)")
-    if memory_fraction is not None and gpu_memory_utilization is not None:
+    SchedulerConfig(max_num_seqs=a.max_num_seqs,
+                    max_num_batched_tokens=(2048 if a.max_num_batched_tokens is None
+                                            else a.max_num_batched_tokens),
+                    max_model_len=a.max_model_len,
+                    enable_chunked_prefill=a.enable_chunked_prefill,
+                    max_waiting_requests=a.max_waiting_requests,
+                    max_prefill_with_decodes=(0 if a.max_prefill_with_decodes is None
+                                              else a.max_prefill_with_decodes))
+    if a.num_kv_blocks is not None:
+        from outpace.option_checks import check_int
+        check_int("num_kv_blocks", a.num_kv_blocks, 2, why=" (block 0 is reserved)")
+    if a.memory_fraction is not None and a.gpu_memory_utilization is not None:
         raise ConfigError("memory_fraction and gpu_memory_utilization both size the KV pool: "
                           "give one (gpu_memory_utilization, as in vLLM: a share of the GPU's "
                           "total memory; memory_fraction: a share of what the weights leave "
                           "free)", option="gpu_memory_utilization")
-    memory = dict(gpu_memory_utilization=gpu_memory_utilization,
-                  **({} if memory_fraction is None else {"memory_fraction": memory_fraction}))
-    cache = CacheConfig(block_size=block_size, num_blocks=num_kv_blocks,
-                        enable_prefix_caching=enable_prefix_caching, **memory)
-    check_mtp_mode(spec, block_size)
+    memory = dict(gpu_memory_utilization=a.gpu_memory_utilization,
+                  **({} if a.memory_fraction is None else {"memory_fraction": a.memory_fraction}))
+    cache = CacheConfig(block_size=a.block_size, num_blocks=a.num_kv_blocks,
+                        enable_prefix_caching=a.enable_prefix_caching, **memory)
+    check_mtp_mode(spec, a.block_size)
 
     template = None
-    if chat_template is not None:
+    if a.chat_template is not None:
         from outpace.chat_template import load_chat_template
-        template = load_chat_template(chat_template)
+        template = load_chat_template(a.chat_template)
 
     model_cfg = None
-    if loaded is None:
+    if a.loaded is None:
         # the config alone: config.json, or the GGUF header (a catalog model is fetched whole,
         # its config being in its one file; a Hugging Face id's weights are not)
         from outpace.models.loader import load_model_config
-        model_cfg = load_model_config(model, quiet=quiet, download_dir=download_dir)
-        check_max_model_len(max_model_len, model_cfg)
+        model_cfg = load_model_config(model, quiet=a.quiet, download_dir=a.download_dir)
+        check_max_model_len(a.max_model_len, model_cfg)
     return CheckedArgs(spec=spec, cache=cache, chat_template=template, model_config=model_cfg)

@@ -1,36 +1,18 @@
-"""`outpace` command line: generate, chat, serve, init-draft, train-draft, eval-draft."""
+"""`outpace` command line: generate, chat, serve, init-draft, train-draft, eval-draft.
+
+The parser and the dispatch (each subcommand's `func`); what each command does is in
+cli_commands.py, what the flags mean for the engine in cli_options.py."""
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
-import time
 
 from outpace import __version__
-from outpace.errors import OutpaceError, spelled
-
-# How the CLI spells the options its errors name (errors.spelled): config key -> flag.
-ENGINE_FLAGS = {
-    "device": "--device", "dtype": "--dtype",
-    "weight_dtype": "--weight-dtype", "kv_cache_dtype": "--kv-cache-dtype",
-    "max_model_len": "--max-model-len", "num_kv_blocks": "--num-kv-blocks",
-    "gpu_memory_utilization": "--gpu-memory-utilization", "max_num_seqs": "--max-num-seqs",
-    "max_num_batched_tokens": "--max-num-batched-tokens",
-    "max_prefill_with_decodes": "--max-prefill-with-decodes", "seed": "--seed",
-    "chat_template": "--chat-template", "max_waiting_requests": "--max-waiting"}
-# ... where the speculative config came from --spec and its flags (not --speculative-config,
-# whose errors name its JSON keys)
-SPEC_FLAGS = {"method": "--spec", "num_speculative_tokens": "--k",
-              "speculative_config['model']": "--draft"}
-SAMPLING_FLAGS = {
-    "max_tokens": "--max-tokens", "temperature": "--temperature", "top_p": "--top-p",
-    "top_k": "--top-k", "min_p": "--min-p", "seed": "--sample-seed",
-    "repetition_penalty": "--repetition-penalty", "frequency_penalty": "--frequency-penalty",
-    "presence_penalty": "--presence-penalty", "max_model_len": "--max-model-len"}
-SERVER_FLAGS = {"port": "--port", "timeout_keep_alive": "--timeout-keep-alive",
-                "host": "--host"}
+from outpace.entrypoints.cli_commands import (cmd_chat, cmd_eval_draft, cmd_generate,
+                                              cmd_init_draft, cmd_serve, cmd_train_draft)
+from outpace.errors import OutpaceError
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -53,40 +35,47 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2-135m",
+    """The engine's flags; their defaults are EngineArgs' (engine/args.py)."""
+    from outpace.engine.args import EngineArgs
+    d = EngineArgs()
+    p.add_argument("--model", default=d.model,
                    help="catalog name (smollm2-135m), Hugging Face folder, .gguf file, or "
                    "Hugging Face model id (owner/name, fetched into the Hugging Face cache)")
-    p.add_argument("--download-dir", default=None, metavar="DIR",
+    p.add_argument("--download-dir", default=d.download_dir, metavar="DIR",
                    help="the cache Hugging Face model ids are fetched into and looked up in "
                    "(default: Hugging Face's: HF_HUB_CACHE, else ~/.cache/huggingface/hub)")
-    p.add_argument("--device", default="auto", help="cpu or cuda (auto: cuda when available)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
+    p.add_argument("--device", default=d.device,
+                   help="cpu or cuda (auto: cuda when available)")
+    p.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "float16", "bfloat16"],
                    help="activations, arithmetic and (unless --kv-cache-dtype) the KV cache "
                    "(auto: float32 on CPU, bfloat16 on CUDA)")
-    p.add_argument("--weight-dtype", default="auto",
+    p.add_argument("--weight-dtype", default=d.weight_dtype,
                    choices=["auto", "float32", "float16", "bfloat16"],
                    help="storage of the weight matrices (auto: --dtype); --dtype float32 "
                    "--weight-dtype bfloat16: bf16 weight memory, fp32 arithmetic")
-    p.add_argument("--kv-cache-dtype", default="auto",
+    p.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype,
                    choices=["auto", "float32", "float16", "bfloat16"],
                    help="the KV cache's dtype (auto: --dtype); with --dtype float32, bfloat16 "
                    "keeps bf16's cache size and attention bytes")
-    p.add_argument("--max-model-len", type=int, default=None,
+    p.add_argument("--max-model-len", type=int, default=d.max_model_len,
                    help="context length, prompt + output (default: the model's "
                    "max_position_embeddings, or what the KV cache holds if less)")
-    p.add_argument("--num-kv-blocks", type=int, default=None,
+    p.add_argument("--num-kv-blocks", type=int, default=d.num_kv_blocks,
                    help="KV pool size in blocks, counting the reserved block 0 (default: sized "
                    "from memory)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="SHARE",
+    p.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
+                   metavar="SHARE",
                    help="as in vLLM: the share of the GPU's total memory the engine may use, in "
                    "(0, 1]; the KV pool gets what the weights and a step's activations leave "
                    "of it (default: 0.85 of the memory free once the weights load; ignored on "
                    "CPU, whose pool is 1 GiB or --num-kv-blocks)")
-    p.add_argument("--max-num-seqs", type=int, default=64, help="requests running at once")
-    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
+                   help="requests running at once")
+    p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
                    help="tokens a step may hold, prefill chunks and decodes (default: 8192 on a "
                    "GPU of 70 GiB or more, else 2048)")
-    p.add_argument("--max-prefill-with-decodes", type=int, default=None, metavar="N",
+    p.add_argument("--max-prefill-with-decodes", type=int, default=d.max_prefill_with_decodes,
+                   metavar="N",
                    help="prefill tokens a step may carry beside running decodes, so that a long "
                    "prompt does not stall other streams (default: 8 on a CPU, 0 on a GPU); 0: "
                    "the whole budget")
@@ -95,12 +84,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--no-overlap", action="store_true",
                    help="read each decode step's outputs before launching the next")
-    p.add_argument("--seed", type=int, default=0,
+    p.add_argument("--seed", type=int, default=d.seed,
                    help="torch's seed and the source of requests' sampling seeds")
     p.add_argument("--spec", default=None, choices=["ngram", "suffix", "mtp", "eagle3"],
                    help="speculative decoding method (default: none)")
-    p.add_argument("--draft", default=None, help="draft head folder (mtp, eagle3; default: the head shipped for the "
-                   "model, if any)")
+    p.add_argument("--draft", default=None, help="draft head folder (mtp, eagle3; default: the "
+                   "head shipped for the model, if any)")
     p.add_argument("--k", type=int, default=None, help="draft tokens per step (default: 3)")
     p.add_argument("--spec-option", action="append", default=[], metavar="KEY=VALUE",
                    help="extra speculative option (repeatable), e.g. "
@@ -109,64 +98,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help='the whole speculative config as JSON, as vLLM takes it, e.g. '
                         '\'{"method": "eagle3", "num_speculative_tokens": 2}\' (instead of '
                         '--spec and its flags)')
-    p.add_argument("--chat-template", default=None, metavar="FILE_OR_STRING",
+    p.add_argument("--chat-template", default=d.chat_template, metavar="FILE_OR_STRING",
                    help="a Jinja chat template (a file, or the template itself) in place of the "
                    "model's")
     p.add_argument("--quiet", action="store_true", help="no progress output")
-
-
-def _parse_value(v: str):
-    """A --spec-option value: JSON where it parses (numbers, true/false, lists such as
-    k_schedule=[[8,4],[32,2]]), true/false in any case, else the string itself."""
-    try:
-        return json.loads(v)
-    except (ValueError, RecursionError):
-        return {"true": True, "false": False}.get(v.lower(), v)
-
-
-def engine_flags(a: argparse.Namespace) -> dict:
-    """Config key -> flag, for the engine's errors on this command line."""
-    return {**ENGINE_FLAGS, **({} if a.speculative_config is not None else SPEC_FLAGS)}
-
-
-def engine_kwargs(a: argparse.Namespace) -> dict:
-    spec = None
-    if a.speculative_config is not None:
-        if a.spec or a.draft or a.k is not None or a.spec_option:
-            raise OutpaceError("--speculative-config holds the whole speculative config: leave "
-                               "out --spec, --draft, --k and --spec-option, or use those alone")
-        try:
-            spec = json.loads(a.speculative_config)
-        except (ValueError, RecursionError) as e:
-            raise OutpaceError(f"--speculative-config is not valid JSON: {e}") from None
-        if not isinstance(spec, dict):
-            raise OutpaceError(f"--speculative-config must be a JSON object, got "
-                               f"{type(spec).__name__}")
-    elif not a.spec:
-        given = [f for f, v in (("--draft", a.draft), ("--k", a.k),
-                                ("--spec-option", a.spec_option or None)) if v is not None]
-        if given:
-            raise OutpaceError(f"speculative options without --spec ({', '.join(given)}): add "
-                               f"--spec eagle3|mtp|ngram|suffix, or leave them out")
-    else:
-        spec = {"method": a.spec, "num_speculative_tokens": 3 if a.k is None else a.k}
-        if a.draft:
-            spec["model"] = a.draft
-        for kv in a.spec_option:
-            if "=" not in kv:
-                raise OutpaceError(f"--spec-option wants KEY=VALUE, got {kv!r}")
-            key, val = kv.split("=", 1)
-            spec[key] = _parse_value(val)
-    return dict(device=a.device, dtype=a.dtype, weight_dtype=a.weight_dtype,
-                kv_cache_dtype=a.kv_cache_dtype,
-                max_model_len=a.max_model_len,
-                num_kv_blocks=a.num_kv_blocks, max_num_seqs=a.max_num_seqs,
-                gpu_memory_utilization=a.gpu_memory_utilization,
-                max_num_batched_tokens=a.max_num_batched_tokens,
-                max_prefill_with_decodes=a.max_prefill_with_decodes,
-                enable_prefix_caching=not a.no_prefix_caching, enforce_eager=a.enforce_eager,
-                overlap=not a.no_overlap, seed=a.seed, speculative_config=spec,
-                chat_template=a.chat_template, quiet=a.quiet, download_dir=a.download_dir)
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -186,225 +121,9 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec-stats", action="store_true", help="print speculative decoding stats")
 
 
-def sampling_params(a: argparse.Namespace):
-    """The sampling flags as SamplingParams; a bad value is an error naming its flag."""
-    from outpace.types import SamplingParams
-    try:
-        return SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature,
-                              top_p=a.top_p, top_k=a.top_k, min_p=a.min_p,
-                              repetition_penalty=a.repetition_penalty,
-                              frequency_penalty=a.frequency_penalty,
-                              presence_penalty=a.presence_penalty, seed=a.sample_seed)
-    except OutpaceError as e:
-        raise spelled(e, SAMPLING_FLAGS) from None
-
-
-def check_engine(a: argparse.Namespace, kwargs: dict, **more) -> None:
-    """The engine's arguments checked before torch or the model loads (engine/preflight.py),
-    so a wrong flag is an error at once; the error names the flag."""
-    from outpace.engine.preflight import check_engine_args
-    try:
-        check_engine_args(a.model, **kwargs, **more)
-    except OutpaceError as e:
-        raise spelled(e, engine_flags(a)) from None
-
-
-def load_engine(a: argparse.Namespace):
-    """The engine of generate and chat, its flags checked first."""
-    kwargs = engine_kwargs(a)
-    check_engine(a, kwargs)
-    from outpace.engine.engine import LLMEngine
-    try:
-        return LLMEngine.from_args(a.model, **kwargs)
-    except OutpaceError as e:
-        raise spelled(e, engine_flags(a)) from None
-
-
-def _stream(engine, request_id: str, prompt_ids: list, params, out) -> tuple:
-    """Run one request to the end, writing its text to `out` as it grows -> (its last output,
-    whether Ctrl-C stopped it: the request is then aborted and its text so far kept)."""
-    engine.add_request(request_id, prompt_ids, params)
-    shown, last, t0 = 0, None, time.perf_counter()
-    try:
-        while engine.has_unfinished_requests():
-            for o in engine.step():
-                if o.request_id != request_id:
-                    continue
-                out.write(o.text[shown:])
-                out.flush()
-                shown = len(o.text)
-                last = o
-        interrupted = False
-    except KeyboardInterrupt:
-        engine.abort_request(request_id)
-        while engine.has_unfinished_requests():  # let the engine release it
-            engine.step()
-        out.write(" [interrupted]")
-        interrupted = True
-    out.write("\n")
-    if last is not None:
-        last.metrics["wall_s"] = time.perf_counter() - t0
-    return last, interrupted
-
-
-def _print_stats(o, err) -> None:
-    n = len(o.token_ids)
-    wall = o.metrics.get("wall_s", 0.0)
-    s = o.spec_stats
-    err.write(f"[{n} tokens in {wall:.2f} s, {n / max(wall, 1e-9):.1f} tok/s")
-    if s is not None and s.num_drafts:
-        per = ", ".join(f"{v / s.num_drafts:.2f}" for v in s.accepted_per_position)
-        err.write(f"; mean acceptance length {s.mean_acceptance_length:.2f}, "
-                  f"drafts {s.num_drafts}, draft tokens {s.num_draft_tokens}, "
-                  f"accepted {s.num_accepted_tokens}, acceptance per position [{per}]")
-    err.write("]\n")
-
-
-def _prompt_ids(engine, text: str, raw: bool) -> list:
-    tok = engine.tokenizer
-    if raw or not tok.has_chat_template:
-        return tok.encode(text)
-    return tok.chat_token_ids([{"role": "user", "content": text}], add_generation_prompt=True)
-
-
-def cmd_generate(a) -> int:
-    params = sampling_params(a)
-    engine = load_engine(a)
-    try:
-        final, interrupted = _stream(engine, "cli-0", _prompt_ids(engine, a.prompt, a.raw),
-                                     params, sys.stdout)
-    except OutpaceError as e:  # the prompt and --max-tokens against the context
-        raise spelled(e, SAMPLING_FLAGS) from None
-    if final is not None and (a.spec_stats or not a.quiet):
-        _print_stats(final, sys.stderr)
-    return 130 if interrupted else 0
-
-
-def cmd_chat(a) -> int:
-    params = sampling_params(a)
-    return run_chat(load_engine(a), params, a.spec_stats)
-
-
-def run_chat(engine, params, spec_stats: bool = False, read=input, out=None, err=None) -> int:
-    """The chat loop over `engine`: `read(prompt)` gives each line (Ctrl-D or Ctrl-C there
-    leave); Ctrl-C during an answer stops it and the conversation goes on; a conversation
-    that fills the context says to /reset."""
-    import dataclasses
-    out, err = out or sys.stdout, err or sys.stderr
-    tok = engine.tokenizer
-    messages, turn = [], 0
-    print("outpace chat: type a message, /reset to start over, /exit or Ctrl-D to leave.",
-          file=out)
-    while True:
-        try:
-            line = read("> ")
-        except (EOFError, KeyboardInterrupt):
-            print(file=out)
-            return 0
-        if line.strip() in ("/exit", "/quit"):
-            return 0
-        if line.strip() == "/reset":
-            messages = []
-            continue
-        if not line.strip():
-            continue
-        messages.append({"role": "user", "content": line})
-        try:
-            ids = tok.chat_token_ids(messages, add_generation_prompt=True)
-            room = engine.max_model_len - len(ids)
-            if room < 1:
-                messages.pop()
-                print(f"(the conversation fills the context: {len(ids)} tokens with this "
-                      f"message, of {engine.max_model_len}; /reset starts a new one, /exit "
-                      f"leaves)", file=err)
-                continue
-            # the answer may take what is left of the context, at most --max-tokens
-            turn_params = dataclasses.replace(params, max_tokens=min(params.max_tokens, room))
-            final, interrupted = _stream(engine, f"chat-{turn}", ids, turn_params, out)
-        except KeyboardInterrupt:  # before the answer started: the message is dropped
-            messages.pop()
-            print("\n(stopped; type the next message, /reset or /exit)", file=err)
-            continue
-        except OutpaceError as e:
-            messages.pop()
-            print(f"outpace: error: {spelled(e, SAMPLING_FLAGS)}\n(/reset starts a new "
-                  f"conversation)", file=err)
-            continue
-        turn += 1
-        # an interrupted answer stays in the conversation as far as it got
-        messages.append({"role": "assistant", "content": final.text if final else ""})
-        if interrupted:
-            print("(stopped; the conversation goes on: type the next message, /reset or /exit)",
-                  file=err)
-        elif spec_stats and final is not None:
-            _print_stats(final, err)
-        if final is not None and len(ids) + len(final.token_ids) >= engine.max_model_len:
-            print(f"(the context is full: {engine.max_model_len} tokens; /reset starts a new "
-                  f"conversation)", file=err)
-
-
-def cmd_serve(a) -> int:
-    from outpace.config import ServerConfig
-    if a.model_pos:
-        a.model = a.model_pos
-    try:
-        server_cfg = ServerConfig(host=a.host, port=a.port, api_key=a.api_key,
-                                  served_model_name=a.served_model_name,
-                                  timeout_keep_alive=a.timeout_keep_alive)
-    except OutpaceError as e:
-        raise spelled(e, SERVER_FLAGS) from None
-    kwargs = engine_kwargs(a)
-    check_engine(a, kwargs, max_waiting_requests=a.max_waiting)
-    from outpace.entrypoints.openai.server import run_server
-    try:
-        run_server(a.model, kwargs, server_cfg, max_waiting_requests=a.max_waiting)
-    except OutpaceError as e:
-        raise spelled(e, engine_flags(a)) from None
-    return 0
-
-
-def cmd_init_draft(a) -> int:
-    from outpace.training.init_draft import init_draft
-    init_draft(a.method, a.target, a.out, seed=a.seed, quiet=a.quiet,
-               num_layers=a.num_layers)
-    return 0
-
-
-def cmd_train_draft(a) -> int:
-    from outpace.training.config import TrainConfig
-    from outpace.training.trainer import train_draft
-    cfg = TrainConfig(method=a.method, target=a.target, data=a.data, out=a.out,
-                      draft_vocab=a.draft_vocab, ttt_steps=a.ttt_steps,
-                      aux_layers=tuple(a.aux_layers) if a.aux_layers else None,
-                      num_modules=a.num_modules, epochs=a.epochs, lr=a.lr, seed=a.seed,
-                      device=a.device, batch_tokens=a.batch_tokens, max_len=a.max_len,
-                      answer_tokens=a.answer_tokens, samples=a.samples,
-                      temperature=a.temperature, loop_tokens=None if a.loop_tokens < 0
-                      else a.loop_tokens, max_prompts=a.max_prompts, holdout=a.holdout,
-                      save_every=a.save_every, data_cache=a.data_cache, resume=a.resume,
-                      max_minutes=a.max_minutes, warmup=a.warmup, init_head=a.init_head,
-                      compile=a.compile, quiet=a.quiet)
-    train_draft(cfg)
-    return 0
-
-
-def cmd_eval_draft(a) -> int:
-    from outpace.training.evaluate import eval_draft
-    sets = {}
-    for item in a.prompts:
-        name, sep, path = item.partition("=")
-        if not sep:
-            from pathlib import Path
-            name, path = Path(item).stem, item
-        sets[name] = path
-    eval_draft(a.method, a.draft, a.target, sets, ks=a.k, max_tokens=a.max_tokens,
-               max_prompts=a.max_prompts, device=a.device, dtype=a.dtype,
-               max_num_seqs=a.max_num_seqs, out_json=a.out, out_png=a.plot, quiet=a.quiet)
-    return 0
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = ArgumentParser(prog="outpace", description=__doc__, formatter_class=HelpFormatter)
+    p = ArgumentParser(prog="outpace", description=__doc__.split("\n")[0],
+                       formatter_class=HelpFormatter)
     p.add_argument("--version", action="version", version=f"outpace {__version__}")
     sub = p.add_subparsers(dest="cmd", required=True, parser_class=ArgumentParser)
 

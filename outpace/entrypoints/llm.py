@@ -10,23 +10,20 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from typing import Optional, Union
+from typing import Union
 
+from outpace.engine.args import EngineArgs
 from outpace.engine.engine import LLMEngine
 from outpace.types import SamplingParams
 
 
 class LLM:
-    def __init__(self, model: str = "smollm2-135m", *, device: str = "auto", dtype: str = "auto",
-                 weight_dtype: str = "auto", speculative_config: Optional[dict] = None,
-                 quiet: bool = False, **engine_args):
-        # dtype: activations, KV cache, arithmetic; weight_dtype: how the large matrices are
-        # stored (auto: dtype; float32 + bfloat16: fp32 compute over bf16 weights);
-        # engine_args may hold kv_cache_dtype (auto: dtype), the KV pool's
-        self.engine = LLMEngine.from_args(model, device=device, dtype=dtype,
-                                          weight_dtype=weight_dtype,
-                                          speculative_config=speculative_config, quiet=quiet,
-                                          **engine_args)
+    def __init__(self, model: str = EngineArgs.model, **engine_args):
+        """engine_args: EngineArgs' fields (engine/args.py lists each with its default), e.g.
+        device, dtype (activations, KV cache, arithmetic), weight_dtype (how the large matrices
+        are stored; float32 + bfloat16: fp32 compute over bf16 weights), kv_cache_dtype,
+        speculative_config, quiet."""
+        self.engine = LLMEngine.from_args(model, **engine_args)
         self._ids = itertools.count()
 
     @property

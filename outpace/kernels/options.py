@@ -1,4 +1,4 @@
-"""The KernelOptions in force (config.KernelOptions: the switches of the CUDA fast path).
+"""The KernelOptions in force (runner_config.KernelOptions: the switches of the CUDA fast path).
 
 Each field turns one kernel-level choice off for benchmarks' ablations and for tests that pin
 a path; the defaults are what the engine runs. `RunnerConfig.kernel_options` carries them, and
@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 
-from outpace.config import KernelOptions
+from outpace.runner_config import KernelOptions
 
 DEFAULT = KernelOptions()
 _current: contextvars.ContextVar = contextvars.ContextVar("outpace_kernel_options",

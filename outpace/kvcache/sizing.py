@@ -11,8 +11,9 @@ from __future__ import annotations
 import logging
 from typing import Optional
 
-from outpace.config import CacheConfig, ModelConfig
+from outpace.config import CacheConfig
 from outpace.errors import ConfigError
+from outpace.model_config import ModelConfig
 
 log = logging.getLogger(__name__)
 

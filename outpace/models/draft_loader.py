@@ -16,8 +16,8 @@ from typing import Optional, Union
 
 import torch
 
-from outpace.config import ModelConfig
 from outpace.errors import ConfigError, ModelLoadError
+from outpace.model_config import ModelConfig
 from outpace.models.cpu_fast_paths import add_weight_copies_
 from outpace.models.eagle3 import Eagle3Config, Eagle3Head
 from outpace.models.mtp import MTPHead

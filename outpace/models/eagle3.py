@@ -34,11 +34,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from outpace.attention.base import ForwardContext
-from outpace.config import ModelConfig
 from outpace.errors import ConfigError, ModelLoadError
 from outpace.kernels import embed_norm_cat
 from outpace.kernels.argmax import argmax_rows
 from outpace.kernels.skinny_gemm import small_linear
+from outpace.model_config import ModelConfig
 from outpace.models.cpu_fast_paths import linear
 from outpace.models.llama import LlamaDecoderLayer, RMSNorm
 from outpace.models.rotary import RotaryEmbedding

@@ -26,16 +26,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from outpace.attention.base import ForwardContext
-from outpace.config import ModelConfig
 from outpace.errors import ModelLoadError
 from outpace.kernels import use_triton
 from outpace.kernels.argmax import argmax_rows
-from outpace.kernels.options import current as kernel_options
 from outpace.kernels.norm import fused_add_rms_norm, fused_add_rms_norm_triton, rms_norm_triton
+from outpace.kernels.options import current as kernel_options
 from outpace.kernels.skinny_gemm import (SMALL_M_MAX, mid_rows_ok, norm_qkv_rope_store,
                                           norm_qkv_rope_store_triton, norm_small_linear,
                                           norm_small_linear_silu_mul, silu_mul, small_linear,
                                           small_linear_silu_mul_triton, small_linear_triton)
+from outpace.model_config import ModelConfig
 from outpace.models.cpu_fast_paths import add_weight_copies_, cpu_threads_for, linear
 from outpace.models.rotary import RotaryEmbedding
 from outpace.models.weight_dtype import upcast_embedding

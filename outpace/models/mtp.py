@@ -25,11 +25,11 @@ import torch
 from torch import nn
 
 from outpace.attention.base import ForwardContext
-from outpace.config import ModelConfig
 from outpace.kernels import embed_norm_cat
+from outpace.model_config import ModelConfig
+from outpace.models.cpu_fast_paths import linear
 from outpace.models.llama import LlamaDecoderLayer, RMSNorm
 from outpace.models.rotary import RotaryEmbedding
-from outpace.models.cpu_fast_paths import linear
 
 
 class MTPModule(nn.Module):

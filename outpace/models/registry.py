@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from outpace.config import SUPPORTED_ARCHITECTURES
 from outpace.errors import ConfigError, UnsupportedModelError
+from outpace.model_config import SUPPORTED_ARCHITECTURES
 
 # config.json `architectures[0]` -> outpace architecture
 _HF_CLASSES = {

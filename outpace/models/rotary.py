@@ -13,9 +13,9 @@ from typing import Optional
 import torch
 from torch import nn
 
-from outpace.config import ModelConfig
 from outpace.errors import UnsupportedModelError
 from outpace.kernels import use_triton
+from outpace.model_config import ModelConfig
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:

@@ -48,7 +48,7 @@ if TYPE_CHECKING:
 
 class PrefillGraphs:
     """A part of FusedStep: the graphs around a prefill. They read the step's staged buffers
-    and carry, and run its head's draft loop (FusedStep._draft) and replay (FusedStep._replay):
+    and carry, and run its head's draft loop (FusedStep.draft_loop) and replay (FusedStep._replay):
     `step` is the FusedStep that owns this part (a weak proxy)."""
 
     def __init__(self, step):
@@ -168,9 +168,9 @@ class PrefillGraphs:
             last = self.step.varlen_last_rows[:m]
             first = pos.index_select(0, last)
             outs = (torch.empty(m, kd, dtype=torch.long, device=pos.device),)
-            self.step._draft(hidden, aux, self.step.varlen_next_ids[:t], pos,
-                        ForwardContext(self.step.backend, meta), last, first, buf.block_tables[:m],
-                        kd, outs)
+            self.step.draft_loop.run(hidden, aux, self.step.varlen_next_ids[:t], pos,
+                                     ForwardContext(self.step.backend, meta), last, first,
+                                     buf.block_tables[:m], kd, outs)
             return outs if kd else ()
         return self.step.graphs.capture(fn)
 
@@ -219,9 +219,10 @@ class PrefillGraphs:
             else:
                 outs = (torch.empty(1, kd, dtype=torch.long, device=pos.device),)
             if self.step.head is not None:
-                self.step._draft(hidden, aux, self.step.prefill_next_ids[:q], pos,
-                            ForwardContext(self.step.backend, meta), self.step.prefill_last_row,
-                            first, buf.block_tables[:1], kd, outs)
+                self.step.draft_loop.run(hidden, aux, self.step.prefill_next_ids[:q], pos,
+                                         ForwardContext(self.step.backend, meta),
+                                         self.step.prefill_last_row, first,
+                                         buf.block_tables[:1], kd, outs)
             if tail:
                 return packed if logprobs is None else (packed, logprobs)
             return outs if kd else ()
@@ -252,7 +253,7 @@ class PrefillGraphs:
         if mode not in BASE_MODES and (mode, q, kd) not in self.tails:
             # Nothing is in flight (PrefillGraphs.launch follows can_launch, as FusedStep.launch does): the
             # tail, and the decode graphs that chain from it
-            self.step._capture_later((1, self.step.next_q(kd), kd, False), mode)
+            self.step.table.capture_later((1, self.step.next_q(kd), kd, False), mode)
             self.tails[(mode, q, kd)] = self._capture_head(q, kd, tail=True,
                                                                             mode=mode)
         extra = [(self.step.prefill_last_row, np.array([n - 1], np.int64)),

@@ -57,11 +57,12 @@ Graphs are captured over a dummy batch: the common ones at start-up, others the 
 their (bucket, q, kd) is seen (never while a step is in flight: chained graphs exist only if
 captured ahead). They share the GraphRunner's memory pool.
 
-The prefill's graphs around the fused step (a head's pass and drafts after a prefill graph, a
-greedy prefill launched like a decode step) are in runner/fused_prefill.py, what its sampled
-graphs stage and compute in runner/fused_sampling.py, the penalties' tables in
-runner/fused_penalties.py, and the output's copies and the StepResult they make in
-runner/fused_output.py.
+The captured graphs and when each is captured are in runner/fused_graphs.py, the head's draft
+loop inside a graph in runner/fused_draft_loop.py, the prefill's graphs around the fused step (a
+head's pass and drafts after a prefill graph, a greedy prefill launched like a decode step) in
+runner/fused_prefill.py, what its sampled graphs stage and compute in runner/fused_sampling.py,
+the penalties' tables in runner/fused_penalties.py, and the output's copies and the StepResult
+they make in runner/fused_output.py.
 """
 
 from __future__ import annotations
@@ -76,15 +77,15 @@ import torch
 
 from outpace.attention.base import AttentionMetadata, ForwardContext
 from outpace.kernels.argmax import argmax_rows
-from outpace.kernels.norm import gather_rms_norm
-from outpace.runner.step_bookkeeping import accept, chained_inputs, loop_inputs
 from outpace.runner.chained_tables import ChainedTables
+from outpace.runner.fused_draft_loop import DraftLoop
+from outpace.runner.fused_graphs import GraphTable
 from outpace.runner.fused_output import StepOutput
 from outpace.runner.fused_penalties import StepPenalties
 from outpace.runner.fused_prefill import PrefillGraphs
 from outpace.runner.fused_sampling import StepSampling
-from outpace.runner.graph_mode import BASE_MODES, GREEDY, MODES, GraphMode, graph_mode
-from outpace.speculative.base import DraftBatch
+from outpace.runner.graph_mode import GREEDY, MODES, GraphMode, graph_mode
+from outpace.runner.step_bookkeeping import accept, chained_inputs
 from outpace.speculative.head_proposer import HeadProposer
 from outpace.types import StepResult
 
@@ -109,9 +110,10 @@ class Launched:
 
 
 class FusedStep:
-    """The fused step, composed of parts that own their state: `sampling` (what a sampled graph
-    stages and draws), `penalties` (the penalty tables), `output` (host copies, StepResults)
-    and `prefill` (the graphs around a prefill)."""
+    """The fused step, composed of parts that own their state: `table` (the captured graphs),
+    `draft_loop` (the head's part of a graph), `sampling` (what a sampled graph stages and
+    draws), `penalties` (the penalty tables), `output` (host copies, StepResults) and
+    `prefill` (the graphs around a prefill)."""
 
     def __init__(self, runner):
         # Weak: the runner owns this step (see HeadProposer.bind for why no cycle)
@@ -142,7 +144,8 @@ class FusedStep:
              ((m,), torch.long)])
         self.penalties = StepPenalties(self.inputs, runner.model_cfg.vocab_size)
         self.sampling = StepSampling(self.inputs, self.runner, self.penalties)
-        self.loop_query_start = torch.arange(m + 1, dtype=torch.int32, device=dev)
+        self.draft_loop = (DraftLoop(self.head, self.backend, self.block_size, m, dev)
+                           if self.head is not None else None)
         # What chaining carries from a step to the next (see the module docstring); a host
         # drafter's steps relaunch from the same carry instead.
         self.chainable = self.host_drafter is None
@@ -153,39 +156,18 @@ class FusedStep:
         # u in [0, 1), so zeros do and the graph skips a random-number kernel that real
         # verification doesn't have.
         self.zero_draws = torch.zeros(m, device=dev)
-        self._captured: dict = {}  # (bucket, q, kd, chained) -> (graph, packed output)
-        # ...per GraphMode: the greedy graphs above, sampled ones, sampled with masks, those
-        # two with penalties, and each of these with logprobs (graph_mode.MODES)
-        self._by_mode = {mode: {} for mode in MODES}
-        self._by_mode[GREEDY] = self._captured
+        self.table = GraphTable(weakref.proxy(self))
         self.prefill = PrefillGraphs(weakref.proxy(self))
         self._tables = ChainedTables(self.inputs.max_blocks)
         self.is_cuda = dev.type == "cuda"
         self.replays = 0  # steps served (tests read it)
         self.chained = 0  # of which launched from the previous step's outputs
         self.relaunched = 0  # of which a host drafter's, launched from the previous carry
-        self.mode_steps = {mode: 0 for mode in self._by_mode}  # ...by their graph's GraphMode
+        self.mode_steps = {mode: 0 for mode in MODES}  # ...by their graph's GraphMode
         # Host seconds summed over steps (benchmarks read it): copying inputs and launching,
         # waiting for the output copy, turning it into the StepResult.
         self.timing = {"launch_s": 0.0, "wait_s": 0.0, "unpack_s": 0.0}
         self.output = StepOutput(self.runner, self.head, self.host_drafter)
-
-    def capture_common(self) -> None:
-        """Capture ahead what steady decoding uses: every bucket x every verify length, with
-        the draft-loop length the policy gives that bucket, and the chained step that follows
-        (q = kd + 1 drafts-and-bonus). Others are captured when first seen."""
-        for bucket in reversed(self.graphs.buckets):
-            kd = self.draft_steps(bucket)
-            keys = [(bucket, q, kd, False) for q in self.graphs.q_lens]
-            if self.chainable and self.next_q(kd) in self.graphs.q_lens:
-                keys.append((bucket, self.next_q(kd), kd, True))
-            if self.relaunchable:
-                keys += [(bucket, q, 0, True) for q in self.graphs.q_lens]
-            for key in keys:
-                for mode in BASE_MODES:
-                    table = self._by_mode[mode]
-                    if key not in table:
-                        table[key] = self._capture(*key, mode=mode)
 
     def next_q(self, kd: int) -> int:
         """Query length of the step after one that drafted kd tokens on the device."""
@@ -217,9 +199,9 @@ class FusedStep:
         bucket = self.graphs.bucket_for(b)
         key = (bucket, q, self.draft_steps(plan.draft_batch_size), False)
         mode = graph_mode(sr.request.sampling_params for sr in plan.scheduled)
-        table = self._by_mode[mode]
+        table = self.table.by_mode[mode]
         if key not in table:
-            self._capture_later(key, mode)
+            self.table.capture_later(key, mode)
         t0 = time.perf_counter()
         nd = np.zeros(bucket, np.int64)
         nd[:b] = [len(sr.draft_token_ids) for sr in plan.scheduled]
@@ -242,7 +224,7 @@ class FusedStep:
         graph was not captured ahead (capturing now would clobber the step in flight)."""
         bucket, _, kd, _ = prev.key
         key = (bucket, self.next_q(kd), kd, True)
-        table = self._by_mode[prev.mode]
+        table = self.table.by_mode[prev.mode]
         if not self.chainable or key not in table:
             return None
         t0 = time.perf_counter()
@@ -261,7 +243,7 @@ class FusedStep:
         chain. None when no graph was captured ahead for that query length."""
         bucket = prev.key[0]
         key = (bucket, self.relaunch_q(max(len(d) for d in drafts)), 0, True)
-        table = self._by_mode[prev.mode]
+        table = self.table.by_mode[prev.mode]
         if not self.relaunchable or key not in table:
             return None
         t0 = time.perf_counter()
@@ -317,7 +299,7 @@ class FusedStep:
         """Replay the graph of `key` (or `entry`, a (graph, outputs) pair) and queue the
         copies of its outputs. A step launched from the host may follow eager kernels: PDL is
         primed first (kernels/pdl.prime: after a torch kernel the graph replays slower)."""
-        graph, outs = entry or self._captured[key]
+        graph, outs = entry or self.table.greedy[key]
         # a logprobs graph's outputs: (packed, logprobs); any other's: packed
         packed, logprobs = outs if isinstance(outs, tuple) else (outs, None)
         if chained:
@@ -346,8 +328,8 @@ class FusedStep:
                        self.num_drafts,
                        host_drafts=self.host_drafts[:bucket] if self.relaunchable else None)
 
-    def _compute(self, bucket: int, q: int, kd: int, chained: bool = False,
-                 mode: GraphMode = GREEDY) -> torch.Tensor:
+    def compute(self, bucket: int, q: int, kd: int, chained: bool = False,
+                mode: GraphMode = GREEDY) -> torch.Tensor:
         buf = self.inputs
         n = bucket * q
         if chained:
@@ -396,62 +378,11 @@ class FusedStep:
             # the drafts go to the output and to the next chained step's rows 1 .. kd
             outs = (packed[:, q + 1:],) + ((self.carry_tokens[:bucket, 1:1 + kd],)
                                            if self.chainable else ())
-            self._draft(hidden, aux, next_ids, pos, ctx, last_rows, first,
-                        buf.block_tables[:bucket], kd, outs)
+            self.draft_loop.run(hidden, aux, next_ids, pos, ctx, last_rows, first,
+                                buf.block_tables[:bucket], kd, outs)
         return packed if logprobs is None else (packed, logprobs)
 
-    def _draft(self, hidden, aux, next_ids, pos, ctx, last_rows, first, block_tables, kd,
-               outs: tuple) -> None:
-        """The head's first pass (always: it keeps the draft plane exact even while the k
-        schedule turns drafting off), then kd draft steps; draft j is written into column j
-        of each of `outs` ([B, >= kd] int64, at most two) by the argmax kernel itself."""
-        head = self.head
-        batch = DraftBatch(requests=[], committed=[], row_start=[], row_end=[], last_row=[],
-                           hidden=hidden, aux_hidden=aux)
-        h = head.step(head.first_hidden(batch), next_ids, pos, ctx)
-        if kd == 0:
-            return None
-        # [B, H] head output at each request's f - 2, and its norm for the LM head: one kernel
-        norm = head.draft_norm()
-        normed, h = gather_rms_norm(h, last_rows, norm.weight, norm.eps)
-        tok = head.draft_ids_normed(normed, also=tuple(o[:, 0] for o in outs))
-        bucket = first.shape[0]
-        if kd > 1:
-            # Positions, slots and sequence lengths of every loop step at once ([kd-1, B], each
-            # row contiguous): one kernel in place of ten per step.
-            pos_all, slots_all, lens_all = loop_inputs(first, block_tables, self.block_size,
-                                                       kd - 1)
-        for j in range(1, kd):
-            p = pos_all[j - 1]
-            meta = AttentionMetadata(
-                slot_mapping=slots_all[j - 1], query_start_loc=self.loop_query_start[:bucket + 1],
-                seq_lens=lens_all[j - 1], block_tables=block_tables,
-                max_query_len=1, max_seq_len=block_tables.shape[1] * self.block_size)
-            h = head.step(h, tok, p, ForwardContext(self.backend, meta))
-            tok = head.draft_ids(h, also=tuple(o[:, j] for o in outs))
-
-    def _capture_later(self, key: tuple, mode: GraphMode) -> None:
-        """Capture a graph when its key is first launched (a launch from the host: nothing is
-        in flight), with, for a mode not captured at start-up (penalties, logprobs), the
-        chained step that follows it and the relaunched ones (chain and relaunch never
-        capture: a step is in flight then)."""
-        if mode in BASE_MODES:
-            self._by_mode[mode][key] = self._capture(*key, mode=mode)
-            return
-        if mode.penalties:
-            self.penalties.ensure_tables()
-        bucket, q, kd, _ = key
-        keys = [key]
-        if self.chainable and self.next_q(kd) in self.graphs.q_lens:
-            keys.append((bucket, self.next_q(kd), kd, True))
-        if self.relaunchable:
-            keys += [(bucket, q2, 0, True) for q2 in self.graphs.q_lens]
-        table = self._by_mode[mode]
-        for k in keys:
-            if k not in table:
-                table[k] = self._capture(*k, mode=mode)
-
-    def _fill_dummy(self, bucket: int, q: int) -> None:
+    def fill_dummy(self, bucket: int, q: int) -> None:
         """A dummy batch that writes nowhere in the buffers (graphs are captured over it)."""
         self.graphs.fill_dummy(bucket, q)
         self.num_drafts[:bucket].zero_()
@@ -461,24 +392,3 @@ class FusedStep:
         self.sampling.greedy_rows(bucket)  # the dummy batch samples nothing...
         self.penalties.neutral_rows(bucket)  # ...and has no penalties
 
-    def dummy_step(self, bucket: int, q: int):
-        """The greedy graph a decode step of `bucket` rows of q tokens replays (the draft loop
-        the policy gives that bucket), with a dummy batch staged for it, as a function that
-        replays it; None where the fused step doesn't serve such steps or the graph is not
-        captured. Start-up timing (runner/step_timing.py) replays it; nothing is in flight."""
-        if not self.accepts(None):
-            return None
-        entry = self._captured.get((bucket, q, self.draft_steps(bucket), False))
-        if entry is None:
-            return None
-        self._fill_dummy(bucket, q)
-        graph = entry[0]
-        return lambda: self.graphs.replay(graph, "step")
-
-    def _capture(self, bucket: int, q: int, kd: int, chained: bool,
-                 mode: GraphMode = GREEDY):
-        """Fill the buffers with a dummy batch that writes nowhere, warm up, capture."""
-        self._fill_dummy(bucket, q)
-        fn = lambda: self._compute(bucket, q, kd, chained, mode)  # noqa: E731
-        graph, packed = self.graphs.capture(fn)
-        return graph, packed

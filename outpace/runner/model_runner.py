@@ -21,10 +21,10 @@ import torch
 
 from outpace.attention.base import ForwardContext
 from outpace.attention.inputs import InputBuffers, build_host_batch
-from outpace.config import KernelOptions
 from outpace.kernels.options import use_kernel_options
 from outpace.rate_limited_log import RateLimitedLog
 from outpace.runner.sampling_step import RelaxedAcceptance, SamplingStep
+from outpace.runner_config import KernelOptions
 from outpace.speculative.base import DraftBatch
 from outpace.types import RequestStepOutput, StepPlan, StepResult
 
@@ -130,7 +130,7 @@ class ModelRunner:
         self.fused = FusedStep(self)
         self.fused.prefill.capture()
         if capture_fused:
-            self.fused.capture_common()
+            self.fused.table.capture_common()
 
     @_under_kernel_options
     def measure_step_times(self, max_draft: int):

@@ -63,7 +63,7 @@ def _from_graphs(runner, reps: int) -> StepTimes:
     verify = {}
     for bucket in graphs.buckets:
         for q in graphs.q_lens:
-            step = fused.dummy_step(bucket, q) if fused is not None else None
+            step = fused.table.dummy_step(bucket, q) if fused is not None else None
             if step is None:
                 step = graphs.dummy_step(bucket, q)
             verify[(bucket, q)] = max(_timed(step, reps, cuda), 1e-9)

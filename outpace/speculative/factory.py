@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from outpace.config import SpecConfig
 from outpace.errors import ConfigError
 from outpace.speculative.draft_length import DraftLengthPolicy
+from outpace.speculative_config import SpecConfig
 
 def build_proposer(spec: SpecConfig, target, model_cfg, runner_cfg):
     policy = DraftLengthPolicy(spec.num_speculative_tokens, schedule=spec.k_schedule,

@@ -53,7 +53,7 @@ def eval_draft(method: str, draft: Optional[str], target: str, prompt_sets: dict
         device = "cuda" if torch.cuda.is_available() else "cpu"
     sets = {name: read_prompts(path, limit=max_prompts) for name, path in prompt_sets.items()}
     if loaded is None:
-        from outpace.config import RunnerConfig
+        from outpace.runner_config import RunnerConfig
         rc = RunnerConfig(device=device, dtype=dtype)
         loaded = load_model(target, dtype=rc.torch_dtype, device=torch.device(device),
                             quiet=quiet)

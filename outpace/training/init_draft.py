@@ -17,8 +17,8 @@ from typing import Optional, Union
 
 import torch
 
-from outpace.config import ModelConfig
 from outpace.errors import ConfigError
+from outpace.model_config import ModelConfig
 from outpace.models.draft_loader import (DRAFT_METHODS, eagle3_config_dict, head_slices,
                                          mtp_config_dict, save_draft_head)
 from outpace.models.eagle3 import Eagle3Config, Eagle3Head, default_aux_layer_ids

@@ -12,11 +12,11 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 pytest.importorskip("triton")
 
-from outpace.config import KernelOptions  # noqa: E402
-from outpace.kernels.options import use_kernel_options  # noqa: E402
 from outpace.kernels.embed_norm_cat import (embed_norm_cat, embed_norm_cat_ref,  # noqa: E402
                                         embed_norm_cat_triton)
 from outpace.kernels.norm import rms_norm_ref, rms_norm_triton  # noqa: E402
+from outpace.kernels.options import use_kernel_options  # noqa: E402
+from outpace.runner_config import KernelOptions  # noqa: E402
 
 DEV = "cuda"
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=2e-3, rtol=2e-3),
@@ -142,7 +142,7 @@ def _ctx(t, hkv, d, num_slots, dtype):
 
 
 def _cfg():
-    from outpace.config import ModelConfig
+    from outpace.model_config import ModelConfig
     return ModelConfig(architecture="llama", vocab_size=300, hidden_size=64,
                        intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
                        num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6,

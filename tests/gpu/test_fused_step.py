@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.gpu,
 pytest.importorskip("triton")
 
 from outpace import SamplingParams  # noqa: E402
-from outpace.config import KernelOptions  # noqa: E402
+from outpace.runner_config import KernelOptions  # noqa: E402
 from tests.engine_helpers import make_engine, run_batch  # noqa: E402
 from tests.speculative.spec_helpers import repetitive_prompts, tiny_target  # noqa: E402
 

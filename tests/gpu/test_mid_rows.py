@@ -16,8 +16,8 @@ triton = pytest.importorskip("triton")
 
 import outpace.models.llama as llama  # noqa: E402
 from outpace import SamplingParams  # noqa: E402
-from outpace.config import KernelOptions  # noqa: E402
 from outpace.kernels import skinny_gemm as sl  # noqa: E402
+from outpace.runner_config import KernelOptions  # noqa: E402
 from tests.engine_helpers import make_engine, run_batch  # noqa: E402
 from tests.gpu import test_kernels as tk  # noqa: E402
 from tests.gpu import test_rope_store as tr  # noqa: E402

@@ -12,13 +12,13 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 pytest.importorskip("triton")
 
-from outpace.config import KernelOptions  # noqa: E402
 from outpace.kernels import pdl  # noqa: E402
-from outpace.kernels.options import use_kernel_options  # noqa: E402
 from outpace.kernels.argmax import argmax_rows  # noqa: E402
 from outpace.kernels.norm import fused_add_rms_norm, rms_norm  # noqa: E402
+from outpace.kernels.options import use_kernel_options  # noqa: E402
 from outpace.kernels.skinny_gemm import (norm_small_linear, norm_small_linear_silu_mul,  # noqa: E402,E501
                                           small_linear, small_linear_ref)
+from outpace.runner_config import KernelOptions  # noqa: E402
 
 DEV = "cuda"
 

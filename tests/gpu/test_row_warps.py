@@ -26,8 +26,8 @@ X_W_DTYPES = [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32),
 
 @pytest.fixture(params=[True, False], ids=["row-warps", "one-row-programs"])
 def row_warps(request):
-    from outpace.config import KernelOptions
     from outpace.kernels.options import use_kernel_options
+    from outpace.runner_config import KernelOptions
     rows = KernelOptions().row_warps_rows if request.param else frozenset()
     with use_kernel_options(KernelOptions(row_warps_rows=rows)):
         yield request.param

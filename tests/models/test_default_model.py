@@ -5,8 +5,8 @@ import time
 import pytest
 import torch
 
-from outpace.config import RunnerConfig
 from outpace.models.loader import load_model
+from outpace.runner_config import RunnerConfig
 from outpace.tokenizer import Tokenizer
 from tests.models.helpers import PagedRunner
 

@@ -13,11 +13,12 @@ from safetensors.torch import load_file, save_file
 
 from outpace.attention.base import AttentionMetadata, ForwardContext
 from outpace.attention.torch_ref import TorchRefBackend
-from outpace.config import KernelOptions, ModelConfig
 from outpace.errors import ConfigError, ModelLoadError
 from outpace.kernels.options import use_kernel_options
+from outpace.model_config import ModelConfig
 from outpace.models.draft_loader import export_weights, load_draft_head, model_config_dict
 from outpace.models.llama import LlamaForCausalLM
+from outpace.runner_config import KernelOptions
 from outpace.training.init_draft import init_draft
 
 L = 6  # target layers: default EAGLE-3 aux layers (1, 2, 2)

@@ -56,7 +56,7 @@ def test_other_families_gguf(tmp_path, family, arch, qtype):
 def test_llama3_rope_freqs_tensor(tmp_path):
     # llama.cpp stores Llama 3.1 rope scaling as a rope_freqs tensor of per-frequency divisors
     hf = tiny_hf("llama3_rope", seed=13)
-    from outpace.config import ModelConfig
+    from outpace.model_config import ModelConfig
     cfg = ModelConfig.from_hf_dict(hf.config.to_dict())
     plain = rope_inv_freq(ModelConfig(**{**cfg.__dict__, "rope_scaling": None}))
     factors = plain / rope_inv_freq(cfg)

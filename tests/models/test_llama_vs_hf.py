@@ -5,9 +5,9 @@ import copy
 import pytest
 import torch
 
-from outpace.config import KernelOptions
 from outpace.kernels.options import use_kernel_options
 from outpace.models.loader.safetensors import load_hf_folder
+from outpace.runner_config import KernelOptions
 from tests.models.helpers import PagedRunner, hf_logits, tiny_hf
 
 FAMILIES = ["llama", "llama_bias", "llama3_rope", "mistral", "qwen2", "qwen3", "smollm2"]

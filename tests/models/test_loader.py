@@ -6,11 +6,12 @@ import shutil
 import pytest
 import torch
 
-from outpace.config import ModelConfig, RunnerConfig
 from outpace.errors import ModelLoadError, UnsupportedModelError
+from outpace.model_config import ModelConfig
 from outpace.models.loader import load_model, load_model_config, locate
 from outpace.models.loader.safetensors import load_hf_folder
 from outpace.models.registry import architecture_of
+from outpace.runner_config import RunnerConfig
 from tests.models.helpers import PagedRunner, hf_logits, tiny_hf
 
 

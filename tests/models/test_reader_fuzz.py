@@ -17,8 +17,8 @@ import traceback
 import pytest
 import torch
 
-from outpace.config import MODEL_SIZE_LIMITS
 from outpace.errors import ConfigError, ModelLoadError
+from outpace.model_config import MODEL_SIZE_LIMITS
 from outpace.models.loader.gguf import load_gguf
 from outpace.models.loader.safetensors import load_hf_folder
 from tests.models.helpers import write_gguf

@@ -12,7 +12,7 @@ import torch
 
 from outpace.attention.base import AttentionMetadata, ForwardContext
 from outpace.attention.torch_ref import TorchRefBackend
-from outpace.config import ModelConfig
+from outpace.model_config import ModelConfig
 from outpace.models.draft_loader import model_config_dict
 from outpace.models.llama import LlamaForCausalLM
 from outpace.speculative.base import DraftBatch

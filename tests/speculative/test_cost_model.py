@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 
 from outpace import SamplingParams
-from outpace.config import SpecConfig
 from outpace.errors import ConfigError
 from outpace.speculative.acceptance import AcceptanceEstimates
 from outpace.speculative.cost_model import CostModel
 from outpace.speculative.draft_length import DraftLengthPolicy
 from outpace.speculative.step_times import StepTimes
+from outpace.speculative_config import SpecConfig
 from tests.speculative.spec_helpers import TINY_BLOCK, repetitive_prompts, run_waves
 from tests.speculative.test_spec_engine import StepLog
 
@@ -245,7 +245,8 @@ def test_policy_needs_a_table_and_keeps_the_schedule():
 
 
 def test_option_from_config_and_cli():
-    from outpace.entrypoints.cli import build_parser, engine_kwargs
+    from outpace.entrypoints.cli import build_parser
+    from outpace.entrypoints.cli_options import engine_kwargs
     a = build_parser().parse_args(["generate", "hi", "--spec", "ngram",
                                    "--spec-option", "adaptive=cost"])
     spec = engine_kwargs(a)["speculative_config"]

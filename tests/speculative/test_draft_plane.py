@@ -458,7 +458,7 @@ def relaxed_verify(history, drafts, logits, top_k=96, delta=1.0):
     from outpace.runner.sampling_step import RelaxedAcceptance, SamplingStep
     from outpace.types import Request, ScheduledRequest, StepPlan
     step = SamplingStep(torch.device("cpu"))
-    from outpace.config import SpecConfig
+    from outpace.speculative_config import SpecConfig
     step.relaxed = RelaxedAcceptance.from_spec(SpecConfig.from_dict(
         {"relaxed_top_k": top_k, "relaxed_delta": delta, "think_begin_ids": [THINK],
          "think_end_ids": [END]}), 96)

@@ -112,11 +112,11 @@ def test_fused_step_equals_eager(tiny_loaded, tiny_heads, fake_graph_capture, me
         assert runner.fused.relaunched > 10, "no step was relaunched from the carry"
     else:
         assert runner.fused.relaunched == 0
-    assert {key[0] for key in runner.fused._captured} >= {4}, "no batch padded to a bucket"
+    assert {key[0] for key in runner.fused.table.greedy} >= {4}, "no batch padded to a bucket"
     if k:
         assert sum(len(d) for step in got_drafts for d in step.values()) > 50
     if "k_schedule" in opts:  # drafting went off and came back
-        assert {key[2] for key in runner.fused._captured} == {0, k}
+        assert {key[2] for key in runner.fused.table.greedy} == {0, k}
     if method in ("ngram", "suffix"):  # (a random head's drafts are rarely accepted)
         assert fused.stats["spec"]["num_accepted_tokens"] > 0
     # the scenario happened: preemption and prefix hits, as in the eager run
@@ -217,13 +217,13 @@ def test_force_accept_mean_on_the_fused_path(tiny_loaded, tiny_heads, fake_graph
     eng = make_engine(tiny_loaded, max_num_seqs=8, speculative_config=head_spec(
         tiny_heads, "eagle3", k, force_accept_mean=mean))
     eng.runner.enable_cuda_graphs(tuple(range(1, k + 2)), capture_fused=True)
-    captured = set(eng.runner.fused._captured)
+    captured = set(eng.runner.fused.table.greedy)
     # buckets 1 2 4 8 (max_num_seqs 8) x q 1..k+1, and each bucket's chained step (q = k+1)
     assert sum(not key[3] for key in captured) == 4 * (k + 1)
     assert {key for key in captured if key[3]} == {(b, k + 1, k, True) for b in (1, 2, 4, 8)}
     prompts = repetitive_prompts(6, 7)
     run_batch(eng, prompts, SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True))
-    assert set(eng.runner.fused._captured) == captured, "steady decoding captured more graphs"
+    assert set(eng.runner.fused.table.greedy) == captured, "steady decoding captured more graphs"
     spec = eng.stats()["spec"]
     assert eng.runner.fused.replays > 15
     # steps verifying drafts: accepted/steps + 1 ~ mean (steps near max_tokens draft fewer)

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from outpace.config import KernelOptions
 from outpace.errors import ConfigError
 from outpace.kernels.options import current, use_kernel_options
+from outpace.runner_config import KernelOptions
 from tests.engine_helpers import make_engine, run_batch
 from outpace import SamplingParams
 

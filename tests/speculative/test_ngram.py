@@ -138,7 +138,7 @@ def test_speed_on_long_context():
 
 
 def test_options_mapping():
-    from outpace.config import SpecConfig
+    from outpace.speculative_config import SpecConfig
     assert ngram_options(SpecConfig()) == {"min_n": 1, "max_n": 4}
     spec = SpecConfig.from_dict({"prompt_lookup_min": 2, "prompt_lookup_max": 3})
     assert ngram_options(spec) == {"min_n": 2, "max_n": 3}

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from outpace import SamplingParams
-from outpace.entrypoints.cli import build_parser, engine_kwargs
+from outpace.entrypoints.cli import build_parser
+from outpace.entrypoints.cli_options import engine_kwargs
 from outpace.errors import ConfigError
 from outpace.models.shipped_heads import (HEADS_DIR, SHIPPED, catalog_name_of, shipped_head,
                                           with_shipped_head)

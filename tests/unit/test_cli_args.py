@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from outpace.entrypoints.cli import build_parser, engine_kwargs
+from outpace.entrypoints.cli import build_parser
+from outpace.entrypoints.cli_options import engine_kwargs
 from outpace.errors import OutpaceError
 
 
@@ -59,7 +60,7 @@ def test_ctrl_c_stops_the_answer_and_keeps_what_it_wrote():
     import io
     from types import SimpleNamespace
 
-    from outpace.entrypoints.cli import _stream
+    from outpace.entrypoints.cli_commands import _stream
 
     class Engine:
         def __init__(self):
@@ -105,7 +106,7 @@ def test_spec_option_values_parse_as_json():
                    "--spec-option", "suffix_periodic=1", "--spec-option", "adaptive=True",
                    "--spec-option", "mtp_mode=eagle")["speculative_config"]
     assert spec["k_schedule"] == [[8, 2], [32, 1]] and spec["mtp_mode"] == "eagle"
-    from outpace.config import SpecConfig
+    from outpace.speculative_config import SpecConfig
     cfg = SpecConfig.from_dict(spec)
     assert cfg.k_schedule == ((8, 2), (32, 1)) and cfg.suffix_periodic is True and cfg.adaptive
 
@@ -193,7 +194,7 @@ def test_chat_says_to_reset_once_the_context_is_full_and_survives_ctrl_c():
     the message, at the prompt it leaves; no traceback anywhere."""
     import io
 
-    from outpace.entrypoints.cli import run_chat
+    from outpace.entrypoints.cli_commands import run_chat
     from outpace.types import SamplingParams
     lines = iter(["a b c", "d e", "f", "/reset", "INTERRUPT", "g"])
 

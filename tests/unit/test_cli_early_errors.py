@@ -136,12 +136,13 @@ def test_mtp_depths_options_are_checked_against_the_head_config_before_the_model
     for more in (["--k", "3", "--spec-option", "mtp_mode=eagle",
                   "--spec-option", "draft_lm_head_dtype=int8"], ["--k", "2"]):
         assert "is not a valid safetensors file" in _error_line(base + more, capsys)
+    from outpace.engine.args import EngineArgs
     from outpace.engine.preflight import check_engine_args
     from outpace.errors import ConfigError
     with pytest.raises(ConfigError, match=r"needs num_speculative_tokens \(2\) <= block_size "
                                           r"\(1\)") as e:
-        check_engine_args(NO_MODEL, block_size=1, speculative_config={
-            "method": "mtp", "model": mtp_head_of_two, "num_speculative_tokens": 2})
+        check_engine_args(EngineArgs(NO_MODEL, block_size=1, speculative_config={
+            "method": "mtp", "model": mtp_head_of_two, "num_speculative_tokens": 2}))
     assert e.value.option == "num_speculative_tokens"
 
 

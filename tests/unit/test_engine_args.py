@@ -92,17 +92,43 @@ def test_a_lent_model_whose_rope_tables_are_shorter_than_the_context_is_refused(
         make_engine((short, cfg, tok), max_model_len=64)
 
 
-def test_the_checks_take_every_engine_argument_with_its_default():
-    """check_engine_args (engine/preflight.py) is called with build_engine's arguments: the
-    same names, and the same defaults for a caller that leaves some out (the CLI)."""
-    import inspect
+def test_every_engine_argument_is_an_engine_args_field_with_its_default():
+    """EngineArgs is the one list of the engine's arguments: from_args takes exactly its fields
+    (with its defaults for those left out), and the CLI's engine flags fill only fields of it,
+    their --help defaults being its defaults."""
+    import dataclasses
 
-    from outpace.engine.builder import build_engine
-    from outpace.engine.preflight import check_engine_args
-    built = {n: p.default for n, p in inspect.signature(build_engine).parameters.items()
-             if n != "cls"}
-    checked = {n: p.default for n, p in inspect.signature(check_engine_args).parameters.items()}
-    assert built == checked
+    from outpace.engine.args import EngineArgs
+    from outpace.entrypoints.cli import build_parser
+    from outpace.entrypoints.cli_options import engine_kwargs
+    names = EngineArgs.names()
+    assert "model" not in names and {"device", "max_num_seqs", "loaded"} <= set(names)
+    args = EngineArgs.from_kwargs("m", max_num_seqs=3)
+    assert args.model == "m" and args.max_num_seqs == 3
+    assert dataclasses.replace(args, max_num_seqs=64) == EngineArgs(model="m")
+    a = build_parser().parse_args(["generate", "hi"])
+    kw = engine_kwargs(a)
+    assert set(kw) <= set(names)
+    defaults = EngineArgs()
+    assert a.model == defaults.model
+    for name, value in kw.items():
+        if name != "speculative_config":
+            assert value == getattr(defaults, name), name
+
+
+def test_an_unknown_engine_argument_names_the_close_ones():
+    with pytest.raises(ConfigError, match=r"\['max_num_seq'\]; the engine takes device, .* "
+                                          r"\(max_num_seq: did you mean max_num_seqs\?\)$"):
+        LLMEngine.from_args("m", max_num_seq=4)
+    with pytest.raises(ConfigError, match=r"\['zzz'\]; the engine takes .*, loaded$"):
+        LLMEngine.from_args("m", zzz=4)
+
+
+def test_kernel_options_must_be_kernel_options():
+    with pytest.raises(ConfigError, match="kernel_options must be a KernelOptions .*got dict") \
+            as e:
+        LLMEngine.from_args("/no/such/model/either", device="cpu", kernel_options={"pdl": False})
+    assert e.value.option == "kernel_options"
 
 
 def test_force_accept_mean_warns_that_the_output_changes(caplog):

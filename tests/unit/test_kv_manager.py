@@ -6,11 +6,12 @@ import logging
 import pytest
 import torch
 
-from outpace.config import CacheConfig, ModelConfig
+from outpace.config import CacheConfig
 from outpace.errors import ConfigError
 from outpace.kvcache.manager import KVCacheManager
 from outpace.kvcache.prefix_cache import hash_blocks
 from outpace.kvcache.sizing import kv_bytes_per_block, num_kv_blocks
+from outpace.model_config import ModelConfig
 from outpace.types import Request, SamplingParams
 
 BS = 4

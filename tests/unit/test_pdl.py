@@ -37,8 +37,8 @@ def test_supported_only_on_hopper_and_later_nvidia(monkeypatch, capability, hip,
     monkeypatch.setattr(type(t), "device", property(lambda self: torch.device("cuda", 0)))
     opts = pdl.launch_options(t)
     assert opts == ({"USE_PDL": True, "launch_pdl": True} if want else {"USE_PDL": False})
-    from outpace.config import KernelOptions
     from outpace.kernels.options import use_kernel_options
+    from outpace.runner_config import KernelOptions
     with use_kernel_options(KernelOptions(pdl=False)):
         assert pdl.launch_options(t) == {"USE_PDL": False}
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from outpace.config import SpecConfig
 from outpace.errors import ConfigError
+from outpace.speculative_config import SpecConfig
 
 
 def test_defaults_and_typed_values():
@@ -56,8 +56,8 @@ def test_draft_positions_stay_within_the_rope_tables():
     """A draft loop reaches at most k positions past the context's end (models/rotary.py): the
     bound on num_speculative_tokens keeps them inside the tables' margin, so no head drafts at a
     position its (or the target's) rope tables lack."""
-    from outpace.config import MAX_DRAFT_TOKENS
     from outpace.models.rotary import POSITION_MARGIN
+    from outpace.speculative_config import MAX_DRAFT_TOKENS
     assert MAX_DRAFT_TOKENS <= POSITION_MARGIN
     with pytest.raises(ConfigError, match="num_speculative_tokens must be an integer in 1..16"):
         SpecConfig(method="ngram", num_speculative_tokens=MAX_DRAFT_TOKENS + 1)

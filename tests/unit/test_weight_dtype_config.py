@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from outpace.config import RunnerConfig
 from outpace.errors import ConfigError
+from outpace.runner_config import RunnerConfig
 
 
 @pytest.mark.parametrize("device,dtype,weight_dtype,act,weight", [

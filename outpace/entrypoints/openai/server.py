@@ -26,6 +26,7 @@ from fastapi.responses import JSONResponse, Response
 
 from outpace import __version__
 from outpace.config import ServerConfig
+from outpace.engine.args import EngineArgs
 from outpace.engine.async_engine import AsyncEngine
 from outpace.entrypoints.openai.access_log import AccessLog
 from outpace.entrypoints.openai.errors import (APIError, error_response, install_error_handlers,
@@ -233,19 +234,16 @@ def build_app(engine: AsyncEngine, server_cfg: ServerConfig,
     return app
 
 
-def run_server(model: str, engine_kwargs: dict, server_cfg: ServerConfig,
-               max_waiting_requests: Optional[int] = None, log_level: str = "info") -> None:
-    """Load the engine (`LLMEngine.from_args(model, **engine_kwargs)`), then serve until
-    SIGINT/SIGTERM. Blocks. `max_waiting_requests` bounds the waiting queue (503 above it)."""
+def run_server(engine_args: EngineArgs, server_cfg: ServerConfig,
+               log_level: str = "info") -> None:
+    """Load the engine of `engine_args` (its max_waiting_requests bounds the waiting queue:
+    503 above it), then serve until SIGINT/SIGTERM. Blocks."""
     import uvicorn
 
     from outpace.engine.engine import LLMEngine
     from outpace.entrypoints.openai.http_protocol import HeaderDeadlineH11Protocol
 
-    kwargs = dict(engine_kwargs)
-    if max_waiting_requests is not None:
-        kwargs["max_waiting_requests"] = max_waiting_requests
-    engine = AsyncEngine(LLMEngine.from_args(model, **kwargs))
+    engine = AsyncEngine(LLMEngine.from_engine_args(engine_args))
     app = build_app(engine, server_cfg)
     if server_cfg.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("outpace: listening on %s, reachable from other machines%s", server_cfg.host,
@@ -260,7 +258,7 @@ def run_server(model: str, engine_kwargs: dict, server_cfg: ServerConfig,
 
 def serve_main(args) -> int:
     """Run `outpace serve` from the CLI's parsed arguments (the `serve` subparser)."""
-    from outpace.entrypoints.cli import cmd_serve
+    from outpace.entrypoints.cli_commands import cmd_serve
     return cmd_serve(args)
 
 

@@ -68,8 +68,8 @@ def load_model(path_or_name, runner_cfg=None, quiet: bool = False, *, dtype=None
 
     import torch
 
-    from outpace.config import RunnerConfig
     from outpace.models.weight_dtype import store_weights_in_
+    from outpace.runner_config import RunnerConfig
     from outpace.tokenizer import Tokenizer
     runner_cfg: Optional[RunnerConfig] = runner_cfg or RunnerConfig()
     if dtype is None:

@@ -30,8 +30,8 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 import numpy as np
 
-from outpace.config import MODEL_SIZE_LIMITS, ModelConfig
 from outpace.errors import ConfigError, ModelLoadError, UnsupportedModelError
+from outpace.model_config import MODEL_SIZE_LIMITS, ModelConfig
 
 if TYPE_CHECKING:
     import torch

@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
-from outpace.config import ModelConfig
 from outpace.errors import ConfigError, ModelLoadError, UnsupportedModelError
+from outpace.model_config import ModelConfig
 
 if TYPE_CHECKING:
     import torch

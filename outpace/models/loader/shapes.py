@@ -10,8 +10,8 @@ and the config fields behind its shape.
 
 from __future__ import annotations
 
-from outpace.config import ModelConfig
 from outpace.errors import ModelLoadError
+from outpace.model_config import ModelConfig
 
 # Which config fields a weight's shape comes from, by the end of its HF name.
 _FIELDS = (("embed_tokens.weight", ("vocab_size", "hidden_size")),

@@ -1,0 +1,168 @@
+"""`SpecConfig`: speculative decoding's options (vLLM's `speculative_config`), each a typed field
+validated here."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional, Union
+
+from outpace.errors import ConfigError
+from outpace.option_checks import check_int
+
+SPEC_METHODS = ("ngram", "suffix", "mtp", "eagle3")
+MAX_DRAFT_TOKENS = 16  # num_speculative_tokens at most (the verify graphs' query lengths)
+
+
+def _int(name, v, lo=None, optional=False):
+    if v is None and optional:
+        return None
+    if not isinstance(v, int) or isinstance(v, bool) or (lo is not None and v < lo):
+        raise ConfigError(f"speculative option {name!r} must be an integer"
+                          + (f" >= {lo}" if lo is not None else "") + f", got {v!r}")
+    return v
+
+
+def _ids(name, v):
+    """A token id or a list of them -> tuple (their range is checked against the vocabulary
+    when the engine is built)."""
+    if v is None:
+        return None
+    v = [v] if isinstance(v, int) and not isinstance(v, bool) else v
+    if (not isinstance(v, (list, tuple)) or not v
+            or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in v)):
+        raise ConfigError(f"{name} must be a token id or a list of token ids, got {v!r}")
+    return tuple(v)
+
+
+RELAXED_OPTIONS = ("relaxed_top_k", "relaxed_delta", "think_begin_ids", "think_end_ids")
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """Speculative decoding (vLLM-shaped `speculative_config`). method=None: off. Every option
+    is a typed field, validated here; docs/configuration.md describes each."""
+
+    method: Optional[str] = None
+    model: Optional[str] = None  # draft head folder (mtp, eagle3)
+    num_speculative_tokens: int = 3
+    # n-gram prompt lookup (vLLM's names): the longest and shortest n-gram matched
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+    # suffix decoding
+    suffix_min_match_len: int = 1
+    suffix_max_match_len: int = 64
+    suffix_cache_requests: Optional[int] = None  # finished requests kept as a global cache
+    suffix_periodic: bool = False
+    # draft length: ((max_batch_size, k), ...) -> k at that batch size (0 beyond the last);
+    # adaptive: each request's k follows its own acceptance (true: up or down by one a step;
+    # "cost": the cost model picks every request's k in 0..k for the most tokens per second
+    # of measured step time, speculative/cost_model.py)
+    k_schedule: Optional[tuple] = None
+    adaptive: Union[bool, str] = False
+    # draft heads
+    enhancer_min_match: Optional[int] = None  # suffix drafts replace the head's at this match
+    mtp_mode: Optional[str] = None  # "eagle" | "depths"; None: eagle for one module, else depths
+    draft_lm_head_dtype: str = "auto"  # "int8": drafts from an int8 copy of the draft LM head
+    # relaxed acceptance inside thinking spans (all four or none)
+    relaxed_top_k: Optional[int] = None
+    relaxed_delta: Optional[float] = None
+    think_begin_ids: Optional[tuple] = None
+    think_end_ids: Optional[tuple] = None
+    # Benchmarking only: accept drafts at random with this mean acceptance length, to time
+    # the speculative step apart from a head's quality (output is then not the target's).
+    force_accept_mean: Optional[float] = None
+    # Testing only: every n-th propose call raises (speculative/injected_failures.py), to
+    # exercise what the engine does after a drafter fails (output unchanged, the draft plane
+    # repaired, the failure counted and logged).
+    inject_draft_failures: Optional[int] = None
+
+    def __post_init__(self):
+        if self.method is not None and self.method not in SPEC_METHODS:
+            raise ConfigError(f"method {self.method!r} is unknown; use one of "
+                              f"{', '.join(SPEC_METHODS)} (speculative decoding methods)",
+                              option="method")
+        check_int("num_speculative_tokens", self.num_speculative_tokens, 1, MAX_DRAFT_TOKENS,
+                  why=" (draft tokens per step)")
+        if self.method in ("mtp", "eagle3") and not self.model:
+            raise ConfigError(f"speculative method {self.method!r} needs a draft head folder "
+                              f"(speculative_config['model'])",
+                              option="speculative_config['model']")
+        if self.model is not None and (not isinstance(self.model, str) or not self.model):
+            raise ConfigError(f"speculative_config['model'] must be the path of a draft head "
+                              f"folder, got {self.model!r}", option="speculative_config['model']")
+        _int("prompt_lookup_min", self.prompt_lookup_min, 1)
+        _int("prompt_lookup_max", self.prompt_lookup_max, 1)
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ConfigError(f"prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
+                              f"prompt_lookup_max ({self.prompt_lookup_max})")
+        _int("suffix_min_match_len", self.suffix_min_match_len, 1)
+        _int("suffix_max_match_len", self.suffix_max_match_len, 1)
+        _int("suffix_cache_requests", self.suffix_cache_requests, 0, optional=True)
+        _int("enhancer_min_match", self.enhancer_min_match, 0, optional=True)
+        _int("inject_draft_failures", self.inject_draft_failures, 1, optional=True)
+        for name in ("suffix_periodic", "adaptive"):
+            if name == "adaptive" and self.adaptive == "cost":
+                continue
+            if getattr(self, name) in (0, 1) and not isinstance(getattr(self, name), float):
+                object.__setattr__(self, name, bool(getattr(self, name)))  # 1 / 0 as JSON has them
+            if not isinstance(getattr(self, name), bool):
+                allowed = ('true, false or "cost" (the draft-length cost model)'
+                           if name == "adaptive" else "true or false")
+                raise ConfigError(f"speculative option {name!r} must be {allowed}, got "
+                                  f"{getattr(self, name)!r}")
+        if self.k_schedule is not None:
+            try:
+                pairs = tuple(sorted((int(b), int(v)) for b, v in self.k_schedule))
+            except (TypeError, ValueError):
+                raise ConfigError("k_schedule must be a list of [max_batch_size, k] pairs, "
+                                  "e.g. [[8, 4], [32, 2], [64, 1]]") from None
+            k = self.num_speculative_tokens
+            if any(b < 1 or not 0 <= v <= k for b, v in pairs):
+                raise ConfigError(f"k_schedule entries need max_batch_size >= 1 and "
+                                  f"0 <= k <= {k}")
+            object.__setattr__(self, "k_schedule", pairs)
+        if self.mtp_mode not in (None, "eagle", "depths"):
+            raise ConfigError(f"mtp_mode must be 'eagle' (one module applied k times) or "
+                              f"'depths' (one module a depth), got {self.mtp_mode!r}")
+        if self.draft_lm_head_dtype not in ("auto", "int8"):
+            raise ConfigError(f"draft_lm_head_dtype must be 'auto' (the head's dtype) or "
+                              f"'int8', got {self.draft_lm_head_dtype!r}")
+        given = [k for k in RELAXED_OPTIONS if getattr(self, k) is not None]
+        if given:
+            missing = [k for k in RELAXED_OPTIONS if k not in given]
+            if missing:
+                raise ConfigError(f"relaxed acceptance needs all of {list(RELAXED_OPTIONS)}; "
+                                  f"missing {missing} (it only applies inside a thinking span, "
+                                  f"so the span's begin and end token ids are required)")
+            _int("relaxed_top_k", self.relaxed_top_k, 1)
+            d = self.relaxed_delta
+            if not isinstance(d, (int, float)) or isinstance(d, bool) or not 0.0 <= d <= 1.0:
+                raise ConfigError(f"relaxed_delta must be a number in [0, 1], got {d!r}")
+            object.__setattr__(self, "relaxed_delta", float(d))
+            for name in ("think_begin_ids", "think_end_ids"):
+                object.__setattr__(self, name, _ids(name, getattr(self, name)))
+        m = self.force_accept_mean
+        if m is not None and (not isinstance(m, (int, float)) or isinstance(m, bool) or m < 1):
+            raise ConfigError(f"force_accept_mean must be a number >= 1 (a mean acceptance "
+                              f"length, the bonus token included), got {m!r}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method is not None
+
+    @property
+    def relaxed(self) -> bool:
+        return self.relaxed_top_k is not None
+
+    @staticmethod
+    def from_dict(d: Optional[dict]) -> "SpecConfig":
+        """A vLLM-shaped speculative_config dict -> SpecConfig; unknown keys are an error."""
+        if not d:
+            return SpecConfig()
+        known = [f.name for f in dataclasses.fields(SpecConfig)]
+        unknown = sorted(set(d) - set(known))
+        if unknown:
+            raise ConfigError(f"unknown speculative option(s) {unknown}; known: "
+                              f"{sorted(known)}")
+        return SpecConfig(**d)
