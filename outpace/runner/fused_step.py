@@ -14,7 +14,10 @@ the host:
          min-p) from staged buffers
       -> accept: longest matching draft prefix (or force-accept, benchmarks), emitted tokens
       -> head first pass over every row, next token = emitted token (filler past the accepted);
-         it runs even when kd = 0 (the k schedule turned drafting off) to keep the plane exact
+         none when kd = 0 (the k schedule turned drafting off): every request's plane entries
+         of the step are left unwritten and its mark stays (RequestStepOutput.
+         draft_plane_skipped); a step that would draft again for a request skipped so is
+         declined (accepts) and runs the general path, which recomputes it from its mark
       -> draft 1 from row `accepted` of each request; draft loop j = 1 .. kd-1 at position
          first + accepted + j, slots and seq_lens computed on the device from the block tables
       -> packed [B, q + 1 + kd] = emitted tokens | accepted count | drafts   --one copy-->  host
@@ -197,7 +200,25 @@ class FusedStep:
         proposer = self.runner.proposer
         if proposer is not None and self.head is None and self.host_drafter is None:
             return False  # a head that can't draft on the device (enhancer, MTP depths mode)
+        if plan is not None and self.head is not None and self.head.work.skipped_rows \
+                and self._resumes_drafting(plan):
+            return False
         return self.runner.sampling.relaxed is None
+
+    def _resumes_drafting(self, plan) -> bool:
+        """Whether plan's graph would draft (kd > 0) for a request whose draft-plane entries
+        above its mark were skipped (k = 0 steps) and not yet repaired: the general path then
+        runs the step, drafting nothing for that request and recomputing it from its mark
+        (ModelRunner._first_pass), where a graph would draft from the stale entries, and chain
+        those drafts."""
+        if self.draft_steps(plan.draft_batch_size) == 0:
+            return False
+        for sr in plan.scheduled:
+            req = sr.request
+            mark = req.num_draft_exact_tokens
+            if sr.num_computed_tokens > mark and req.draft_repair_mark != mark:
+                return True
+        return False
 
     def draft_steps(self, batch_size: int) -> int:
         """Draft-loop length in the graph: the policy's k for this batch size (a plan's
@@ -297,7 +318,9 @@ class FusedStep:
         if launched.host_logprobs is not None:
             logprobs = launched.host_logprobs.numpy()[order]  # sync-ok: waited for above
         _, q, kd, _ = launched.key
-        result = self.output.result(plan, out, q, kd, logprobs)
+        # a decode graph of kd = 0 runs no head work (_compute); a prefill's tail always does
+        skipped = self.head is not None and kd == 0 and not launched.prefill
+        result = self.output.result(plan, out, q, kd, logprobs, plane_skipped=skipped)
         if launched.prefill:  # the counters and timings below are decode steps'
             return result
         self.replays += 1
@@ -392,7 +415,7 @@ class FusedStep:
             self.penalties.count_emitted(packed, q, bucket)
         if raw is not None:
             logprobs = self.sampling.logprobs(raw, packed, bucket, q)
-        if self.head is not None:
+        if self.head is not None and kd > 0:
             # the drafts go to the output and to the next chained step's rows 1 .. kd
             outs = (packed[:, q + 1:],) + ((self.carry_tokens[:bucket, 1:1 + kd],)
                                            if self.chainable else ())
@@ -402,9 +425,9 @@ class FusedStep:
 
     def _draft(self, hidden, aux, next_ids, pos, ctx, last_rows, first, block_tables, kd,
                outs: tuple) -> None:
-        """The head's first pass (always: it keeps the draft plane exact even while the k
-        schedule turns drafting off), then kd draft steps; draft j is written into column j
-        of each of `outs` ([B, >= kd] int64, at most two) by the argmax kernel itself."""
+        """The head's first pass, then kd draft steps (none: the prefill graphs' pass alone;
+        a decode graph of kd = 0 runs no head at all); draft j is written into column j of
+        each of `outs` ([B, >= kd] int64, at most two) by the argmax kernel itself."""
         head = self.head
         batch = DraftBatch(requests=[], committed=[], row_start=[], row_end=[], last_row=[],
                            hidden=hidden, aux_hidden=aux)
