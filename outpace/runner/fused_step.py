@@ -81,6 +81,7 @@ from outpace.attention.base import AttentionMetadata, ForwardContext
 from outpace.kernels.argmax import argmax_rows
 from outpace.kernels.norm import gather_rms_norm
 from outpace.runner.step_bookkeeping import accept, chained_inputs, loop_inputs
+from outpace.runner.write_check import WriteCheck
 from outpace.runner.chained_tables import ChainedTables
 from outpace.runner.fused_output import StepOutput
 from outpace.runner.fused_penalties import StepPenalties
@@ -172,6 +173,12 @@ class FusedStep:
         # waiting for the output copy, turning it into the StepResult.
         self.timing = {"launch_s": 0.0, "wait_s": 0.0, "unpack_s": 0.0}
         self.output = StepOutput(self.runner, self.head, self.host_drafter)
+        # testing only (SpecConfig.check_fused_writes): every step's writes checked against
+        # the blocks reserved for its requests; the draft loop's positions and slots per
+        # graph (bucket, q, kd, chained, mode), as _compute made them
+        self.write_check = (WriteCheck(self.block_size) if proposer is not None
+                            and proposer.spec.check_fused_writes else None)
+        self._loop_slots: dict = {}
 
     def capture_common(self) -> None:
         """Capture ahead what steady decoding uses: every bucket x every verify length, with
@@ -252,6 +259,7 @@ class FusedStep:
         rows = [sr.request.request_id for sr in plan.scheduled]
         launched = self._replay(key, rows, t0, entry=table[key])
         launched.mode = mode
+        self._check_writes(launched, [sr.block_ids for sr in plan.scheduled])
         return launched
 
     @torch.inference_mode()
@@ -272,6 +280,7 @@ class FusedStep:
         self.chained += 1
         launched = self._replay(key, prev.rows, t0, entry=table[key], chained=True)
         launched.mode = prev.mode
+        self._check_writes(launched, block_tables, chained=True)
         return launched
 
     @torch.inference_mode()
@@ -300,7 +309,19 @@ class FusedStep:
         launched = self._replay(key, prev.rows, t0, entry=table[key])
         launched.drafts = [len(d) for d in drafts]
         launched.mode = prev.mode
+        self._check_writes(launched, block_tables, chained=True)
         return launched
+
+    def _check_writes(self, launched: Launched, block_ids: list, chained: bool = False) -> None:
+        """The write check of a step just replayed (testing only: write_check.py)."""
+        if self.write_check is None:
+            return
+        bucket, q = launched.key[0], launched.key[1]
+        buf = self.inputs
+        self.write_check.check(launched.rows, block_ids, q, buf.slot_mapping[:bucket * q],
+                               buf.positions[:bucket * q],
+                               self._loop_slots.get(launched.key + (launched.mode,), ()),
+                               chained=chained)
 
     def collect(self, launched, plan) -> StepResult:
         """Wait for the step's output copy and turn it into the StepResult of `plan` (the
@@ -419,8 +440,10 @@ class FusedStep:
             # the drafts go to the output and to the next chained step's rows 1 .. kd
             outs = (packed[:, q + 1:],) + ((self.carry_tokens[:bucket, 1:1 + kd],)
                                            if self.chainable else ())
-            self._draft(hidden, aux, next_ids, pos, ctx, last_rows, first,
-                        buf.block_tables[:bucket], kd, outs)
+            loop = self._draft(hidden, aux, next_ids, pos, ctx, last_rows, first,
+                               buf.block_tables[:bucket], kd, outs)
+            if loop is not None and self.write_check is not None:
+                self._loop_slots[(bucket, q, kd, chained, mode)] = loop
         return packed if logprobs is None else (packed, logprobs)
 
     def _draft(self, hidden, aux, next_ids, pos, ctx, last_rows, first, block_tables, kd,
@@ -452,6 +475,8 @@ class FusedStep:
                 max_query_len=1, max_seq_len=block_tables.shape[1] * self.block_size)
             h = head.step(h, tok, p, ForwardContext(self.backend, meta))
             tok = head.draft_ids(h, also=tuple(o[:, j] for o in outs))
+        # the loop's positions and slots ([kd - 1, B]), for the write check
+        return (pos_all, slots_all) if kd > 1 else None
 
     def _capture_later(self, key: tuple, mode: GraphMode) -> None:
         """Capture a graph when its key is first launched (a launch from the host: nothing is
