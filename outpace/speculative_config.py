@@ -76,6 +76,10 @@ class SpecConfig:
     # exercise what the engine does after a drafter fails (output unchanged, the draft plane
     # repaired, the failure counted and logged).
     inject_draft_failures: Optional[int] = None
+    # Testing only: after every fused step (launched or chained) the slots its graph wrote,
+    # target rows and draft loop alike, are read back and checked against the blocks the
+    # scheduler reserved for each request (runner/write_check.py); a step syncs the device.
+    check_fused_writes: bool = False
 
     def __post_init__(self):
         if self.method is not None and self.method not in SPEC_METHODS:

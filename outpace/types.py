@@ -312,6 +312,10 @@ class RequestStepOutput:
     # False: the drafter raised in this step, so the draft plane's entries for this step's rows
     # may be stale (the scheduler then recomputes from Request.num_draft_exact_tokens)
     draft_plane_written: bool = True
+    # True: the head ran no draft work for this request in this step (its draft length was 0),
+    # so the plane's entries for this step's rows were not written; the mark stays and the
+    # repair waits until the request drafts again (Scheduler._draft_plane_mark)
+    draft_plane_skipped: bool = False
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """`DraftLoop`, the head's part of a fused graph: its first pass over every row of the step
-(always: it keeps the draft plane exact even while the k schedule turns drafting off), then kd
-draft steps, each step's positions, slots and sequence lengths computed on the device. Decode
+(a decode graph of kd = 0 runs no head at all: fused_step.py; the prefill graphs run the pass
+alone), then kd draft steps, each step's positions, slots and sequence lengths computed on the device. Decode
 graphs (runner/fused_step.py) and the graphs around a prefill (runner/fused_prefill.py) run it.
 """
 
@@ -26,9 +26,10 @@ class DraftLoop:
         self.query_start = torch.arange(max_seqs + 1, dtype=torch.int32, device=device)
 
     def run(self, hidden, aux, next_ids, pos, ctx, last_rows, first, block_tables, kd,
-            outs: tuple) -> None:
+            outs: tuple):
         """The head's first pass, then kd draft steps; draft j is written into column j of
-        each of `outs` ([B, >= kd] int64, at most two) by the argmax kernel itself."""
+        each of `outs` ([B, >= kd] int64, at most two) by the argmax kernel itself. -> the
+        loop's positions and slots ([kd - 1, B] each, for the write check), or None (kd <= 1)."""
         head = self.head
         batch = DraftBatch(requests=[], committed=[], row_start=[], row_end=[], last_row=[],
                            hidden=hidden, aux_hidden=aux)
@@ -53,3 +54,4 @@ class DraftLoop:
                 max_query_len=1, max_seq_len=block_tables.shape[1] * self.block_size)
             h = head.step(h, tok, p, ForwardContext(self.backend, meta))
             tok = head.draft_ids(h, also=tuple(o[:, j] for o in outs))
+        return (pos_all, slots_all) if kd > 1 else None

@@ -42,8 +42,11 @@ class StepOutput:
         return host
 
     def result(self, plan, out: np.ndarray, q: int, kd: int,
-               logprobs: Optional[np.ndarray] = None) -> StepResult:
-        """The StepResult of `plan` from a step's output rows (in plan order)."""
+               logprobs: Optional[np.ndarray] = None,
+               plane_skipped: bool = False) -> StepResult:
+        """The StepResult of `plan` from a step's output rows (in plan order); plane_skipped:
+        the graph ran no head work, so every request's plane entries of the step are unwritten
+        (RequestStepOutput.draft_plane_skipped)."""
         runner = self.runner
         proposer = runner.proposer
         result = StepResult()
@@ -73,7 +76,8 @@ class StepOutput:
             acc = row[q]
             toks = row[:acc + 1]
             outputs[req.request_id] = RequestStepOutput(
-                token_ids=toks, num_draft_tokens=nd, num_accepted_tokens=acc)
+                token_ids=toks, num_draft_tokens=nd, num_accepted_tokens=acc,
+                draft_plane_skipped=plane_skipped)
             if lp_rows is not None and req.sampling_params.logprobs is not None:
                 outputs[req.request_id].logprobs = token_logprobs(
                     lp_rows[i][:acc + 1], req.sampling_params.logprobs)
@@ -85,6 +89,8 @@ class StepOutput:
                                                      req.output_token_ids, toks))
                 asked.append(req)
                 num_committed.append(req.num_tokens + len(toks))
+        if plane_skipped:
+            self.head.work.skip(sum(sr.num_new_tokens for sr in plan.scheduled))
         if not drafting:
             return result
         ks = runner.draft_lengths(asked, batch_size, num_committed, k=k_all)

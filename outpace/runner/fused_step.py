@@ -14,7 +14,10 @@ the host:
          min-p) from staged buffers
       -> accept: longest matching draft prefix (or force-accept, benchmarks), emitted tokens
       -> head first pass over every row, next token = emitted token (filler past the accepted);
-         it runs even when kd = 0 (the k schedule turned drafting off) to keep the plane exact
+         none when kd = 0 (the k schedule turned drafting off): every request's plane entries
+         of the step are left unwritten and its mark stays (RequestStepOutput.
+         draft_plane_skipped); a step that would draft again for a request skipped so is
+         declined (accepts) and runs the general path, which recomputes it from its mark
       -> draft 1 from row `accepted` of each request; draft loop j = 1 .. kd-1 at position
          first + accepted + j, slots and seq_lens computed on the device from the block tables
       -> packed [B, q + 1 + kd] = emitted tokens | accepted count | drafts   --one copy-->  host
@@ -78,6 +81,7 @@ import torch
 from outpace.attention.base import AttentionMetadata, ForwardContext
 from outpace.kernels.argmax import argmax_rows
 from outpace.runner.chained_tables import ChainedTables
+from outpace.runner.write_check import WriteCheck
 from outpace.runner.fused_draft_loop import DraftLoop
 from outpace.runner.fused_graphs import GraphTable
 from outpace.runner.fused_output import StepOutput
@@ -168,6 +172,12 @@ class FusedStep:
         # waiting for the output copy, turning it into the StepResult.
         self.timing = {"launch_s": 0.0, "wait_s": 0.0, "unpack_s": 0.0}
         self.output = StepOutput(self.runner, self.head, self.host_drafter)
+        # testing only (SpecConfig.check_fused_writes): every step's writes checked against
+        # the blocks reserved for its requests; the draft loop's positions and slots per
+        # graph (bucket, q, kd, chained, mode), as _compute made them
+        self.write_check = (WriteCheck(self.block_size) if proposer is not None
+                            and proposer.spec.check_fused_writes else None)
+        self._loop_slots: dict = {}
 
     def next_q(self, kd: int) -> int:
         """Query length of the step after one that drafted kd tokens on the device."""
@@ -179,7 +189,25 @@ class FusedStep:
         proposer = self.runner.proposer
         if proposer is not None and self.head is None and self.host_drafter is None:
             return False  # a head that can't draft on the device (enhancer, MTP depths mode)
+        if plan is not None and self.head is not None and self.head.work.skipped_rows \
+                and self._resumes_drafting(plan):
+            return False
         return self.runner.sampling.relaxed is None
+
+    def _resumes_drafting(self, plan) -> bool:
+        """Whether plan's graph would draft (kd > 0) for a request whose draft-plane entries
+        above its mark were skipped (k = 0 steps) and not yet repaired: the general path then
+        runs the step, drafting nothing for that request and recomputing it from its mark
+        (ModelRunner._first_pass), where a graph would draft from the stale entries, and chain
+        those drafts."""
+        if self.draft_steps(plan.draft_batch_size) == 0:
+            return False
+        for sr in plan.scheduled:
+            req = sr.request
+            mark = req.num_draft_exact_tokens
+            if sr.num_computed_tokens > mark and req.draft_repair_mark != mark:
+                return True
+        return False
 
     def draft_steps(self, batch_size: int) -> int:
         """Draft-loop length in the graph: the policy's k for this batch size (a plan's
@@ -213,6 +241,7 @@ class FusedStep:
         rows = [sr.request.request_id for sr in plan.scheduled]
         launched = self._replay(key, rows, t0, entry=table[key])
         launched.mode = mode
+        self._check_writes(launched, [sr.block_ids for sr in plan.scheduled])
         return launched
 
     @torch.inference_mode()
@@ -233,6 +262,7 @@ class FusedStep:
         self.chained += 1
         launched = self._replay(key, prev.rows, t0, entry=table[key], chained=True)
         launched.mode = prev.mode
+        self._check_writes(launched, block_tables, chained=True)
         return launched
 
     @torch.inference_mode()
@@ -261,7 +291,19 @@ class FusedStep:
         launched = self._replay(key, prev.rows, t0, entry=table[key])
         launched.drafts = [len(d) for d in drafts]
         launched.mode = prev.mode
+        self._check_writes(launched, block_tables, chained=True)
         return launched
+
+    def _check_writes(self, launched: Launched, block_ids: list, chained: bool = False) -> None:
+        """The write check of a step just replayed (testing only: write_check.py)."""
+        if self.write_check is None:
+            return
+        bucket, q = launched.key[0], launched.key[1]
+        buf = self.inputs
+        self.write_check.check(launched.rows, block_ids, q, buf.slot_mapping[:bucket * q],
+                               buf.positions[:bucket * q],
+                               self._loop_slots.get(launched.key + (launched.mode,), ()),
+                               chained=chained)
 
     def collect(self, launched, plan) -> StepResult:
         """Wait for the step's output copy and turn it into the StepResult of `plan` (the
@@ -279,7 +321,9 @@ class FusedStep:
         if launched.host_logprobs is not None:
             logprobs = launched.host_logprobs.numpy()[order]  # sync-ok: waited for above
         _, q, kd, _ = launched.key
-        result = self.output.result(plan, out, q, kd, logprobs)
+        # a decode graph of kd = 0 runs no head work (compute); a prefill's tail always does
+        skipped = self.head is not None and kd == 0 and not launched.prefill
+        result = self.output.result(plan, out, q, kd, logprobs, plane_skipped=skipped)
         if launched.prefill:  # the counters and timings below are decode steps'
             return result
         self.replays += 1
@@ -374,12 +418,14 @@ class FusedStep:
             self.penalties.count_emitted(packed, q, bucket)
         if raw is not None:
             logprobs = self.sampling.logprobs(raw, packed, bucket, q)
-        if self.head is not None:
+        if self.head is not None and kd > 0:
             # the drafts go to the output and to the next chained step's rows 1 .. kd
             outs = (packed[:, q + 1:],) + ((self.carry_tokens[:bucket, 1:1 + kd],)
                                            if self.chainable else ())
-            self.draft_loop.run(hidden, aux, next_ids, pos, ctx, last_rows, first,
-                                buf.block_tables[:bucket], kd, outs)
+            loop = self.draft_loop.run(hidden, aux, next_ids, pos, ctx, last_rows, first,
+                                       buf.block_tables[:bucket], kd, outs)
+            if loop is not None and self.write_check is not None:
+                self._loop_slots[(bucket, q, kd, chained, mode)] = loop
         return packed if logprobs is None else (packed, logprobs)
 
     def fill_dummy(self, bucket: int, q: int) -> None:

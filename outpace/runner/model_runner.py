@@ -101,6 +101,9 @@ class ModelRunner:
         # Every drafter exception is counted (StepResult.num_draft_failures, the engine's
         # total, /metrics) and logged at most once an interval: a drafter that fails every
         # step must not flood the log
+        # request id -> the draft length a request was given when it drafted again over
+        # skipped entries, kept for the step that recomputes them (_first_pass)
+        self._deferred_k: dict = {}
         self.draft_failures = RateLimitedLog(
             log, "the drafter raised; continuing without drafts for that step")
         if proposer is not None:
@@ -113,6 +116,7 @@ class ModelRunner:
     def release(self, request_id: str) -> None:
         """Forget per-request state (generator, proposer state)."""
         self.sampling.release(request_id)
+        self._deferred_k.pop(request_id, None)
         if self.proposer is not None:
             self.proposer.finish(request_id)
 
@@ -312,21 +316,32 @@ class ModelRunner:
                                                      plan.draft_batch_size,
                                                      [len(committed[i]) for i in drafting])):
             ks[i] = k
+        first_pass = self._first_pass(plan, drafting, ks, result,
+                                      [len(c) for c in committed])
+        if first_pass is not None and not any(first_pass):
+            # nobody drafts: no head work this step (every plane entry left as it is)
+            self.proposer.work.skip(len(hb.input_ids))
+            return
         try:
             drafts = None
-            if q_prefill is not None and self.fused is not None:
+            if first_pass is not None and not all(first_pass):
+                pass  # the head graphs cover every row: the eager head gathers the others'
+            elif q_prefill is not None and self.fused is not None:
                 one = self.fused.prefill.drafts(q_prefill, next_ids, last_rows[0], ks[0],
                                                 plan.draft_batch_size)
                 drafts = None if one is None else [one]
             elif t_varlen is not None and self.fused is not None:
                 drafts = self.fused.prefill.varlen_drafts(t_varlen, next_ids, last_rows, ends, ks)
-            if drafts is None:
+            if drafts is not None:
+                self.proposer.work.first_pass_rows += len(hb.input_ids)
+            else:
+                # (the eager head's pass gathers the rows of the requests that run it)
                 batch = DraftBatch(
                     requests=reqs, committed=committed, row_start=starts, row_end=ends,
                     last_row=last_rows, positions=pos,
                     next_token_ids=torch.from_numpy(next_ids).to(self.device),
                     hidden=hidden, aux_hidden=aux, meta=meta,
-                    block_ids=[sr.block_ids for sr in plan.scheduled])
+                    block_ids=[sr.block_ids for sr in plan.scheduled], first_pass=first_pass)
                 drafts = self.proposer.propose(batch, ks)
         except Exception as e:  # a drafter bug must not take the engine down: go on without drafts
             self.drafter_failed(e, plan, result)
@@ -334,6 +349,43 @@ class ModelRunner:
         for sr, d, k in zip(plan.scheduled, drafts, ks):
             if k > 0 and d:
                 result.outputs[sr.request.request_id].next_draft_token_ids = list(d[:k])
+
+    def _first_pass(self, plan: StepPlan, drafting: list, ks: list, result: StepResult,
+                    num_committed: list) -> Optional[list]:
+        """Whether a head with a draft plane runs over each request's rows this step (None:
+        no draft plane, everyone's). k = 0 skips all draft work for that request: no first
+        pass, no loop rows, no MTP window; its plane entries for the step's rows are left
+        unwritten (draft_plane_skipped: the scheduler keeps its mark). Always run: mid-prompt
+        chunks (no draft length yet: a skip would cost a recompute of the prompt at its last
+        chunk) and a repair step (a step recomputing from the mark: Request.draft_repair_mark
+        is the mark), whatever k. A request that drafts again (k > 0) while its entries from
+        the mark up to this step's first row are stale drafts nothing this step and recomputes
+        from the mark (draft_plane_written False, as after a drafter failure), so no draft
+        ever reads a skipped entry; once per mark, as there: after a repair that failed it
+        drafts over the stale entries. The draft length it was given then is kept for its
+        repair step, which drafts at least that many (a policy's probe of a request that
+        drafted nothing would otherwise be spent on the recompute and never drafted)."""
+        if not self.proposer.num_kv_layers:
+            return None
+        on = [True] * len(plan.scheduled)
+        outputs = result.outputs
+        for i in drafting:
+            sr = plan.scheduled[i]
+            req = sr.request
+            mark, s = req.num_draft_exact_tokens, sr.num_computed_tokens
+            repairing = s <= mark and req.draft_repair_mark == mark
+            if repairing:
+                deferred = self._deferred_k.pop(req.request_id, 0)
+                ks[i] = max(ks[i], min(deferred, req.max_model_len - num_committed[i] - 1))
+            if ks[i] == 0 and not repairing:
+                on[i] = False
+                outputs[req.request_id].draft_plane_skipped = True
+            elif ks[i] > 0 and s > mark and req.draft_repair_mark != mark:
+                on[i] = False
+                self._deferred_k[req.request_id] = ks[i]
+                ks[i] = 0
+                outputs[req.request_id].draft_plane_written = False
+        return on
 
     def drafter_failed(self, exc: Exception, plan: StepPlan, result: StepResult) -> None:
         """The drafter raised in `plan`'s step: count and log it (rate-limited) and, for a head

@@ -21,8 +21,10 @@ update() advances it with num_computed_tokens when the step's first pass ran; wh
 raised it stays, and num_computed_tokens goes back to it (once per mark value): the request's
 next step recomputes its committed tokens from there as a prefill chunk (target KV rewritten
 with the same values, the head's first pass rewriting the stale draft entries before any draft
-reads them). The prefix cache publishes only blocks below both, so never a block whose draft
-entries are stale.
+reads them). A step in which the request drafts nothing (k = 0) runs no draft work for it and
+keeps the mark; when it drafts again the runner asks for the same recompute first
+(ModelRunner._first_pass). The prefix cache publishes only blocks below both, so never a block
+whose draft entries are stale.
 
 Context limit: a request may not grow past what the whole pool holds for it alone (less the
 lookahead), so a request running alone can always get its blocks and preemption never loops.
@@ -212,9 +214,13 @@ class Scheduler:
         the next step's first pass rewrites the stale entries before any draft reads them.
         Once per mark: when that step's drafter raises too the request goes on with the
         entries above the mark stale (its drafts may suffer, never its output), or a drafter
-        raising every step would recompute forever."""
+        raising every step would recompute forever. A step that skipped req's draft work
+        (draft length 0: out.draft_plane_skipped) keeps the mark and recomputes nothing: the
+        runner asks for the repair (draft_plane_written False) when req drafts again."""
         mark = req.num_draft_exact_tokens
-        if (out is None or out.draft_plane_written) and s.num_computed_tokens <= mark:
+        if out is not None and out.draft_plane_skipped:
+            pass  # drafts nothing: the repair waits until it drafts again (the runner asks it)
+        elif (out is None or out.draft_plane_written) and s.num_computed_tokens <= mark:
             req.num_draft_exact_tokens = mark = req.num_computed_tokens
         elif req.num_computed_tokens > mark and req.draft_repair_mark != mark:
             req.draft_repair_mark = mark

@@ -87,6 +87,24 @@ class DraftBatch:
     aux_hidden: list = field(default_factory=list)  # [T, H] per captured layer
     meta: object = None  # AttentionMetadata of the target forward
     block_ids: list = field(default_factory=list)  # [B] block tables
+    # [B] whether the head runs over request i's rows this step (None: every request's). Off
+    # for a request whose draft length is 0: no draft work for it, its plane entries for these
+    # rows left unwritten (the runner's decision: ModelRunner._first_pass)
+    first_pass: Optional[list] = None
+
+
+@dataclass
+class DraftWork:
+    """A head's draft work, counted on the host (tests and benchmarks read it): target rows its
+    first pass (or MTP window) ran over and rows it skipped because the request drafts nothing
+    this step, and draft-loop rows."""
+
+    first_pass_rows: int = 0
+    skipped_rows: int = 0
+    loop_rows: int = 0
+
+    def skip(self, rows: int) -> None:
+        self.skipped_rows += rows
 
 
 class Proposer(ABC):

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import weakref
 
+import numpy as np
 import torch
 
 from outpace.attention.base import ForwardContext
@@ -37,7 +38,7 @@ from outpace.kernels.int8_linear import int8_linear, quantize_int8_rows
 from outpace.kernels.skinny_gemm import SMALL_M_MAX
 from outpace.models.cpu_fast_paths import cpu_threads_for
 from outpace.attention.inputs import InputBuffers, build_host_batch
-from outpace.speculative.base import DraftBatch, Proposer
+from outpace.speculative.base import DraftBatch, DraftWork, Proposer
 from outpace.speculative.draft_length import DraftLengthPolicy
 from outpace.speculative.injected_failures import InjectedFailures
 
@@ -59,6 +60,7 @@ class HeadProposer(Proposer):
         self.draft_lm_head_dtype = spec.draft_lm_head_dtype
         self._int8_lm_head = None  # (int8 weight or its exact float copy on CPU, scale, d2t)
         self.injected = InjectedFailures(spec.inject_draft_failures)  # testing only
+        self.work = DraftWork()
         if spec.enhancer_min_match:
             from outpace.speculative.model_free import SuffixProposer
             self.enhancer = SuffixProposer(DraftLengthPolicy(policy.k), spec)
@@ -70,6 +72,9 @@ class HeadProposer(Proposer):
         self.runner = weakref.proxy(runner)
         self.block_size = runner.block_size
         self.loop_inputs = InputBuffers(runner.inputs.max_seqs, runner.inputs.max_seqs,
+                                        runner.inputs.max_blocks, runner.device)
+        # a first pass over some of a step's requests (the others draft nothing: _first_pass)
+        self.pass_inputs = InputBuffers(runner.inputs.max_tokens, runner.inputs.max_seqs,
                                         runner.inputs.max_blocks, runner.device)
         if self.draft_lm_head_dtype == "int8" and self._int8_lm_head is None:
             weight, offsets = self.draft_lm_head()
@@ -153,14 +158,13 @@ class HeadProposer(Proposer):
     def _propose(self, batch: DraftBatch, k: list) -> list:
         self.injected.begin(points=2)
         self.injected.at(0)  # before the first pass: this step's rows keep stale entries
-        ctx = ForwardContext(self.runner.backend, batch.meta)
-        h = self.step(self.first_hidden(batch), batch.next_token_ids, batch.positions, ctx)
+        h, last_row = self._first_pass(batch)
         self.injected.at(1)  # after it: the plane is written, the drafts are not
-        active = [i for i, ki in enumerate(k) if ki > 0 and batch.last_row[i] >= 0]
+        active = [i for i, ki in enumerate(k) if ki > 0 and last_row[i] >= 0]
         drafts = [[] for _ in k]
         if not active:
             return drafts
-        rows = torch.tensor([batch.last_row[i] for i in active], device=h.device)
+        rows = torch.tensor([last_row[i] for i in active], device=h.device)
         h = h.index_select(0, rows)  # [A, H]: head output at each request's position f-2
         tok = self.draft_ids(h)  # [A] draft 1
         record = [(list(active), tok)]
@@ -174,6 +178,7 @@ class HeadProposer(Proposer):
                          for i in active]
             _, pos, _, meta = self.loop_inputs.load(build_host_batch(loop_rows, self.block_size))
             h = self.step(h, tok, pos, ForwardContext(self.runner.backend, meta))
+            self.work.loop_rows += len(active)
             tok = self.draft_ids(h)
             record.append((list(active), tok))
         flat = torch.cat([t for _, t in record]).tolist()  # sync-ok: the drafts are step output
@@ -183,6 +188,47 @@ class HeadProposer(Proposer):
                 drafts[i].append(flat[at])
                 at += 1
         return self._enhance(batch, drafts, k)
+
+    def _first_pass(self, batch: DraftBatch) -> tuple:
+        """The head over the rows of the requests whose first pass runs (batch.first_pass) ->
+        (its output over those rows, each request's last_row in that output; -1 where skipped).
+        Every request's: one pass over the target's rows with the target's metadata. Some:
+        their rows gathered, with metadata of their own in `pass_inputs` (the target's stays
+        untouched). None: no head work at all."""
+        on = batch.first_pass
+        total = len(batch.next_token_ids)
+        if on is None or all(on):
+            self.work.first_pass_rows += total
+            ctx = ForwardContext(self.runner.backend, batch.meta)
+            return (self.step(self.first_hidden(batch), batch.next_token_ids, batch.positions,
+                              ctx), batch.last_row)
+        self.work.skip(sum(b - a for a, b, run in zip(batch.row_start, batch.row_end, on)
+                           if not run))
+        last_row = [-1] * len(on)
+        if not any(on):
+            return None, last_row
+        rows, host_rows, at = [], [], 0
+        seq_lens = batch.meta.seq_lens_host
+        for i, run in enumerate(on):
+            if not run:
+                continue
+            a, b = batch.row_start[i], batch.row_end[i]
+            rows.extend(range(a, b))
+            host_rows.append((np.zeros(b - a, dtype=np.int64), seq_lens[i] - (b - a),
+                              batch.block_ids[i], []))
+            if batch.last_row[i] >= 0:
+                last_row[i] = at + batch.last_row[i] - a
+            at += b - a
+        self.work.first_pass_rows += at
+        dev = batch.next_token_ids.device
+        idx = torch.tensor(rows, dtype=torch.long, device=dev)
+        _, pos, _, meta = self.pass_inputs.load(build_host_batch(host_rows, self.block_size))
+        sub = DraftBatch(requests=[], committed=[], row_start=[], row_end=[], last_row=[],
+                         hidden=None if batch.hidden is None else batch.hidden[idx],
+                         aux_hidden=[a[idx] for a in batch.aux_hidden])
+        h = self.step(self.first_hidden(sub), batch.next_token_ids[idx], pos,
+                      ForwardContext(self.runner.backend, meta))
+        return h, last_row
 
     def _enhance(self, batch: DraftBatch, drafts: list, k: list) -> list:
         """Suffix enhancer: a long enough suffix match replaces the head's drafts."""

@@ -35,8 +35,11 @@ the per-request stash keeps those of the last K computed positions. Where it doe
 new request with a prefix hit, a resume after preemption) the window starts at s: entries
 below came from the prefix cache, and the window never writes into a shared block.
 
-Every module runs every step, also for requests that want no drafts or are mid-prompt
-(their KV must stay exact); only the LM head at row e-1 is skipped where nobody needs it.
+Every module runs every step for mid-prompt requests and those that draft (their KV must stay
+exact); only the LM head at row e-1 is skipped where nobody needs it. A request whose draft
+length is 0 gets no window at all (DraftBatch.first_pass) and keeps its stash: its draft-plane
+mark stays, and when it drafts again it is recomputed from the mark, whose position is the
+stash's end, as after a drafter failure (docs/design.md, "After a drafter raises").
 One batched head forward per depth covers all requests (one varlen metadata for all depths).
 The draft plane is written only at positions the target already wrote, so no lookahead.
 """
@@ -83,6 +86,7 @@ class _Window:
     draft_src: list = field(default_factory=list)  # per request [K, w] index into drafts
     draft_rows: list = field(default_factory=list)  # [S] window row e-1 of sampled requests
     sampled: list = field(default_factory=list)  # [S] request index in the batch
+    which: list = field(default_factory=list)  # index in the batch of each windowed request
     keep: list = field(default_factory=list)  # per request: (first window row, n) of new stash
     starts: list = field(default_factory=list)  # per request: first position of the new stash
     ends: list = field(default_factory=list)  # per request: e
@@ -148,8 +152,13 @@ class MTPWindowProposer(HeadProposer):
         win = _Window()
         stash_at = 0  # where the next used stash starts in cat(used stashes)
         rows_so_far = 0
+        on = batch.first_pass
         for i, req in enumerate(batch.requests):
             a, n = batch.row_start[i], batch.row_end[i] - batch.row_start[i]
+            if on is not None and not on[i]:  # drafts nothing: no window, its stash kept
+                self.work.skip(n)
+                continue
+            win.which.append(i)
             s = meta.seq_lens_host[i] - n  # first target position of this step
             committed = batch.committed[i]
             f = len(committed)
@@ -186,6 +195,7 @@ class MTPWindowProposer(HeadProposer):
             win.starts.append(first)
             win.ends.append(e)
             rows_so_far += w
+        self.work.first_pass_rows += rows_so_far
         return win
 
     # ---- the step -------------------------------------------------------------------------
@@ -197,6 +207,8 @@ class MTPWindowProposer(HeadProposer):
         self.injected.at(0)  # before any depth: the window's rows keep stale entries
         K, dev = self.depth, batch.hidden.device
         win = self._geometry(batch)
+        if not win.which:
+            return drafts
         _, pos, _, meta = self.win_inputs.load(build_host_batch(win.host_rows, self.block_size))
         ctx = ForwardContext(self.runner.backend, meta)
 
@@ -257,9 +269,10 @@ class MTPWindowProposer(HeadProposer):
         parts = kept.split([n for _, n in win.keep])
         fed = {i: out[j][:self.depth - 1] if out else [] for j, i in enumerate(win.sampled)}
         new = {}
-        for i, req in enumerate(batch.requests):
+        for n, i in enumerate(win.which):
+            req = batch.requests[i]
             new[req.request_id] = RequestStash(
-                start=win.starts[i], end=win.ends[i], hidden=parts[i],
+                start=win.starts[n], end=win.ends[n], hidden=parts[n],
                 frontier=len(batch.committed[i]), fed=fed.get(i),
                 preemptions=req.num_preemptions)
         self.stash.update(new)  # all requests' or none

@@ -45,8 +45,8 @@ def spec_for(tiny_heads, method, k, **opts):
     return head_spec(tiny_heads, method, k, **opts)
 
 
-# k_schedule [[2, 3]]: no drafting above 2 requests, so the graph runs only the head's first
-# pass for a while; the plane must stay exact for when drafting resumes.
+# k_schedule [[2, 3]]: no drafting above 2 requests, so the graph runs no head for a while;
+# when drafting resumes the requests recompute from their draft-plane marks first.
 CASES = [(None, 0, {}), ("ngram", 3, {}), ("suffix", 2, {}), ("eagle3", 1, {}),
          ("eagle3", 3, {}), ("mtp", 3, {}), ("eagle3", 3, {"k_schedule": [[2, 3]]}),
          # k = 2 under the small pool: a chain given up must not leave blocks reserved
