@@ -80,7 +80,7 @@ class ServerConfig:
     body_timeout: float = 30.0
     # the engine loop in a process of its own (engine/core_process.py), apart from the HTTP
     # front end; False: in a thread of the server's process (engine/async_engine.py)
-    engine_process: bool = True
+    engine_process: bool = False
 
     def __post_init__(self):
         check_int("port", self.port, 0, 65535)

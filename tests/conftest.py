@@ -15,10 +15,9 @@ import pytest  # noqa: E402
 
 
 def pytest_addoption(parser):
-    parser.addoption("--engine-thread", action="store_true",
-                     help="the e2e tests' `outpace serve` processes run with "
-                     "--no-engine-process (the engine loop in a thread of the server's "
-                     "process, not the default process of its own)")
+    parser.addoption("--engine-process", action="store_true",
+                     help="the e2e tests' `outpace serve` processes run with --engine-process "
+                     "(the engine loop in a process of its own, not the default thread)")
 
 
 @pytest.fixture(scope="session")

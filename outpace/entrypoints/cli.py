@@ -161,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
                    default=None,
                    help="run the engine loop in a process of its own, apart from the HTTP "
                    "front end (tokenization, detokenization, streaming); "
-                   "--no-engine-process: in a thread of the server's process (default: on)")
+                   "--no-engine-process: in a thread of the server's process (default: off)")
     add_engine_args(s)
     s.set_defaults(func=cmd_serve)
     d = add_parser("init-draft", help="write a randomly initialised draft head")

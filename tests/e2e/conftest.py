@@ -24,9 +24,9 @@ def tiny_model_dir(tmp_path_factory, default_model_path) -> Path:
 
 @pytest.fixture(scope="session")
 def server_mode_args(pytestconfig) -> list:
-    """Flags every test server gets: `pytest --engine-thread` runs them all with the engine
-    loop in a thread of the server's process (the default: a process of its own)."""
-    return ["--no-engine-process"] if pytestconfig.getoption("--engine-thread") else []
+    """Flags every test server gets: `pytest --engine-process` runs them all with the engine
+    loop in a process of its own (the default: a thread of the server's process)."""
+    return ["--engine-process"] if pytestconfig.getoption("--engine-process") else []
 
 
 @pytest.fixture(scope="package")

@@ -3,8 +3,8 @@ engine/core_client.py): aborts and stop strings reach the core (its KV freed, it
 stopped), failing steps stay contained, the core's crash ends every stream with an error event
 and /health turns 503, and no core outlives its server, even one killed with SIGKILL.
 
-The rest of the server's behaviour in this mode (the default) is the whole e2e server suite;
-`pytest tests/e2e --engine-thread` runs it with the engine in a thread instead."""
+The rest of the server's behaviour in this mode is the whole e2e server suite run with
+`pytest tests/e2e --engine-process`."""
 
 from __future__ import annotations
 
