@@ -2,8 +2,9 @@
 
 Engine-wide counters and gauges (requests running/waiting, KV blocks, token totals, speculative
 counters) are read at scrape time from the engine's last stats snapshot (its thread's, or the
-one its process last sent) by a custom collector, so the numbers come from one place (the engine) and can't drift from it. Per-request
-latencies (TTFT, TPOT, end-to-end) are histograms fed by the AsyncEngine's `on_finished` hook.
+one its process last sent) by a custom collector, so the numbers come from one place (the
+engine) and can't drift from it. Per-request latencies (TTFT, TPOT, end-to-end) are histograms
+fed by the async engine's `on_finished` hook.
 Each server gets its own CollectorRegistry (no module-global state).
 """
 
