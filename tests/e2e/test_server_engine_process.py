@@ -187,11 +187,14 @@ def test_core_loop_contains_step_failures_then_dies(tiny_model_dir):
 
     front.send(("add", "ok", [5, 6, 7], _greedy(4, detokenize=False)))
     recv_until(finished("ok"))
-    engine.step = boom
-    front.send(("add", "bad", [5, 6, 7], _greedy(4, detokenize=False)))
+    front.send(("add", "bad", [5, 6, 7], _greedy(LONG, detokenize=False)))
+    recv_until(lambda m: m[0] == "out" and any(o.request_id == "bad" for o in m[2]))
+    engine.step = boom  # the request runs, its KV held: the failing step releases it
     msg = recv_until(lambda m: m[0] == "out" and m[3])
     assert [rid for rid, _ in msg[3]] == ["bad"] and "injected" in str(msg[3][0][1])
-    assert msg[4]["kv_blocks_used"] == 0 and thread.is_alive()
+    stats = msg[4]
+    assert stats["kv_blocks_used"] == stats["num_running"] == stats["num_waiting"] == 0
+    assert thread.is_alive()
     engine.step = real_step
     front.send(("add", "again", [5, 6, 7], _greedy(4, detokenize=False)))
     recv_until(finished("again"))
