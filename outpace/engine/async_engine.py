@@ -29,7 +29,8 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Union
 
 from outpace.chat_template import ChatPrompt
-from outpace.engine.request_stream import RequestStream, RequestTiming, StreamItem
+from outpace.engine.request_stream import (RequestStream, RequestTiming, StreamItem,
+                                           deliver_batch, error_item, set_future)
 from outpace.errors import OutpaceError
 from outpace.types import SamplingParams
 
@@ -51,6 +52,9 @@ class _Tracked:
 
 
 class AsyncEngine:
+    """The engine loop in a thread of the server process (ServerConfig.engine_process off);
+    engine/core_client.py runs it in a process of its own."""
+
     def __init__(self, engine, on_finished: Optional[Callable[[RequestTiming], None]] = None,
                  max_consecutive_step_failures: int = 3):
         self.engine = engine
@@ -238,7 +242,7 @@ class AsyncEngine:
                 log.exception("output of %s could not be read", out.request_id)
                 self._tracked.pop(out.request_id, None)
                 self._abort_quietly(out.request_id)
-                item = _error_item(e)
+                item = error_item(e)
             batch.append((tracked.stream, item))
             if item.finished:
                 self._tracked.pop(out.request_id, None)
@@ -285,7 +289,7 @@ class AsyncEngine:
         for rid, tracked in list(self._tracked.items()):
             if release:
                 self._abort_quietly(rid)
-            batch.append((tracked.stream, _error_item(error)))
+            batch.append((tracked.stream, error_item(error)))
         self._tracked.clear()
         self._deliver(batch)
         if release:
@@ -325,32 +329,14 @@ class AsyncEngine:
     # ---- crossing back to the event loop ------------------------------------------------------
     def _deliver(self, batch: list) -> None:
         if batch:
-            self._call_in_loop(_deliver_batch, batch)
+            self._call_in_loop(deliver_batch, batch)
 
     def _resolve(self, fut: asyncio.Future, error: Optional[BaseException],
                  result=None) -> None:
-        self._call_in_loop(_set_future, fut, error, result)
+        self._call_in_loop(set_future, fut, error, result)
 
     def _call_in_loop(self, fn, *args) -> None:
         try:
             self._loop.call_soon_threadsafe(fn, *args)
         except RuntimeError:  # loop closed during shutdown: nobody is listening any more
             pass
-
-
-def _error_item(error: BaseException) -> StreamItem:
-    return StreamItem(finished=True, finish_reason="error", error=error)
-
-
-def _deliver_batch(batch: list) -> None:
-    for stream, item in batch:
-        stream._put(item)
-
-
-def _set_future(fut: asyncio.Future, error: Optional[BaseException], result=None) -> None:
-    if fut.done():  # the caller was cancelled
-        return
-    if error is None:
-        fut.set_result(result)
-    else:
-        fut.set_exception(error)

@@ -19,6 +19,17 @@ from outpace.types import (CompletionOutput, Request, RequestOutput, RequestStat
 log = logging.getLogger(__name__)
 
 
+def check_text_length(tokenizer, max_model_len: int, text: str) -> None:
+    """InvalidRequestError for a text that holds a context's worth of tokens by its length
+    alone (Tokenizer.fewest_tokens): O(1), before anything tokenizes it."""
+    n = tokenizer.fewest_tokens(text)
+    if n >= max_model_len:
+        raise InvalidRequestError(
+            f"the prompt has {len(text)} characters, so at least {n} tokens, but the context "
+            f"is {max_model_len} tokens (prompt and output together); shorten the prompt",
+            option="max_model_len")
+
+
 class LLMEngine:
     def __init__(self, config, tokenizer, scheduler, kv_manager, runner, model_name: str):
         self.config = config
@@ -88,7 +99,7 @@ class LLMEngine:
         self._requests[request_id] = req
         self._detok[request_id] = IncrementalDetokenizer(
             self.tokenizer, ids, params.skip_special_tokens, params.stop,
-            params.include_stop_str_in_output)
+            params.include_stop_str_in_output) if params.detokenize else None
         self._emitted[request_id] = 0
         if self.runner.proposer is not None:
             self.runner.proposer.begin(req)
@@ -98,12 +109,7 @@ class LLMEngine:
         (Tokenizer.fewest_tokens), before it is tokenized: O(1), and safe from any thread (it
         reads nothing that changes), so the server calls it before the engine thread sees the
         request."""
-        n = self.tokenizer.fewest_tokens(text)
-        if n >= self.max_model_len:
-            raise InvalidRequestError(
-                f"the prompt has {len(text)} characters, so at least {n} tokens, but the "
-                f"context is {self.max_model_len} tokens (prompt and output together); shorten "
-                f"the prompt", option="max_model_len")
+        check_text_length(self.tokenizer, self.max_model_len, text)
 
     def abort_request(self, request_id: str) -> None:
         if request_id not in self._requests:
@@ -243,8 +249,9 @@ class LLMEngine:
         ids = req.output_token_ids
         if done == 0 and ids:
             self.prompt_tokens_total += req.num_prompt_tokens
-        add_token = detok.add_token
-        for i in range(done, len(ids)):
+        # without a detokenizer (detokenize=False) the tokens are only counted
+        add_token = detok.add_token if detok is not None else None
+        for i in range(done, len(ids) if add_token is not None else done):
             stop = add_token(ids[i])
             if stop is not None:
                 # Everything after the token that completed the stop string is dropped.
@@ -265,7 +272,8 @@ class LLMEngine:
             lps = [{**top, tok: lp} for tok, (lp, top) in
                    zip(req.output_token_ids, req.output_logprobs)]
         completion = CompletionOutput(
-            text=detok.visible_text(finished), token_ids=list(req.output_token_ids),
+            text=detok.visible_text(finished) if detok is not None else "",
+            token_ids=list(req.output_token_ids),
             finish_reason=req.finish_reason, stop_reason=req.stop_reason, logprobs=lps)
         out = RequestOutput(
             request_id=rid, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,

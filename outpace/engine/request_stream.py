@@ -1,5 +1,6 @@
 """What the async engine hands each request's consumer: `StreamItem`s through a `RequestStream`,
-and the request's `RequestTiming` when it ends (engine/async_engine.py produces them)."""
+and the request's `RequestTiming` when it ends (engine/async_engine.py and, beside an engine-core
+process, engine/core_client.py produce them); the event-loop side of handing them over."""
 
 from __future__ import annotations
 
@@ -101,3 +102,24 @@ class RequestStream:
         if not self.finished:
             self.finished = True
             self._owner.abort(self.request_id)
+
+
+# ---- run in the event loop (through call_soon_threadsafe) by the threads that produce items ----
+
+def error_item(error: BaseException) -> StreamItem:
+    return StreamItem(finished=True, finish_reason="error", error=error)
+
+
+def deliver_batch(batch: list) -> None:
+    """[(RequestStream, StreamItem)] handed to their streams: one loop callback per batch."""
+    for stream, item in batch:
+        stream._put(item)
+
+
+def set_future(fut: asyncio.Future, error: Optional[BaseException], result=None) -> None:
+    if fut.done():  # the caller was cancelled
+        return
+    if error is None:
+        fut.set_result(result)
+    else:
+        fut.set_exception(error)

@@ -157,6 +157,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--timeout-keep-alive", type=float, default=5.0, metavar="SECONDS",
                    help="a connection that has not sent a complete request header this long "
                    "after it opened or after its last response is closed")
+    s.add_argument("--engine-process", action=argparse.BooleanOptionalAction,
+                   default=None,
+                   help="run the engine loop in a process of its own, apart from the HTTP "
+                   "front end (tokenization, detokenization, streaming); "
+                   "--no-engine-process: in a thread of the server's process (default: off)")
     add_engine_args(s)
     s.set_defaults(func=cmd_serve)
     d = add_parser("init-draft", help="write a randomly initialised draft head")

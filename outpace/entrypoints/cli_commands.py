@@ -142,7 +142,9 @@ def cmd_serve(a) -> int:
     try:
         server_cfg = ServerConfig(host=a.host, port=a.port, api_key=a.api_key,
                                   served_model_name=a.served_model_name,
-                                  timeout_keep_alive=a.timeout_keep_alive)
+                                  timeout_keep_alive=a.timeout_keep_alive,
+                                  **({} if a.engine_process is None
+                                     else {"engine_process": a.engine_process}))
     except OutpaceError as e:
         raise spelled(e, SERVER_FLAGS) from None
     args = engine_args(a, max_waiting_requests=a.max_waiting)

@@ -22,15 +22,23 @@ def tiny_model_dir(tmp_path_factory, default_model_path) -> Path:
     return build_tiny_llama(tmp_path_factory.mktemp("tiny_llama"), Path(default_model_path))
 
 
+@pytest.fixture(scope="session")
+def server_mode_args(pytestconfig) -> list:
+    """Flags every test server gets: `pytest --engine-process` runs them all with the engine
+    loop in a process of its own (the default: a thread of the server's process)."""
+    return ["--engine-process"] if pytestconfig.getoption("--engine-process") else []
+
+
 @pytest.fixture(scope="package")
-def start_server(tiny_model_dir, tmp_path_factory):
+def start_server(tiny_model_dir, tmp_path_factory, server_mode_args):
     """start_server(name, extra_args, api_key) -> ServerProcess, started once per name."""
     servers: dict = {}
     log_dir = tmp_path_factory.mktemp("server_logs")
 
     def start(name: str, extra_args: list, api_key: str | None = None) -> ServerProcess:
         if name not in servers:
-            srv = ServerProcess(tiny_model_dir, extra_args, log_dir / f"{name}.log", api_key)
+            srv = ServerProcess(tiny_model_dir, [*extra_args, *server_mode_args],
+                                log_dir / f"{name}.log", api_key)
             servers[name] = srv
             srv.wait_healthy()
         srv = servers[name]

@@ -35,9 +35,9 @@ RUNNING = "outpace:num_requests_running"
 
 
 @pytest.fixture(scope="module")
-def fair_server(tmp_path_factory, default_model_path):
+def fair_server(tmp_path_factory, default_model_path, server_mode_args):
     log = tmp_path_factory.mktemp("fair_logs") / "server.log"
-    srv = ServerProcess(Path(default_model_path), [], log, max_model_len=None)
+    srv = ServerProcess(Path(default_model_path), server_mode_args, log, max_model_len=None)
     try:
         srv.wait_healthy()
         yield srv

@@ -1,9 +1,10 @@
 """/metrics: Prometheus exposition through prometheus_client, with vLLM-like names.
 
 Engine-wide counters and gauges (requests running/waiting, KV blocks, token totals, speculative
-counters) are read at scrape time from the engine thread's last stats snapshot by a custom
-collector, so the numbers come from one place (the engine) and can't drift from it. Per-request
-latencies (TTFT, TPOT, end-to-end) are histograms fed by the AsyncEngine's `on_finished` hook.
+counters) are read at scrape time from the engine's last stats snapshot (its thread's, or the
+one its process last sent) by a custom collector, so the numbers come from one place (the
+engine) and can't drift from it. Per-request latencies (TTFT, TPOT, end-to-end) are histograms
+fed by the async engine's `on_finished` hook.
 Each server gets its own CollectorRegistry (no module-global state).
 """
 
@@ -55,7 +56,7 @@ class _EngineStatsCollector:
         yield gauge("kv_cache_blocks_total", "KV cache blocks in the pool.", total)
         yield gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0..1).",
                     used / total if total else 0.0)
-        yield gauge("engine_healthy", "1 while the engine thread runs.",
+        yield gauge("engine_healthy", "1 while the engine (thread or process) runs.",
                     1.0 if self._engine.healthy else 0.0)
         yield counter("prompt_tokens", "Prompt tokens processed.", s.get("prompt_tokens_total", 0))
         yield counter("generation_tokens", "Output tokens generated.",
@@ -104,7 +105,8 @@ class ServerMetrics:
         self.registry.register(_EngineStatsCollector(async_engine, model_name))
 
     def on_request_finished(self, timing) -> None:
-        """AsyncEngine observer; runs in the engine thread (prometheus_client is thread-safe)."""
+        """The async engine's observer; runs in its engine or tokenizer thread
+        (prometheus_client is thread-safe)."""
         m = self.model_name
         if timing.ttft is not None:
             self.ttft.labels(m).observe(timing.ttft)

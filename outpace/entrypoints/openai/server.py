@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP server: FastAPI app factory and uvicorn runner.
 
-    GET  /health               200 while the engine thread runs, else 503
+    GET  /health               200 while the engine (thread or process) runs, else 503
     GET  /metrics              Prometheus text (see metrics.py)
     GET  /version              {"version": outpace's}
     GET  /v1/models            the served model
@@ -135,7 +135,8 @@ async def _read_json(request: Request, limit: int) -> dict:
 
 def build_app(engine: AsyncEngine, server_cfg: ServerConfig,
               metrics: Optional[ServerMetrics] = None) -> FastAPI:
-    """The app around an AsyncEngine (started by the app's lifespan, stopped at shutdown)."""
+    """The app around an AsyncEngine or an EngineCoreClient (the same interface; started by
+    the app's lifespan, stopped at shutdown)."""
     served = server_cfg.served_model_name or engine.model_name
     metrics = metrics or ServerMetrics(engine, served)
     if engine.on_finished is None:
@@ -243,17 +244,27 @@ def run_server(engine_args: EngineArgs, server_cfg: ServerConfig,
     from outpace.engine.engine import LLMEngine
     from outpace.entrypoints.openai.http_protocol import HeaderDeadlineH11Protocol
 
-    engine = AsyncEngine(LLMEngine.from_engine_args(engine_args))
-    app = build_app(engine, server_cfg)
-    if server_cfg.host not in ("127.0.0.1", "localhost", "::1"):
-        log.warning("outpace: listening on %s, reachable from other machines%s", server_cfg.host,
-                    "" if server_cfg.api_key else " with no API key (--api-key)")
-    log.info("outpace: serving %r on http://%s:%d", app.state.metrics.model_name,
-             server_cfg.host, server_cfg.port)
-    # The access log is AccessLog's (one line a request, streams logged when they end).
-    uvicorn.run(app, host=server_cfg.host, port=server_cfg.port, log_level=log_level,
-                timeout_graceful_shutdown=5, access_log=False, http=HeaderDeadlineH11Protocol,
-                timeout_keep_alive=server_cfg.timeout_keep_alive)
+    if server_cfg.engine_process:
+        from outpace.engine.core_client import EngineCoreClient
+        engine = EngineCoreClient(engine_args)
+        log.info("outpace: the engine runs in process %d", engine.pid)
+    else:
+        engine = AsyncEngine(LLMEngine.from_engine_args(engine_args))
+    try:
+        app = build_app(engine, server_cfg)
+        if server_cfg.host not in ("127.0.0.1", "localhost", "::1"):
+            log.warning("outpace: listening on %s, reachable from other machines%s",
+                        server_cfg.host,
+                        "" if server_cfg.api_key else " with no API key (--api-key)")
+        log.info("outpace: serving %r on http://%s:%d", app.state.metrics.model_name,
+                 server_cfg.host, server_cfg.port)
+        # The access log is AccessLog's (one line a request, streams logged when they end).
+        uvicorn.run(app, host=server_cfg.host, port=server_cfg.port, log_level=log_level,
+                    timeout_graceful_shutdown=5, access_log=False,
+                    http=HeaderDeadlineH11Protocol,
+                    timeout_keep_alive=server_cfg.timeout_keep_alive)
+    finally:
+        engine.shutdown()  # whichever way uvicorn ended (the engine process never outlives it)
 
 
 def serve_main(args) -> int:

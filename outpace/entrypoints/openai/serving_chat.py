@@ -21,8 +21,10 @@ from outpace.errors import InvalidRequestError
 
 
 async def render_prompt(ctx: ServingContext, req) -> ChatPrompt:
-    """The request's messages rendered with the chat template; tokenized later, in the engine
-    thread, with special tokens only where the template put them (Tokenizer.encode_chat).
+    """The request's messages rendered with the chat template; tokenized later, in the thread
+    that owns the tokenizer (the engine thread, or the front end's tokenizer thread beside an
+    engine process), with special tokens only where the template put them
+    (Tokenizer.encode_chat).
 
     The rendering runs in a worker thread: its time grows with the messages' content (up to
     the body limit), and on the event loop it would hold up every other request and stream

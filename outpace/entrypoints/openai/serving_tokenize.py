@@ -5,8 +5,9 @@
     /detokenize  {"model", "tokens"} -> {"prompt"}
 
 Messages are tokenized exactly as a chat completion tokenizes them (the same ids reach the
-model). The tokenizer runs in the engine thread, as for every request (it is not shared across
-threads); the chat template renders in a worker thread (serving_chat.render_prompt)."""
+model). The tokenizer runs in the engine's tokenizer-owning thread, as for every request (it is
+not shared across threads): the engine thread, or beside an engine process the front end's
+tokenizer thread; the chat template renders in a worker thread (serving_chat.render_prompt)."""
 
 from __future__ import annotations
 

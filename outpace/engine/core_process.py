@@ -1,0 +1,216 @@
+"""The engine-core process: the `LLMEngine` in a process of its own, apart from the server's
+front end (vLLM V1's engine core), so that request parsing, tokenization, chat templates,
+detokenization and SSE framing never share a GIL with the loop that launches steps.
+
+    front end (engine/core_client.py)                engine core (this module, spawned)
+    ---------------------------------                ---------------------------------
+    ("add", rid, prompt ids, SamplingParams) --+
+    ("abort", rid)                             +--> pipe --> EngineCore: commands between steps
+    ("stop",)                                  |
+                                               |            engine.step()
+    output handler <-- pipe <-- ("out", acks, outputs, failed, stats): one message a step
+                                                            (and one a batch of commands)
+                       pipe <-- ("dead", error) before the core exits on a fatal error
+
+The transport is `multiprocessing.connection` (a pipe; messages pickled): plain tuples, the
+`SamplingParams` dataclass, `CoreOutput` tuples, exceptions. The requests come tokenized and
+run with `detokenize=False` and no stop strings: the front end detokenizes and matches them
+(engine/output_processor.py), and aborts a request a stop string ended.
+
+Failure semantics are AsyncEngine's: a failing add fails that request (its ack carries the
+error); a failing step fails the requests in flight (their KV released) and the loop goes on;
+after `max_consecutive_step_failures` in a row, or any error outside a step, the core sends
+("dead", error) and exits. The core exits when the front end's process dies: its commands'
+pipe reaches EOF, and, while a step or the model's load runs, a watchdog thread waits on a
+lifeline pipe whose only writer is the front end (EOF: the front end is gone).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import signal
+import threading
+from typing import Optional
+
+from outpace.engine.output_processor import CoreOutput
+
+log = logging.getLogger(__name__)
+
+def portable(error: BaseException) -> BaseException:
+    """`error` if it crosses a pipe intact (pickles and unpickles), else a RuntimeError with its
+    type and message: an exception from a library may hold what does not pickle."""
+    try:
+        pickle.loads(pickle.dumps(error))
+        return error
+    except Exception:  # noqa: BLE001 -- any failure to pickle
+        return RuntimeError(f"{type(error).__name__}: {error}")
+
+
+class EngineCore:
+    """The engine loop over a connection: commands in, one output message a step out."""
+
+    def __init__(self, engine, conn, max_consecutive_step_failures: int = 3):
+        self.engine = engine
+        self.conn = conn
+        self.max_consecutive_step_failures = max_consecutive_step_failures
+        self._sent: dict = {}  # request_id -> output tokens sent, for the requests in flight
+
+    def run(self) -> None:
+        """Until ("stop",) or the front end's end of the pipe closes. A fatal error is sent as
+        ("dead", error) and raised."""
+        failures, stalled = 0, False
+        engine = self.engine
+        try:
+            while True:
+                # Block for commands when there is nothing to step; pause briefly when the last
+                # step ran nothing (requests waiting on memory), rather than spin.
+                idle = not engine.has_unfinished_requests()
+                if not self._apply_commands(wait=0.5 if idle else 0.005 if stalled else 0.0):
+                    return
+                if not engine.has_unfinished_requests():
+                    continue
+                try:
+                    outputs = engine.step()
+                except Exception as e:  # noqa: BLE001 -- isolated to the requests in flight
+                    failures += 1
+                    log.exception("engine step failed (%d in a row)", failures)
+                    if failures >= self.max_consecutive_step_failures:
+                        raise
+                    self._fail_in_flight(e)
+                    continue
+                failures = 0
+                stats = self._send_outputs(outputs)
+                stalled = not outputs and not (stats or {}).get("num_running", 1)
+        except BaseException as e:  # noqa: BLE001 -- reported to the front end, then raised
+            log.exception("engine core died")
+            self._send(("dead", portable(e)))
+            raise
+
+    # ---- commands -----------------------------------------------------------------------
+    def _apply_commands(self, wait: float) -> bool:
+        """Run the commands waiting (up to `wait` s for the first); False: stop."""
+        conn = self.conn
+        try:
+            if not conn.poll(wait):
+                return True
+            acks, applied = [], False
+            while True:
+                cmd = conn.recv()
+                if cmd[0] == "stop":
+                    return False
+                if cmd[0] == "add":
+                    acks.append((cmd[1], self._add(*cmd[1:])))
+                elif cmd[0] == "abort":
+                    self._abort(cmd[1])
+                applied = True
+                if not conn.poll(0):
+                    break
+        except (EOFError, OSError):  # the front end is gone
+            return False
+        if applied:
+            self._send(("out", acks, [], [], self._stats()))
+        return True
+
+    def _add(self, rid, prompt_ids, params) -> Optional[BaseException]:
+        try:
+            self.engine.add_request(rid, prompt_ids, params)
+        except Exception as e:  # noqa: BLE001 -- goes to that request only
+            return portable(e)
+        self._sent[rid] = 0
+        return None
+
+    def _abort(self, rid) -> None:
+        if self._sent.pop(rid, None) is None:
+            return
+        try:
+            self.engine.abort_request(rid)
+        except Exception:  # noqa: BLE001
+            log.exception("abort of %s failed", rid)
+
+    # ---- outputs ------------------------------------------------------------------------
+    def _send_outputs(self, outputs) -> Optional[dict]:
+        batch, sent = [], self._sent
+        for out in outputs:
+            rid = out.request_id
+            num_sent = sent.get(rid)
+            if num_sent is None:
+                continue
+            comp = out.outputs[0]
+            n = len(comp.token_ids)
+            lps = comp.logprobs[num_sent:n] if comp.logprobs is not None else None
+            batch.append(CoreOutput(
+                rid, comp.token_ids[num_sent:n], comp.finish_reason if out.finished else None,
+                comp.stop_reason, lps, len(out.prompt_token_ids), out.num_cached_tokens or 0,
+                out.metrics.get("first_token_time") if out.finished else None))
+            if out.finished:
+                del sent[rid]
+            else:
+                sent[rid] = n
+        # The stats go with every message: /metrics then reads the state of the step whose
+        # tokens the streams have (a dict of a few numbers beside the step's outputs).
+        stats = self._stats()
+        self._send(("out", [], batch, [], stats))
+        return stats
+
+    def _fail_in_flight(self, error: BaseException) -> None:
+        error = portable(error)
+        failed = []
+        for rid in list(self._sent):
+            self._abort(rid)
+            failed.append((rid, error))
+        self._send(("out", [], [], failed, self._stats()))
+
+    def _stats(self) -> Optional[dict]:
+        try:
+            stats = dict(self.engine.stats())
+        except Exception:  # noqa: BLE001 -- stats are best effort
+            log.exception("engine.stats() failed")
+            return None
+        return stats
+
+    def _send(self, msg) -> None:
+        try:
+            self.conn.send(msg)
+        except (OSError, EOFError, ValueError):  # the front end is gone: nobody listens
+            pass
+
+
+def _exit_with_parent(lifeline) -> None:
+    """Watchdog thread: the lifeline's only writer is the front end, which never writes; EOF
+    means it is gone (killed included), and the core must not outlive it."""
+    try:
+        lifeline.recv()
+    except BaseException:  # noqa: BLE001 -- EOF, or the pipe broken: either way it is gone
+        pass
+    os._exit(1)
+
+
+def run_engine_core(conn, lifeline, engine_args, log_level: int,
+                    max_consecutive_step_failures: int = 3) -> None:
+    """The process's entry (spawned): build the engine of `engine_args` (an EngineArgs), send
+    ("ready", info) or ("start_failed", error), then run the loop."""
+    # Ctrl-C in a terminal reaches the whole process group: the front end decides when the
+    # core stops (after its streams are told), so the core ignores it.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    logging.getLogger("outpace").setLevel(log_level)
+    threading.Thread(target=_exit_with_parent, args=(lifeline,), name="outpace-lifeline",
+                     daemon=True).start()
+    from outpace.engine.engine import LLMEngine
+    try:
+        engine = LLMEngine.from_engine_args(engine_args)
+    except BaseException as e:  # noqa: BLE001 -- the front end reports it
+        try:
+            conn.send(("start_failed", portable(e)))
+        except (OSError, EOFError):
+            pass
+        return
+    conn.send(("ready", {"model_name": engine.model_name, "max_model_len": engine.max_model_len,
+                         "tokenizer": engine.tokenizer, "stats": dict(engine.stats()),
+                         "pid": os.getpid()}))
+    try:
+        EngineCore(engine, conn, max_consecutive_step_failures).run()
+    except BaseException:  # noqa: BLE001 -- already reported and logged: exit non-zero
+        os._exit(1)

@@ -1,0 +1,157 @@
+"""The front end's side of an engine-core process's outputs: each request's new token ids
+turned into the `StreamItem`s the server streams (text, stop strings, logprobs' token pieces,
+timing), as vLLM V1's output processor does beside its engine core.
+
+The engine core runs its requests with `detokenize=False` and no stop strings (it schedules and
+steps, nothing else); here each request's tokens are fed one at a time to its
+`IncrementalDetokenizer`, so a stop string ends the output at exactly the token that completed
+it, as the in-process engine ends it. A request a stop string ended is reported in `stopped`:
+the caller aborts it in the engine core (its KV blocks are freed there), whose later tokens for
+it are ignored.
+
+Not thread-safe: one thread (the front end's tokenizer thread) owns it and the tokenizer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from typing import NamedTuple, Optional
+
+from outpace.engine.detokenize import IncrementalDetokenizer
+from outpace.engine.request_stream import RequestStream, RequestTiming, StreamItem
+from outpace.types import SamplingParams
+
+
+class CoreOutput(NamedTuple):
+    """What one engine step gave one request (engine core -> front end; a plain tuple)."""
+
+    request_id: str
+    new_token_ids: list
+    finish_reason: Optional[str]  # None while it runs
+    stop_reason: object  # a stop token id, or None
+    new_logprobs: Optional[list]  # per new token {token_id: logprob}, or None (not asked)
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    first_token_time: Optional[float]  # the core's time.monotonic(), on the finished output
+
+
+def core_params(params: SamplingParams) -> SamplingParams:
+    """The request as the engine core runs it: token ids out, no text, no stop strings (they
+    are matched here); a request with stop strings gets its tokens every step, so that a stop
+    string found here stops it at once."""
+    return dataclasses.replace(
+        params, stop=[], include_stop_str_in_output=False, detokenize=False,
+        output_kind="cumulative" if params.stop else params.output_kind)
+
+
+def token_piece(tokenizer, token_id: int) -> str:
+    """A token's own text, special tokens included (logprobs name every token)."""
+    try:
+        return tokenizer.decode([token_id], skip_special_tokens=False)
+    except TypeError:  # a tokenizer without the keyword
+        return tokenizer.decode([token_id])
+
+
+@dataclass
+class _State:
+    stream: RequestStream
+    timing: RequestTiming
+    detok: IncrementalDetokenizer
+    want_logprobs: bool
+    num_tokens: int = 0
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self._states: dict = {}  # request_id -> _State, while the request runs
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._states
+
+    def __len__(self) -> int:
+        return len(self._states)
+
+    def add(self, request_id: str, prompt_ids: list, params: SamplingParams,
+            stream: RequestStream, timing: RequestTiming) -> None:
+        detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens,
+                                       params.stop, params.include_stop_str_in_output)
+        self._states[request_id] = _State(stream, timing, detok,
+                                          want_logprobs=params.logprobs is not None)
+
+    def pop(self, request_id: str) -> Optional[_State]:
+        """Forget a request (aborted, failed, refused); its state, or None if unknown."""
+        return self._states.pop(request_id, None)
+
+    def pop_all(self) -> list:
+        """Forget every request (the engine core is gone); their states."""
+        states = list(self._states.values())
+        self._states.clear()
+        return states
+
+    def abort_item(self, state: _State) -> StreamItem:
+        """The finished item of a request aborted by its consumer; its timing closed."""
+        state.timing.finished = time.monotonic()
+        state.timing.finish_reason = "abort"
+        return StreamItem(num_tokens=state.num_tokens, finished=True, finish_reason="abort")
+
+    def process(self, outputs: list, now: float) -> tuple:
+        """One engine step's CoreOutputs -> (batch [(stream, item)], finished [RequestTiming],
+        stopped [request ids a stop string ended while the engine core still runs them])."""
+        batch, finished, stopped = [], [], []
+        for out in outputs:
+            state = self._states.get(out.request_id)
+            if state is None:  # aborted or stopped while the step ran
+                continue
+            item, stop_here = self._item(out, state, now)
+            batch.append((state.stream, item))
+            if item.finished:
+                del self._states[out.request_id]
+                finished.append(state.timing)
+                if stop_here:
+                    stopped.append(out.request_id)
+        return batch, finished, stopped
+
+    def _item(self, out: CoreOutput, state: _State, now: float) -> tuple:
+        new_ids, lps = out.new_token_ids, out.new_logprobs
+        finish, stop_reason, stop_here = out.finish_reason, out.stop_reason, False
+        add_token = state.detok.add_token
+        for i, token in enumerate(new_ids):
+            stop = add_token(token)
+            if stop is not None:
+                # everything after the token that completed the stop string is dropped
+                new_ids = new_ids[:i + 1]
+                lps = lps[:i + 1] if lps is not None else None
+                stop_here = finish is None
+                finish, stop_reason = "stop", stop
+                break
+        state.num_tokens += len(new_ids)
+        n = state.num_tokens
+        timing = state.timing
+        done = finish is not None
+        if new_ids:
+            if timing.first_token is None:
+                # A request's first output that is also its last (a final-only request's only
+                # one): its first token came earlier, at the core's first_token_time (the same
+                # monotonic clock: one machine).
+                timing.first_token = (out.first_token_time if done else None) or now
+            timing.last_token = now
+        timing.num_prompt_tokens = out.num_prompt_tokens
+        timing.num_output_tokens = n
+        pieces = {}
+        if state.want_logprobs:
+            lps = [dict(d) for d in (lps or [])]
+            tok = self.tokenizer
+            pieces = {t: token_piece(tok, t) for d in lps for t in d}
+        else:
+            lps = None
+        if done:
+            timing.finished = now
+            timing.finish_reason = finish
+        return StreamItem(text=state.detok.visible_text(done), num_tokens=n,
+                          new_token_ids=list(new_ids), new_logprobs=lps, token_pieces=pieces,
+                          finished=done, finish_reason=finish, stop_reason=stop_reason,
+                          num_prompt_tokens=out.num_prompt_tokens,
+                          num_cached_tokens=out.num_cached_tokens), stop_here
