@@ -455,14 +455,15 @@ def _one_cpu_thread(device):
 
 
 def load_gguf(path, dtype=None, device="cpu", quiet: bool = False, max_positions=None):
-    """-> (model, ModelConfig, GGUFFile). The GGUFFile stays useful for the tokenizer cache key.
-    dtype: the activations' (None: float32). max_positions: the positions the rope tables cover
-    (None: the model's context_length)."""
+    """-> (model, ModelConfig, GGUFFile). `path`: a .gguf file, or a GGUFFile already parsed.
+    The GGUFFile stays useful for the tokenizer cache key. dtype: the activations' (None:
+    float32). max_positions: the positions the rope tables cover (None: the model's
+    context_length)."""
     import torch
     dtype = torch.float32 if dtype is None else dtype
     from outpace.models.loader.shapes import check_shapes
     from outpace.models.registry import model_class
-    g = GGUFFile(path)
+    g = path if isinstance(path, GGUFFile) else GGUFFile(path)
     cfg = config_from_gguf(g)
     # the metadata against the tensors before anything is allocated from it
     check_shapes(cfg, {hf_name(i.name): i.shape for i in g.tensors.values() if hf_name(i.name)},
