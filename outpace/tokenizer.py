@@ -12,7 +12,9 @@ from __future__ import annotations
 import copy
 import functools
 import os
+import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -137,8 +139,10 @@ class Tokenizer:
         return cls(hf, model_eos_ids)
 
     @classmethod
-    def from_gguf(cls, path, model_eos_ids=(), cache_key: Optional[str] = None) -> "Tokenizer":
-        """`cache_key`: GGUFFile.metadata_sha256() if the caller has it (saves a parse)."""
+    def from_gguf(cls, path, model_eos_ids=(), cache_key: Optional[str] = None,
+                  quiet: bool = True) -> "Tokenizer":
+        """`cache_key`: GGUFFile.metadata_sha256() if the caller has it (saves a parse). Unless
+        `quiet`, the first conversion (seconds; cached for the next start) says so on stderr."""
         import transformers
         from transformers import AutoTokenizer
         path = Path(path)
@@ -152,6 +156,10 @@ class Tokenizer:
                 return cls(AutoTokenizer.from_pretrained(str(cached)), model_eos_ids)
             except Exception:
                 pass  # a damaged cache entry: rebuild it from the GGUF below
+        if not quiet:
+            print(f"outpace: converting the tokenizer of {path.name} (once: it is cached in "
+                  f"{cached.parent})", file=sys.stderr, flush=True)
+        t0 = time.perf_counter()
         try:
             hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
         except Exception as e:
@@ -159,6 +167,9 @@ class Tokenizer:
                                  "the GGUF lacks tokenizer.ggml.* keys or uses an unsupported "
                                  "tokenizer model") from e
         _save_atomically(hf, cached)
+        if not quiet:
+            print(f"outpace: tokenizer converted in {time.perf_counter() - t0:.1f} s",
+                  file=sys.stderr, flush=True)
         return cls(hf, model_eos_ids)
 
     # ---- API ----------------------------------------------------------------------------

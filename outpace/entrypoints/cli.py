@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from outpace import __version__
@@ -251,7 +252,19 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def default_openmp_wait_policy(environ=os.environ) -> None:
+    """OpenMP workers sleep between parallel ops (OMP_WAIT_POLICY=PASSIVE) unless the user
+    chose a policy. Set before torch loads, since OpenMP reads it once at start. Why: by default
+    a worker spins after each op, and when other processes share the cores (a laptop, a CI
+    machine) the spinning thread takes the core from the one doing work, so every parallel op
+    waits for a time slice; a passive worker costs only a wake-up per op, and small forwards
+    run on one thread anyway (models/cpu_fast_paths.cpu_threads_for). docs/decisions.md, "The
+    CLI sets OMP_WAIT_POLICY=PASSIVE"."""
+    environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
 def main(argv=None) -> int:
+    default_openmp_wait_policy()
     args = build_parser().parse_args(argv)
     # outpace's own progress at INFO; other libraries' warnings only (their INFO lines, e.g.
     # torch's at exit, are not the user's business)

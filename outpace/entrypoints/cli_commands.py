@@ -148,9 +148,15 @@ def cmd_serve(a) -> int:
     except OutpaceError as e:
         raise spelled(e, SERVER_FLAGS) from None
     args = engine_args(a, max_waiting_requests=a.max_waiting)
+    from outpace.entrypoints.openai.listen import bind_socket
+    try:  # bound before the model loads: a port in use is an error at once
+        sock = bind_socket(server_cfg.host, server_cfg.port)
+    except OutpaceError as e:
+        raise spelled(e, SERVER_FLAGS) from None
     from outpace.entrypoints.openai.server import run_server
     try:
-        run_server(args, server_cfg)
+        with sock:
+            run_server(args, server_cfg, sock=sock)
     except OutpaceError as e:
         raise spelled(e, engine_flags(a)) from None
     return 0

@@ -412,6 +412,8 @@ class LlamaForCausalLM(nn.Module):
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
         """Copy HF-named tensors into the (fused) parameters; returns the names it did not use.
+        A tensor may also be an object with `shape` and `copy_into(target)` (a GGUF tensor
+        dequantized straight into its parameter).
 
         Raises ModelLoadError on a shape mismatch or when a parameter got no tensor.
         """
@@ -428,7 +430,10 @@ class LlamaForCausalLM(nn.Module):
                 raise ModelLoadError(
                     f"tensor {name} has shape {tuple(tensor.shape)}, but the model config "
                     f"expects {tuple(target.shape)}; the weights do not match config.json")
-            target.copy_(tensor)
+            if isinstance(tensor, torch.Tensor):
+                target.copy_(tensor)
+            else:  # a loader's tensor that writes itself (loader/gguf.QuantizedTensor)
+                tensor.copy_into(target)
             missing.discard(name)
         if missing:
             names = sorted(missing)

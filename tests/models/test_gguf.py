@@ -75,7 +75,7 @@ def test_reader_agrees_with_gguf_reader(hf_llama, tmp_path):
         if key.startswith("GGUF."):
             continue
         v = ours.metadata[key]
-        assert (v.tolist() if isinstance(v, np.ndarray) else v) == pytest.approx(field.contents())
+        assert (v.tolist() if hasattr(v, "tolist") else v) == pytest.approx(field.contents())
     assert len(ours.tensors) == len(ref.tensors)
     for t in ref.tensors:
         mine = ours.tensors[t.name]
@@ -85,25 +85,78 @@ def test_reader_agrees_with_gguf_reader(hf_llama, tmp_path):
         assert np.array_equal(ours.raw(mine).reshape(-1), ref_bytes)
 
 
-@pytest.mark.parametrize("qtype", ["F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"])
-def test_dequantize_matches_gguf_reference(qtype):
+ALL_TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"]
+
+
+def _random_blocks(qtype, rows=6, cols=2 * 256, seed=0):
     qt = gguf.GGMLQuantizationType[qtype]
     block, size = gguf.GGML_QUANT_SIZES[qt]
+    rng = np.random.default_rng(seed)
+    if qtype in ("F32", "Q8_0", "Q4_0", "Q4_1", "BF16", "F16"):
+        return gguf.quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32), qt)
+    # no K-quant quantizer in gguf-py: random blocks with finite f16 scales (Q4_K / Q5_K: d
+    # and dmin first; Q6_K: d last)
+    raw = rng.integers(0, 256, (rows, cols // block * size), dtype=np.uint8)
+    blocks = raw.reshape(rows, -1, size)
+    if qtype == "Q6_K":
+        blocks[..., -2:] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
+    else:
+        blocks[..., :4] = np.frombuffer(np.float16([0.01, -0.002]).tobytes(), np.uint8)
+    return raw
+
+
+@pytest.mark.parametrize("qtype", ALL_TYPES)
+def test_dequantize_matches_gguf_reference(qtype):
     rows, cols = 6, 2 * 256
-    rng = np.random.default_rng(0)
-    if qtype in ("Q8_0", "Q4_0", "Q4_1", "BF16", "F16"):
-        raw = gguf.quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32), qt)
-    else:  # no K-quant quantizer in gguf-py: random blocks with finite f16 scales
-        raw = rng.integers(0, 256, (rows, cols // block * size), dtype=np.uint8)
-        raw.reshape(rows, -1, size)[..., -4:] = np.frombuffer(
-            np.float16([0.01, -0.002]).tobytes(), np.uint8)
-        if qtype == "Q6_K":
-            raw.reshape(rows, -1, size)[..., -2:] = np.frombuffer(np.float16(0.01).tobytes(),
-                                                                   np.uint8)
+    raw = _random_blocks(qtype).view(np.uint8).reshape(rows, -1)
+    qt = gguf.GGMLQuantizationType[qtype]
     ref = torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(raw, qt)))
     got = dequantize(raw, qtype, (rows, cols))
     assert got.dtype == torch.float32 and got.shape == (rows, cols)
     assert torch.isfinite(ref).all() and torch.equal(got, ref.reshape(rows, cols))
+
+
+@pytest.mark.parametrize("qtype", ALL_TYPES)
+def test_dequantize_into_a_weight_gives_the_same_bits(qtype):
+    # the loader dequantizes straight into the model's parameters: the same values as a
+    # fresh tensor, on random blocks of every type, the whole tensor written
+    for seed in range(3):
+        raw = _random_blocks(qtype, seed=seed).view(np.uint8).reshape(6, -1)
+        fresh = dequantize(raw, qtype, (6, 512))
+        out = torch.full((6, 512), float("nan"))
+        assert dequantize(raw, qtype, (6, 512), out=out) is out
+        assert torch.isfinite(fresh).all() and torch.equal(out, fresh)
+    with pytest.raises(ValueError, match="contiguous float32"):
+        dequantize(raw, qtype, (6, 512), out=torch.empty(512, 6).t())
+
+
+@pytest.mark.parametrize("qtype,dtype", [("Q4_1", torch.float32), ("Q8_0", torch.float32),
+                                         ("F16", torch.float32), ("Q4_0", torch.bfloat16)])
+def test_gguf_load_equals_the_copy_of_dequantized_tensors(hf_llama, tmp_path, qtype, dtype):
+    # every parameter of a GGUF load bit-identical to loading the dequantized tensors (the
+    # loader's way before it wrote into the parameters), float32 or rounded to bf16
+    from outpace.models.loader.gguf import GGUFFile, config_from_gguf, iter_gguf_weights
+    from outpace.models.registry import model_class
+    path = write_gguf(hf_llama, tmp_path / "m.gguf", qtype)
+    model, cfg, g = load_gguf(path, dtype=dtype, quiet=True)
+    ref = model_class(cfg.architecture)(cfg, dtype=dtype, device="cpu")
+    g2 = GGUFFile(path)
+    ref.load_weights([(n, t.dequantize()) for n, t in
+                      iter_gguf_weights(g2, config_from_gguf(g2), quiet=True)])
+    got, want = dict(model.named_parameters()), dict(ref.named_parameters())
+    assert got.keys() == want.keys()
+    for name in got:
+        assert torch.equal(got[name], want[name]), name
+
+
+def test_string_arrays_read_when_asked(hf_llama, tmp_path):
+    words = ["a", "\u00fc\u00df", "", "\U0001f600 x", "merge me"] * 7
+    path = write_gguf(hf_llama, tmp_path / "m.gguf", "F32",
+                      extra_kv={"tokenizer.ggml.tokens": words, "test.after": "still read"})
+    g = GGUFFile(path)
+    tokens = g.metadata["tokenizer.ggml.tokens"]
+    assert len(tokens) == len(words) and tokens[3] == words[3] and list(tokens) == words
+    assert g.metadata["test.after"] == "still read"  # the parse went past the array right
 
 
 # ---- errors ----------------------------------------------------------------------------------

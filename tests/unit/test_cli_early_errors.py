@@ -185,3 +185,28 @@ def test_the_checks_run_without_torch(unloadable_model):
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     assert json.loads(r.stdout) == [2] * len(cases), r.stderr[-2000:]
+
+
+def test_serve_port_in_use_is_an_error_before_the_model_loads(unloadable_model, capsys):
+    # the port is bound before the engine loads: with a model whose weights can't load, the
+    # port's error is the one printed (issue 36)
+    import socket
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        line = _error_line(["serve", str(unloadable_model), "--device", "cpu", "--port",
+                            str(port)], capsys)
+    assert line == (f"127.0.0.1:{port} is in use (another server holds it); pick another "
+                    f"--port or stop what holds it"), line
+
+
+def test_serve_binds_a_socket_a_server_can_use():
+    from outpace.entrypoints.openai.listen import bind_socket
+    with bind_socket("127.0.0.1", 0) as sock:
+        host, port = sock.getsockname()
+        assert host == "127.0.0.1" and port > 0
+        sock.listen()  # what the server's event loop does with it
+        import socket
+        with socket.create_connection(("127.0.0.1", port), timeout=5):
+            pass

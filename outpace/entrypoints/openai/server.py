@@ -18,7 +18,7 @@ import asyncio
 import hmac
 import ipaddress
 import logging
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, suppress
 from typing import Optional
 
 from fastapi import Depends, FastAPI, Request
@@ -236,9 +236,10 @@ def build_app(engine: AsyncEngine, server_cfg: ServerConfig,
 
 
 def run_server(engine_args: EngineArgs, server_cfg: ServerConfig,
-               log_level: str = "info") -> None:
+               log_level: str = "info", sock=None) -> None:
     """Load the engine of `engine_args` (its max_waiting_requests bounds the waiting queue:
-    503 above it), then serve until SIGINT/SIGTERM. Blocks."""
+    503 above it), then serve until SIGINT/SIGTERM, on `sock` if given (bound before the
+    engine loads: listen.bind_socket). Blocks."""
     import uvicorn
 
     from outpace.engine.engine import LLMEngine
@@ -259,10 +260,15 @@ def run_server(engine_args: EngineArgs, server_cfg: ServerConfig,
         log.info("outpace: serving %r on http://%s:%d", app.state.metrics.model_name,
                  server_cfg.host, server_cfg.port)
         # The access log is AccessLog's (one line a request, streams logged when they end).
-        uvicorn.run(app, host=server_cfg.host, port=server_cfg.port, log_level=log_level,
-                    timeout_graceful_shutdown=5, access_log=False,
-                    http=HeaderDeadlineH11Protocol,
-                    timeout_keep_alive=server_cfg.timeout_keep_alive)
+        # uvicorn.run's single-process path, on the socket bound before the engine loaded
+        server = uvicorn.Server(uvicorn.Config(
+            app, host=server_cfg.host, port=server_cfg.port, log_level=log_level,
+            timeout_graceful_shutdown=5, access_log=False, http=HeaderDeadlineH11Protocol,
+            timeout_keep_alive=server_cfg.timeout_keep_alive))
+        with suppress(KeyboardInterrupt):
+            server.run(sockets=sock and [sock])
+        if not server.started:
+            raise SystemExit(3)  # uvicorn's STARTUP_FAILURE
     finally:
         engine.shutdown()  # whichever way uvicorn ended (the engine process never outlives it)
 

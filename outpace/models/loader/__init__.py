@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Optional
 
@@ -79,19 +80,29 @@ def load_model(path_or_name, runner_cfg=None, quiet: bool = False, *, dtype=None
     device = device if device is not None else runner_cfg.device
     t0 = time.perf_counter()
     kind, path = locate(path_or_name, quiet, download_dir)
-    if kind == "hf":
-        from outpace.models.loader.safetensors import load_hf_folder
-        model, cfg = load_hf_folder(path, dtype, device, quiet, max_positions=max_positions)
-        tok = Tokenizer.from_folder(path, cfg.eos_token_ids)
-    else:
-        from outpace.models.loader.gguf import load_gguf
-        model, cfg, g = load_gguf(path, dtype, device, quiet, max_positions=max_positions)
-        tok = Tokenizer.from_gguf(path, cfg.eos_token_ids, cache_key=g.metadata_sha256())
-    if weight_dtype != dtype:
-        # Loaded in the activation dtype first (the loaders round once, from the file's values)
-        store_weights_in_(model, weight_dtype)
-    if torch.device(device).type == "cpu":
-        model.add_cpu_weight_copies_()
+    # The tokenizer loads on a second thread while the weights load on this one: it is mostly
+    # Python (importing transformers, reading its files; GIL-bound), the weights mostly torch
+    # ops (which release the GIL), so on two cores the two overlap. Its eos ids come from the
+    # config, read first (cheap).
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="outpace-tokenizer") as pool:
+        if kind == "hf":
+            from outpace.models.loader.safetensors import load_hf_folder, read_hf_config
+            tok_future = pool.submit(Tokenizer.from_folder, path,
+                                     read_hf_config(path).eos_token_ids)
+            model, cfg = load_hf_folder(path, dtype, device, quiet, max_positions=max_positions)
+        else:
+            from outpace.models.loader.gguf import GGUFFile, config_from_gguf, load_gguf
+            g = GGUFFile(path)
+            tok_future = pool.submit(Tokenizer.from_gguf, path, config_from_gguf(g).eos_token_ids,
+                                     cache_key=g.metadata_sha256(), quiet=quiet)
+            model, cfg, g = load_gguf(g, dtype, device, quiet, max_positions=max_positions)
+        if weight_dtype != dtype:
+            # Loaded in the activation dtype first (the loaders round once, from the file's
+            # values)
+            store_weights_in_(model, weight_dtype)
+        if torch.device(device).type == "cpu":
+            model.add_cpu_weight_copies_()
+        tok = tok_future.result()
     if not quiet:
         dtypes = str(dtype) if weight_dtype == dtype else f"{dtype}, weights {weight_dtype}"
         # a Hugging Face id's snapshot folder is named by its commit: show the id

@@ -24,6 +24,7 @@ import math
 import mmap
 import struct
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
@@ -51,6 +52,48 @@ class TensorInfo:
     qtype: int
     offset: int  # absolute byte offset in the file
     nbytes: int
+
+
+def _skip_strings(mm, pos: int, count: int) -> int:
+    """The position after `count` length-prefixed strings from `pos`; ValueError if one runs
+    past the end of the file."""
+    unpack, end = struct.unpack_from, len(mm)
+    for _ in range(count):
+        pos += 8 + unpack("<Q", mm, pos)[0]
+        if pos > end:
+            raise ValueError("string runs past the end of the file")
+    return pos
+
+
+class StringArray(Sequence):
+    """A metadata array of strings, decoded when first read. The tokenizer's arrays (its tokens
+    and merges: ~100k strings in the default model) are read by the tokenizer conversion only,
+    which a cached tokenizer skips, and the header is parsed several times a start (the checks,
+    then the load): skipping their decoding makes each parse cheap. Its bounds were checked
+    when the header was parsed; a string that is not UTF-8 raises UnicodeDecodeError on read."""
+
+    def __init__(self, mm, start: int, count: int):
+        self._mm, self._start, self._count = mm, start, count
+        self._items: list | None = None
+
+    def _decoded(self) -> list:
+        if self._items is None:
+            items, mm, pos = [], self._mm, self._start
+            for _ in range(self._count):
+                n = struct.unpack_from("<Q", mm, pos)[0]
+                items.append(mm[pos + 8:pos + 8 + n].decode("utf-8"))
+                pos += 8 + n
+            self._items = items
+        return self._items
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __getitem__(self, i):
+        return self._decoded()[i]
+
+    def tolist(self) -> list:
+        return list(self._decoded())
 
 
 class GGUFFile:
@@ -104,6 +147,10 @@ class GGUFFile:
                 arr = np.frombuffer(mm, dtype=dt, count=count, offset=pos).copy()
                 pos += dt.itemsize * count
                 return arr
+            if itype == _STRING:
+                start = pos
+                pos = _skip_strings(mm, pos, count)
+                return StringArray(mm, start, count)
             return [value(itype) for _ in range(count)]
 
         if mm[:4] != b"GGUF":
@@ -184,8 +231,11 @@ def _f16_pairs(b: torch.Tensor, start: int, n: int) -> torch.Tensor:
     return b[:, start:start + 2 * n].contiguous().view(torch.float16).float()
 
 
-def dequantize(raw: np.ndarray, type_name: str, shape: tuple, device=None) -> torch.Tensor:
-    """raw uint8 [rows, bytes_per_row] -> float32 tensor of `shape`.
+def dequantize(raw: np.ndarray, type_name: str, shape: tuple, device=None,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """raw uint8 [rows, bytes_per_row] -> float32 tensor of `shape`, or written into `out` (a
+    contiguous float32 tensor of `shape` on the device: a weight's place in the model, so the
+    values are not copied a second time); the same values either way.
 
     On a CUDA `device` the raw bytes are moved first and dequantized there (fast, and the host
     never holds the float32 copy); K-quants always go through gguf's numpy code on the host.
@@ -195,33 +245,66 @@ def dequantize(raw: np.ndarray, type_name: str, shape: tuple, device=None) -> to
         raise UnsupportedModelError(
             f"GGUF tensor type {type_name} is not supported; outpace reads "
             f"{', '.join(SUPPORTED_TYPES)} (re-quantize the model to one of them)")
+    if out is not None:
+        if not (out.dtype == torch.float32 and out.is_contiguous()
+                and tuple(out.shape) == tuple(shape)):
+            raise ValueError(f"out must be a contiguous float32 tensor of shape {tuple(shape)}")
+        device = out.device
     t = torch.from_numpy(raw)
     if device is not None and torch.device(device).type != "cpu":
         t = t.to(device)
-    if type_name == "F32":
-        return t.view(torch.float32).reshape(shape)
-    if type_name == "F16":
-        return t.view(torch.float16).float().reshape(shape)
-    if type_name == "BF16":
-        return t.view(torch.bfloat16).float().reshape(shape)
+    floats = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}.get(type_name)
+    if floats is not None:
+        v = t.view(floats).reshape(shape)
+        return v.float() if out is None else out.copy_(v)
     if type_name == "Q8_0":  # block: f16 scale, 32 x int8
         b = t.reshape(-1, 34)
-        return (b[:, 2:].view(torch.int8) * _f16_pairs(b, 0, 1)).reshape(shape)
+        q, scale = b[:, 2:].view(torch.int8), _f16_pairs(b, 0, 1)
+        if out is None:
+            return (q * scale).reshape(shape)
+        torch.mul(q, scale, out=out.view(-1, 32))
+        return out
     if type_name in ("Q4_0", "Q4_1"):  # block: f16 scale [, f16 min], 16 bytes of nibble pairs
         b = t.reshape(-1, 18 if type_name == "Q4_0" else 20)
         qs = b[:, -16:]
         # low nibbles are elements 0..15 of the block, high nibbles 16..31
-        out = torch.empty(b.shape[0], 2, 16, device=b.device)
-        out[:, 0].copy_(qs & 0x0F)
-        out[:, 1].copy_(qs >> 4)
-        out = out.view(-1, 32)
+        o = (torch.empty(b.shape[0], 2, 16, device=b.device) if out is None
+             else out.view(-1, 2, 16))
+        o[:, 0].copy_(qs & 0x0F)
+        o[:, 1].copy_(qs >> 4)
+        o = o.view(-1, 32)
         if type_name == "Q4_0":
-            return out.sub_(8).mul_(_f16_pairs(b, 0, 1)).reshape(shape)
-        dm = _f16_pairs(b, 0, 2)
-        return out.mul_(dm[:, :1]).add_(dm[:, 1:]).reshape(shape)
+            o.sub_(8).mul_(_f16_pairs(b, 0, 1))
+        else:
+            dm = _f16_pairs(b, 0, 2)
+            o.mul_(dm[:, :1]).add_(dm[:, 1:])
+        return o.reshape(shape) if out is None else out
     import gguf  # K-quants: gguf's numpy implementation
     qt = gguf.GGMLQuantizationType[type_name]
-    return torch.from_numpy(gguf.quants.dequantize(raw, qt)).reshape(shape)
+    v = torch.from_numpy(gguf.quants.dequantize(raw, qt)).reshape(shape)
+    return v if out is None else out.copy_(v)
+
+
+class QuantizedTensor:
+    """A GGUF tensor not yet dequantized: its `shape`, and `copy_into(target)`, which
+    dequantizes straight into the target where it can (a contiguous float32 weight on the
+    device: one pass over the values, not two) and else copies (rounding to the target's
+    dtype); `load_weights` takes it in place of a tensor."""
+
+    def __init__(self, raw: np.ndarray, type_name: str, shape: tuple, device=None):
+        self.raw, self.type_name, self.shape, self.device = raw, type_name, tuple(shape), device
+
+    def dequantize(self) -> torch.Tensor:
+        return dequantize(self.raw, self.type_name, self.shape, self.device)
+
+    def copy_into(self, target: torch.Tensor) -> None:
+        import torch
+        on = torch.device("cpu" if self.device is None else self.device).type
+        if (target.dtype == torch.float32 and target.is_contiguous() and target.device.type == on
+                and tuple(target.shape) == self.shape):
+            dequantize(self.raw, self.type_name, self.shape, out=target)
+        else:
+            target.copy_(self.dequantize())
 
 
 # ---- names and config ----------------------------------------------------------------------
@@ -336,7 +419,7 @@ def _unpermute_rows(raw: np.ndarray, n_head: int) -> np.ndarray:
 
 def iter_gguf_weights(g: GGUFFile, cfg: ModelConfig, quiet: bool = False, device=None
                       ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, float32 tensor) for every weight, in file order, with a progress bar."""
+    """(HF name, QuantizedTensor) for every weight, in file order, with a progress bar."""
     from tqdm import tqdm
     permuted = cfg.architecture in ("llama", "mistral")  # llama.cpp permutes q/k only there
     for info in tqdm(list(g.tensors.values()), desc=f"Loading {g.path.name}", unit="tensor",
@@ -351,7 +434,7 @@ def iter_gguf_weights(g: GGUFFile, cfg: ModelConfig, quiet: bool = False, device
             if len(info.shape) == 1:
                 raw = raw.reshape(info.shape[0], -1)
             raw = _unpermute_rows(raw, heads)
-        yield name, dequantize(raw, info.type_name, info.shape, device)
+        yield name, QuantizedTensor(raw, info.type_name, info.shape, device)
 
 
 @contextlib.contextmanager
@@ -372,14 +455,15 @@ def _one_cpu_thread(device):
 
 
 def load_gguf(path, dtype=None, device="cpu", quiet: bool = False, max_positions=None):
-    """-> (model, ModelConfig, GGUFFile). The GGUFFile stays useful for the tokenizer cache key.
-    dtype: the activations' (None: float32). max_positions: the positions the rope tables cover
-    (None: the model's context_length)."""
+    """-> (model, ModelConfig, GGUFFile). `path`: a .gguf file, or a GGUFFile already parsed.
+    The GGUFFile stays useful for the tokenizer cache key. dtype: the activations' (None:
+    float32). max_positions: the positions the rope tables cover (None: the model's
+    context_length)."""
     import torch
     dtype = torch.float32 if dtype is None else dtype
     from outpace.models.loader.shapes import check_shapes
     from outpace.models.registry import model_class
-    g = GGUFFile(path)
+    g = path if isinstance(path, GGUFFile) else GGUFFile(path)
     cfg = config_from_gguf(g)
     # the metadata against the tensors before anything is allocated from it
     check_shapes(cfg, {hf_name(i.name): i.shape for i in g.tensors.values() if hf_name(i.name)},
