@@ -9,12 +9,16 @@ positions and slots) after the step ran. Every real row's slot must be the one i
 to through the request's block ids as the host knows them (the plan's for a step launched from
 the host, the chain's for a chained one: reserved by Scheduler.reserve_chained before the
 launch); a position past those blocks maps through the device block table's zero entries to the
-null block, which no request holds, so an under-reservation is caught.
+null block, which no request holds, so an under-reservation is caught. A row whose request
+finished while the chain went on (its block ids empty: ChainedTables zeroes its table row) may
+write only the null block, which nothing reads.
 """
 
 from __future__ import annotations
 
 import torch
+
+from outpace.attention.base import NULL_BLOCK
 
 
 class FusedWriteError(AssertionError):
@@ -31,7 +35,7 @@ class WriteCheck:
     def check(self, rows: list, block_ids: list, q: int, slot_mapping: torch.Tensor,
               positions: torch.Tensor, loop: tuple = (), chained: bool = False) -> None:
         """rows: request ids in device row order; block_ids: per row the request's block ids
-        ([] for a row that writes nothing, a finished request's); slot_mapping, positions: the
+        ([] for a finished request's row, which writes only the null block); slot_mapping, positions: the
         target's [bucket * q]; loop: (positions, slots) of the draft loop, [kd - 1, bucket]."""
         if slot_mapping.device.type == "cuda":
             torch.cuda.synchronize()
@@ -49,8 +53,15 @@ class WriteCheck:
             if slot < 0:
                 continue  # padding: writes nothing
             self.slots += 1
+            if not blocks:  # finished: its zeroed table row maps every position to the null block
+                if slot != NULL_BLOCK * bs + pos % bs:
+                    raise FusedWriteError(
+                        f"{'chained' if chained else 'launched'} fused step: {rid}'s {where} "
+                        f"row (its request finished) at position {pos} wrote slot {slot} "
+                        f"(block {slot // bs}), not the null block's")
+                continue
             block = pos // bs
-            if not blocks or block >= len(blocks) or slot != blocks[block] * bs + pos % bs:
+            if block >= len(blocks) or slot != blocks[block] * bs + pos % bs:
                 raise FusedWriteError(
                     f"{'chained' if chained else 'launched'} fused step: {rid}'s {where} row "
                     f"at position {pos} wrote slot {slot} (block {slot // bs}), outside its "

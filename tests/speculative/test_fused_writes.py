@@ -36,3 +36,26 @@ def test_write_check_is_off_by_default(tiny_loaded, tiny_heads, fake_graph_captu
                     speculative_config=head_spec(tiny_heads, "eagle3", 2),
                     block_size=TINY_BLOCK)
     assert run.engine.runner.fused.write_check is None
+
+
+def test_chains_under_a_k_schedule_at_zero(tiny_loaded, tiny_heads, fake_graph_capture):
+    """A batch-size schedule that drafts only at batch <= 2, with overlap: chains of kd = 0
+    steps (no head) and of drafting ones, requests finishing while their chain goes on (their
+    rows write only the null block) and recomputes from the mark before drafting again; every
+    write inside the reserved blocks, output identical, the plane exact where drafts are held."""
+    from tests.speculative.test_draft_plane import SMALL, PlaneChecker
+    from tests.speculative.test_draft_skip import drafting_plane_exact
+    want = run_waves(tiny_loaded, waves(), GREEDY, **SMALL).outputs
+    drafting, seen = drafting_plane_exact(tiny_loaded)
+    at_mark = PlaneChecker(tiny_loaded, upto="mark")
+    k = 3
+    spec = head_spec(tiny_heads, "eagle3", k, k_schedule=[[2, k]], check_fused_writes=True)
+    run = run_waves(tiny_loaded, waves(), GREEDY, overlap=True,
+                    on_engine=lambda e: enable_graphs(e, k),
+                    after_step=lambda e: (drafting(e), at_mark(e)),
+                    speculative_config=spec, max_num_seqs=8, **SMALL)
+    fused = run.engine.runner.fused
+    assert run.outputs == want
+    assert fused.chained > 5 and fused.write_check.chained_steps == fused.chained
+    assert run.engine.runner.proposer.work.skipped_rows > 20
+    assert seen["requests"] > 5 and at_mark.entries_checked > 100
