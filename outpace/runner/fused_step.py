@@ -199,13 +199,16 @@ class FusedStep:
         above its mark were skipped (k = 0 steps) and not yet repaired: the general path then
         runs the step, drafting nothing for that request and recomputing it from its mark
         (ModelRunner._first_pass), where a graph would draft from the stale entries, and chain
-        those drafts."""
+        those drafts. A request at the end of its context is left out: it can draft nothing
+        more (the host trims its k to 0), so its graph rows' drafts are never verified, and a
+        skip that only the context's end caused must not keep its batch off the graphs."""
         if self.draft_steps(plan.draft_batch_size) == 0:
             return False
         for sr in plan.scheduled:
             req = sr.request
             mark = req.num_draft_exact_tokens
-            if sr.num_computed_tokens > mark and req.draft_repair_mark != mark:
+            if (sr.num_computed_tokens > mark and req.draft_repair_mark != mark
+                    and sr.num_computed_tokens < req.max_model_len - 2):
                 return True
         return False
 

@@ -196,3 +196,24 @@ def test_k_schedule_at_zero_runs_no_head_in_the_fused_graph(tiny_loaded, tiny_he
     assert work.skipped_rows > 20, work
     assert run.stats["spec"]["num_drafts"] > 0
     assert seen["requests"] > 5 and at_mark.entries_checked > 100
+
+
+def test_a_skip_at_the_context_end_keeps_the_batch_on_the_graphs():
+    """A request whose k was trimmed to 0 by the end of its context (its mark stayed) can draft
+    nothing more: it must not send its batch off the fused graphs (FusedStep.accepts). One
+    that can still draft and whose entries above its mark were skipped must."""
+    from types import SimpleNamespace as NS
+
+    from outpace.runner.fused_step import FusedStep
+
+    def plan_of(computed, max_len, mark=10, repair=-1):
+        req = NS(num_draft_exact_tokens=mark, draft_repair_mark=repair, max_model_len=max_len)
+        return NS(draft_batch_size=1, scheduled=[NS(request=req, num_computed_tokens=computed)])
+
+    step = NS(draft_steps=lambda b: 3)
+    resumes = FusedStep._resumes_drafting
+    assert resumes(step, plan_of(20, 64))  # can draft, entries 10..20 skipped: general path
+    assert not resumes(step, plan_of(62, 64))  # at the context's end: nothing to draft
+    assert not resumes(step, plan_of(20, 64, repair=10))  # its repair already ran
+    assert not resumes(step, plan_of(10, 64))  # nothing above the mark
+    assert not resumes(NS(draft_steps=lambda b: 0), plan_of(20, 64))  # the graph drafts none
