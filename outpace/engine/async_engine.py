@@ -29,8 +29,8 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Union
 
 from outpace.chat_template import ChatPrompt
-from outpace.engine.request_stream import (RequestStream, RequestTiming, StreamItem,
-                                           deliver_batch, error_item, set_future)
+from outpace.engine.request_stream import (LoopCrossing, RequestStream, RequestTiming,
+                                           StreamItem, error_item)
 from outpace.errors import OutpaceError
 from outpace.types import SamplingParams
 
@@ -51,7 +51,7 @@ class _Tracked:
     num_sent: int = 0
 
 
-class AsyncEngine:
+class AsyncEngine(LoopCrossing):
     """The engine loop in a thread of the server process (ServerConfig.engine_process off);
     engine/core_client.py runs it in a process of its own."""
 
@@ -326,17 +326,3 @@ class AsyncEngine:
         except Exception:  # noqa: BLE001
             log.exception("on_finished observer failed")
 
-    # ---- crossing back to the event loop ------------------------------------------------------
-    def _deliver(self, batch: list) -> None:
-        if batch:
-            self._call_in_loop(deliver_batch, batch)
-
-    def _resolve(self, fut: asyncio.Future, error: Optional[BaseException],
-                 result=None) -> None:
-        self._call_in_loop(set_future, fut, error, result)
-
-    def _call_in_loop(self, fn, *args) -> None:
-        try:
-            self._loop.call_soon_threadsafe(fn, *args)
-        except RuntimeError:  # loop closed during shutdown: nobody is listening any more
-            pass

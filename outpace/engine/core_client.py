@@ -37,8 +37,8 @@ from outpace.chat_template import ChatPrompt
 from outpace.engine.async_engine import EngineDeadError
 from outpace.engine.engine import check_text_length
 from outpace.engine.output_processor import OutputProcessor, core_params
-from outpace.engine.request_stream import (RequestStream, RequestTiming, deliver_batch,
-                                           error_item, set_future)
+from outpace.engine.request_stream import (LoopCrossing, RequestStream, RequestTiming,
+                                           error_item)
 from outpace.engine.args import EngineArgs
 from outpace.errors import ConfigError, InvalidRequestError
 from outpace.types import SamplingParams
@@ -55,7 +55,7 @@ def _import_tokenizer_modules() -> None:
     transformers.PreTrainedTokenizerFast  # noqa: B018 -- a lazy module: the access imports it
 
 
-class EngineCoreClient:
+class EngineCoreClient(LoopCrossing):
     def __init__(self, engine_args: EngineArgs,
                  on_finished: Optional[Callable[[RequestTiming], None]] = None,
                  max_consecutive_step_failures: int = 3):
@@ -350,17 +350,3 @@ class EngineCoreClient:
             self._submit(self._on_message, msg)
         self._submit(self._on_exit)
 
-    # ---- crossing back to the event loop ------------------------------------------------------
-    def _deliver(self, batch: list) -> None:
-        if batch:
-            self._call_in_loop(deliver_batch, batch)
-
-    def _resolve(self, fut: asyncio.Future, error: Optional[BaseException],
-                 result=None) -> None:
-        self._call_in_loop(set_future, fut, error, result)
-
-    def _call_in_loop(self, fn, *args) -> None:
-        try:
-            self._loop.call_soon_threadsafe(fn, *args)
-        except RuntimeError:  # loop closed during shutdown: nobody is listening any more
-            pass

@@ -123,3 +123,24 @@ def set_future(fut: asyncio.Future, error: Optional[BaseException], result=None)
         fut.set_result(result)
     else:
         fut.set_exception(error)
+
+
+class LoopCrossing:
+    """What a front end's worker threads hand the event loop (`self._loop`): stream items, one
+    callback a batch, and the results of futures the loop awaits."""
+
+    _loop: asyncio.AbstractEventLoop
+
+    def _deliver(self, batch: list) -> None:
+        if batch:
+            self._call_in_loop(deliver_batch, batch)
+
+    def _resolve(self, fut: asyncio.Future, error: Optional[BaseException],
+                 result=None) -> None:
+        self._call_in_loop(set_future, fut, error, result)
+
+    def _call_in_loop(self, fn, *args) -> None:
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # loop closed during shutdown: nobody is listening any more
+            pass
