@@ -7,7 +7,8 @@ import torch
 
 from outpace.errors import ModelLoadError, UnsupportedModelError
 from outpace.models.loader import load_model_config, locate
-from outpace.models.loader.gguf import GGUFFile, dequantize, load_gguf
+from outpace.models.loader.gguf import GGUFFile, load_gguf
+from outpace.models.loader.gguf_quants import dequantize
 from outpace.models.rotary import rope_inv_freq
 from tests.models.helpers import (PagedRunner, hf_logits, hf_with_quantized_weights, tiny_hf,
                                   write_gguf)
