@@ -432,7 +432,7 @@ class LlamaForCausalLM(nn.Module):
                     f"expects {tuple(target.shape)}; the weights do not match config.json")
             if isinstance(tensor, torch.Tensor):
                 target.copy_(tensor)
-            else:  # a loader's tensor that writes itself (loader/gguf.QuantizedTensor)
+            else:  # a loader's tensor that writes itself (loader/gguf_quants.QuantizedTensor)
                 tensor.copy_into(target)
             missing.discard(name)
         if missing:
