@@ -4,9 +4,6 @@ bad flag one `outpace: error:` line naming it, before a model loads or torch is 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +11,7 @@ import pytest
 from outpace.bench.datasets import cycle, load_dataset, random_text_prompts, random_token_prompts
 from outpace.bench.report import percentile
 from outpace.entrypoints.cli import main
+from tests.cli_helpers import exit_codes_without
 from outpace.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -164,19 +162,4 @@ def test_an_unreachable_server_is_one_error_line(capsys):
 def test_the_checks_run_without_torch_or_httpx():
     """The flag errors come before torch (seconds to import) and httpx are imported."""
     cases = [["bench", *argv] for argv, _ in CASES]
-    code = ("import sys, json\n"
-            "from outpace.entrypoints.cli import main\n"
-            "rcs = []\n"
-            "for argv in json.loads(sys.argv[1]):\n"
-            "    try:\n"
-            "        rcs.append(main(argv))\n"
-            "    except SystemExit as e:\n"
-            "        rcs.append(e.code)\n"
-            "assert 'torch' not in sys.modules, 'torch was imported'\n"
-            "assert 'httpx' not in sys.modules, 'httpx was imported'\n"
-            "print(json.dumps(rcs))\n")
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    r = subprocess.run([sys.executable, "-c", code, json.dumps(cases)], cwd=REPO, env=env,
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert json.loads(r.stdout) == [2] * len(cases), r.stderr[-2000:]
+    assert exit_codes_without(cases, ("torch", "httpx")) == [2] * len(cases)
