@@ -56,6 +56,7 @@ class EngineCore:
         self.conn = conn
         self.max_consecutive_step_failures = max_consecutive_step_failures
         self._sent: dict = {}  # request_id -> output tokens sent, for the requests in flight
+        self._last_stats: Optional[dict] = None  # the stats last sent with a step's outputs
 
     def run(self) -> None:
         """Until ("stop",) or the front end's end of the pipe closes. A fatal error is sent as
@@ -149,9 +150,12 @@ class EngineCore:
             else:
                 sent[rid] = n
         # The stats go with every message: /metrics then reads the state of the step whose
-        # tokens the streams have (a dict of a few numbers beside the step's outputs).
+        # tokens the streams have (a dict of a few numbers beside the step's outputs). A step
+        # that emitted nothing and changed no stat (requests waiting on memory) sends nothing.
         stats = self._stats()
-        self._send(("out", [], batch, [], stats))
+        if batch or stats != self._last_stats:
+            self._send(("out", [], batch, [], stats))
+            self._last_stats = stats
         return stats
 
     def _fail_in_flight(self, error: BaseException) -> None:
