@@ -125,9 +125,12 @@ async def one_request(client, cfg: ServeBenchConfig, model: str, prompt: str) ->
 def _client(cfg: ServeBenchConfig):
     import httpx
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
-    n = max(cfg.max_concurrency or 256, 1)
+    # as many connections as requests in flight (no bound without max_concurrency): a pool
+    # smaller than the load would queue requests in the client and count it in their TTFT
+    n = cfg.max_concurrency
     return httpx.AsyncClient(base_url=cfg.base_url, headers=headers,
-                             limits=httpx.Limits(max_connections=n, max_keepalive_connections=n),
+                             limits=httpx.Limits(max_connections=n,
+                                                 max_keepalive_connections=n or 256),
                              timeout=httpx.Timeout(cfg.timeout_s))
 
 
