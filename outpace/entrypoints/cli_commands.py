@@ -156,7 +156,8 @@ def cmd_serve(a) -> int:
     from outpace.entrypoints.openai.server import run_server
     try:
         with sock:
-            run_server(args, server_cfg, sock=sock)
+            run_server(args, server_cfg, sock=sock,
+                       log_level="warning" if getattr(a, "quiet", False) else "info")
     except OutpaceError as e:
         raise spelled(e, engine_flags(a)) from None
     return 0

@@ -18,6 +18,7 @@ import asyncio
 import hmac
 import ipaddress
 import logging
+import sys
 from contextlib import asynccontextmanager, suppress
 from typing import Optional
 
@@ -257,8 +258,9 @@ def run_server(engine_args: EngineArgs, server_cfg: ServerConfig,
             log.warning("outpace: listening on %s, reachable from other machines%s",
                         server_cfg.host,
                         "" if server_cfg.api_key else " with no API key (--api-key)")
-        log.info("outpace: serving %r on http://%s:%d", app.state.metrics.model_name,
-                 server_cfg.host, server_cfg.port)
+        # the one line a user needs, --quiet or not (the log's level hides the others)
+        print(f"outpace: serving {app.state.metrics.model_name!r} on "
+              f"http://{server_cfg.host}:{server_cfg.port}", file=sys.stderr, flush=True)
         # The access log is AccessLog's (one line a request, streams logged when they end).
         # uvicorn.run's single-process path, on the socket bound before the engine loaded
         server = uvicorn.Server(uvicorn.Config(
@@ -280,7 +282,5 @@ def serve_main(args) -> int:
 
 
 if __name__ == "__main__":
-    import sys
-
     from outpace.entrypoints.cli import main
     sys.exit(main(["serve", *sys.argv[1:]]))
