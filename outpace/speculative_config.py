@@ -92,6 +92,11 @@ class SpecConfig:
             raise ConfigError(f"speculative method {self.method!r} needs a draft head folder "
                               f"(speculative_config['model'])",
                               option="speculative_config['model']")
+        if self.model is not None and self.method in ("ngram", "suffix"):
+            raise ConfigError(f"method {self.method!r} drafts from the text itself and "
+                              f"takes no draft head folder (speculative_config['model']); leave it "
+                              f"out, or use eagle3 or mtp",
+                              option="speculative_config['model']")
         if self.model is not None and (not isinstance(self.model, str) or not self.model):
             raise ConfigError(f"speculative_config['model'] must be the path of a draft head "
                               f"folder, got {self.model!r}", option="speculative_config['model']")

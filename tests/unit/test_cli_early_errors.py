@@ -60,6 +60,8 @@ FLAG_CASES = [
     (["--repetition-penalty", "0"], "--repetition-penalty must be > 0, got 0.0"),
     (["--frequency-penalty", "2.5"], "--frequency-penalty must be in [-2, 2], got 2.5"),
     (["--presence-penalty", "-3"], "--presence-penalty must be in [-2, 2], got -3.0"),
+    (["--spec", "ngram", "--draft", "/tmp"],
+     "--spec 'ngram' drafts from the text itself and takes no draft head folder (--draft)"),
     (["--spec", "ngram", "--k", "0"], "--k must be an integer in 1..16 (draft tokens per step), "
                                       "got 0"),
     (["--spec", "ngram", "--k", "17"], "--k must be an integer in 1..16"),
