@@ -179,7 +179,8 @@ def regenerate(target: str, prompts: list, cache: Path, *, loaded=None, device: 
         longest = max((len(j[2]) for j in jobs), default=1) + max_tokens
         engine = LLMEngine.from_args(target, loaded=loaded, device=device, max_num_seqs=seqs,
                                      num_kv_blocks=seqs * (-(-longest // block) + 1) + 64,
-                                     block_size=block, seed=seed, quiet=True)
+                                     max_model_len=longest, block_size=block, seed=seed,
+                                     quiet=True)
         from tqdm import tqdm
         bar = tqdm(total=len(jobs), desc="Self-distilling answers", unit="answer",
                    file=sys.stderr, disable=quiet, dynamic_ncols=True,
