@@ -265,7 +265,11 @@ def default_openmp_wait_policy(environ=os.environ) -> None:
 
 def main(argv=None) -> int:
     default_openmp_wait_policy()
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    if not (sys.argv[1:] if argv is None else argv):  # bare `outpace`: what it can do
+        parser.print_help()
+        return 0
+    args = parser.parse_args(argv)
     # outpace's own progress at INFO; other libraries' warnings only (their INFO lines, e.g.
     # torch's at exit, are not the user's business)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")

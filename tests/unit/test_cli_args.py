@@ -246,3 +246,10 @@ def test_ctrl_c_while_the_model_loads_is_no_traceback(default_model_path):
         assert out.rstrip().endswith("[interrupted]") and not err.strip(), (out, err)
     else:
         assert err.strip().splitlines() == ["outpace: interrupted"], err
+
+
+def test_bare_outpace_prints_its_help(capsys):
+    from outpace.entrypoints.cli import main
+    assert main([]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: outpace") and "generate" in out and "bench" in out
