@@ -1,4 +1,5 @@
-"""Running the CLI in a fresh interpreter: what a command imports before it answers."""
+"""Running the CLI in tests: one error line a bad command gives, and, in a fresh interpreter,
+what a command imports before it answers."""
 
 from __future__ import annotations
 
@@ -9,6 +10,19 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def error_line(argv, capsys) -> str:
+    """`outpace argv` run here must fail with exit code 2 and one `outpace: error:` line on
+    stderr: that line's text after the prefix."""
+    from outpace.entrypoints.cli import main
+    try:
+        rc = main(argv)
+    except SystemExit as e:  # argparse's usage errors
+        rc = e.code
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and err[0].startswith("outpace: error: "), err
+    return err[0][len("outpace: error: "):]
 
 
 def exit_codes_without(cases: list, modules: tuple = ("torch",)) -> list:

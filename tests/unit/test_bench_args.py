@@ -10,8 +10,7 @@ import pytest
 
 from outpace.bench.datasets import cycle, load_dataset, random_text_prompts, random_token_prompts
 from outpace.bench.report import percentile
-from outpace.entrypoints.cli import main
-from tests.cli_helpers import exit_codes_without
+from tests.cli_helpers import error_line as _error_line, exit_codes_without
 from outpace.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -88,16 +87,6 @@ def test_percentiles_interpolate_as_numpy_does():
     for p in (0, 10, 25, 50, 90, 99, 100):
         assert percentile(xs, p) == pytest.approx(float(np.percentile(xs, p)))
     assert percentile([], 50) == 0.0
-
-
-def _error_line(argv, capsys) -> str:
-    try:
-        rc = main(argv)
-    except SystemExit as e:  # argparse's usage errors
-        rc = e.code
-    err = capsys.readouterr().err.strip().splitlines()
-    assert rc == 2 and len(err) == 1 and err[0].startswith("outpace: error: "), err
-    return err[0][len("outpace: error: "):]
 
 
 # (argv, the start of the one error line); the model, where one is given, is NO_MODEL

@@ -12,8 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from outpace.entrypoints.cli import main
-from tests.cli_helpers import exit_codes_without
+from tests.cli_helpers import error_line as _error_line, exit_codes_without
 
 NO_MODEL = "/no/such/model"
 
@@ -35,16 +34,6 @@ def head_folders(tmp_path_factory) -> dict:
     (base / "no_weights" / "config.json").write_text("{}")
     (base / "a_file").write_text("x")
     return {k: str(base / k) for k in ("empty", "no_weights", "a_file")}
-
-
-def _error_line(argv, capsys) -> str:
-    try:
-        rc = main(argv)
-    except SystemExit as e:  # argparse's usage errors
-        rc = e.code
-    err = capsys.readouterr().err.strip().splitlines()
-    assert rc == 2 and len(err) == 1 and err[0].startswith("outpace: error: "), err
-    return err[0][len("outpace: error: "):]
 
 
 # (flags, the start of the one error line); the model is NO_MODEL
