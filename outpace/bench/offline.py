@@ -17,9 +17,8 @@ SAMPLING_FLAGS = {"temperature": "--temperature", "max_tokens": "--output-len"}
 def add_engine_and_prompt_args(p, input_len: int, output_len: int) -> None:
     """MODEL, the CLI's engine flags, and the prompts' flags (random prompts of --input-len
     tokens by default)."""
-    from outpace.entrypoints.cli import add_engine_args
-    p.add_argument("model_pos", nargs="?", default=None, metavar="MODEL",
-                   help="the model (in place of --model)")
+    from outpace.entrypoints.cli import add_engine_args, add_model_arg
+    add_model_arg(p)
     add_engine_args(p)
     p.add_argument("--input-len", type=int, default=None,
                    help=f"tokens of each random prompt (default: {input_len}; not with "
@@ -42,8 +41,8 @@ def add_engine_and_prompt_args(p, input_len: int, output_len: int) -> None:
 def check_prompt_args(a, num_prompts: int) -> Optional[list]:
     """The prompt flags, checked before the engine loads -> the dataset's texts (None: random
     prompts; a.input_len is then set)."""
-    if a.model_pos:
-        a.model = a.model_pos
+    from outpace.entrypoints.cli_options import model_of
+    a.model = model_of(a)  # the results name it
     at_least(a.output_len, 1, "--output-len")
     at_least(a.input_len, 1, "--input-len")
     if a.dataset is not None and a.input_len is not None:

@@ -60,7 +60,8 @@ def write_json(path: Optional[str], result: dict) -> None:
     if path is None:
         return
     payload = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **result}
-    # inf (an unbounded request rate) is written as null: JSON has no infinity
+    # JSON has no infinity: a float that is not finite is written as null (a benchmark writes
+    # its own spelling first where it has one, as bench serve's "inf" request rate)
     Path(path).expanduser().write_text(json.dumps(_finite(payload), indent=2) + "\n")
 
 

@@ -214,9 +214,13 @@ def summarize(cfg: ServeBenchConfig, model: str, results: list, duration: float)
     in_tokens = sum(r.prompt_tokens for r in ok)
     tpots = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
     errors = [r.error for r in results if not r.ok]
+    # an unbounded rate is the string "inf", as vLLM writes it (JSON has no infinity)
+    rate = "inf" if math.isinf(cfg.request_rate) else cfg.request_rate
+    config = {k: v for k, v in asdict(cfg).items() if k != "api_key"}
     return {
-        "config": {k: v for k, v in asdict(cfg).items() if k != "api_key"},
-        "model": model, "duration": duration, "num_prompts": len(results),
+        "config": {**config, "request_rate": rate},
+        "model": model, "request_rate": rate, "max_concurrency": cfg.max_concurrency,
+        "duration": duration, "num_prompts": len(results),
         "completed": len(ok), "failed": len(errors), "errors": errors[:10],
         "total_input_tokens": in_tokens, "total_output_tokens": out_tokens,
         "request_throughput": len(ok) / duration if duration else 0.0,

@@ -39,9 +39,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     """The engine's flags; their defaults are EngineArgs' (engine/args.py)."""
     from outpace.engine.args import EngineArgs
     d = EngineArgs()
-    p.add_argument("--model", default=d.model,
+    # None, so that a command taking MODEL as well can tell whether --model was given
+    p.add_argument("--model", default=None,
                    help="catalog name (smollm2-135m), Hugging Face folder, .gguf file, or "
-                   "Hugging Face model id (owner/name, fetched into the Hugging Face cache)")
+                   "Hugging Face model id (owner/name, fetched into the Hugging Face cache) "
+                   f"(default: {d.model})")
     p.add_argument("--download-dir", default=d.download_dir, metavar="DIR",
                    help="the cache Hugging Face model ids are fetched into and looked up in "
                    "(default: Hugging Face's: HF_HUB_CACHE, else ~/.cache/huggingface/hub)")
@@ -105,6 +107,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress output")
 
 
+def add_model_arg(p: argparse.ArgumentParser) -> None:
+    """MODEL, the optional positional model of chat, serve and bench latency / throughput (as
+    `vllm serve MODEL`); --model (add_engine_args) says the same, and generate takes only
+    --model, its positional being the prompt (docs/decisions.md, "The model: MODEL or
+    --model")."""
+    from outpace.engine.args import EngineArgs
+    p.add_argument("model_pos", nargs="?", default=None, metavar="MODEL",
+                   help=f"the model, as --model takes it (default: {EngineArgs().model})")
+
+
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=256, help="output tokens at most")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
@@ -140,12 +152,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(g)
     g.set_defaults(func=cmd_generate)
     c = add_parser("chat", help="interactive chat")
+    add_model_arg(c)
     add_engine_args(c)
     add_sampling_args(c)
     c.set_defaults(func=cmd_chat)
     s = add_parser("serve", help="OpenAI-compatible server")
-    s.add_argument("model_pos", nargs="?", default=None, metavar="MODEL",
-                   help="the model to serve (in place of --model)")
+    add_model_arg(s)
     s.add_argument("--host", default="127.0.0.1", help="bind address")
     s.add_argument("--port", type=int, default=8000, help="port")
     s.add_argument("--api-key", default=None,

@@ -137,8 +137,6 @@ def run_chat(engine, params, spec_stats: bool = False, read=input, out=None, err
 
 def cmd_serve(a) -> int:
     from outpace.config import ServerConfig
-    if a.model_pos:
-        a.model = a.model_pos
     try:
         server_cfg = ServerConfig(host=a.host, port=a.port, api_key=a.api_key,
                                   served_model_name=a.served_model_name,
@@ -189,7 +187,7 @@ def cmd_train_draft(a) -> int:
 
 
 def cmd_eval_draft(a) -> int:
-    from outpace.training.evaluate import eval_draft
+    from outpace.training.evaluate import eval_draft, plot_acceptance, result_table
     sets = {}
     for item in a.prompts:
         name, sep, path = item.partition("=")
@@ -197,7 +195,14 @@ def cmd_eval_draft(a) -> int:
             from pathlib import Path
             name, path = Path(item).stem, item
         sets[name] = path
-    eval_draft(a.method, a.draft, a.target, sets, ks=a.k, max_tokens=a.max_tokens,
-               max_prompts=a.max_prompts, device=a.device, dtype=a.dtype,
-               max_num_seqs=a.max_num_seqs, out_json=a.out, out_png=a.plot, quiet=a.quiet)
+    result = eval_draft(a.method, a.draft, a.target, sets, ks=a.k, max_tokens=a.max_tokens,
+                        max_prompts=a.max_prompts, device=a.device, dtype=a.dtype,
+                        max_num_seqs=a.max_num_seqs, out_json=a.out, quiet=a.quiet)
+    # the result is printed with --quiet too: it drops progress only
+    png = plot_acceptance(result, a.plot, quiet=True) if a.plot else None
+    print("\n".join(result_table(result)))
+    print(f"results: {a.out}")
+    if a.plot:
+        print(f"plot: {png}" if png is not None else
+              "plot: none (matplotlib is not installed: pip install matplotlib)")
     return 0

@@ -98,6 +98,16 @@ def sampling_params(a: argparse.Namespace):
         raise spelled(e, SAMPLING_FLAGS) from None
 
 
+def model_of(a: argparse.Namespace) -> str:
+    """The model a command line names: MODEL (where the command takes it) or --model, the same
+    if both are given, else EngineArgs' default."""
+    from outpace.engine.args import EngineArgs
+    pos, flag = getattr(a, "model_pos", None), a.model
+    if pos is not None and flag is not None and pos != flag:
+        raise OutpaceError(f"two models: MODEL {pos!r} and --model {flag!r}; give one of them")
+    return next((m for m in (pos, flag) if m is not None), EngineArgs().model)
+
+
 def engine_args(a: argparse.Namespace, **more):
     """The command line's EngineArgs (`more`: a command's own engine arguments), checked before
     torch or the model loads (engine/preflight.py), so a wrong flag is an error at once; the
@@ -105,7 +115,7 @@ def engine_args(a: argparse.Namespace, **more):
     from outpace.engine.args import EngineArgs
     from outpace.engine.preflight import check_engine_args
     try:
-        args = EngineArgs(model=a.model, **engine_kwargs(a), **more)
+        args = EngineArgs(model=model_of(a), **engine_kwargs(a), **more)
         check_engine_args(args)
     except OutpaceError as e:
         raise spelled(e, engine_flags(a)) from None

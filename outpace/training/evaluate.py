@@ -8,7 +8,8 @@ prompt of each set; the engine's counters give, per set and k:
                               accepted (and so every draft before it)
 
 written as JSON and, where matplotlib is installed, a PNG (acceptance per position, one line a
-k, one panel a prompt set).
+k, one panel a prompt set). The lines per k and set on stderr are progress (`quiet` drops them);
+`result_table` is the result as the CLI prints it.
 """
 
 from __future__ import annotations
@@ -94,6 +95,23 @@ def eval_draft(method: str, draft: Optional[str], target: str, prompt_sets: dict
     if out_png:
         plot_acceptance(result, out_png, quiet=quiet)
     return result
+
+
+def result_table(result: dict) -> list:
+    """eval_draft's result as lines of text: the mean acceptance length, one row a k, one column
+    a prompt set ("-": no verify step drafted)."""
+    names = list(result["sets"])
+    width = max([6, *(len(n) for n in names)])
+    lines = [f"mean acceptance length ({result['method']}, greedy, {result['max_tokens']} "
+             f"tokens a prompt):",
+             f"{'k':>3}" + "".join(f"  {n:>{width}}" for n in names)]
+    for k in result["ks"]:
+        cells = []
+        for n in names:
+            mal = result["sets"][n][str(k)]["mean_acceptance_length"]
+            cells.append("-" if mal is None else f"{mal:.2f}")
+        lines.append(f"{k:>3}" + "".join(f"  {c:>{width}}" for c in cells))
+    return lines
 
 
 def _run(engine, prompts: list, params, tag: str) -> list:

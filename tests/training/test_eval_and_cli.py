@@ -31,6 +31,36 @@ def test_eval_draft_reports_chain_acceptance_per_k(tiny_loaded, tiny_prompts, tm
     assert (tmp_path / "e.png").stat().st_size > 1000
 
 
+def test_eval_draft_cli_prints_its_result_with_quiet_too(default_model_path, tiny_prompts,
+                                                         tmp_path, capsys):
+    """`outpace eval-draft` prints the mean acceptance length per k and where the JSON went on
+    stdout; --quiet drops the progress lines on stderr, not the result."""
+    from pathlib import Path
+
+    from tests.e2e.server_helpers import build_tiny_llama
+    target = str(build_tiny_llama(tmp_path / "target", Path(default_model_path)))
+    assert main(["init-draft", "--method", "eagle3", "--target", target, "--out",
+                 str(tmp_path / "head"), "--quiet"]) == 0
+    capsys.readouterr()
+    outs = {}
+    for quiet in (["--quiet"], []):
+        out_json = tmp_path / f"e{len(quiet)}.json"
+        assert main(["eval-draft", "--method", "eagle3", "--draft", str(tmp_path / "head"),
+                     "--target", target, "--prompts", f"tiny={tiny_prompts}", "--k", "1", "2",
+                     "--max-tokens", "4", "--max-prompts", "2", "--device", "cpu",
+                     "--out", str(out_json), *quiet]) == 0
+        outs[bool(quiet)] = capsys.readouterr()
+        res = json.loads(out_json.read_text())
+        lines = outs[bool(quiet)].out.splitlines()
+        assert lines[0].startswith("mean acceptance length (eagle3, greedy, 4 tokens a prompt)")
+        assert lines[1].split() == ["k", "tiny"]
+        for line, k in zip(lines[2:4], ("1", "2")):
+            assert line.split() == [k, f"{res['sets']['tiny'][k]['mean_acceptance_length']:.2f}"]
+        assert lines[4:] == [f"results: {out_json}"]
+    assert outs[True].err == ""  # --quiet: no progress
+    assert "outpace: eagle3 k=2 tiny: mean acceptance length" in outs[False].err
+
+
 def test_train_draft_flags_reach_the_config():
     a = build_parser().parse_args(["train-draft", "--method", "mtp", "--data", "d.jsonl",
                                    "--out", "o", "--num-modules", "2", "--epochs", "3",

@@ -152,3 +152,18 @@ def test_the_checks_run_without_torch_or_httpx():
     """The flag errors come before torch (seconds to import) and httpx are imported."""
     cases = [["bench", *argv] for argv, _ in CASES]
     assert exit_codes_without(cases, ("torch", "httpx")) == [2] * len(cases)
+
+
+def test_serve_json_writes_an_unbounded_request_rate_as_inf_as_vllm_does(tmp_path):
+    """bench serve's JSON spells an infinite --request-rate "inf" (vLLM's spelling), in the
+    config and at the top level beside max_concurrency, as vLLM has them; a finite rate is the
+    number."""
+    from outpace.bench.report import write_json
+    from outpace.bench.serve import ServeBenchConfig, summarize
+    for rate, written in ((float("inf"), "inf"), (2.5, 2.5)):
+        cfg = ServeBenchConfig(base_url="http://127.0.0.1:8000", num_prompts=1,
+                               request_rate=rate, max_concurrency=4)
+        write_json(str(tmp_path / "s.json"), summarize(cfg, "m", [], 1.0))
+        r = json.loads((tmp_path / "s.json").read_text())
+        assert r["request_rate"] == written and r["config"]["request_rate"] == written
+        assert r["max_concurrency"] == 4

@@ -253,3 +253,24 @@ def test_bare_outpace_prints_its_help(capsys):
     assert main([]) == 0
     out = capsys.readouterr().out
     assert out.startswith("usage: outpace") and "generate" in out and "bench" in out
+
+
+def test_the_model_as_model_or_as_model_flag_on_every_engine_command(capsys):
+    """chat, serve and bench latency / throughput take the model as MODEL or --model (the same
+    model twice is fine); generate only as --model, its positional being the prompt; neither
+    gives the default model; two different ones are one error line naming both."""
+    from outpace.engine.args import EngineArgs
+    from outpace.entrypoints.cli_options import model_of
+    from tests.cli_helpers import error_line
+    parse = build_parser().parse_args
+    default = EngineArgs().model
+    for cmd in (["chat"], ["serve"], ["bench", "latency"], ["bench", "throughput"]):
+        assert model_of(parse([*cmd, "m1"])) == "m1", cmd
+        assert model_of(parse([*cmd, "--model", "m1"])) == "m1", cmd
+        assert model_of(parse([*cmd, "--device", "cpu", "m1", "--model", "m1"])) == "m1", cmd
+        assert model_of(parse(cmd)) == default, cmd
+        line = error_line([*cmd, "m1", "--model", "m2", "--device", "cpu"], capsys)
+        assert line == "two models: MODEL 'm1' and --model 'm2'; give one of them", cmd
+    g = parse(["generate", "m1"])
+    assert (g.prompt, model_of(g)) == ("m1", default)
+    assert model_of(parse(["generate", "hi", "--model", "m1"])) == "m1"
