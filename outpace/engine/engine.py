@@ -152,7 +152,8 @@ class LLMEngine:
                       else None)
             for sr in nxt.scheduled:
                 rid = sr.request.request_id
-                want = following.kd if drafts is None else drafts[row_of[rid]]
+                # a chained step verifies q - 1 drafts a row (the graph before it drafted them)
+                want = following.key[1] - 1 if drafts is None else drafts[row_of[rid]]
                 if len(sr.draft_token_ids) != want:  # the preconditions make it equal
                     raise RuntimeError(f"chained step of {rid}: {len(sr.draft_token_ids)} "
                                        f"drafts on the host, {want} on the device")
@@ -166,8 +167,9 @@ class LLMEngine:
         """Launch the step after `launched` from its device outputs, or None when its shape
         isn't known without them or it would serve nobody: a request waits to be admitted,
         a request may reach the end of its context (its drafts would be trimmed), every
-        request may reach max_tokens in `launched`, the draft length may change (adaptive k
-        or the cost model's per-request k, another batch size), or its blocks can't be
+        request may reach max_tokens in `launched`, the draft length may change (adaptive k,
+        another batch size, the cost model's choice of several lengths: FusedStep.chained_kd,
+        which also gives the chained step's own draft-loop length), or its blocks can't be
         reserved ahead.
 
         A request that may reach max_tokens in the next step doesn't stop the chain: that
@@ -176,13 +178,10 @@ class LLMEngine:
         have become output, Scheduler.counted_drafts). The output is the same, and the last
         steps of every request don't wait for the host, which would make each of them take
         about twice a chained step (docs/decisions.md, "Steps chain up to max_tokens")."""
-        sched, proposer = self.scheduler, self.runner.proposer
+        sched = self.scheduler
         if sched.num_waiting or not self.runner.fused.chainable:
             return None
         kd = launched.kd
-        if proposer is not None and (proposer.policy.adaptive or
-                                     proposer.policy.base_k(plan.draft_batch_size) != kd):
-            return None
         if len(launched.rows) * (kd + 1) > self.config.scheduler.max_num_batched_tokens:
             return None
         needed = False
@@ -196,10 +195,13 @@ class LLMEngine:
             needed = needed or wants(req, d + 1)  # left after N's tokens
         if not needed:
             return None
-        if not sched.reserve_chained([sr.request for sr in plan.scheduled], kd):
+        kd_next = self.runner.chained_kd(launched, plan)
+        if kd_next is None:
+            return None
+        if not sched.reserve_chained([sr.request for sr in plan.scheduled], kd, kd_next):
             return None
         table = self.kv.block_table  # read before anything changes them (ChainedTables)
-        return self.runner.chain(launched, [table(rid) for rid in launched.rows])
+        return self.runner.chain(launched, [table(rid) for rid in launched.rows], kd_next)
 
     def _relaunch(self, plan, launched, result):
         """A host drafter's next step, launched from `launched`'s carry on the device with the

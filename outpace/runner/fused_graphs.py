@@ -25,24 +25,29 @@ class GraphTable:
 
     def successors(self, bucket: int, kd: int) -> list:
         """The keys of the steps launched from a step of (bucket, any q, kd) on the device: the
-        chained step (q = kd + 1 drafts-and-bonus) and a host drafter's relaunched ones."""
+        chained step (q = kd + 1 drafts-and-bonus; its own loop kd again, and under the cost
+        model also 0: the choice falling to no drafts chains too) and a host drafter's
+        relaunched ones."""
         step, q_lens = self.step, self.step.graphs.q_lens
         keys = []
         if step.chainable and step.next_q(kd) in q_lens:
-            keys.append((bucket, step.next_q(kd), kd, True))
+            loops = (kd, 0) if step.follows_choice and kd else (kd,)
+            keys += [(bucket, step.next_q(kd), k, True) for k in loops]
         if step.relaunchable:
             keys += [(bucket, q, 0, True) for q in q_lens]
         return keys
 
     def capture_common(self) -> None:
         """Capture ahead what steady decoding uses: every bucket x every verify length, with
-        the draft-loop length the policy gives that bucket, and the steps that follow. Others
-        are captured when first seen."""
+        the draft-loop length such a steady step runs (FusedStep.steady_kd: the policy's k for
+        that bucket, or under the cost model one draft fewer than the verify length), and the
+        steps that follow. Others are captured when first seen."""
         step = self.step
         for bucket in reversed(step.graphs.buckets):
-            kd = step.draft_steps(bucket)
-            keys = [(bucket, q, kd, False) for q in step.graphs.q_lens]
-            for key in keys + self.successors(bucket, kd):
+            keys = [(bucket, q, step.steady_kd(bucket, q), False) for q in step.graphs.q_lens]
+            for kd in sorted({key[2] for key in keys}, reverse=True):
+                keys += self.successors(bucket, kd)
+            for key in keys:
                 for mode in BASE_MODES:
                     table = self.by_mode[mode]
                     if key not in table:
@@ -50,9 +55,10 @@ class GraphTable:
 
     def capture_later(self, key: tuple, mode: GraphMode) -> None:
         """Capture a graph when its key is first launched (a launch from the host: nothing is
-        in flight), with, for a mode not captured at start-up (penalties, logprobs), the steps
-        that follow it."""
-        if mode in BASE_MODES:
+        in flight), with the steps that follow it for a mode not captured at start-up
+        (penalties, logprobs), or a draft-loop length the cost model chose that start-up did
+        not capture."""
+        if mode in BASE_MODES and not self.step.follows_choice:
             self.by_mode[mode][key] = self.capture(*key, mode=mode)
             return
         if mode.penalties:
@@ -72,14 +78,14 @@ class GraphTable:
         return graph, outs
 
     def dummy_step(self, bucket: int, q: int):
-        """The greedy graph a decode step of `bucket` rows of q tokens replays (the draft loop
-        the policy gives that bucket), with a dummy batch staged for it, as a function that
+        """The greedy graph a steady decode step of `bucket` rows of q tokens replays (its
+        draft loop: FusedStep.steady_kd), with a dummy batch staged for it, as a function that
         replays it; None where the fused step doesn't serve such steps or the graph is not
         captured. Start-up timing (runner/step_timing.py) replays it; nothing is in flight."""
         step = self.step
         if not step.accepts(None):
             return None
-        entry = self.greedy.get((bucket, q, step.draft_steps(bucket), False))
+        entry = self.greedy.get((bucket, q, step.steady_kd(bucket, q), False))
         if entry is None:
             return None
         step.fill_dummy(bucket, q)

@@ -43,21 +43,26 @@ class StepOutput:
 
     def result(self, plan, out: np.ndarray, q: int, kd: int,
                logprobs: Optional[np.ndarray] = None,
-               plane_skipped: bool = False) -> StepResult:
+               plane_skipped: bool = False, next_k: Optional[list] = None) -> StepResult:
         """The StepResult of `plan` from a step's output rows (in plan order); plane_skipped:
         the graph ran no head work, so every request's plane entries of the step are unwritten
-        (RequestStepOutput.draft_plane_skipped)."""
+        (RequestStepOutput.draft_plane_skipped); next_k: each request's draft length for the
+        next step, chosen when the step was launched (the cost model: the graph drafted the
+        longest; fused_step.py), where the policy is not asked again."""
         runner = self.runner
         proposer = runner.proposer
         result = StepResult()
         committed, asked, num_committed = [], [], []
         batch_size = plan.draft_batch_size
-        # A head at a batch size where the policy drafts nothing (k_schedule): no lengths to
+        # A head at a batch size where the policy drafts nothing (k_schedule), or whose launch
+        # chose no drafts for the next step (the cost model: a kd = 0 graph): no lengths to
         # trim, no drafts to read. Skipping that per-request work keeps such a step as cheap on
         # the host as a plain one (at batch 128 the host is the bottleneck). A host drafter is
         # always called: it indexes the new tokens even when it proposes none.
-        drafting = proposer is not None and (self.host_drafter is not None
-                                             or proposer.policy.base_k(batch_size) > 0)
+        drafting = proposer is not None and (
+            self.host_drafter is not None
+            or (max(next_k, default=0) if next_k is not None
+                else proposer.policy.base_k(batch_size)) > 0)
         # One conversion of the whole output to Python ints: per-row numpy slicing and tolist
         # cost host time for every request, on the host's critical path at batch 128.
         rows = out.tolist()  # sync-ok: numpy, already on the host
@@ -93,7 +98,7 @@ class StepOutput:
             self.head.work.skip(sum(sr.num_new_tokens for sr in plan.scheduled))
         if not drafting:
             return result
-        ks = runner.draft_lengths(asked, batch_size, num_committed, k=k_all)
+        ks = runner.draft_lengths(asked, batch_size, num_committed, k=k_all, chosen=next_k)
         if self.head is not None:
             drafts = [row[q + 1:q + 1 + min(k, kd)] for row, k in zip(rows, ks)]
         else:

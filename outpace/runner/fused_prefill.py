@@ -273,5 +273,7 @@ class PrefillGraphs:
         launched = self.step._replay((1, 1, kd, False), [plan.scheduled[0].request.request_id], t0,
                                 entry=self.tails[(mode, q, kd)], prefill=True)
         launched.mode = mode
+        # under the cost model the first decode step's draft lengths (the tail drafts kd)
+        launched.next_k = self.step.choose_next(plan)
         return launched
 

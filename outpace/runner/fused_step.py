@@ -36,6 +36,18 @@ invariant of head_proposer.py). Positions past a request's block table read a ze
 null block, which nothing reads. Model-free drafters (n-gram, suffix) propose on the host after
 the copy, from the committed tokens alone.
 
+kd is the policy's k for the batch size (`draft_steps`), or under the draft-length cost model
+(`"adaptive": "cost"`) the cost model's choice: the drafts a graph makes are verified by the
+NEXT step, so when a step is launched (from the host, or chained) the cost model chooses the
+next step's draft lengths, the graph's loop runs the longest of them (`launch_kd`,
+`chained_kd`; 0: the graph runs no head), and the step's collect trims each request's drafts to
+its own choice (`Launched.next_k`) instead of asking again. A graph step pads every row to one
+length, so over a measured table the choice is one length for the batch. A choice made for a
+step that then does not launch (a chain given up) is not counted (DraftLengthPolicy.commit), so
+no request's probe is spent on it. Drafting after a kd = 0 step would read the skipped
+draft-plane entries: such a step is not chained and runs the general path, which recomputes the
+requests from their marks (`accepts`).
+
 Overlap (chaining): every graph also leaves, in fixed carry buffers, what the next step's
 inputs are made of (each request's bonus-token position, its bonus token and new drafts). A
 *chained* graph starts by building its own inputs from them (positions, slots through the block
@@ -107,6 +119,9 @@ class Launched:
     drafts: Optional[list] = None  # a relaunched step's draft count per row (host drafter)
     mode: GraphMode = GREEDY  # its graph's variant (graph_mode.MODES): its successors' too
     host_logprobs: Optional[object] = None  # a logprobs graph's second output, as `host`
+    # under the cost model: request id -> the draft length chosen at launch for the next step
+    # (the graph drafted the longest); collect trims to it. None: collect asks the policy
+    next_k: Optional[dict] = None
 
     @property
     def kd(self) -> int:
@@ -178,10 +193,19 @@ class FusedStep:
         self.write_check = (WriteCheck(self.block_size) if proposer is not None
                             and proposer.spec.check_fused_writes else None)
         self._loop_slots: dict = {}
+        self.kd_steps: dict = {}  # decode steps served per draft-loop length kd (tests read it)
+        # the cost model's choice for the step about to launch, made once and kept until then:
+        # (the plan or the Launched step it follows, request ids, DraftChoice)
+        self._choice = None
 
     def next_q(self, kd: int) -> int:
         """Query length of the step after one that drafted kd tokens on the device."""
         return kd + 1 if self.head is not None else 1
+
+    @property
+    def follows_choice(self) -> bool:
+        """Whether the graphs' draft loop follows the cost model's choice (module docstring)."""
+        return self.head is not None and self.head.policy.cost_model is not None
 
     # ---- eligibility ----------------------------------------------------------------------
     def accepts(self, plan) -> bool:
@@ -202,22 +226,95 @@ class FusedStep:
         those drafts. A request at the end of its context is left out: it can draft nothing
         more (the host trims its k to 0), so its graph rows' drafts are never verified, and a
         skip that only the context's end caused must not keep its batch off the graphs."""
-        if self.draft_steps(plan.draft_batch_size) == 0:
-            return False
         for sr in plan.scheduled:
             req = sr.request
             mark = req.num_draft_exact_tokens
             if (sr.num_computed_tokens > mark and req.draft_repair_mark != mark
                     and sr.num_computed_tokens < req.max_model_len - 2):
-                return True
+                return self.launch_kd(plan) > 0
         return False
 
     def draft_steps(self, batch_size: int) -> int:
         """Draft-loop length in the graph: the policy's k for this batch size (a plan's
-        draft_batch_size; an upper bound of every request's own k, which the host trims to)."""
+        draft_batch_size; an upper bound of every request's own k, which the host trims to).
+        Under the cost model the bound of its choice (launch_kd)."""
         if self.head is None:
             return 0
         return self.head.policy.base_k(batch_size)
+
+    def steady_kd(self, bucket: int, q: int) -> int:
+        """The draft-loop length of the graph a steady decode step of q rows a request runs:
+        the policy's k, or under the cost model q - 1 (the next step drafts as many as this
+        one verifies), within the bound. Captured at start-up and timed for the step-time
+        table (runner/step_timing.py: the table's (bucket, q) is the cost of choosing q - 1)."""
+        kd = self.draft_steps(bucket)
+        return min(q - 1, kd) if self.follows_choice else kd
+
+    def launch_kd(self, plan) -> int:
+        """The draft-loop length of plan's graph launched from the host: draft_steps, or under
+        the cost model the longest draft it chooses for the next step (chosen once for plan,
+        counted when the graph launches)."""
+        if not self.follows_choice:
+            return self.draft_steps(plan.draft_batch_size)
+        rids = [sr.request.request_id for sr in plan.scheduled]
+        return max(self._next_choice(plan, rids, plan.draft_batch_size).lengths, default=0)
+
+    def chained_kd(self, prev: Launched, plan) -> Optional[int]:
+        """The draft-loop length of the step chained after `prev` (plan: prev's plan, its
+        requests still running), or None when it can't be chained: prev's drafts are not kd for
+        every request (a per-request policy, another k at this batch size, a cost-model choice
+        of several lengths or one other than kd: the device's next step verifies kd drafts of
+        every row), the next choice is not one length, it would draft after a kd = 0 step (the
+        skipped plane entries: the general path repairs them), or its graph was not captured
+        ahead (capturing now would clobber the step in flight)."""
+        if not self.chainable:
+            return None
+        bucket, _, kd, _ = prev.key
+        batch_size = plan.draft_batch_size
+        if self.follows_choice:
+            rids = [sr.request.request_id for sr in plan.scheduled]
+            if prev.next_k is None or any(prev.next_k[r] != kd for r in rids):
+                return None
+            lengths = set(self._next_choice(prev, rids, batch_size).lengths)
+            if len(lengths) != 1:
+                return None
+            kd_next = lengths.pop()
+            if kd_next > 0 and kd == 0 and not prev.prefill:
+                return None
+        else:
+            policy = self.head.policy if self.head is not None else None
+            if policy is not None and (policy.adaptive or policy.base_k(batch_size) != kd):
+                return None
+            kd_next = kd
+        if (bucket, self.next_q(kd), kd_next, True) not in self.table.by_mode[prev.mode]:
+            return None
+        return kd_next
+
+    def _next_choice(self, after, rids: list, batch_size: int):
+        """The cost model's choice of the next step's draft lengths for the step that follows
+        `after` (its plan, or the Launched step it chains from), made once (DraftChoice)."""
+        kept = self._choice
+        if kept is None or kept[0] is not after:
+            kept = self._choice = (after, rids, self.head.policy.choose(rids, batch_size))
+        return kept[2]
+
+    def choose_next(self, plan) -> Optional[dict]:
+        """Under the cost model, the next step's draft lengths for plan's requests (the choice
+        launch_kd made, or made now), counted: a Launched step's next_k. None otherwise."""
+        if not self.follows_choice:
+            return None
+        self.launch_kd(plan)
+        return self._take_choice(plan)
+
+    def _take_choice(self, after) -> Optional[dict]:
+        """The choice made for `after`, counted now that its graph launches -> next_k."""
+        if not self.follows_choice:
+            return None
+        kept, self._choice = self._choice, None
+        if kept is None or kept[0] is not after:  # pragma: no cover - launch_kd, chained_kd
+            raise RuntimeError("a fused step launched without its draft-length choice")
+        _, rids, choice = kept
+        return dict(zip(rids, self.head.policy.commit(choice)))
 
     # ---- the step: launch, chain, collect ----------------------------------------------------
     def execute(self, plan, hb, q: int) -> StepResult:
@@ -228,7 +325,7 @@ class FusedStep:
         """Copy the step's inputs in and launch its graph; nothing is waited for."""
         b = len(plan.scheduled)
         bucket = self.graphs.bucket_for(b)
-        key = (bucket, q, self.draft_steps(plan.draft_batch_size), False)
+        key = (bucket, q, self.launch_kd(plan), False)
         mode = graph_mode(sr.request.sampling_params for sr in plan.scheduled)
         table = self.table.by_mode[mode]
         if key not in table:
@@ -244,27 +341,27 @@ class FusedStep:
         rows = [sr.request.request_id for sr in plan.scheduled]
         launched = self._replay(key, rows, t0, entry=table[key])
         launched.mode = mode
+        launched.next_k = self._take_choice(plan)
         self._check_writes(launched, [sr.block_ids for sr in plan.scheduled])
         return launched
 
     @torch.inference_mode()
-    def chain(self, prev: Launched, block_tables: list) -> Optional[Launched]:
-        """Launch the step after `prev` from its outputs on the device, before they are read.
+    def chain(self, prev: Launched, block_tables: list, kd_next: int) -> Launched:
+        """Launch the step after `prev` from its outputs on the device, before they are read,
+        with a draft loop of kd_next steps (chained_kd, which said it can be chained).
 
         block_tables: per row of prev (prev.rows order), the request's block ids now (empty
-        for a request that finished: its row then writes only the null block). None when the
-        graph was not captured ahead (capturing now would clobber the step in flight)."""
+        for a request that finished: its row then writes only the null block)."""
         bucket, _, kd, _ = prev.key
-        key = (bucket, self.next_q(kd), kd, True)
+        key = (bucket, self.next_q(kd), kd_next, True)
         table = self.table.by_mode[prev.mode]
-        if not self.chainable or key not in table:
-            return None
         t0 = time.perf_counter()
         bt = self._tables.update(prev.rows, bucket, block_tables)
         self.inputs.put_if_changed(self.inputs.block_tables, bt)
         self.chained += 1
         launched = self._replay(key, prev.rows, t0, entry=table[key], chained=True)
         launched.mode = prev.mode
+        launched.next_k = self._take_choice(prev)
         self._check_writes(launched, block_tables, chained=True)
         return launched
 
@@ -326,10 +423,19 @@ class FusedStep:
         _, q, kd, _ = launched.key
         # a decode graph of kd = 0 runs no head work (compute); a prefill's tail always does
         skipped = self.head is not None and kd == 0 and not launched.prefill
-        result = self.output.result(plan, out, q, kd, logprobs, plane_skipped=skipped)
+        next_k = None
+        if launched.next_k is not None:
+            next_k = [launched.next_k[sr.request.request_id] for sr in plan.scheduled]
+        result = self.output.result(plan, out, q, kd, logprobs, plane_skipped=skipped,
+                                    next_k=next_k)
         if launched.prefill:  # the counters and timings below are decode steps'
             return result
+        if self.head is not None and kd > 0:  # the graph's head work, as the eager head counts it
+            work = self.head.work
+            work.first_pass_rows += plan.num_tokens
+            work.loop_rows += (kd - 1) * len(plan.scheduled)
         self.replays += 1
+        self.kd_steps[kd] = self.kd_steps.get(kd, 0) + 1
         self.mode_steps[launched.mode] += 1
         tm = self.timing
         tm["launch_s"] += launched.t_launch

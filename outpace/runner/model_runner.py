@@ -195,9 +195,12 @@ class ModelRunner:
         q = self._prefill_graph_q(plan)
         return self.fused.prefill.launch(plan, self._host_batch(plan, q), q)
 
+    def chained_kd(self, launched, plan: StepPlan) -> Optional[int]:
+        return self.fused.chained_kd(launched, plan)
+
     @_under_kernel_options
-    def chain(self, launched, block_tables: list):
-        return self.fused.chain(launched, block_tables)
+    def chain(self, launched, block_tables: list, kd_next: int):
+        return self.fused.chain(launched, block_tables, kd_next)
 
     @_under_kernel_options
     def relaunch(self, launched, drafts: list, block_tables: list):
@@ -399,16 +402,21 @@ class ModelRunner:
                 outputs[sr.request.request_id].draft_plane_written = False
 
     def draft_lengths(self, reqs: list, batch_size: int, num_committed: list,
-                      k: Optional[int] = None) -> list:
+                      k: Optional[int] = None, chosen: Optional[list] = None) -> list:
         """Drafts to propose for each of reqs (a step's requests that committed tokens, asked
         together: the cost model chooses for the batch): the policy's k (or `k`, the policy's
-        answer for everyone, already asked), never past the context (the next step emits up
-        to k + 1 tokens, so k <= context left - 1).
+        answer for everyone, already asked; or `chosen`, its answer per request, chosen when
+        a fused step launched), never past the context (the next step emits up to k + 1
+        tokens, so k <= context left - 1).
 
         Not trimmed to max_tokens: a step launched ahead on the device (LLMEngine._chain)
         verifies all of them, so the host's plan must hold them all; a step scheduled on the
         host trims them there (Scheduler._drafts_for)."""
-        ks = ([k] * len(reqs) if k is not None
-              else self.proposer.draft_lengths(reqs, batch_size))
+        if chosen is not None:
+            ks = chosen
+        elif k is not None:
+            ks = [k] * len(reqs)
+        else:
+            ks = self.proposer.draft_lengths(reqs, batch_size)
         return [max(0, min(ki, req.max_model_len - n - 1))
                 for ki, req, n in zip(ks, reqs, num_committed)]

@@ -5,10 +5,11 @@ With CUDA graphs every (batch bucket, query length) a decode or verify step pads
 each is replayed over a dummy batch that writes nowhere (the graphs' capture batch) and timed,
 the fastest of REPS replays after one untimed (the fastest: other work on the machine only ever
 adds time). Where decode steps run as the fused step the graph timed is the fused one (target,
-verify and the head's draft loop of the length the policy gives the bucket: the graph's loop
-length does not follow the per-request choice, so the drafter's cost is inside every entry
-alike); otherwise the target's, and a head drafting outside the graph adds an eager draft loop
-the table leaves out.
+verify and the head's draft loop): the one a steady step of that length runs
+(FusedStep.steady_kd): under the cost model the loop drafts q - 1 tokens (the graph's loop
+follows the choice, so the entry of q is the cost of choosing q - 1 drafts, q = 1 running no
+head at all); otherwise the target's, and a head drafting outside the graph adds an eager draft
+loop the table leaves out.
 
 Without graphs (CPU) steps run eagerly and pad nothing, so the table is modelled
 (StepTimes.eager) from timed forwards of one sequence of 1, 2 and k + 1 rows: a step's fixed

@@ -323,14 +323,16 @@ class Scheduler:
         max_tokens = req.sampling_params.max_tokens
         return max_tokens is None or max_tokens - len(req.output_token_ids) > num_tokens
 
-    def reserve_chained(self, requests: list, kd: int) -> bool:
+    def reserve_chained(self, requests: list, kd: int, kd_next: Optional[int] = None) -> bool:
         """Blocks, now, for the step a device will launch after the one just scheduled, whose
         outcome isn't known yet: for every request of `requests` or for none (a chain given up
         must not leave some of them holding blocks early, which could preempt another request
-        an unchained engine would have kept). Worst case every draft of this step is accepted:
-        the next one then holds 1 + kd tokens past these, its draft loop writes up to kd - 1
-        further, and schedule_chained asks for our usual lookahead past its tokens."""
-        ahead = 1 + kd + max(kd, self.num_lookahead_tokens)
+        an unchained engine would have kept). Worst case every draft of this step (kd) is
+        accepted: the next one then holds 1 + kd tokens past these, its draft loop (kd_next
+        steps; default kd) writes up to kd_next - 1 further, and schedule_chained asks for our
+        usual lookahead past its tokens."""
+        kd_next = kd if kd_next is None else kd_next
+        ahead = 1 + kd + max(kd_next, self.num_lookahead_tokens)
         kv = self.kv
         # Counting every request's missing blocks first costs a loop over the batch; skip it
         # when the pool holds the most each reservation can add (the common case)

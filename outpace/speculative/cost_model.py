@@ -15,10 +15,16 @@ only where its expected gain pays for its own rows, so one batch mixes lengths. 
 separable sums is maximised per m by Dinkelbach's iteration (each request's best k for the
 ratio found so far, until the ratio stops rising), a few numpy passes over a [B, K + 1] array.
 Ties go to the shorter draft: speculation is chosen only where it is expected to gain.
+
+A choice is made (`decide`) apart from being counted (`record`: the probes' counts in the
+estimates), so that a caller can make one it may not use: the fused step chooses the next step's
+lengths before it launches a graph, and a choice that launches nothing (a chained step given up)
+must not spend a request's probe.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import numpy as np
@@ -30,6 +36,15 @@ _MAX_ROUNDS = 8  # Dinkelbach rounds per longest draft; it converges in two or t
 _EPS = 1e-12
 
 
+@dataclass(frozen=True)
+class DraftChoice:
+    """Each request's draft length as a policy chose them, not yet counted
+    (DraftLengthPolicy.commit)."""
+
+    lengths: list  # per request asked, in order
+    counts: Optional[tuple] = None  # the cost model's (rows, ks, k_max, probe) to record
+
+
 class CostModel:
     def __init__(self, k: int, estimates: AcceptanceEstimates,
                  table: Optional[StepTimes] = None):
@@ -38,22 +53,33 @@ class CostModel:
         self.table = table
 
     def choose(self, request_ids: Sequence[str], batch_size: int, k_max: int) -> list:
+        """Each request's draft length (0..k_max), decided and counted."""
+        choice = self.decide(request_ids, batch_size, k_max)
+        self.record(choice)
+        return choice.lengths
+
+    def decide(self, request_ids: Sequence[str], batch_size: int, k_max: int) -> DraftChoice:
         """Each request's draft length (0..k_max) for a step of batch_size requests (those
         asked and any others, which draft nothing), from the estimates with their probes
-        (AcceptanceEstimates.for_choice)."""
+        (AcceptanceEstimates.for_choice); nothing counted until `record`."""
         if self.table is None:
             raise RuntimeError("the draft-length cost model has no step-time table; the engine "
                                "measures one at start-up (LLMEngine.measure_step_times)")
         n = len(request_ids)
         if n == 0:
-            return []
+            return DraftChoice([])
         est = self.estimates
         rows = est.rows(request_ids)
         k_max = max(0, min(k_max, self.k, self.table.max_draft))
         alpha, probe = est.for_choice(rows)
         ks = self.best_lengths(alpha[:, :k_max], batch_size)
-        est.chosen(rows, ks, k_max, probe)
-        return ks.tolist()
+        return DraftChoice(ks.tolist(), (rows, ks, k_max, probe))
+
+    def record(self, choice: DraftChoice) -> None:
+        """Count a choice that is used (AcceptanceEstimates.chosen: runs of short steps,
+        probes' backoff)."""
+        if choice.counts is not None:
+            self.estimates.chosen(*choice.counts)
 
     def best_lengths(self, alpha: np.ndarray, batch_size: int) -> np.ndarray:
         """[B, K] conditional acceptance -> [B] draft lengths maximising the batch's tokens per

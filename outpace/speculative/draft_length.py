@@ -14,7 +14,9 @@
 
 A schedule bounds the adaptive and cost choices: they pick at most its k at the batch size.
 `lengths` asks for a whole step's requests at once (the cost model's choice is the batch's);
-`observe` feeds each verify step's drafts and accepted count back.
+`choose` and `commit` split it where a choice may go unused (the fused step's, made before its
+graph launches: the cost model counts only the choices used); `observe` feeds each verify step's
+drafts and accepted count back.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from typing import Optional, Sequence, Union
 
 from outpace.errors import ConfigError
 from outpace.speculative.acceptance import AcceptanceEstimates
-from outpace.speculative.cost_model import CostModel
+from outpace.speculative.cost_model import CostModel, DraftChoice
 from outpace.speculative.step_times import StepTimes
 
 # A drafter's conditional acceptance per position before a request has been verified: even
@@ -79,13 +81,24 @@ class DraftLengthPolicy:
 
     def lengths(self, request_ids: Sequence[str], batch_size: int) -> list:
         """The draft length of each request of a step (batch_size: StepPlan.draft_batch_size)."""
+        return self.commit(self.choose(request_ids, batch_size))
+
+    def choose(self, request_ids: Sequence[str], batch_size: int) -> DraftChoice:
+        """`lengths`' answer, not counted until `commit` (the cost model's probes): a choice
+        never committed leaves the policy as it was."""
         k = self.base_k(batch_size)
         if self.cost_model is not None:
-            return self.cost_model.choose(request_ids, batch_size, k)
+            return self.cost_model.decide(request_ids, batch_size, k)
         if self.adaptive:
             get = self._per_request.get
-            return [min(k, get(rid, k)) for rid in request_ids]
-        return [k] * len(request_ids)
+            return DraftChoice([min(k, get(rid, k)) for rid in request_ids])
+        return DraftChoice([k] * len(request_ids))
+
+    def commit(self, choice: DraftChoice) -> list:
+        """Count a choice that is used -> its lengths."""
+        if self.cost_model is not None:
+            self.cost_model.record(choice)
+        return choice.lengths
 
     def observe(self, request_id: str, num_draft: int, num_accepted: int) -> None:
         if not self.adaptive or num_draft == 0:

@@ -3,7 +3,9 @@ acceptance estimates, the choice of every request's k on synthetic tables (k = 0
 acceptance is low, the full k where it is high, both in one batch; the best ratio of all
 choices, by brute force), the option through config and CLI, and engines with it on: output
 identical to no speculation (eager and fused-graph paths), drafting stopping for a head whose
-drafts are all rejected and coming back when they are accepted."""
+drafts are all rejected and coming back when they are accepted; on the fused graphs, the draft
+loop's length following the choice (kd = 0 graphs with no head where drafting does not pay, the
+full k where it does, switches both ways, chained steps)."""
 
 from __future__ import annotations
 
@@ -351,3 +353,199 @@ def test_head_whose_drafts_fail_stops_drafting_then_resumes(tiny_loaded, tiny_he
     assert "at" in state, lens  # drafting stopped
     assert 3 in lens[state["at"]:], lens  # and came back to the full k
     assert run.engine.runner.proposer.policy.cost_model.table is not None
+
+
+# ---- the fused graph's draft loop follows the choice -----------------------------------------
+
+
+class GraphSteps:
+    """Records each fused decode step an engine collects: (q, its draft-loop length kd,
+    chained), and the head's rows computed inside decode graphs, per kd (the CPU stand-in's
+    replay re-runs FusedStep.compute, so a head pass or loop step there is real work)."""
+
+    def __init__(self, engine):
+        fused, head = engine.runner.fused, engine.runner.proposer
+        self.steps = []  # (q, kd, chained) per decode step, in order
+        self.head_rows: dict = {}  # kd -> head rows computed inside decode graphs of that kd
+        inner_compute, inner_step, inner_collect = fused.compute, head.step, fused.collect
+        inside = []
+
+        def compute(bucket, q, kd, *args, **kw):
+            inside.append(kd)
+            try:
+                return inner_compute(bucket, q, kd, *args, **kw)
+            finally:
+                inside.pop()
+
+        def step(hidden, ids, pos, ctx):
+            if inside:
+                self.head_rows[inside[-1]] = self.head_rows.get(inside[-1], 0) + hidden.shape[0]
+            return inner_step(hidden, ids, pos, ctx)
+
+        def collect(launched, plan):
+            if not launched.prefill:
+                self.steps.append((launched.key[1], launched.kd, launched.key[3]))
+            return inner_collect(launched, plan)
+
+        fused.compute, head.step, fused.collect = compute, step, collect
+
+    @property
+    def kds(self) -> list:
+        return [kd for _, kd, _ in self.steps]
+
+
+def graph_run(tiny_loaded, tiny_heads, prompts, params, table, k=3, after_step=None,
+              engine_kw=KW, **opts):
+    """A cost-model EAGLE-3 engine on the fused graphs (CPU stand-in, overlap on) under
+    `table`, run to completion -> (Run, GraphSteps)."""
+    from tests.speculative.test_fused_step import enable_graphs
+    rec = {}
+
+    def on_engine(engine):
+        enable_graphs(engine, k)
+        engine.runner.proposer.policy.set_step_times(table)
+        rec["steps"] = GraphSteps(engine)
+    run = run_waves(tiny_loaded, [prompts], params, on_engine=on_engine, after_step=after_step,
+                    speculative_config=spec_of(tiny_heads, "eagle3", k, **opts),
+                    max_num_seqs=8, **engine_kw)
+    return run, rec["steps"]
+
+
+def test_graph_runs_no_head_where_drafting_does_not_pay(tiny_loaded, tiny_heads,
+                                                        fake_graph_capture):
+    """Every extra verify row costs ten steps: the cost model chooses 0 for every step, and
+    the fused steps run kd = 0 graphs (no head rows computed in them), chained; output
+    identical to no speculation."""
+    prompts = repetitive_prompts(3, 31)
+    want = run_waves(tiny_loaded, [prompts], GREEDY, **KW).outputs
+    run, steps = graph_run(tiny_loaded, tiny_heads, prompts, GREEDY,
+                           padded_table(3, verify_row=10.0))
+    fused, work = run.engine.runner.fused, run.engine.runner.proposer.work
+    assert run.outputs == want
+    assert len(steps.steps) > 20 and set(steps.kds) == {0}, steps.steps
+    assert sum(steps.head_rows.values()) == 0, steps.head_rows
+    assert work.loop_rows == 0 and work.skipped_rows >= len(steps.steps)
+    assert fused.kd_steps == {0: len(steps.steps)}
+    assert fused.chained > len(steps.steps) // 2, (fused.chained, len(steps.steps))
+    assert run.stats["spec"]["num_drafts"] == 0
+
+
+def test_graph_drafts_the_full_k_where_drafting_pays(tiny_loaded, tiny_heads,
+                                                     fake_graph_capture):
+    """Verify rows nearly free and every draft accepted (force-accept): every fused step's
+    graph drafts the full k, its head computing rows, and the steps chain."""
+    k = 3
+    run, steps = graph_run(tiny_loaded, tiny_heads, repetitive_prompts(3, 32), GREEDY,
+                           padded_table(k, verify_row=0.02), k=k, force_accept_mean=k + 1)
+    fused, work = run.engine.runner.fused, run.engine.runner.proposer.work
+    assert len(steps.steps) > 5 and set(steps.kds) == {k}, steps.steps
+    assert steps.head_rows.get(k, 0) >= (k + 1) * len(steps.steps), steps.head_rows
+    assert work.loop_rows >= (k - 1) * len(steps.steps)
+    assert fused.chained > len(steps.steps) // 2, (fused.chained, len(steps.steps))
+    spec = run.stats["spec"]
+    assert spec["num_accepted_tokens"] == spec["num_draft_tokens"] > 0
+
+
+def test_graph_follows_falling_acceptance_and_repairs_when_drafting_resumes(
+        tiny_loaded, tiny_heads, fake_graph_capture):
+    """The random head's drafts are all rejected: the prior's full k falls to kd = 0 within a
+    few steps; a probe later drafts again, which first recomputes the requests from their
+    draft-plane marks (the kd = 0 graphs skipped their entries), then verifies k drafts in a
+    graph. Output identical to no speculation; every request that holds drafts has an exact
+    plane (dense oracle)."""
+    from tests.speculative.test_draft_plane import PlaneChecker
+    from tests.speculative.test_draft_skip import drafting_plane_exact
+    k = 3
+    params = SamplingParams(max_tokens=44, temperature=0.0, ignore_eos=True)
+    prompts = repetitive_prompts(3, 33)
+    kw = dict(KW, max_num_batched_tokens=64)  # the three requests' repairs in one step
+    want = run_waves(tiny_loaded, [prompts], params, **kw).outputs
+    drafting, seen = drafting_plane_exact(tiny_loaded)
+    at_mark = PlaneChecker(tiny_loaded, upto="mark")
+    resumed = []
+
+    def after_step(engine):
+        drafting(engine)
+        at_mark(engine)
+        if engine.runner.fused.kd_steps.get(0):  # drafts held after the first kd = 0 step
+            resumed.extend(r.request_id for r in engine.scheduler.running if r.spec_token_ids)
+
+    run, steps = graph_run(tiny_loaded, tiny_heads, prompts, params,
+                           padded_table(k, verify_row=0.05), k=k, after_step=after_step,
+                           engine_kw=kw)
+    assert run.outputs == want
+    kds = steps.kds
+    assert kds[0] == k and 0 in kds, steps.steps
+    first_zero = kds.index(0)
+    assert kds[first_zero:first_zero + 8] == [0] * 8, steps.steps  # it stays off
+    # the loop shortened on the device too: a chained step of another length than its
+    # predecessor's (its graph captured with the predecessor's: GraphTable.successors)
+    assert any(chained and kd != kds[i - 1] for i, (_, kd, chained) in enumerate(steps.steps)
+               if i), steps.steps
+    # a probe: drafting resumed after kd = 0 graphs (the repair first), a graph verified k
+    assert len(set(resumed)) == 3, resumed
+    assert any(q == k + 1 for q, _, _ in steps.steps[first_zero:]), steps.steps
+    assert run.engine.runner.proposer.work.skipped_rows > 20
+    assert seen["requests"] > 5 and at_mark.entries_checked > 100
+    assert run.engine.runner.fused.chained > 10
+
+
+def test_graph_switches_with_forced_acceptance(tiny_loaded, tiny_heads, fake_graph_capture):
+    """Force-accept on, off, on again: the graphs draft k, fall to kd = 0 and come back to
+    k, with every write of a launched or chained step inside the blocks reserved for it."""
+    from tests.speculative.test_draft_skip import drafting_plane_exact
+    k = 3
+    drafting, seen = drafting_plane_exact(tiny_loaded)
+    state = {"steps": 0}
+
+    def after_step(engine):
+        drafting(engine)
+        state["steps"] += 1
+        if state["steps"] == 12:
+            engine.runner.sampling.force_accept_mean = None  # the head stops agreeing
+        elif state["steps"] == 40:
+            engine.runner.sampling.force_accept_mean = k + 1.0
+
+    params = SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)
+    run, steps = graph_run(tiny_loaded, tiny_heads, repetitive_prompts(2, 34), params,
+                           padded_table(k, verify_row=0.05), k=k, after_step=after_step,
+                           force_accept_mean=k + 1, check_fused_writes=True)
+    kds = steps.kds
+    off = kds.index(0)
+    assert set(kds[:off]) == {k} and off > 3, steps.steps
+    back = next((i for i in range(off, len(kds)) if kds[i] == k), None)
+    assert back is not None and kds[back:back + 5] == [k] * 5, steps.steps
+    fused = run.engine.runner.fused
+    assert fused.chained > 20 and fused.write_check.chained_steps == fused.chained
+    assert seen["requests"] > 5
+
+
+def test_a_chained_step_keeps_one_length_and_never_drafts_after_a_skip():
+    """FusedStep.chained_kd under the cost model: the chained step verifies the drafts prev
+    made for every row, so prev's choice must be kd for each; its own loop is the next
+    choice when that is one length whose graph exists, and never > 0 right after a kd = 0
+    decode step (whose skipped plane entries the general path repairs first)."""
+    from types import SimpleNamespace as NS
+
+    from outpace.runner.fused_step import FusedStep, Launched
+    from outpace.runner.graph_mode import GREEDY as GREEDY_MODE
+
+    def chained_kd(prev_kd, prev_next, choice, prefill=False, captured=None):
+        captured = captured or {(1, prev_kd + 1, c, True) for c in range(4)}
+        step = NS(chainable=True, follows_choice=True, next_q=lambda kd: kd + 1,
+                  table=NS(by_mode={GREEDY_MODE: captured}),
+                  _next_choice=lambda after, rids, b: NS(lengths=list(choice)))
+        prev = Launched((1, 2, prev_kd, False), ["a", "b"], None, None, prefill=prefill,
+                        next_k=dict(zip("ab", prev_next)))
+        plan = NS(draft_batch_size=2, scheduled=[NS(request=NS(request_id=r)) for r in "ab"])
+        return FusedStep.chained_kd(step, prev, plan)
+
+    assert chained_kd(3, (3, 3), (3, 3)) == 3
+    assert chained_kd(3, (3, 3), (0, 0)) == 0  # the choice falls: chained with no head
+    assert chained_kd(3, (3, 1), (3, 3)) is None  # prev's drafts differ per row
+    assert chained_kd(3, (2, 2), (3, 3)) is None  # ...or are not the kd its graph drafted
+    assert chained_kd(3, (3, 3), (3, 1)) is None  # the next choice is not one length
+    assert chained_kd(0, (0, 0), (0, 0)) == 0
+    assert chained_kd(0, (0, 0), (3, 3)) is None  # drafting after a skip: the general path
+    assert chained_kd(3, (3, 3), (3, 3), prefill=True) == 3
+    assert chained_kd(3, (3, 3), (2, 2), captured={(1, 4, 3, True)}) is None  # no graph
