@@ -112,6 +112,7 @@ def phase_train(args, loaded) -> dict:
                               warmup=0.01, max_prompts=args.max_prompts, device=args.device,
                               resume=str(work / name) if args.resume else None,
                               compile=args.compile, init_head=init_head(args, method),
+                              extra_answers=tuple(args.extra_answers),
                               **extra)
             trainer = Trainer(cfg, loaded=loaded)
             head_dir = trainer.run()
@@ -414,6 +415,9 @@ def main():
     ap.add_argument("--kv-blocks", type=int, default=8192)
     ap.add_argument("--resume", action="store_true",
                     help="continue the heads in WORK (pass other --epochs for a new schedule)")
+    ap.add_argument("--extra-answers", nargs="+", default=(), metavar="FILE",
+                    help="earlier runs' answer caches (--keep-answers' files, other seeds): "
+                         "their sampled answers join the training data")
     ap.add_argument("--keep-answers", action="store_true",
                     help="write the self-distilled answers into OUT (gzip)")
     ap.add_argument("--aux-layers", nargs="+", default=[],

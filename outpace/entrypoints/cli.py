@@ -230,6 +230,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--save-every", type=int, default=500, help="steps between checkpoints")
     t.add_argument("--data-cache", default=None,
                    help="the self-distilled answers' JSONL (default OUT/selfdistill.jsonl)")
+    t.add_argument("--extra-answers", nargs="+", default=(), metavar="FILE",
+                   help="earlier runs' answer caches (another --seed; .jsonl or .jsonl.gz): "
+                        "their sampled answers join the data")
     t.add_argument("--resume", default=None,
                    help="a checkpoint folder, or the OUT folder of an earlier run")
     t.add_argument("--max-minutes", type=float, default=None,

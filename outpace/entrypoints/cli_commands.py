@@ -180,6 +180,7 @@ def cmd_train_draft(a) -> int:
                       temperature=a.temperature, loop_tokens=None if a.loop_tokens < 0
                       else a.loop_tokens, max_prompts=a.max_prompts, holdout=a.holdout,
                       save_every=a.save_every, data_cache=a.data_cache, resume=a.resume,
+                      extra_answers=tuple(a.extra_answers),
                       max_minutes=a.max_minutes, warmup=a.warmup, init_head=a.init_head,
                       compile=a.compile, quiet=a.quiet)
     train_draft(cfg)

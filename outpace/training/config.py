@@ -17,7 +17,7 @@ EXPORT_DTYPES = ("bfloat16", "float16", "float32")
 TRAJECTORY = ("method", "draft_vocab", "ttt_steps", "num_modules", "mtp_mode", "batch_tokens",
               "max_len", "seed", "loss_decay", "answer_tokens", "samples", "temperature",
               "top_p", "loop_tokens", "max_prompts", "holdout", "warm_start", "aux_layers",
-              "init_head")
+              "init_head", "extra_answers")
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,8 @@ class TrainConfig:
     save_every: int = 500  # steps between checkpoints (and one at the end)
     keep_checkpoints: int = 2
     data_cache: Optional[str] = None  # the answers' JSONL (None: <out>/selfdistill.jsonl)
+    # earlier runs' answer caches (other seeds): their sampled answers join the data
+    extra_answers: tuple = ()
     resume: Optional[str] = None  # a checkpoint folder, or an out folder (its latest)
     max_minutes: Optional[float] = None  # a time budget for the training steps
     warm_start: bool = True  # heads start from the target's weights where roles match
@@ -141,4 +143,6 @@ class TrainConfig:
         d["ttt_steps"], d["mtp_mode"] = self.steps, self.mtp_mode
         if d["aux_layers"] is not None:  # a list once a checkpoint's JSON is read back
             d["aux_layers"] = list(d["aux_layers"])
-        return {k: d[k] for k in TRAJECTORY}
+        d["extra_answers"] = [str(f) for f in d["extra_answers"]]
+        # absent when empty: checkpoints from before the option resume as they did
+        return {k: d[k] for k in TRAJECTORY if k != "extra_answers" or d[k]}

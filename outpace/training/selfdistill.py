@@ -11,10 +11,16 @@ prompts finishes, so a resumed or repeated run regenerates nothing it already ha
 sample 0 is the greedy answer, 1.. the sampled ones (seeded by the run's seed, the prompt and the
 sample, so the same settings write the same file). A cache written with other settings is an
 error (delete it or choose another path), never silently mixed in.
+
+Earlier runs' caches (`extra_answers`: another seed, so other sampled answers; plain or gzip)
+add their sampled answers to a run's data: more distinct answers to the same prompts. They must
+come from a target of the same shape with the same answer settings except the seed, and only
+answers to the run's own prompts (same id, same text) are taken.
 """
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 import logging
@@ -125,6 +131,63 @@ def _read_cache(path: Path, settings: dict) -> dict:
                               f"to regenerate") from None
         records[(rec["id"], rec["sample"])] = rec
     return records
+
+
+# the settings an extra cache may differ in: its seed (the reason to add it) and the target's
+# path (the same model file elsewhere)
+_EXTRA_MAY_DIFFER = ("seed", "target")
+
+
+def read_extra_answers(paths, prompts: list, cfg, max_tokens: int, temperature: float,
+                       top_p: float, seed: int) -> list:
+    """The sampled answers (sample >= 1) of earlier runs' caches `paths` to `prompts` (same id
+    and text), for a target shaped as `cfg` -> records, in the order of the files and their
+    lines. A file that is not a cache, was written with other settings, or with this run's own
+    seed (its answers would repeat the run's) is an error naming it."""
+    want = {k: v for k, v in _settings("", cfg, max_tokens, temperature, top_p, seed).items()
+            if k not in _EXTRA_MAY_DIFFER}
+    keys = {p["id"]: _text_key(p["prompt"]) for p in prompts}
+    out = []
+    for path in paths:
+        path = Path(path).expanduser()
+        if not path.is_file():
+            raise ConfigError(f"--extra-answers {path}: no such file")
+        opener = gzip.open if path.suffix == ".gz" else open
+        try:
+            with opener(path, "rt", encoding="utf-8") as f:
+                head = _extra_head(path, f.readline())
+                old = head.get("settings", {})
+                diff = sorted(k for k in want if old.get(k) != want[k])
+                if diff:
+                    what = ", ".join(f"{k}: {old.get(k)!r} there, {want[k]!r} now"
+                                     for k in diff[:4])
+                    raise ConfigError(f"--extra-answers {path} was generated with other "
+                                      f"settings ({what})")
+                if old.get("seed") == seed:
+                    raise ConfigError(f"--extra-answers {path} has this run's seed ({seed}): "
+                                      f"its sampled answers are the ones this run generates")
+                for n, line in enumerate(f, 2):
+                    try:
+                        rec = json.loads(line)
+                    except ValueError:
+                        raise ConfigError(f"--extra-answers {path}:{n} is not valid JSON") \
+                            from None
+                    if (isinstance(rec, dict) and rec.get("sample", 0) >= 1
+                            and keys.get(rec.get("id")) == rec.get("prompt_sha")):
+                        out.append(rec)
+        except (OSError, EOFError, UnicodeDecodeError) as e:  # a damaged gzip stream
+            raise ConfigError(f"--extra-answers {path} can't be read: {e}") from None
+    return out
+
+
+def _extra_head(path: Path, line: str) -> dict:
+    try:
+        head = json.loads(line)
+    except ValueError:
+        head = None
+    if not isinstance(head, dict) or head.get("outpace_selfdistill") != FORMAT_VERSION:
+        raise ConfigError(f"--extra-answers {path} is not an outpace self-distillation cache")
+    return head
 
 
 def regenerate(target: str, prompts: list, cache: Path, *, loaded=None, device: str = "auto",

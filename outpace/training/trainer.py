@@ -36,7 +36,7 @@ from outpace.training.config import TrainConfig
 from outpace.training.draft_vocab import choose_draft_vocab, count_tokens, coverage, draft_ids_of
 from outpace.training.heads import (export_head, head_from_export, new_eagle3_head,
                                      new_mtp_head)
-from outpace.training.selfdistill import read_prompts, regenerate
+from outpace.training.selfdistill import read_extra_answers, read_prompts, regenerate
 from outpace.training.target_features import dense_layer, target_features
 from outpace.training.ttt import Eagle3Unroll, MTPUnroll, unroll
 
@@ -155,6 +155,12 @@ class Trainer:
                              device=str(self.device), max_tokens=cfg.answer_tokens,
                              samples=cfg.samples, temperature=cfg.temperature,
                              top_p=cfg.top_p, seed=cfg.seed, quiet=cfg.quiet)
+        if cfg.extra_answers:
+            extra = read_extra_answers(cfg.extra_answers, prompts, self.target_cfg,
+                                       cfg.answer_tokens, cfg.temperature, cfg.top_p, cfg.seed)
+            self._log(f"{len(extra)} sampled answers of earlier runs added "
+                      f"({len(cfg.extra_answers)} file(s))")
+            records = records + extra
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # the engine's KV pool
         held = {p["id"] for p in prompts[len(prompts) - cfg.holdout:]} if cfg.holdout else set()

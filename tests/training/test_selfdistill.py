@@ -84,3 +84,37 @@ def test_prompt_files_take_the_benchmark_shapes(tmp_path):
     p = tmp_path / "p.jsonl"
     p.write_text('{"id": 81, "turns": ["first", "second"]}\n{"question": "q"}\n')
     assert read_prompts(p) == [{"id": "81", "prompt": "first"}, {"id": "2", "prompt": "q"}]
+
+
+def test_extra_answers_of_another_seed_join_and_mismatches_are_errors(tiny_loaded, tiny_prompts,
+                                                                      tmp_path):
+    """An earlier run's cache (another seed, gzip) adds its sampled answers to the run's own
+    prompts only; other settings, this run's own seed, or not a cache: errors naming the file."""
+    import gzip
+
+    from outpace.training.selfdistill import read_extra_answers
+    prompts = read_prompts(tiny_prompts, limit=4)
+    cfg = tiny_loaded[1]
+    old = tmp_path / "seed7.jsonl"
+    recs = regenerate("tiny", prompts, old, loaded=tiny_loaded, device="cpu", max_tokens=8,
+                      samples=2, seed=7)
+    packed = tmp_path / "seed7.jsonl.gz"
+    packed.write_bytes(gzip.compress(old.read_bytes()))
+    got = read_extra_answers([packed], prompts[:3], cfg, 8, 0.8, 0.95, seed=8)
+    assert got == [r for r in recs if r["sample"] >= 1 and r["id"] != prompts[3]["id"]]
+    assert len(got) == 6
+    # a prompt whose text changed is not answered by the old cache
+    changed = [dict(prompts[0], prompt=prompts[0]["prompt"] + "!")]
+    assert read_extra_answers([old], changed, cfg, 8, 0.8, 0.95, seed=8) == []
+    with pytest.raises(ConfigError, match="max_tokens: 8 there, 9 now"):
+        read_extra_answers([old], prompts, cfg, 9, 0.8, 0.95, seed=8)
+    with pytest.raises(ConfigError, match="this run's seed"):
+        read_extra_answers([old], prompts, cfg, 8, 0.8, 0.95, seed=7)
+    (tmp_path / "x.jsonl").write_text('{"nope": 1}\n')
+    with pytest.raises(ConfigError, match="not an outpace self-distillation cache"):
+        read_extra_answers([tmp_path / "x.jsonl"], prompts, cfg, 8, 0.8, 0.95, seed=8)
+    with pytest.raises(ConfigError, match="no such file"):
+        read_extra_answers([tmp_path / "none.jsonl"], prompts, cfg, 8, 0.8, 0.95, seed=8)
+    (tmp_path / "bad.jsonl.gz").write_bytes(gzip.compress(old.read_bytes())[:-30])
+    with pytest.raises(ConfigError, match="can't be read"):
+        read_extra_answers([tmp_path / "bad.jsonl.gz"], prompts, cfg, 8, 0.8, 0.95, seed=8)

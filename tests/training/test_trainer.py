@@ -206,3 +206,20 @@ def test_init_head_starts_from_the_exported_head(tiny_loaded, tiny_prompts, tmp_
         with pytest.raises(ConfigError, match="pass --num-modules 1"):
             Trainer(_cfg(tiny_prompts, tmp_path, "bad", init_head=str(tmp_path / "first"),
                          num_modules=2, ttt_steps=2, **kw), loaded=tiny_loaded)
+
+
+def test_extra_answers_join_the_data_and_the_trajectory(tiny_loaded, tiny_prompts, tmp_path):
+    """--extra-answers: an earlier run's sampled answers (another seed) become more training
+    sequences; resuming without them is refused (they are part of the trajectory)."""
+    from outpace.training.selfdistill import read_prompts, regenerate
+    old = tmp_path / "seed5.jsonl"
+    regenerate("tiny", read_prompts(tiny_prompts), old, loaded=tiny_loaded, device="cpu",
+               max_tokens=24, samples=1, seed=5)
+    plain = Trainer(_cfg(tiny_prompts, tmp_path, "a", samples=1), loaded=tiny_loaded)
+    more = Trainer(_cfg(tiny_prompts, tmp_path, "b", samples=1, extra_answers=(str(old),)),
+                   loaded=tiny_loaded)
+    assert len(more.seqs) > len(plain.seqs) and more.data_digest != plain.data_digest
+    more.run()
+    with pytest.raises(ConfigError, match="extra_answers"):
+        Trainer(_cfg(tiny_prompts, tmp_path, "b", samples=1, resume=str(tmp_path / "b")),
+                loaded=tiny_loaded)
