@@ -49,6 +49,9 @@ class SpecConfig:
     # n-gram prompt lookup (vLLM's names): the longest and shortest n-gram matched
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
+    # the lookup inside the fused CUDA graphs (runner/fused_ngram.py), so n-gram steps chain;
+    # off: on the host after each step's output copy (steps relaunched, not chained)
+    ngram_device: bool = False
     # suffix decoding
     suffix_min_match_len: int = 1
     suffix_max_match_len: int = 64
@@ -110,7 +113,7 @@ class SpecConfig:
         _int("suffix_cache_requests", self.suffix_cache_requests, 0, optional=True)
         _int("enhancer_min_match", self.enhancer_min_match, 0, optional=True)
         _int("inject_draft_failures", self.inject_draft_failures, 1, optional=True)
-        for name in ("suffix_periodic", "adaptive"):
+        for name in ("suffix_periodic", "adaptive", "ngram_device"):
             if name == "adaptive" and self.adaptive == "cost":
                 continue
             if getattr(self, name) in (0, 1) and not isinstance(getattr(self, name), float):
@@ -120,6 +123,14 @@ class SpecConfig:
                            if name == "adaptive" else "true or false")
                 raise ConfigError(f"speculative option {name!r} must be {allowed}, got "
                                   f"{getattr(self, name)!r}")
+        if self.ngram_device and self.method != "ngram":
+            raise ConfigError(f"speculative option 'ngram_device' is the n-gram lookup in the "
+                              f"fused graphs; it needs method 'ngram', got {self.method!r}",
+                              option="ngram_device")
+        if self.ngram_device and self.adaptive is not False:
+            raise ConfigError(f"speculative option 'ngram_device' drafts one length for the "
+                              f"whole batch in the graph; it needs 'adaptive': false, got "
+                              f"{self.adaptive!r}", option="ngram_device")
         if self.k_schedule is not None:
             try:
                 pairs = tuple(sorted((int(b), int(v)) for b, v in self.k_schedule))

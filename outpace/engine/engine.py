@@ -147,7 +147,9 @@ class LLMEngine:
         if following is not None:
             # (its block_ids stay unset: the device launched it, no batch is built from it)
             nxt = self.scheduler.schedule_chained(plan)
-            drafts = following.drafts
+            # a relaunched step's staged drafts, or a step chained after the device n-gram's
+            # (its own count a row); else every row verifies q - 1
+            drafts = following.drafts if following.drafts is not None else launched.next_drafts
             row_of = ({rid: i for i, rid in enumerate(following.rows)} if drafts is not None
                       else None)
             for sr in nxt.scheduled:

@@ -1,8 +1,8 @@
 """The fused step's output (runner/fused_step.py): the copies of its graph's outputs into pinned
 host buffers, waiting for them, and the StepResult they make: each request's emitted tokens and
 accepted count, its logprobs (a +logprobs graph's second output, runner/fused_sampling.py), and
-its next drafts (the head's, trimmed to the request's draft length, or a host drafter's
-proposals from the committed tokens).
+its next drafts (the graph's: a head's or the device n-gram's, trimmed to the request's draft
+length; or a host drafter's proposals from the committed tokens).
 """
 
 from __future__ import annotations
@@ -21,9 +21,11 @@ class StepOutput:
     """A part of FusedStep: its outputs' pinned host buffers (two per shape and dtype: step N's
     is read while N+1's copy is queued), and the StepResult an output makes."""
 
-    def __init__(self, runner, head, host_drafter):
-        # runner: a weak proxy (FusedStep's); head / host_drafter: who drafts, as FusedStep says
+    def __init__(self, runner, head, host_drafter, device_ngram: bool = False):
+        # runner: a weak proxy (FusedStep's); head / host_drafter / device_ngram: who drafts,
+        # as FusedStep says (the device n-gram's drafts end at a -1: fused_ngram.py)
         self.runner, self.head, self.host_drafter = runner, head, host_drafter
+        self.device_ngram = device_ngram
         self._host_out: dict = {}  # (shape, dtype, parity) -> pinned host tensor
         self._parity = 0
 
@@ -99,8 +101,10 @@ class StepOutput:
         if not drafting:
             return result
         ks = runner.draft_lengths(asked, batch_size, num_committed, k=k_all, chosen=next_k)
-        if self.head is not None:
+        if self.host_drafter is None:  # drafted in the graph
             drafts = [row[q + 1:q + 1 + min(k, kd)] for row, k in zip(rows, ks)]
+            if self.device_ngram:  # a row's drafts end at its first -1
+                drafts = [d[:d.index(-1)] if -1 in d else d for d in drafts]
         else:
             batch = DraftBatch(requests=[sr.request for sr in plan.scheduled],
                                committed=committed, row_start=[], row_end=[],

@@ -12,12 +12,12 @@ Where steps chain, a prefill step that samples is launched like a decode step in
 graph's logits (the argmax, or the race of a sampled or masked graph: one tail per sampling
 family, as the decode graphs have), runs the head's pass and draft loop from it, and leaves
 token, drafts and position in the carry and in an output laid out as a one-token decode step's.
-So the first decode step chains from the prefill too, rather than waiting for the host to read
-the token (an unchained step takes much longer than a chained one: docs/decisions.md, "The first
-decode step chains from the prefill"); sampled and masked requests' prefills take it as greedy
-ones do, rather than the slower general path. A logprobs family's tail also leaves the first
-token's logprobs in a second output, as its decode graphs do, so those prefills stay off the
-general path too.
+So the first decode step chains from the prefill too (not with the device n-gram: `tails_on`),
+rather than waiting for the host to read the token (an unchained step takes much longer than a
+chained one: docs/decisions.md, "The first decode step chains from the prefill"); sampled and
+masked requests' prefills take it as greedy ones do, rather than the slower general path. A
+logprobs family's tail also leaves the first token's logprobs in a second output, as its decode
+graphs do, so those prefills stay off the general path too.
 
 Varlen (a head only): a step that replays a varlen graph of T tokens (several prompts' chunks,
 chunks beside decodes) samples on the host, then replays the head's graph for T
@@ -78,7 +78,7 @@ class PrefillGraphs:
                 if (q, kd) not in self.heads:
                     self.heads[(q, kd)] = self._capture_head(q, kd)
             kd = self.step.draft_steps(1)
-            for mode in BASE_MODES if self.step.chainable else ():
+            for mode in BASE_MODES if self.tails_on else ():
                 if (mode, q, kd) not in self.tails:
                     self.tails[(mode, q, kd)] = self._capture_head(
                         q, kd, tail=True, mode=mode)
@@ -86,6 +86,13 @@ class PrefillGraphs:
             for kd in sorted({0, self.varlen_kd}):
                 if (t, kd) not in self.varlen_heads:
                     self.varlen_heads[(t, kd)] = self._capture_varlen_head(t, kd)
+
+    @property
+    def tails_on(self) -> bool:
+        """Whether a prefill is launched like a decode step (`launch`): where steps chain and
+        the drafts are not the device n-gram's (its tail would need the history filled for
+        the prefill; its first decode step is launched from the host instead)."""
+        return self.step.chainable and self.step.ngram is None
 
     @property
     def varlen_kd(self) -> int:
@@ -235,7 +242,7 @@ class PrefillGraphs:
         sr = plan.scheduled[0]
         mode = graph_mode([sr.request.sampling_params])
         if mode not in BASE_MODES:  # penalties or logprobs: a tail captured when needed
-            return sr.sample and self.step.chainable and q in self.step.graphs.prefill_graphs
+            return sr.sample and self.tails_on and q in self.step.graphs.prefill_graphs
         return sr.sample and (mode, q, self.step.draft_steps(plan.draft_batch_size)) \
             in self.tails
 

@@ -34,7 +34,10 @@ for everyone writes draft KV a little further ahead for some requests; those pos
 the request's frontier, so a later step rewrites them before anyone reads them (the roll-by-one
 invariant of head_proposer.py). Positions past a request's block table read a zero entry: the
 null block, which nothing reads. Model-free drafters (n-gram, suffix) propose on the host after
-the copy, from the committed tokens alone.
+the copy, from the committed tokens alone; with `"ngram_device": true` the n-gram lookup runs
+in the graph instead, over a device history of each row's committed tokens
+(runner/fused_ngram.py): its drafts land in the packed output (-1 past a row's count) and the
+carry as a head's do, and its steps chain.
 
 kd is the policy's k for the batch size (`draft_steps`), or under the draft-length cost model
 (`"adaptive": "cost"`) the cost model's choice: the drafts a graph makes are verified by the
@@ -53,8 +56,9 @@ inputs are made of (each request's bonus-token position, its bonus token and new
 *chained* graph starts by building its own inputs from them (positions, slots through the block
 tables, sequence lengths), so the engine can launch step N+1 before it has read step N's output
 copy, and reads N while N+1 runs (engine.py). Chaining is possible only when the host knows
-N+1's shape without N's results: no host drafter, and the engine's conditions (no admission,
-blocks reserved for the worst case, no request near its limits).
+N+1's shape without N's results: no host drafter (the device n-gram's rows verify their own
+draft counts, left in its carry, in N+1's query length of kd + 1), and the engine's conditions
+(no admission, blocks reserved for the worst case, no request near its limits).
 
 A host drafter (n-gram, suffix) needs N's tokens before it can propose N+1's drafts, so its
 steps can't chain; but they can be *relaunched*: once N's output is read and the drafts are
@@ -96,6 +100,7 @@ from outpace.runner.chained_tables import ChainedTables
 from outpace.runner.write_check import WriteCheck
 from outpace.runner.fused_draft_loop import DraftLoop
 from outpace.runner.fused_graphs import GraphTable
+from outpace.runner.fused_ngram import StepNgram
 from outpace.runner.fused_output import StepOutput
 from outpace.runner.fused_penalties import StepPenalties
 from outpace.runner.fused_prefill import PrefillGraphs
@@ -122,6 +127,9 @@ class Launched:
     # under the cost model: request id -> the draft length chosen at launch for the next step
     # (the graph drafted the longest); collect trims to it. None: collect asks the policy
     next_k: Optional[dict] = None
+    # with the device n-gram (fused_ngram.py): each row's drafts for the next step, counted at
+    # collect in `rows` order (a step chained from this one verifies that many a row)
+    next_drafts: Optional[list] = None
 
     @property
     def kd(self) -> int:
@@ -131,8 +139,9 @@ class Launched:
 class FusedStep:
     """The fused step, composed of parts that own their state: `table` (the captured graphs),
     `draft_loop` (the head's part of a graph), `sampling` (what a sampled graph stages and
-    draws), `penalties` (the penalty tables), `output` (host copies, StepResults) and
-    `prefill` (the graphs around a prefill)."""
+    draws), `penalties` (the penalty tables), `ngram` (the device n-gram lookup's history, with
+    `"ngram_device": true`), `output` (host copies, StepResults) and `prefill` (the graphs
+    around a prefill)."""
 
     def __init__(self, runner):
         # Weak: the runner owns this step (see HeadProposer.bind for why no cycle)
@@ -143,13 +152,16 @@ class FusedStep:
         self.backend = runner.backend
         self.block_size = runner.block_size
         proposer = runner.proposer
-        # A head drafts inside the graph; a model-free drafter on the host after the copy.
+        # A head drafts inside the graph; so does the n-gram lookup with "ngram_device"
+        # (fused_ngram.py); another model-free drafter on the host after the copy.
         self.head = (proposer if isinstance(proposer, HeadProposer) and proposer.enhancer is None
                      and proposer.supports_device_drafting else None)
-        self.host_drafter = proposer if proposer is not None and not proposer.num_kv_layers \
-            else None
         dev = runner.device
         m = self.inputs.max_seqs
+        self.ngram = (StepNgram(m, runner.max_model_len, proposer.spec, dev)
+                      if proposer is not None and proposer.spec.ngram_device else None)
+        self.host_drafter = proposer if proposer is not None and not proposer.num_kv_layers \
+            and self.ngram is None else None
         kmax = max(runner.graphs.q_lens)
         # Staged with the batch (InputBuffers.stage's extra): a row's drafts, and whether it is a
         # request, not padding; the prefill's tail reads the next two; a relaunched step
@@ -186,7 +198,8 @@ class FusedStep:
         # Host seconds summed over steps (benchmarks read it): copying inputs and launching,
         # waiting for the output copy, turning it into the StepResult.
         self.timing = {"launch_s": 0.0, "wait_s": 0.0, "unpack_s": 0.0}
-        self.output = StepOutput(self.runner, self.head, self.host_drafter)
+        self.output = StepOutput(self.runner, self.head, self.host_drafter,
+                                 device_ngram=self.ngram is not None)
         # testing only (SpecConfig.check_fused_writes): every step's writes checked against
         # the blocks reserved for its requests; the draft loop's positions and slots per
         # graph (bucket, q, kd, chained, mode), as _compute made them
@@ -200,7 +213,19 @@ class FusedStep:
 
     def next_q(self, kd: int) -> int:
         """Query length of the step after one that drafted kd tokens on the device."""
-        return kd + 1 if self.head is not None else 1
+        return kd + 1 if self.device_drafts else 1
+
+    @property
+    def device_drafts(self) -> bool:
+        """Whether the graphs draft: a head's loop, or the device n-gram lookup."""
+        return self.head is not None or self.ngram is not None
+
+    @property
+    def policy(self):
+        """The draft-length policy of the drafter in the graphs; None when none drafts there."""
+        if self.head is not None:
+            return self.head.policy
+        return self.runner.proposer.policy if self.ngram is not None else None
 
     @property
     def follows_choice(self) -> bool:
@@ -211,7 +236,7 @@ class FusedStep:
     def accepts(self, plan) -> bool:
         """Whether decode steps run here (plan: any decode step; the answer is the engine's)."""
         proposer = self.runner.proposer
-        if proposer is not None and self.head is None and self.host_drafter is None:
+        if proposer is not None and not self.device_drafts and self.host_drafter is None:
             return False  # a head that can't draft on the device (enhancer, MTP depths mode)
         if plan is not None and self.head is not None and self.head.work.skipped_rows \
                 and self._resumes_drafting(plan):
@@ -238,9 +263,9 @@ class FusedStep:
         """Draft-loop length in the graph: the policy's k for this batch size (a plan's
         draft_batch_size; an upper bound of every request's own k, which the host trims to).
         Under the cost model the bound of its choice (launch_kd)."""
-        if self.head is None:
+        if not self.device_drafts:
             return 0
-        return self.head.policy.base_k(batch_size)
+        return self.policy.base_k(batch_size)
 
     def steady_kd(self, bucket: int, q: int) -> int:
         """The draft-loop length of the graph a steady decode step of q rows a request runs:
@@ -282,7 +307,7 @@ class FusedStep:
             if kd_next > 0 and kd == 0 and not prev.prefill:
                 return None
         else:
-            policy = self.head.policy if self.head is not None else None
+            policy = self.policy
             if policy is not None and (policy.adaptive or policy.base_k(batch_size) != kd):
                 return None
             kd_next = kd
@@ -338,6 +363,8 @@ class FusedStep:
         self.graphs.load_padded(hb, full_width=True, extra=tuple(extra))
         if mode.penalties:
             self.penalties.fill_tables(plan, bucket)
+        if self.ngram is not None:
+            self.ngram.fill(plan, bucket)
         rows = [sr.request.request_id for sr in plan.scheduled]
         launched = self._replay(key, rows, t0, entry=table[key])
         launched.mode = mode
@@ -423,6 +450,9 @@ class FusedStep:
         _, q, kd, _ = launched.key
         # a decode graph of kd = 0 runs no head work (compute); a prefill's tail always does
         skipped = self.head is not None and kd == 0 and not launched.prefill
+        if self.ngram is not None and kd > 0:  # what a step chained from this one verifies
+            drafted = launched.host.numpy()[:, q + 1:]  # sync-ok: host memory, waited for above
+            launched.next_drafts = (drafted >= 0).sum(axis=1).tolist()  # in launched.rows order
         next_k = None
         if launched.next_k is not None:
             next_k = [launched.next_k[sr.request.request_id] for sr in plan.scheduled]
@@ -475,11 +505,14 @@ class FusedStep:
         """A chained step's inputs from the carry buffers: row j of request b is the token at
         carry_pos[b] + j (the bonus token, then the drafts)."""
         buf = self.inputs
+        host_drafts = self.host_drafts[:bucket] if self.relaunchable else None
+        if self.ngram is not None:  # each row's own count, its drafts after the bonus token
+            self.num_drafts[:bucket].copy_(self.ngram.counts[:bucket])
+            host_drafts = self.carry_tokens[:bucket, 1:]
         chained_inputs(self.carry_pos[:bucket], self.carry_tokens[:bucket], self.real[:bucket],
                        buf.block_tables[:bucket], self.block_size, q, buf.input_ids,
                        buf.positions, buf.slot_mapping, buf.seq_lens, buf.query_start_loc,
-                       self.num_drafts,
-                       host_drafts=self.host_drafts[:bucket] if self.relaunchable else None)
+                       self.num_drafts, host_drafts=host_drafts)
 
     def compute(self, bucket: int, q: int, kd: int, chained: bool = False,
                 mode: GraphMode = GREEDY) -> torch.Tensor:
@@ -527,6 +560,11 @@ class FusedStep:
             self.penalties.count_emitted(packed, q, bucket)
         if raw is not None:
             logprobs = self.sampling.logprobs(raw, packed, bucket, q)
+        if self.ngram is not None:  # the emitted tokens, then the next step's drafts from them
+            self.ngram.advance(packed, q, bucket, self.real)
+            if kd > 0:
+                self.ngram.propose(bucket, kd, self.real, packed[:, q + 1:],
+                                   self.carry_tokens[:bucket, 1:1 + kd])
         if self.head is not None and kd > 0:
             # the drafts go to the output and to the next chained step's rows 1 .. kd
             outs = (packed[:, q + 1:],) + ((self.carry_tokens[:bucket, 1:1 + kd],)
@@ -546,4 +584,6 @@ class FusedStep:
         self.carry_tokens[:bucket].zero_()
         self.sampling.greedy_rows(bucket)  # the dummy batch samples nothing...
         self.penalties.neutral_rows(bucket)  # ...and has no penalties
+        if self.ngram is not None:  # ...nor history to draft from
+            self.ngram.neutral_rows(bucket)
 
