@@ -88,7 +88,13 @@ class StepNgram:
         """Each row's next drafts from its history (after advance): into drafts_out [B, kd]
         (-1 past the row's count: the output the host reads) and carry_drafts [B, kd] (0 past
         it: the next chained step's input rows), the counts into `counts`. Never past the
-        context: the next step emits up to count + 1 tokens (ModelRunner.draft_lengths)."""
+        context: the next step emits up to count + 1 tokens (ModelRunner.draft_lengths).
+        kd = 0 (a k_schedule drafting nothing at this batch size): every count 0, since a step
+        chained from this one verifies `counts` drafts a row (FusedStep._chained_inputs) and
+        must not read an earlier step's."""
+        if kd == 0:
+            self.counts[:bucket].zero_()
+            return
         lengths = self.lengths[:bucket]
         drafts, counts = ngram_propose(self.history[:bucket, :self.width], lengths, kd,
                                        self.min_n, self.max_n)

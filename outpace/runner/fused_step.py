@@ -562,9 +562,8 @@ class FusedStep:
             logprobs = self.sampling.logprobs(raw, packed, bucket, q)
         if self.ngram is not None:  # the emitted tokens, then the next step's drafts from them
             self.ngram.advance(packed, q, bucket, self.real)
-            if kd > 0:
-                self.ngram.propose(bucket, kd, self.real, packed[:, q + 1:],
-                                   self.carry_tokens[:bucket, 1:1 + kd])
+            self.ngram.propose(bucket, kd, self.real, packed[:, q + 1:],
+                               self.carry_tokens[:bucket, 1:1 + kd])
         if self.head is not None and kd > 0:
             # the drafts go to the output and to the next chained step's rows 1 .. kd
             outs = (packed[:, q + 1:],) + ((self.carry_tokens[:bucket, 1:1 + kd],)

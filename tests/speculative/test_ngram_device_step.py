@@ -135,6 +135,37 @@ def test_device_ngram_without_overlap_equals_host(tiny_loaded, fake_graph_captur
     assert fused.replays > 20 and fused.chained == 0
 
 
+def test_a_step_chained_after_a_kd_0_graph_verifies_no_drafts(tiny_loaded, fake_graph_capture):
+    """Under a k_schedule that turns drafting off above 2 requests, a kd = 0 graph drafts
+    nothing, so the q = 1 step chained from it must verify no drafts: its num_drafts come from
+    the device n-gram's counts, which the kd = 0 graph sets to 0 (they held an earlier step's).
+    Force-accept takes min(mean - 1, num_drafts) drafts, so stale counts gave accepted counts
+    past the step's one row (an index error here, garbage tokens on the GPU)."""
+    k = 3
+    spec = ngram(k, True, k_schedule=[[2, k]], force_accept_mean=k + 1.0,
+                 check_fused_writes=True)
+    after_skip = []  # steps chained from a kd = 0 graph after drafting ones ran
+
+    def on_engine(engine):
+        enable_graphs(engine, k)
+        runner, inner = engine.runner, engine.runner.chain
+
+        def chain(launched, block_tables, kd_next):
+            if launched.kd == 0 and runner.fused.kd_steps.get(k, 0):
+                after_skip.append(launched.key)
+            return inner(launched, block_tables, kd_next)
+        runner.chain = chain
+    run = run_waves(tiny_loaded, waves(), GREEDY, overlap=True, speculative_config=spec,
+                    on_engine=on_engine, **dict(SMALL, num_kv_blocks=120))
+    fused = run.engine.runner.fused
+    assert fused.kd_steps.get(0, 0) > 5 and fused.kd_steps.get(k, 0) > 0  # off and on
+    assert len(after_skip) > 5, after_skip
+    vocab = run.engine.runner.model_cfg.vocab_size
+    assert all(0 <= t < vocab for out in run.outputs for t in out)
+    spec_stats = run.stats["spec"]
+    assert 0 < spec_stats["num_accepted_tokens"] <= spec_stats["num_draft_tokens"]
+
+
 def test_ngram_device_option_errors():
     assert SpecConfig.from_dict(ngram(3, True)).ngram_device is True
     assert SpecConfig.from_dict(ngram(3, 1)).ngram_device is True  # JSON's 1
