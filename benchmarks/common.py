@@ -32,6 +32,15 @@ def load_prompts(name: str, n: int, spread: bool = False) -> list:
     return [r["prompt"] for r in rows[:n]]
 
 
+def serve_prompts(dataset: str, seed: int) -> list:
+    """The texts serve.py sends: a prompt set of prompts/ (mtbench, humaneval), or 256 random
+    texts of 24 words."""
+    if dataset == "random":
+        from outpace.bench.datasets import random_text_prompts
+        return random_text_prompts(256, 24, seed)
+    return load_prompts(dataset, 10 ** 6)
+
+
 def git_commit() -> str:
     """OUTPACE_COMMIT when set (the device machine's copy of the tree may carry a stale .git),
     else the checkout's HEAD."""

@@ -10,6 +10,7 @@
 #   bash benchmarks/gpu_session.sh launch          archive/diag_launch.py (what makes a graph slow to launch)
 #   bash benchmarks/gpu_session.sh cublas          archive/diag_cublas_workspace.py (graphs vs a cleared cuBLAS workspace)
 #   bash benchmarks/gpu_session.sh sweep MS         kernel_speed.py's sweep at those M
+#   bash benchmarks/gpu_session.sh serve CONFIGS [ARGS]  serve.py's suite (--start-server): CONFIGS e.g. no-spec,ngram-k3
 # Results go to $OUT (the device tool brings them back). The device's copy of .git can be stale
 # (it can report an older HEAD): prefix the call with OUTPACE_COMMIT=$(git rev-parse --short HEAD)
 # taken here.
@@ -46,6 +47,9 @@ case "$1" in
   request) shift; python3 benchmarks/archive/diag_request.py --gguf "$GGUF" --out "${OUT:-/tmp/out}" "$@" ;;
   cublas) shift; python3 benchmarks/archive/diag_cublas_workspace.py --out "${OUT:-/tmp/out}" "$@" ;;
   launch) python3 benchmarks/archive/diag_launch.py --out "${OUT:-/tmp/out}" ;;
+  serve) shift; cfgs="$1"; shift; python3 benchmarks/serve.py --start-server "$GGUF" \
+           --device cuda --configs "$cfgs" --out "${OUT:-/tmp/out}/gpu_serve_${cfgs//,/_}.json" \
+           --log-dir "${OUT:-/tmp/out}/serve_logs" "$@" ;;
   sweep) shift; python3 benchmarks/kernel_speed.py --out "${OUT:-/tmp/out}" \
            --sections sweep --sweep-ms "$1" --sweep-models smol --total-s 45 ;;
 esac

@@ -4,6 +4,10 @@ with this suite's prompt sets, timed runs (--duration) and result files.
 
     python benchmarks/serve.py --base-url http://127.0.0.1:8000 --max-concurrency 16 \
         --num-prompts 200 --output-len 128 --result-file benchmarks/results/serve.json
+
+With --start-server MODEL it is the serving suite instead (benchmarks/serve_suite.py): servers
+it starts and stops itself, for each speculative config, against the offline engine on the same
+prompts (`python benchmarks/serve.py --start-server MODEL --help`).
 """
 
 from __future__ import annotations
@@ -14,24 +18,21 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.common import drop_script_folder, load_prompts, print_table, write_result  # noqa: E402,E501
+from benchmarks.common import drop_script_folder, print_table, serve_prompts, write_result  # noqa: E402,E501
 
 drop_script_folder()
 
-from outpace.bench.datasets import random_text_prompts  # noqa: E402
 from outpace.bench.serve import ServeBenchConfig, run_benchmark  # noqa: E402
 from outpace.errors import OutpaceError  # noqa: E402
 
 ENDPOINTS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 
 
-def make_prompts(dataset: str, seed: int) -> list:
-    if dataset == "random":
-        return random_text_prompts(256, 24, seed)
-    return load_prompts(dataset, 10 ** 6)
-
-
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if any(x == "--start-server" or x.startswith("--start-server=") for x in argv):
+        from benchmarks.serve_suite import main as suite_main
+        return suite_main(argv)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--base-url", default="http://127.0.0.1:8000")
     p.add_argument("--model", default=None)
@@ -57,7 +58,7 @@ def main(argv=None) -> int:
                            ignore_eos=not a.no_ignore_eos, temperature=a.temperature,
                            seed=a.seed)
     try:
-        s = asyncio.run(run_benchmark(cfg, make_prompts(a.dataset, a.seed)))
+        s = asyncio.run(run_benchmark(cfg, serve_prompts(a.dataset, a.seed)))
     except OutpaceError as e:  # the server unreachable, or the key refused
         print(f"serve.py: error: {e}", file=sys.stderr)
         return 2

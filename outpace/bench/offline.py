@@ -109,24 +109,37 @@ def prompt_ids(engine, a, texts: Optional[list], num: int, seed: int) -> list:
 
 
 def run_requests(engine, prompts: list, params, tag: str,
-                 on_finished: Optional[Callable] = None) -> tuple:
-    """All `prompts` in the engine at once, run to completion -> (seconds, finished outputs in
-    prompt order). on_finished(output) as each finishes. Interrupted, every request is aborted:
-    nothing is left in the engine."""
+                 on_finished: Optional[Callable] = None, max_in_flight: Optional[int] = None,
+                 step_times: Optional[list] = None) -> tuple:
+    """`prompts` run to completion in the engine -> (seconds, finished outputs in prompt
+    order). Every prompt is given to the engine at once, or with max_in_flight at most that
+    many at a time, the next as one finishes (a closed loop, as a load client bounded to that
+    concurrency sends them to a server). on_finished(output) as each finishes; step_times gets
+    each engine.step()'s seconds. Interrupted, every request is aborted: nothing is left in the
+    engine."""
     rids = [f"{tag}-{i}" for i in range(len(prompts))]
+    bound = len(prompts) if max_in_flight is None else max_in_flight
+    if bound < 1:
+        raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
     done: dict = {}
+    added = 0
     t0 = time.perf_counter()
     try:
-        for rid, p in zip(rids, prompts):
-            engine.add_request(rid, p, params)
-        while engine.has_unfinished_requests():
-            for out in engine.step():
+        while added < len(prompts) or engine.has_unfinished_requests():
+            while added < len(prompts) and added - len(done) < bound:
+                engine.add_request(rids[added], prompts[added], params)
+                added += 1
+            ts = time.perf_counter()
+            outs = engine.step()
+            if step_times is not None:
+                step_times.append(time.perf_counter() - ts)
+            for out in outs:
                 if out.finished:
                     done[out.request_id] = out
                     if on_finished is not None:
                         on_finished(out)
     except BaseException:
-        for rid in rids:
+        for rid in rids[:added]:
             if rid not in done:
                 engine.abort_request(rid)
         while engine.has_unfinished_requests():

@@ -72,6 +72,34 @@ def test_throughput_counts_every_token_and_acceptance_with_speculation(tiny_mode
     assert "Mean acceptance length:" in out and "Request throughput (req/s):" in out
 
 
+def test_requests_run_in_a_closed_loop_under_max_in_flight(tiny_model_dir):
+    """offline.run_requests with max_in_flight: never more requests in the engine than that,
+    the next given as one finishes; each step timed; outputs in prompt order."""
+    from outpace.bench import offline
+    from outpace.engine.engine import LLMEngine
+    from outpace.types import SamplingParams
+    engine = LLMEngine.from_args(str(tiny_model_dir), device="cpu", max_model_len=MAX_MODEL_LEN,
+                                 num_kv_blocks=NUM_KV_BLOCKS, quiet=True)
+    prompts = [[5 + i, 6, 7 + i] for i in range(5)]
+    params = SamplingParams(max_tokens=3, ignore_eos=True, output_kind="final_only")
+    steps, finished_at = [], {}
+
+    def on_finished(out):  # the step it finished in (steps has that step's time by then)
+        finished_at[out.request_id] = len(steps)
+
+    seconds, outs = offline.run_requests(engine, prompts, params, tag="loop",
+                                         on_finished=on_finished, max_in_flight=2,
+                                         step_times=steps)
+    assert [o.request_id for o in outs] == [f"loop-{i}" for i in range(5)]
+    assert all(len(o.token_ids) == 3 for o in outs)
+    # alike requests two at a time: two finish together, then the next two, then the last
+    at = [finished_at[f"loop-{i}"] for i in range(5)]
+    assert at[0] == at[1] < at[2] == at[3] < at[4] == len(steps)
+    assert 0 < sum(steps) <= seconds
+    with pytest.raises(ValueError, match="max_in_flight"):
+        offline.run_requests(engine, prompts, params, tag="zero", max_in_flight=0)
+
+
 def test_throughput_of_random_prompts_as_chat_refused(tiny_model_dir, capsys):
     """--as-chat with random token prompts is refused (they are ids, not text)."""
     rc = main(["bench", "throughput", str(tiny_model_dir), *ENGINE, "--as-chat"])
