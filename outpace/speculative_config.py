@@ -12,6 +12,11 @@ from outpace.option_checks import check_int
 
 SPEC_METHODS = ("ngram", "suffix", "mtp", "eagle3")
 MAX_DRAFT_TOKENS = 16  # num_speculative_tokens at most (the verify graphs' query lengths)
+# prompt_lookup_max at most with ngram_device: each n is one more pass over every row's whole
+# history in every step's graph (speculative/ngram_device.py: O(bucket x max_model_len) work
+# and a few graph nodes an n), while a suffix that long already pins its continuation: the
+# longer n rarely names another occurrence.
+NGRAM_DEVICE_MAX_N = 8
 
 
 def _int(name, v, lo=None, optional=False):
@@ -127,6 +132,11 @@ class SpecConfig:
             raise ConfigError(f"speculative option 'ngram_device' is the n-gram lookup in the "
                               f"fused graphs; it needs method 'ngram', got {self.method!r}",
                               option="ngram_device")
+        if self.ngram_device and self.prompt_lookup_max > NGRAM_DEVICE_MAX_N:
+            raise ConfigError(f"speculative option 'prompt_lookup_max' must be at most "
+                              f"{NGRAM_DEVICE_MAX_N} with 'ngram_device': true (each n is a "
+                              f"pass over every row's whole history in every step), got "
+                              f"{self.prompt_lookup_max}", option="prompt_lookup_max")
         if self.ngram_device and self.adaptive is not False:
             raise ConfigError(f"speculative option 'ngram_device' drafts one length for the "
                               f"whole batch in the graph; it needs 'adaptive': false, got "

@@ -71,6 +71,23 @@ def pool_tokens_at_most(cache_cfg: CacheConfig, model_cfg, kv_dtype, device) -> 
     return (blocks - 1) * cache_cfg.block_size
 
 
+def kv_headroom(model_cfg, spec_cfg, max_num_tokens: int, max_num_seqs: int,
+                max_model_len: int, act_bytes: int, graphs: bool) -> int:
+    """Bytes a KV pool sized from free GPU memory leaves free: a step's activations
+    (kvcache/sizing.activation_bytes, with the logits of every verify row), and where the
+    fused graphs run the n-gram lookup (`ngram_device`, graphs on) its device history, a
+    fill's row moves and the lookup's temporaries (runner/fused_ngram.StepNgram.device_bytes),
+    which the graphs allocate after the pool."""
+    from outpace.kvcache.sizing import activation_bytes
+    max_k = spec_cfg.num_speculative_tokens if spec_cfg.enabled else 0
+    headroom = activation_bytes(model_cfg, max_num_tokens, max_num_seqs * (max_k + 1),
+                                act_bytes)
+    if graphs and spec_cfg.enabled and spec_cfg.ngram_device:
+        from outpace.runner.fused_ngram import StepNgram
+        headroom += StepNgram.device_bytes(max_num_seqs, max_model_len)
+    return headroom
+
+
 def build_engine(cls, args: EngineArgs):
     """The engine `cls` of `args` (checked here first: engine/preflight.py)."""
     # Every argument is checked before torch's work and the model's load (which take seconds);
@@ -82,7 +99,6 @@ def build_engine(cls, args: EngineArgs):
     max_num_batched_tokens = a.max_num_batched_tokens
     max_prefill_with_decodes = a.max_prefill_with_decodes
     from outpace.kvcache.manager import KVCacheManager
-    from outpace.kvcache.sizing import activation_bytes
     from outpace.kvcache.sizing import num_kv_blocks as size_kv
     from outpace.models.loader import load_model
     from outpace.runner.model_runner import ModelRunner
@@ -153,9 +169,13 @@ def build_engine(cls, args: EngineArgs):
     num_slots = model_cfg.num_hidden_layers + (proposer.num_kv_layers if proposer else 0)
     max_k = spec_cfg.num_speculative_tokens if proposer else 0
     max_num_tokens = max_num_batched_tokens + max_num_seqs * (max_k + 1)
-    # a step's activations stay out of the pool (on a GPU; a CPU pool has its own size)
-    headroom = activation_bytes(model_cfg, max_num_tokens, max_num_seqs * (max_k + 1),
-                                runner_cfg.torch_dtype.itemsize)
+    # a step's activations stay out of the pool (on a GPU; a CPU pool has its own size), and
+    # the device n-gram's buffers; the context is at most what the rope tables cover (the
+    # pool may shorten it below)
+    graphs = torch_device.type == "cuda" and not a.enforce_eager
+    headroom = kv_headroom(model_cfg, spec_cfg, max_num_tokens, max_num_seqs,
+                           min(config.max_model_len, target.rotary.max_positions),
+                           runner_cfg.torch_dtype.itemsize, graphs)
     num_blocks = size_kv(cache_cfg, model_cfg, num_slots, runner_cfg.torch_kv_cache_dtype,
                          torch_device, headroom=headroom)
     lookahead = proposer.num_lookahead_tokens if proposer else 0
@@ -195,7 +215,7 @@ def build_engine(cls, args: EngineArgs):
                          max_num_seqs=max_num_seqs, device=torch_device,
                          kv_dtype=runner_cfg.torch_kv_cache_dtype, proposer=proposer,
                          seed=a.seed, kernel_options=runner_cfg.kernel_options)
-    if torch_device.type == "cuda" and not a.enforce_eager:
+    if graphs:
         # Graphs for plain decode (q = 1) and every verify length (q = 2 .. k + 1).
         runner.enable_cuda_graphs(tuple(range(1, max_k + 2)), capture_fused=True)
     if not a.quiet:

@@ -79,7 +79,8 @@ def num_kv_blocks(cache_cfg: CacheConfig, model_cfg: ModelConfig, num_layer_slot
     """Blocks in the pool, null block included.
 
     cache_cfg.num_blocks when set; else, on CUDA, what gpu_kv_budget gives with `headroom`
-    bytes left for activations (call this after the weights are loaded); else, on CPU,
+    bytes left for activations and whatever else is allocated after the pool (the engine's:
+    engine/builder.kv_headroom; call this after the weights are loaded); else, on CPU,
     cache_cfg.cpu_kv_bytes.
     """
     import torch

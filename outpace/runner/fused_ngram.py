@@ -13,18 +13,29 @@ the host has read anything:
     counts  [m] long                       the carry: each row's drafts for the next step
 
 A step launched from a host batch (FusedStep.launch: the rows' requests may have changed)
-fills its rows from the committed tokens, with eager kernels queued ahead of the replay (no
-host sync), as the penalties' tables are filled (runner/fused_penalties.py). The graph then
-appends each row's emitted tokens after accept and proposes from the history: the drafts go
-to the packed output (-1 past a row's count, so the host reads the count) and to the carry, so
-the chained step verifies them with each row's own draft count. The drafts are those the host's
-NgramProposer would propose from the same committed tokens (the lookup is the same function of
-them), so the host's n-gram state and the graph can take turns: the general path (prefills,
-mixed steps) still proposes on the host.
+brings its rows up to the committed tokens, with eager kernels queued ahead of the replay (no
+host sync). Only what the device lacks goes up: the host keeps, per row, the request whose
+tokens it holds and how many of them (`held`, `held_len`: set at a fill, advanced at each
+step's collect by the tokens the graph appended), so a row keeps its tokens from step to step
+and a fill uploads each row's tail (the tokens committed since, by the general path), a
+request's whole text only when no row holds it (new, or its row was given to another, or
+preempted since: `fill`). A request held in another row than its new one is moved there on the
+device first (a batch's rows shift when a request ends). The lengths, the moves and the tokens
+of a fill go up in one non-blocking copy (`_Staging`).
+
+The graph then appends each row's emitted tokens after accept and proposes from the history:
+the drafts go to the packed output (-1 past a row's count, so the host reads the count) and to
+the carry, so the chained step verifies them with each row's own draft count. The drafts are
+those the host's NgramProposer would propose from the same committed tokens (the lookup is the
+same function of them), so the host's n-gram state and the graph can take turns: the general
+path (prefills, mixed steps) still proposes on the host.
 
 Cost: the history is 4 bytes x m x max_model_len; the lookup scans every row's full width,
-O(bucket x max_model_len x prompt_lookup_max) a step (ngram_device.py), and a launch from the
-host uploads every row's committed tokens.
+O(bucket x max_model_len x prompt_lookup_max) a step (ngram_device.py), its temporaries take
+at most 24 bytes x bucket x max_model_len (`lookup_bytes`) and a fill's moves up to the
+history's size again (all of it: `device_bytes`, kept out of the KV pool by the engine's
+builder). A launch from the host uploads the tokens its rows lack: in steady decoding the
+tokens committed since the rows' last fill, a prompt once.
 """
 
 from __future__ import annotations
@@ -32,7 +43,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from outpace.speculative.ngram_device import ngram_propose
+from outpace.speculative.ngram_device import lookup_bytes, ngram_propose
 
 
 class StepNgram:
@@ -46,31 +57,100 @@ class StepNgram:
                                    device=device)
         self.lengths = torch.zeros(max_seqs, dtype=torch.long, device=device)
         self.counts = torch.zeros(max_seqs, dtype=torch.long, device=device)
+        # What each row of `history` holds, as the host knows it: (the Request, its
+        # num_preemptions) whose tokens these are, or None; and how many leading tokens of
+        # that request's all_token_ids the row holds. A row holds them until a fill gives it
+        # to another request (padding rows write nothing, so rows past a batch keep theirs).
+        self.held: list = [None] * max_seqs
+        self.held_len = np.zeros(max_seqs, np.int64)
+        self._staging = _Staging(device)
+        self.uploaded_tokens = 0  # tokens a fill copied up, summed (tests read it)
+        self.moved_rows = 0  # rows a fill moved on the device, summed (tests read it)
+
+    @staticmethod
+    def device_bytes(max_num_seqs: int, max_model_len: int) -> int:
+        """A bound of the device memory this part takes with an engine's max_num_seqs and
+        context: the history and its counters (one row more than max_num_seqs: the runner's
+        padding slot), a fill's copy of the rows it moves (eager) and the lookup's
+        temporaries at the largest bucket (in the graphs' memory pool)."""
+        rows, width = max_num_seqs + 1, max_model_len + 1
+        history = 4 * rows * width + 2 * 8 * rows
+        moves = 4 * max_num_seqs * width
+        return history + moves + lookup_bytes(max_num_seqs, max_model_len)
 
     def neutral_rows(self, bucket: int) -> None:
-        """Every row of a bucket empty (graphs are captured over such a batch): no drafts."""
+        """Every row of a bucket empty (graphs are captured over such a batch): no drafts.
+        (The rows' tokens stay: `lengths` is staged again at every fill.)"""
         self.lengths[:bucket].zero_()
         self.counts[:bucket].zero_()
 
     def fill(self, plan, bucket: int) -> None:
-        """Rows [0, bucket) from the committed tokens of plan's requests (padding rows empty):
-        one non-blocking upload from pinned memory of the lengths, then the positions and
-        tokens of every row, scattered by eager kernels queued ahead of the step's replay."""
-        stride = self.history.shape[1]
+        """Rows [0, bucket) up to the committed tokens of plan's requests (row i: request i;
+        padding rows empty): each request's tokens that its row lacks, after moving its row
+        there if another holds it. One non-blocking copy of the lengths, the moves and the
+        tokens with their positions, then eager kernels queued ahead of the step's replay.
+
+        A row's held tokens are a prefix of its request's: tokens are only appended
+        (Scheduler._append), and the graph appends the tokens it emits, which the host then
+        commits (all of them, but at a request's end, after which no fill sees it). A
+        request preempted since its row was filled is uploaded whole all the same (its row
+        may have been given away meanwhile; a recompute already costs O(context))."""
+        scheduled = plan.scheduled
+        held, held_len = self.held, self.held_len
+        row_of = {id(h[0]): j for j, h in enumerate(held) if h is not None}
         lens = np.zeros(bucket, np.int64)
+        src, dst, have, left = [], [], [], []
+        for i, sr in enumerate(scheduled):
+            req = sr.request
+            n = min(req.num_tokens, self.width)
+            lens[i] = n
+            j = row_of.get(id(req))
+            h = 0
+            if j is not None:
+                if held[j][1] == req.num_preemptions:
+                    h = min(int(held_len[j]), n)
+                if j != i:
+                    left.append(j)
+                    if h:
+                        src.append(j)
+                        dst.append(i)
+            have.append(h)
+        moved = max((have[i] for i in dst), default=0)  # the longest prefix a move copies
+        for j in left:  # a row its request left holds nobody's tokens (unless refilled below)
+            held[j] = None
         where, tokens = [], []
-        for i, sr in enumerate(plan.scheduled):
-            toks = np.asarray(sr.request.all_token_ids[:self.width], np.int64)
-            lens[i] = len(toks)
-            where.append(i * stride + np.arange(len(toks)))
-            tokens.append(toks)
-        flat = torch.from_numpy(np.concatenate([lens] + where + tokens))
-        if self.history.is_cuda:
-            flat = flat.pin_memory().to(self.history.device, non_blocking=True)
-        total = (len(flat) - bucket) // 2
+        stride = self.history.shape[1]
+        for i, sr in enumerate(scheduled):
+            req, n, h = sr.request, int(lens[i]), have[i]
+            held[i] = (req, req.num_preemptions)
+            held_len[i] = n
+            if h < n:
+                where.append(np.arange(i * stride + h, i * stride + n))
+                tokens.extend(req.token_slice(h, n))
+        moves = len(src)
+        total = len(tokens)
+        flat = self._staging.send([lens, np.asarray(src, np.int64), np.asarray(dst, np.int64)]
+                                  + where + [np.asarray(tokens, np.int64)],
+                                  bucket + 2 * moves + 2 * total)
         self.lengths[:bucket].copy_(flat[:bucket])
-        self.history.view(-1).index_copy_(0, flat[bucket:bucket + total],
-                                          flat[bucket + total:].to(torch.int32))
+        if moved:
+            # gathered first: a row may be both a move's source and another's destination
+            cols = self.history[:, :moved]
+            rows = cols.index_select(0, flat[bucket:bucket + moves])
+            cols.index_copy_(0, flat[bucket + moves:bucket + 2 * moves], rows)
+        if total:
+            at = bucket + 2 * moves
+            self.history.view(-1).index_copy_(0, flat[at:at + total],
+                                              flat[at + total:].to(torch.int32))
+        self.uploaded_tokens += total
+        self.moved_rows += moves
+
+    def collected(self, packed: np.ndarray, q: int, rows: int) -> None:
+        """A step's output was read (packed: its [bucket, q + 1 + kd] output on the host, in
+        row order; rows: its requests): each row's history grew by its emitted tokens
+        (packed[:, :q], -1 past them), as `advance` appended them."""
+        emitted = (packed[:rows, :q] >= 0).sum(axis=1)
+        np.minimum(self.held_len[:rows] + emitted, self.width, out=self.held_len[:rows])
 
     def advance(self, packed: torch.Tensor, q: int, bucket: int, real: torch.Tensor) -> None:
         """After accept: append each real row's emitted tokens (packed[:, :q], -1 past its
@@ -104,3 +184,34 @@ class StepNgram:
         drafts_out.copy_(torch.where(keep, drafts, -1))
         carry_drafts.copy_(torch.where(keep, drafts, 0))
         self.counts[:bucket].copy_(counts)
+
+
+class _Staging:
+    """The host side of a fill's one copy: a host buffer (pinned on CUDA, grown as needed)
+    that the fill's arrays are written into and copied up from without blocking. A pinned
+    buffer is written again only once the last copy out of it has run (an event recorded
+    after it, polled: that copy was queued ahead of the step whose output the host read
+    since, so this rarely waits)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.pin = device.type == "cuda"
+        self.host = None  # int64 [capacity]
+        self.copied = None  # torch.cuda.Event after the last copy out of `host`
+
+    def send(self, arrays: list, n: int) -> torch.Tensor:
+        """The arrays' n int64 values, concatenated, on the device."""
+        if not self.pin:
+            return torch.from_numpy(np.concatenate(arrays))
+        if self.copied is not None:
+            while not self.copied.query():
+                pass
+        if self.host is None or self.host.numel() < n:
+            self.host = torch.empty(max(n, 2 * (0 if self.host is None else self.host.numel()),
+                                        1024), dtype=torch.int64, pin_memory=True)
+        np.concatenate(arrays, out=self.host.numpy()[:n])  # sync-ok: host memory
+        flat = self.host[:n].to(self.device, non_blocking=True)
+        if self.copied is None:
+            self.copied = torch.cuda.Event()
+        self.copied.record()
+        return flat

@@ -450,9 +450,12 @@ class FusedStep:
         _, q, kd, _ = launched.key
         # a decode graph of kd = 0 runs no head work (compute); a prefill's tail always does
         skipped = self.head is not None and kd == 0 and not launched.prefill
-        if self.ngram is not None and kd > 0:  # what a step chained from this one verifies
-            drafted = launched.host.numpy()[:, q + 1:]  # sync-ok: host memory, waited for above
-            launched.next_drafts = (drafted >= 0).sum(axis=1).tolist()  # in launched.rows order
+        if self.ngram is not None:
+            packed = launched.host.numpy()  # sync-ok: host memory, waited for above
+            if not launched.prefill:  # the graph appended each row's emitted tokens
+                self.ngram.collected(packed, q, len(launched.rows))
+            if kd > 0:  # what a step chained from this one verifies, in launched.rows order
+                launched.next_drafts = (packed[:, q + 1:] >= 0).sum(axis=1).tolist()
         next_k = None
         if launched.next_k is not None:
             next_k = [launched.next_k[sr.request.request_id] for sr in plan.scheduled]

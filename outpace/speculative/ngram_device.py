@@ -23,8 +23,8 @@ position-weighted mask (-1 where none). Passes run n upward and a found match re
 of a shorter n, so the longest n wins. The continuation starts at e + 1 whatever n matched.
 
 Cost: max_n passes of O(B * Lmax) elementwise work and one row reduction each, then O(B * k)
-for the continuation: O(B * Lmax * max_n) work and O(B * Lmax) memory, against NgramState's
-O(max_n^2) per step on the host (it keeps an index instead of rescanning). The scan reads the
+for the continuation: O(B * Lmax * max_n) work and O(B * Lmax) memory (`lookup_bytes`),
+against NgramState's O(max_n^2) per step on the host (it keeps an index instead of rescanning). The scan reads the
 whole buffer width Lmax whatever the rows' lengths, so a caller sizes Lmax to the longest text
 it must look up in.
 
@@ -89,6 +89,20 @@ def ngram_propose(history: torch.Tensor, lengths: torch.Tensor, k: int, min_n: i
     drafts = torch.where(keep, tokens, drafts)
     counts = keep.sum(dim=1)
     return drafts, counts
+
+
+# Bytes of temporaries per history cell at the lookup's peak (an int32 history): in a pass,
+# the shifted history (4) while the last pass's is still referenced (4), the equality, the
+# running AND and the earlier mask (1 each), the valid mask and its partial (1 each) and the
+# position-weighted ends (8); rounded up for the allocator's granularity.
+LOOKUP_CELL_BYTES = 24
+
+
+def lookup_bytes(rows: int, width: int) -> int:
+    """A bound of the memory `ngram_propose` allocates over a [rows, width] int32 history
+    (what a CUDA graph of it holds in its pool), whatever k, min_n and max_n: its passes
+    allocate the same and free the last one's."""
+    return LOOKUP_CELL_BYTES * rows * width + 16 * width + (1 << 16)
 
 
 def _check_args(history, lengths, k, min_n, max_n) -> None:

@@ -1,15 +1,18 @@
 """The device n-gram lookup (speculative/ngram_device.py) against NgramDrafter.propose, row by row:
 random batches of thousands of rows (small vocabularies so that matches happen, lengths 0 ..
-Lmax in one batch, stale tokens past each row's length), and the edge cases by name."""
+Lmax in one batch, stale tokens past each row's length), and the edge cases by name; the bound
+of its temporaries (`lookup_bytes`)."""
 
 import random
+import weakref
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from outpace.errors import ConfigError
 from outpace.speculative.ngram import NgramDrafter
-from outpace.speculative.ngram_device import ngram_propose
+from outpace.speculative.ngram_device import lookup_bytes, ngram_propose
 
 
 def batch(rows: list, width: int, rng: random.Random, vocab: int):
@@ -137,3 +140,46 @@ def test_bad_arguments_raise():
         ngram_propose(hist[0], lengths, 2, 1, 3)
     with pytest.raises(ValueError, match="lengths must be"):
         ngram_propose(hist, lengths[:1], 2, 1, 3)
+
+
+class PeakBytes(TorchDispatchMode):
+    """The most bytes of tensor storage that ops run under it hold at once: each op's new
+    storages counted until they are freed."""
+
+    def __init__(self):
+        super().__init__()
+        self.live, self.now, self.peak = {}, 0, 0
+
+    def _freed(self, ptr):
+        self.now -= self.live.pop(ptr)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if not isinstance(t, torch.Tensor):
+                continue
+            storage = t.untyped_storage()
+            ptr = storage.data_ptr()
+            if ptr and ptr not in self.live and storage.nbytes():
+                self.live[ptr] = storage.nbytes()
+                self.now += storage.nbytes()
+                self.peak = max(self.peak, self.now)
+                weakref.finalize(storage, self._freed, ptr)
+        return out
+
+
+@pytest.mark.parametrize("rows,width", [(1, 64), (8, 512), (32, 2048)])
+def test_lookup_bytes_bound_the_temporaries(rows, width):
+    """What a graph of the lookup holds in its pool (the engine keeps it out of the KV pool:
+    StepNgram.device_bytes): at most lookup_bytes at every max_n the options allow
+    (speculative_config.NGRAM_DEVICE_MAX_N), and not far above what it uses."""
+    from outpace.speculative_config import NGRAM_DEVICE_MAX_N
+    hist = torch.randint(0, 3, (rows, width), dtype=torch.int32)
+    lengths = torch.full((rows,), width, dtype=torch.long)
+    peaks = []
+    for max_n in range(1, NGRAM_DEVICE_MAX_N + 1):
+        with PeakBytes() as mem:
+            drafts, counts = ngram_propose(hist, lengths, 16, 1, max_n)
+            del drafts, counts
+        peaks.append(mem.peak)
+    assert max(peaks) <= lookup_bytes(rows, width) < 2 * max(peaks) + (1 << 16), peaks

@@ -7,16 +7,24 @@ chunked prefill, prefix hits, preemption):
   acceptance counts;
 * with overlap the steps chain (launched from the previous step's carry before the host reads
   it), none is relaunched; the blocks each step writes are the ones reserved for it;
+* the device history equals every request's committed tokens after each fill and each step,
+  and a fill uploads only the tokens no row holds (`HistoryCheck`; the rows' bookkeeping
+  alone in `test_fill_*`);
 * the option's errors.
 """
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
+import torch
 
 from outpace.errors import ConfigError
+from outpace.runner.fused_ngram import StepNgram
 from outpace.speculative.ngram import NgramDrafter
 from outpace.speculative_config import SpecConfig
+from outpace.types import Request, SamplingParams
 from tests.speculative.spec_helpers import run_waves
 from tests.speculative.test_draft_plane import waves
 from tests.speculative.test_fused_step import GREEDY, SMALL, enable_graphs, record_drafts
@@ -56,6 +64,97 @@ def check_against_lookup(engine, min_n: int, max_n: int, seen: list) -> None:
     runner.collect = collect
 
 
+class HistoryCheck:
+    """Wraps a device n-gram engine's fill and collect (on_engine, after the graphs exist):
+
+    * after each fill, row i holds request i's committed tokens (its `lengths` entry and its
+      history);
+    * after each step is collected, each row's history holds its request's tokens after the
+      step (committed plus emitted), and the host's count of them (`held_len`) is theirs: the
+      device's own length, where no later step already ran (`exact`), else at most it;
+    * the tokens a fill uploads lie between what a model of the rows allows (`lower`,
+      `upper`): a request in the previous fill's batch lacks the tokens committed since that
+      the graphs did not append; one seen before, unpreempted, but not in it, at most its
+      whole text (its row may have been given away); one new or preempted since, its whole
+      text. `naive`: the tokens a fill of every row's whole text would upload."""
+
+    def __init__(self, engine, exact: bool):
+        self.fused = engine.runner.fused
+        self.ngram = ng = self.fused.ngram
+        self.exact = exact
+        self.lower = self.upper = self.naive = 0
+        self.fills = self.steps = 0
+        self.state = {}  # rid -> [tokens the device had at its last fill plus emitted since,
+        #                          its num_preemptions then]
+        self.prev = set()  # the requests of the last fill
+        inner_fill, inner_collect = ng.fill, self.fused.collect
+
+        def fill(plan, bucket):
+            self._expect(plan)
+            inner_fill(plan, bucket)
+            self._check_fill(plan)
+
+        def collect(launched, plan):
+            result = inner_collect(launched, plan)
+            self._check_collect(launched, plan, result)
+            return result
+        ng.fill, self.fused.collect = fill, collect
+
+    def _expect(self, plan):
+        width = self.ngram.width
+        for sr in plan.scheduled:
+            req = sr.request
+            n = min(req.num_tokens, width)
+            had = self.state.get(req.request_id)
+            self.naive += n
+            if had is None or had[1] != req.num_preemptions:
+                self.lower += n
+                self.upper += n
+            else:
+                lack = n - min(had[0], n)
+                self.lower += lack
+                self.upper += lack if req.request_id in self.prev else n
+            self.state[req.request_id] = [n, req.num_preemptions]
+        self.prev = {sr.request.request_id for sr in plan.scheduled}
+
+    def _check_fill(self, plan):
+        ng = self.ngram
+        self.fills += 1
+        for i, sr in enumerate(plan.scheduled):
+            tokens = sr.request.all_token_ids[:ng.width]
+            assert int(ng.lengths[i]) == len(tokens) == ng.held_len[i]
+            assert ng.history[i, :len(tokens)].tolist() == tokens, sr.request.request_id
+
+    def _check_collect(self, launched, plan, result):
+        if launched.prefill:
+            return
+        ng, q = self.ngram, launched.key[1]
+        self.steps += 1
+        emitted = (launched.host.numpy()[:, :q] >= 0).sum(axis=1)
+        by_id = {sr.request.request_id: sr.request for sr in plan.scheduled}
+        for i, rid in enumerate(launched.rows):
+            if rid in self.state:
+                self.state[rid][0] += int(emitted[i])
+            req = by_id.get(rid)
+            if req is None:  # ended in an earlier step of the chain
+                continue
+            tokens = (req.all_token_ids + result.outputs[rid].token_ids)[:ng.width]
+            assert ng.held_len[i] == len(tokens), (rid, ng.held_len[i], len(tokens))
+            assert ng.history[i, :len(tokens)].tolist() == tokens, rid
+            device_len = int(ng.lengths[i])
+            assert device_len == len(tokens) if self.exact else device_len >= len(tokens)
+
+    def check_uploads(self, exact: bool):
+        """The fills uploaded what the model allows (exactly its count: `exact`, where no row
+        is given away while its request runs), and far less than whole texts."""
+        got = self.ngram.uploaded_tokens
+        assert self.fills >= 3 and self.steps >= self.fills
+        assert self.lower <= got <= self.upper, (self.lower, got, self.upper)
+        if exact:
+            assert got == self.lower == self.upper
+        assert got < self.naive if self.fills < 10 else got * 3 < self.naive, (got, self.naive)
+
+
 CASES = [(3, {}), (2, {"prompt_lookup_min": 2}), (3, {"k_schedule": [[2, 3]]})]
 IDS = ["k3", "k2-min2", "k3-schedule"]
 
@@ -71,12 +170,13 @@ def test_device_ngram_chains_with_preemption(tiny_loaded, fake_graph_capture, k,
     plain = run_waves(tiny_loaded, waves(), GREEDY, **SMALL)
     host = run_waves(tiny_loaded, waves(), GREEDY, speculative_config=ngram(k, False, **opts),
                      **SMALL)
-    seen = []
+    seen, checks = [], []
     spec = ngram(k, True, check_fused_writes=True, **opts)
 
     def on_engine(engine):
         enable_graphs(engine, k)
         check_against_lookup(engine, spec.get("prompt_lookup_min", 1), 4, seen)
+        checks.append(HistoryCheck(engine, exact=False))
     device = run_waves(tiny_loaded, waves(), GREEDY, overlap=True, speculative_config=spec,
                        on_engine=on_engine, **SMALL)
     assert device.outputs == plain.outputs == host.outputs
@@ -93,6 +193,7 @@ def test_device_ngram_chains_with_preemption(tiny_loaded, fake_graph_capture, k,
     assert device.engine.kv.prefix_cache_hit_tokens > 0
     if "k_schedule" in opts:  # drafting went off and came back
         assert {key[2] for key in fused.table.greedy} == {0, k}
+    checks[0].check_uploads(exact=False)
 
 
 @pytest.mark.parametrize("k,opts", CASES[:2], ids=IDS[:2])
@@ -108,9 +209,13 @@ def test_device_ngram_equals_host_ngram_step_by_step(tiny_loaded, fake_graph_cap
                            speculative_config=ngram(k, False, **opts),
                            on_engine=lambda e: record_drafts(e, relaunch_drafts, graphs_k=k),
                            **roomy)
+    checks = []
+
+    def on_engine(engine):
+        record_drafts(engine, got_drafts, graphs_k=k)
+        checks.append(HistoryCheck(engine, exact=False))
     device = run_waves(tiny_loaded, waves(), GREEDY, overlap=True,
-                       speculative_config=ngram(k, True, **opts),
-                       on_engine=lambda e: record_drafts(e, got_drafts, graphs_k=k), **roomy)
+                       speculative_config=ngram(k, True, **opts), on_engine=on_engine, **roomy)
     assert device.outputs == host.outputs == relaunched.outputs
     assert device.stats["spec"] == host.stats["spec"] == relaunched.stats["spec"]
     assert device.stats["num_preemptions_total"] == 0
@@ -118,21 +223,26 @@ def test_device_ngram_equals_host_ngram_step_by_step(tiny_loaded, fake_graph_cap
     assert verified(got_drafts) == verified(want_drafts)
     assert device.engine.runner.fused.chained > 10
     assert relaunched.engine.runner.fused.relaunched > 10
+    checks[0].check_uploads(exact=True)
 
 
 def test_device_ngram_without_overlap_equals_host(tiny_loaded, fake_graph_capture):
     """Every step launched from the host (its history filled from the committed tokens)."""
-    want_drafts, got_drafts = [], []
+    want_drafts, got_drafts, checks = [], [], []
     host = run_waves(tiny_loaded, waves(), GREEDY, speculative_config=ngram(3, False),
                      on_engine=lambda e: record_drafts(e, want_drafts), **SMALL)
+
+    def on_engine(engine):
+        record_drafts(engine, got_drafts, graphs_k=3)
+        checks.append(HistoryCheck(engine, exact=True))
     device = run_waves(tiny_loaded, waves(), GREEDY, overlap=False,
-                       speculative_config=ngram(3, True),
-                       on_engine=lambda e: record_drafts(e, got_drafts, graphs_k=3), **SMALL)
+                       speculative_config=ngram(3, True), on_engine=on_engine, **SMALL)
     assert device.outputs == host.outputs
     assert device.stats["spec"] == host.stats["spec"]
     assert got_drafts == want_drafts
     fused = device.engine.runner.fused
     assert fused.replays > 20 and fused.chained == 0
+    checks[0].check_uploads(exact=device.stats["num_preemptions_total"] == 0)
 
 
 def test_a_step_chained_after_a_kd_0_graph_verifies_no_drafts(tiny_loaded, fake_graph_capture):
@@ -175,3 +285,67 @@ def test_ngram_device_option_errors():
         SpecConfig.from_dict(ngram(3, True, adaptive="cost"))
     with pytest.raises(ConfigError, match="'ngram_device' must be true or false"):
         SpecConfig.from_dict(ngram(3, "yes"))
+
+
+def fill_ngram(max_seqs: int = 4, width: int = 32) -> StepNgram:
+    return StepNgram(max_seqs, width, SimpleNamespace(prompt_lookup_min=1, prompt_lookup_max=4),
+                     torch.device("cpu"))
+
+
+def fill(ng: StepNgram, reqs: list, bucket: int) -> int:
+    """Fill rows [0, bucket) with reqs -> the tokens uploaded; every row then holds its
+    request's committed tokens."""
+    before = ng.uploaded_tokens
+    ng.fill(SimpleNamespace(scheduled=[SimpleNamespace(request=r) for r in reqs]), bucket)
+    for i, r in enumerate(reqs):
+        tokens = r.all_token_ids[:ng.width]
+        assert int(ng.lengths[i]) == len(tokens) == ng.held_len[i], r.request_id
+        assert ng.history[i, :len(tokens)].tolist() == tokens, r.request_id
+    assert not ng.lengths[len(reqs):bucket].any()
+    return ng.uploaded_tokens - before
+
+
+def graph_step(ng: StepNgram, reqs: list, bucket: int, emitted: list) -> None:
+    """A graph's append of each row's emitted tokens, its collect, and their commit."""
+    q = max(map(len, emitted))
+    packed = torch.full((bucket, q + 1), -1, dtype=torch.long)
+    for i, e in enumerate(emitted):
+        packed[i, :len(e)] = torch.tensor(e)
+    ng.advance(packed, q, bucket, torch.arange(bucket) < len(reqs))
+    ng.collected(packed.numpy(), q, len(reqs))
+    for r, e in zip(reqs, emitted):
+        r.output_token_ids += e
+        assert ng.held_len[reqs.index(r)] == int(ng.lengths[reqs.index(r)]) == r.num_tokens
+
+
+def test_fill_uploads_only_what_no_row_holds():
+    """Tails after the graph's appends and the general path's commits; rows moved, not
+    uploaded, when a batch's rows shift or swap; padding rows keep their tokens; a request
+    preempted since, or no longer held, uploaded whole; the context's width."""
+    def request(rid, n, base):
+        return Request(request_id=rid, prompt_token_ids=list(range(base, base + n)),
+                       sampling_params=SamplingParams())
+    ng = fill_ngram()
+    a, b, c = request("a", 5, 100), request("b", 3, 200), request("c", 4, 300)
+    assert fill(ng, [a, b], 2) == 8
+    graph_step(ng, [a, b], 2, [[7, 8], [9]])
+    graph_step(ng, [a, b], 2, [[5], [6, 4, 3]])
+    assert fill(ng, [a, b], 2) == 0  # the graphs appended what the host committed
+    a.output_token_ids += [1, 2, 3]  # the general path's steps (no graph)
+    assert fill(ng, [a, b], 2) == 3
+    assert ng.moved_rows == 0
+    assert fill(ng, [b, c], 2) == 4  # a ended: b moves up a row, c is new
+    assert ng.moved_rows == 1
+    graph_step(ng, [b, c], 2, [[11], [12, 13]])
+    assert fill(ng, [c, b], 2) == 0 and ng.moved_rows == 3  # swapped in place
+    assert fill(ng, [c], 1) == 0  # b's row is padding: it keeps b's tokens
+    b.output_token_ids += [14]
+    assert fill(ng, [c, b], 4) == 1 and ng.moved_rows == 3
+    b.num_preemptions += 1  # recomputed since: whole again
+    assert fill(ng, [c, b], 2) == b.num_tokens
+    d = request("d", 3, 400)
+    assert fill(ng, [d, b], 2) == 3  # d takes c's row
+    assert fill(ng, [d, b, c], 4) == c.num_tokens  # c's row was given away
+    e = request("e", 40, 500)  # longer than the history's width: its first 32 tokens
+    assert fill(ng, [e, d], 2) == 32
+    assert fill(ng, [e, d], 2) == 0 and int(ng.lengths[0]) == 32

@@ -296,3 +296,32 @@ def test_gpu_memory_utilization_near_1_leaves_the_activations_their_memory():
         free - headroom
     assert gpu_kv_budget(CacheConfig(gpu_memory_utilization=0.375), free, total,
                          headroom)[0] < 0  # 30 GiB share, 30 GiB in use
+
+
+def test_device_ngram_buffers_are_kept_out_of_the_pool():
+    """With ngram_device and graphs the headroom adds StepNgram's device bytes (its history
+    and counters as allocated, a fill's row moves, the lookup's temporaries at the largest
+    bucket), growing with max_num_seqs and the context; without either, a step's activations
+    alone."""
+    from outpace.engine.builder import kv_headroom
+    from outpace.kvcache.sizing import activation_bytes
+    from outpace.runner.fused_ngram import StepNgram
+    from outpace.speculative.ngram_device import lookup_bytes
+    from outpace.speculative_config import SpecConfig
+    on = SpecConfig(method="ngram", num_speculative_tokens=3, ngram_device=True)
+    off = SpecConfig(method="ngram", num_speculative_tokens=3)
+    seqs, ctx = 64, 8192
+    base = activation_bytes(MODEL, 1000, seqs * 4, 2)
+    assert kv_headroom(MODEL, off, 1000, seqs, ctx, 2, graphs=True) == base
+    assert kv_headroom(MODEL, on, 1000, seqs, ctx, 2, graphs=False) == base
+    assert kv_headroom(MODEL, SpecConfig(), 1000, seqs, ctx, 2, graphs=True) == \
+        activation_bytes(MODEL, 1000, seqs, 2)
+    extra = StepNgram.device_bytes(seqs, ctx)
+    assert kv_headroom(MODEL, on, 1000, seqs, ctx, 2, graphs=True) == base + extra
+    ng = StepNgram(seqs + 1, ctx, on, torch.device("cpu"))  # the runner's rows: one more
+    held = sum(t.nbytes for t in (ng.history, ng.lengths, ng.counts))
+    moves = 4 * seqs * (ctx + 1)  # every row of the largest bucket moved at once
+    assert extra >= held + moves + lookup_bytes(seqs, ctx)
+    assert extra < 2 * (held + moves + lookup_bytes(seqs, ctx))
+    assert StepNgram.device_bytes(seqs, 2 * ctx) > 1.9 * extra
+    assert StepNgram.device_bytes(2 * seqs, ctx) > 1.9 * extra

@@ -61,3 +61,20 @@ def test_draft_positions_stay_within_the_rope_tables():
     assert MAX_DRAFT_TOKENS <= POSITION_MARGIN
     with pytest.raises(ConfigError, match="num_speculative_tokens must be an integer in 1..16"):
         SpecConfig(method="ngram", num_speculative_tokens=MAX_DRAFT_TOKENS + 1)
+
+
+def test_prompt_lookup_max_is_bounded_with_ngram_device():
+    """The device lookup makes a pass over every row's history per n, in every step: with
+    ngram_device, prompt_lookup_max is at most NGRAM_DEVICE_MAX_N, the error naming both."""
+    from outpace.speculative_config import NGRAM_DEVICE_MAX_N
+    top = NGRAM_DEVICE_MAX_N
+    ngram = {"method": "ngram", "ngram_device": True}
+    assert SpecConfig.from_dict({**ngram, "prompt_lookup_max": top}).prompt_lookup_max == top
+    with pytest.raises(ConfigError, match=rf"'prompt_lookup_max' must be at most {top} with "
+                                          rf"'ngram_device': true .*got {top + 1}") as err:
+        SpecConfig.from_dict({**ngram, "prompt_lookup_max": top + 1})
+    assert err.value.option == "prompt_lookup_max"
+    assert top == 8
+    # on the host the lookup keeps an index: no bound there
+    assert SpecConfig.from_dict({"method": "ngram", "prompt_lookup_max": 64}).prompt_lookup_max \
+        == 64
