@@ -91,8 +91,9 @@ class PrefillGraphs:
     def tails_on(self) -> bool:
         """Whether a prefill is launched like a decode step (`launch`): where steps chain and
         the drafts are not the device n-gram's (its tail would need the history filled for
-        the prefill; its first decode step is launched from the host instead)."""
-        return self.step.chainable and self.step.ngram is None
+        the prefill; its first decode step is launched from the host instead), nor MTP depths
+        mode's window (its tail would need the window: its first decode step likewise)."""
+        return self.step.chainable and self.step.ngram is None and self.step.window is None
 
     @property
     def varlen_kd(self) -> int:

@@ -77,7 +77,8 @@ their (bucket, q, kd) is seen (never while a step is in flight: chained graphs e
 captured ahead). They share the GraphRunner's memory pool.
 
 The captured graphs and when each is captured are in runner/fused_graphs.py, the head's draft
-loop inside a graph in runner/fused_draft_loop.py, the prefill's graphs around the fused step (a
+loop inside a graph in runner/fused_draft_loop.py, MTP depths mode's window (in place of a
+draft loop; its stash on the device) in runner/fused_depths_window.py, the prefill's graphs around the fused step (a
 head's pass and drafts after a prefill graph, a greedy prefill launched like a decode step) in
 runner/fused_prefill.py, what its sampled graphs stage and compute in runner/fused_sampling.py,
 the penalties' tables in runner/fused_penalties.py, and the output's copies and the StepResult
@@ -98,6 +99,7 @@ from outpace.attention.base import AttentionMetadata, ForwardContext
 from outpace.kernels.argmax import argmax_rows
 from outpace.runner.chained_tables import ChainedTables
 from outpace.runner.write_check import WriteCheck
+from outpace.runner.fused_depths_window import DepthsWindow
 from outpace.runner.fused_draft_loop import DraftLoop
 from outpace.runner.fused_graphs import GraphTable
 from outpace.runner.fused_ngram import StepNgram
@@ -108,6 +110,7 @@ from outpace.runner.fused_sampling import StepSampling
 from outpace.runner.graph_mode import GREEDY, MODES, GraphMode, graph_mode
 from outpace.runner.step_bookkeeping import accept, chained_inputs
 from outpace.speculative.head_proposer import HeadProposer
+from outpace.speculative.mtp_window import MTPWindowProposer
 from outpace.types import StepResult
 
 
@@ -158,6 +161,17 @@ class FusedStep:
                      and proposer.supports_device_drafting else None)
         dev = runner.device
         m = self.inputs.max_seqs
+        # MTP depths mode's window (fused_depths_window.py), where every verify length fits
+        # its rows; with the enhancer, the general path
+        self.window = None
+        if isinstance(proposer, MTPWindowProposer) and proposer.enhancer is None \
+                and max(runner.graphs.q_lens) <= proposer.depth + 1:
+            dtype = getattr(self.model, "dtype", None) or next(self.model.parameters()).dtype
+            self.window = DepthsWindow(proposer, self.backend, self.block_size, m,
+                                       runner.model_cfg.hidden_size, dtype, dev)
+        # the head whose policy, counters and draft plane the graphs' drafting follows
+        self.drafter = self.head if self.head is not None else (
+            proposer if self.window is not None else None)
         self.ngram = (StepNgram(m, runner.max_model_len, proposer.spec, dev)
                       if proposer is not None and proposer.spec.ngram_device else None)
         self.host_drafter = proposer if proposer is not None and not proposer.num_kv_layers \
@@ -198,7 +212,7 @@ class FusedStep:
         # Host seconds summed over steps (benchmarks read it): copying inputs and launching,
         # waiting for the output copy, turning it into the StepResult.
         self.timing = {"launch_s": 0.0, "wait_s": 0.0, "unpack_s": 0.0}
-        self.output = StepOutput(self.runner, self.head, self.host_drafter,
+        self.output = StepOutput(self.runner, self.drafter, self.host_drafter,
                                  device_ngram=self.ngram is not None)
         # testing only (SpecConfig.check_fused_writes): every step's writes checked against
         # the blocks reserved for its requests; the draft loop's positions and slots per
@@ -217,30 +231,34 @@ class FusedStep:
 
     @property
     def device_drafts(self) -> bool:
-        """Whether the graphs draft: a head's loop, or the device n-gram lookup."""
-        return self.head is not None or self.ngram is not None
+        """Whether the graphs draft: a head's loop, MTP depths mode's window, or the device
+        n-gram lookup."""
+        return self.drafter is not None or self.ngram is not None
 
     @property
     def policy(self):
         """The draft-length policy of the drafter in the graphs; None when none drafts there."""
-        if self.head is not None:
-            return self.head.policy
+        if self.drafter is not None:
+            return self.drafter.policy
         return self.runner.proposer.policy if self.ngram is not None else None
 
     @property
     def follows_choice(self) -> bool:
         """Whether the graphs' draft loop follows the cost model's choice (module docstring)."""
-        return self.head is not None and self.head.policy.cost_model is not None
+        return self.drafter is not None and self.drafter.policy.cost_model is not None
 
     # ---- eligibility ----------------------------------------------------------------------
     def accepts(self, plan) -> bool:
         """Whether decode steps run here (plan: any decode step; the answer is the engine's)."""
         proposer = self.runner.proposer
         if proposer is not None and not self.device_drafts and self.host_drafter is None:
-            return False  # a head that can't draft on the device (enhancer, MTP depths mode)
-        if plan is not None and self.head is not None and self.head.work.skipped_rows \
+            return False  # a head that can't draft on the device (the suffix enhancer)
+        if plan is not None and self.drafter is not None and self.drafter.work.skipped_rows \
                 and self._resumes_drafting(plan):
             return False
+        if plan is not None and self.window is not None and any(
+                sr.request.num_tokens <= self.window.K for sr in plan.scheduled):
+            return False  # the window's rows would start below position 0
         return self.runner.sampling.relaxed is None
 
     def _resumes_drafting(self, plan) -> bool:
@@ -320,7 +338,7 @@ class FusedStep:
         `after` (its plan, or the Launched step it chains from), made once (DraftChoice)."""
         kept = self._choice
         if kept is None or kept[0] is not after:
-            kept = self._choice = (after, rids, self.head.policy.choose(rids, batch_size))
+            kept = self._choice = (after, rids, self.drafter.policy.choose(rids, batch_size))
         return kept[2]
 
     def choose_next(self, plan) -> Optional[dict]:
@@ -339,7 +357,7 @@ class FusedStep:
         if kept is None or kept[0] is not after:  # pragma: no cover - launch_kd, chained_kd
             raise RuntimeError("a fused step launched without its draft-length choice")
         _, rids, choice = kept
-        return dict(zip(rids, self.head.policy.commit(choice)))
+        return dict(zip(rids, self.drafter.policy.commit(choice)))
 
     # ---- the step: launch, chain, collect ----------------------------------------------------
     def execute(self, plan, hb, q: int) -> StepResult:
@@ -354,8 +372,12 @@ class FusedStep:
         mode = graph_mode(sr.request.sampling_params for sr in plan.scheduled)
         table = self.table.by_mode[mode]
         if key not in table:
+            if self.window is not None:  # capturing writes the stash's rows
+                self.window.stage([], 0, pull_all=True)
             self.table.capture_later(key, mode)
         t0 = time.perf_counter()
+        if self.window is not None:
+            self.window.stage([sr.request for sr in plan.scheduled], bucket)
         nd = np.zeros(bucket, np.int64)
         nd[:b] = [len(sr.draft_token_ids) for sr in plan.scheduled]
         extra = [(self.num_drafts, nd), (self.real, np.arange(bucket) < b)]
@@ -449,7 +471,7 @@ class FusedStep:
             logprobs = launched.host_logprobs.numpy()[order]  # sync-ok: waited for above
         _, q, kd, _ = launched.key
         # a decode graph of kd = 0 runs no head work (compute); a prefill's tail always does
-        skipped = self.head is not None and kd == 0 and not launched.prefill
+        skipped = self.drafter is not None and kd == 0 and not launched.prefill
         if self.ngram is not None:
             packed = launched.host.numpy()  # sync-ok: host memory, waited for above
             if not launched.prefill:  # the graph appended each row's emitted tokens
@@ -467,6 +489,11 @@ class FusedStep:
             work = self.head.work
             work.first_pass_rows += plan.num_tokens
             work.loop_rows += (kd - 1) * len(plan.scheduled)
+        if self.window is not None and kd > 0:  # the stash the graph left, on the host's books
+            self.window.drafter_work(len(plan.scheduled))
+            rows = out.tolist()  # sync-ok: numpy, already on the host
+            self.window.kept([sr.request for sr in plan.scheduled], order,
+                             [(r[q], r[q + 1:]) for r in rows])
         self.replays += 1
         self.kd_steps[kd] = self.kd_steps.get(kd, 0) + 1
         self.mode_steps[launched.mode] += 1
@@ -559,6 +586,11 @@ class FusedStep:
         next_ids, last_rows, first = accept(target, ids, self.num_drafts[:bucket], pos, q,
                                             packed, u, mean or 0.0,
                                             head=self.head is not None, carry=carry)
+        if self.window is not None and kd > 0:
+            outs = (packed[:, q + 1:],) + ((self.carry_tokens[:bucket, 1:1 + kd],)
+                                           if self.chainable else ())
+            self.window.run(hidden, packed[:, :q], packed[:, q], pos, self.real[:bucket],
+                            buf.block_tables[:bucket], q, kd, outs)
         if mode.penalties:  # what the next step's penalties read (fused_penalties.py)
             self.penalties.count_emitted(packed, q, bucket)
         if raw is not None:

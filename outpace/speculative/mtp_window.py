@@ -65,7 +65,9 @@ class RequestStash:
 
     start: int  # first position held in `hidden`
     end: int  # e of the step that wrote it: hidden holds positions start..end-1
-    hidden: torch.Tensor  # [end - start, H] target hiddens (h^0)
+    # [end - start, H] target hiddens (h^0); None: still in the fused graphs' device stash
+    # (runner/fused_depths_window.py), copied here when this window next reads it
+    hidden: object
     frontier: int  # committed length f of that step
     fed: object  # [int] drafts fed as the tokens at f, f+1, ...; None: filler (mid-prompt)
     preemptions: int  # req.num_preemptions then: a preemption invalidates the stash
@@ -95,7 +97,8 @@ class _Window:
 class MTPWindowProposer(HeadProposer):
     """D-module MTP head, depth d = module d, drafts k <= K = num_speculative_tokens <= D."""
 
-    supports_device_drafting = False  # the window and stash live on the host
+    # not a chain: the fused graphs run this window as a part of their own (DepthsWindow)
+    supports_device_drafting = False
 
     def __init__(self, spec, policy, target, head):
         super().__init__(policy, target, spec)
@@ -112,6 +115,9 @@ class MTPWindowProposer(HeadProposer):
         # Module d writes slot first_layer_slot + d; only modules 0..K-1 ever run.
         self.num_kv_layers = self.depth
         self.stash: dict = {}  # request_id -> RequestStash
+        # the fused graphs' stash (runner/fused_depths_window.DepthsWindow, which sets it):
+        # pull(request_id, start, end), forget(request_id)
+        self.device_stash = None
 
     def bind(self, runner) -> None:
         self.runner = weakref.proxy(runner)  # (see HeadProposer.bind)
@@ -128,6 +134,8 @@ class MTPWindowProposer(HeadProposer):
     def finish(self, request_id: str) -> None:
         super().finish(request_id)
         self.stash.pop(request_id, None)
+        if self.device_stash is not None:
+            self.device_stash.forget(request_id)
 
     # ---- geometry (host) ------------------------------------------------------------------
     def _window_start(self, req, committed: list, s: int, e: int) -> int:
@@ -168,6 +176,8 @@ class MTPWindowProposer(HeadProposer):
             win.host_rows.append((np.zeros(w, dtype=np.int64), lo, batch.block_ids[i], []))
             if lo < s:
                 st = self.stash[req.request_id]
+                if st.hidden is None:  # left by a fused step: a copy from the device stash
+                    st.hidden = self.device_stash.pull(req.request_id, st.start, st.end)
                 win.from_stash[0].extend(range(rows_so_far, rows_so_far + s - lo))
                 win.from_stash[1].extend(range(stash_at + lo - st.start, stash_at + s - st.start))
                 win.stashes.append(st)
@@ -276,3 +286,6 @@ class MTPWindowProposer(HeadProposer):
                 frontier=len(batch.committed[i]), fed=fed.get(i),
                 preemptions=req.num_preemptions)
         self.stash.update(new)  # all requests' or none
+        if self.device_stash is not None:  # the device's copies of these are stale now
+            for rid in new:
+                self.device_stash.forget(rid)

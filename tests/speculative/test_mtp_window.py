@@ -334,8 +334,9 @@ def test_k_larger_than_block_size_is_refused(tiny_loaded, head_dirs):
 
 def test_padded_graph_steps(targets, head_dirs, monkeypatch):
     """Decode/verify steps padded to a captured query length and batch bucket (CUDA graphs;
-    on CPU a stand-in re-runs the captured function on replay): rows past a request's real
-    tokens must not shift its window. Output and draft plane as in eager mode."""
+    on CPU a stand-in re-runs the captured function on replay), which run the fused step's
+    window (runner/fused_depths_window.py): padding rows must not shift a request's window.
+    Output and draft plane as in eager mode."""
     from outpace.runner.cuda_graph import GraphRunner
     from tests.engine_helpers import make_engine, run_batch
 
@@ -363,10 +364,12 @@ def test_padded_graph_steps(targets, head_dirs, monkeypatch):
                       speculative_config=spec_config(head_dirs["bigram", 3], 3, False))
     eng.runner.enable_cuda_graphs((1, 2, 3, 4))
     oracle = PlaneOracle(eng, loaded)
-    replays = []
-    inner = eng.runner.graphs.run
-    eng.runner.graphs.run = lambda hb: (replays.append(len(hb.seq_lens)), inner(hb))[1]
+    padded = []  # (requests, bucket) of each fused step launched from the host
+    inner = eng.runner.fused.launch
+    eng.runner.fused.launch = lambda plan, hb, q: (
+        lambda out: (padded.append((len(plan.scheduled), out.key[0])), out)[1])(
+            inner(plan, hb, q))
     assert run_batch(eng, prompts, GREEDY) == want
-    assert 3 in replays, "no padded batch went through a graph"
+    assert (3, 4) in padded, "no padded batch went through a graph"
     assert eng.stats()["spec"]["num_accepted_tokens"] > 0
     assert not oracle.kv_errors and not oracle.stash_errors, oracle.kv_errors[:3]
