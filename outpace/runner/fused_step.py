@@ -78,7 +78,8 @@ captured ahead). They share the GraphRunner's memory pool.
 
 The captured graphs and when each is captured are in runner/fused_graphs.py, the head's draft
 loop inside a graph in runner/fused_draft_loop.py, MTP depths mode's window (in place of a
-draft loop; its stash on the device) in runner/fused_depths_window.py, the prefill's graphs around the fused step (a
+draft loop; its stash on the device) in runner/fused_depths_window.py, the device n-gram's
+history and lookup in runner/fused_ngram.py, the prefill's graphs around the fused step (a
 head's pass and drafts after a prefill graph, a greedy prefill launched like a decode step) in
 runner/fused_prefill.py, what its sampled graphs stage and compute in runner/fused_sampling.py,
 the penalties' tables in runner/fused_penalties.py, and the output's copies and the StepResult
@@ -477,7 +478,8 @@ class FusedStep:
             if not launched.prefill:  # the graph appended each row's emitted tokens
                 self.ngram.collected(packed, q, len(launched.rows))
             if kd > 0:  # what a step chained from this one verifies, in launched.rows order
-                launched.next_drafts = (packed[:, q + 1:] >= 0).sum(axis=1).tolist()
+                drafted = packed[:, q + 1:] >= 0
+                launched.next_drafts = drafted.sum(axis=1).tolist()  # sync-ok: numpy
         next_k = None
         if launched.next_k is not None:
             next_k = [launched.next_k[sr.request.request_id] for sr in plan.scheduled]

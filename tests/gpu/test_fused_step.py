@@ -63,12 +63,10 @@ INT8 = {"draft_lm_head_dtype": "int8"}  # drafts from an int8 copy of the draft 
 REPLAY_CASES = [(m, k, {}) for m, k in CASES] + [("eagle3", 3, INT8), ("mtp", 2, INT8)]
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
-@pytest.mark.parametrize("method,k,opts", REPLAY_CASES,
-                         ids=[f"{m}-k{k}{'-int8' if o else ''}" for m, k, o in REPLAY_CASES])
-def test_graph_replay_equals_eager(cuda_loaded, cuda_heads, method, k, opts, overlap):
-    spec = spec_for(cuda_heads, method, k, **opts)
-    prompts = repetitive_prompts(5, 11)  # 5 requests: bucket 8, 3 padded rows
+def replayed_as_eager(cuda_loaded, spec, overlap):
+    """The graphed engine and the eager one after the same five prompts (bucket 8, 3 padded
+    rows): the same tokens and the same drafts, more than 20 fused replays -> (graphed, eager)."""
+    prompts = repetitive_prompts(5, 11)
     eager = gpu_engine(cuda_loaded, spec, eager=True)
     want_drafts = record_drafts(eager)
     want = run_batch(eager, prompts, GREEDY)
@@ -78,6 +76,15 @@ def test_graph_replay_equals_eager(cuda_loaded, cuda_heads, method, k, opts, ove
     assert got == want
     assert got_drafts == want_drafts
     assert graphed.runner.fused.replays > 20
+    return graphed, eager
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+@pytest.mark.parametrize("method,k,opts", REPLAY_CASES,
+                         ids=[f"{m}-k{k}{'-int8' if o else ''}" for m, k, o in REPLAY_CASES])
+def test_graph_replay_equals_eager(cuda_loaded, cuda_heads, method, k, opts, overlap):
+    graphed, eager = replayed_as_eager(cuda_loaded, spec_for(cuda_heads, method, k, **opts),
+                                       overlap)
     # the five prompts' prefill step: several requests, a varlen graph (and the head's graph)
     assert graphed.runner.graphs.varlen_replays >= 1
     assert graphed.runner.fused.prefill.varlen_head_replays >= (method in ("eagle3", "mtp"))
