@@ -387,7 +387,7 @@ def time_fused_graphs(eng, batches, k, reps=50, mode=None) -> dict:
     proposer = eng.runner.proposer
     for b in batches:
         kb = proposer.policy.base_k(b) if proposer is not None and k else 0
-        kd = fused.draft_steps(b)
+        kd = fused.lengths.draft_steps(b)
         graphs = fused_graphs(eng, mode)
         key = next((key for key in ((b, kb + 1, kd, True), (b, kb + 1, kd, False))
                     if key in graphs), None)

@@ -170,7 +170,7 @@ class LLMEngine:
         isn't known without them or it would serve nobody: a request waits to be admitted,
         a request may reach the end of its context (its drafts would be trimmed), every
         request may reach max_tokens in `launched`, the draft length may change (adaptive k,
-        another batch size, the cost model's choice of several lengths: FusedStep.chained_kd,
+        another batch size, the cost model's choice of several lengths: StepDraftLengths.chained_kd,
         which also gives the chained step's own draft-loop length), or its blocks can't be
         reserved ahead.
 

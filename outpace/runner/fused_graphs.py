@@ -31,7 +31,7 @@ class GraphTable:
         step, q_lens = self.step, self.step.graphs.q_lens
         keys = []
         if step.chainable and step.next_q(kd) in q_lens:
-            loops = (kd, 0) if step.follows_choice and kd else (kd,)
+            loops = (kd, 0) if step.lengths.follows_choice and kd else (kd,)
             keys += [(bucket, step.next_q(kd), k, True) for k in loops]
         if step.relaunchable:
             keys += [(bucket, q, 0, True) for q in q_lens]
@@ -39,12 +39,13 @@ class GraphTable:
 
     def capture_common(self) -> None:
         """Capture ahead what steady decoding uses: every bucket x every verify length, with
-        the draft-loop length such a steady step runs (FusedStep.steady_kd: the policy's k for
-        that bucket, or under the cost model one draft fewer than the verify length), and the
-        steps that follow. Others are captured when first seen."""
+        the draft-loop length such a steady step runs (StepDraftLengths.steady_kd: the policy's
+        k for that bucket, or under the cost model one draft fewer than the verify length), and
+        the steps that follow. Others are captured when first seen."""
         step = self.step
         for bucket in reversed(step.graphs.buckets):
-            keys = [(bucket, q, step.steady_kd(bucket, q), False) for q in step.graphs.q_lens]
+            keys = [(bucket, q, step.lengths.steady_kd(bucket, q), False)
+                    for q in step.graphs.q_lens]
             for kd in sorted({key[2] for key in keys}, reverse=True):
                 keys += self.successors(bucket, kd)
             for key in keys:
@@ -58,7 +59,7 @@ class GraphTable:
         in flight), with the steps that follow it for a mode not captured at start-up
         (penalties, logprobs), or a draft-loop length the cost model chose that start-up did
         not capture."""
-        if mode in BASE_MODES and not self.step.follows_choice:
+        if mode in BASE_MODES and not self.step.lengths.follows_choice:
             self.by_mode[mode][key] = self.capture(*key, mode=mode)
             return
         if mode.penalties:
@@ -79,13 +80,13 @@ class GraphTable:
 
     def dummy_step(self, bucket: int, q: int):
         """The greedy graph a steady decode step of `bucket` rows of q tokens replays (its
-        draft loop: FusedStep.steady_kd), with a dummy batch staged for it, as a function that
-        replays it; None where the fused step doesn't serve such steps or the graph is not
+        draft loop: StepDraftLengths.steady_kd), with a dummy batch staged for it, as a function
+        that replays it; None where the fused step doesn't serve such steps or the graph is not
         captured. Start-up timing (runner/step_timing.py) replays it; nothing is in flight."""
         step = self.step
         if not step.accepts(None):
             return None
-        entry = self.greedy.get((bucket, q, step.steady_kd(bucket, q), False))
+        entry = self.greedy.get((bucket, q, step.lengths.steady_kd(bucket, q), False))
         if entry is None:
             return None
         step.fill_dummy(bucket, q)

@@ -74,10 +74,10 @@ class PrefillGraphs:
         start-up only: capturing fills the input buffers with a dummy batch, which would
         clobber a prefill step's inputs in between its two graphs."""
         for q in self.step.graphs.prefill_graphs:
-            for kd in sorted({0, self.step.draft_steps(1)}) if self.step.head is not None else ():
+            for kd in sorted({0, self.step.lengths.draft_steps(1)}) if self.step.head is not None else ():
                 if (q, kd) not in self.heads:
                     self.heads[(q, kd)] = self._capture_head(q, kd)
-            kd = self.step.draft_steps(1)
+            kd = self.step.lengths.draft_steps(1)
             for mode in BASE_MODES if self.tails_on else ():
                 if (mode, q, kd) not in self.tails:
                     self.tails[(mode, q, kd)] = self._capture_head(
@@ -99,7 +99,7 @@ class PrefillGraphs:
     def varlen_kd(self) -> int:
         """The varlen head graphs' draft-loop length: the most any batch size drafts (a
         request's own k is a prefix of it)."""
-        return max(self.step.draft_steps(b) for b in (1, *self.step.graphs.buckets))
+        return max(self.step.lengths.draft_steps(b) for b in (1, *self.step.graphs.buckets))
 
     @torch.inference_mode()
     def drafts(self, q: int, next_ids: np.ndarray, last_row: int, k: int,
@@ -111,7 +111,7 @@ class PrefillGraphs:
         alone). -> the drafts, or None when no graph fits (the caller runs the head eagerly).
         The loop runs kd >= k steps; past k its positions may pass the context's end, which
         the rope tables' margin covers (models/rotary.py)."""
-        kd = self.step.draft_steps(batch_size) if k > 0 else 0
+        kd = self.step.lengths.draft_steps(batch_size) if k > 0 else 0
         entry = self.heads.get((q, kd))
         if entry is None or kd < k:
             return None
@@ -244,7 +244,7 @@ class PrefillGraphs:
         mode = graph_mode([sr.request.sampling_params])
         if mode not in BASE_MODES:  # penalties or logprobs: a tail captured when needed
             return sr.sample and self.tails_on and q in self.step.graphs.prefill_graphs
-        return sr.sample and (mode, q, self.step.draft_steps(plan.draft_batch_size)) \
+        return sr.sample and (mode, q, self.step.lengths.draft_steps(plan.draft_batch_size)) \
             in self.tails
 
     @torch.inference_mode()
@@ -255,7 +255,7 @@ class PrefillGraphs:
         output reads as a decode step's of one token (collect); a sampled request's chained
         steps replay its family's graphs with the sampling staged here."""
         t0 = time.perf_counter()
-        kd = self.step.draft_steps(plan.draft_batch_size)
+        kd = self.step.lengths.draft_steps(plan.draft_batch_size)
         n = plan.scheduled[0].num_new_tokens
         mode = graph_mode([plan.scheduled[0].request.sampling_params])
         if mode not in BASE_MODES and (mode, q, kd) not in self.tails:
@@ -282,6 +282,6 @@ class PrefillGraphs:
                                 entry=self.tails[(mode, q, kd)], prefill=True)
         launched.mode = mode
         # under the cost model the first decode step's draft lengths (the tail drafts kd)
-        launched.next_k = self.step.choose_next(plan)
+        launched.next_k = self.step.lengths.choose_next(plan)
         return launched
 

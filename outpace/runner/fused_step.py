@@ -39,8 +39,8 @@ in the graph instead, over a device history of each row's committed tokens
 (runner/fused_ngram.py): its drafts land in the packed output (-1 past a row's count) and the
 carry as a head's do, and its steps chain.
 
-kd is the policy's k for the batch size (`draft_steps`), or under the draft-length cost model
-(`"adaptive": "cost"`) the cost model's choice: the drafts a graph makes are verified by the
+kd (runner/fused_draft_length.py) is the policy's k for the batch size (`draft_steps`), or
+under the draft-length cost model (`"adaptive": "cost"`) the cost model's choice: the drafts a graph makes are verified by the
 NEXT step, so when a step is launched (from the host, or chained) the cost model chooses the
 next step's draft lengths, the graph's loop runs the longest of them (`launch_kd`,
 `chained_kd`; 0: the graph runs no head), and the step's collect trims each request's drafts to
@@ -102,6 +102,7 @@ from outpace.runner.chained_tables import ChainedTables
 from outpace.runner.write_check import WriteCheck
 from outpace.runner.fused_depths_window import DepthsWindow
 from outpace.runner.fused_draft_loop import DraftLoop
+from outpace.runner.fused_draft_length import StepDraftLengths
 from outpace.runner.fused_graphs import GraphTable
 from outpace.runner.fused_ngram import StepNgram
 from outpace.runner.fused_output import StepOutput
@@ -142,6 +143,7 @@ class Launched:
 
 class FusedStep:
     """The fused step, composed of parts that own their state: `table` (the captured graphs),
+    `lengths` (each launch's draft-loop length, the cost model's choice),
     `draft_loop` (the head's part of a graph), `sampling` (what a sampled graph stages and
     draws), `penalties` (the penalty tables), `ngram` (the device n-gram lookup's history, with
     `"ngram_device": true`), `output` (host copies, StepResults) and `prefill` (the graphs
@@ -202,6 +204,7 @@ class FusedStep:
         # u in [0, 1), so zeros do and the graph skips a random-number kernel that real
         # verification doesn't have.
         self.zero_draws = torch.zeros(m, device=dev)
+        self.lengths = StepDraftLengths(weakref.proxy(self))
         self.table = GraphTable(weakref.proxy(self))
         self.prefill = PrefillGraphs(weakref.proxy(self))
         self._tables = ChainedTables(self.inputs.max_blocks)
@@ -222,9 +225,6 @@ class FusedStep:
                             and proposer.spec.check_fused_writes else None)
         self._loop_slots: dict = {}
         self.kd_steps: dict = {}  # decode steps served per draft-loop length kd (tests read it)
-        # the cost model's choice for the step about to launch, made once and kept until then:
-        # (the plan or the Launched step it follows, request ids, DraftChoice)
-        self._choice = None
 
     def next_q(self, kd: int) -> int:
         """Query length of the step after one that drafted kd tokens on the device."""
@@ -242,11 +242,6 @@ class FusedStep:
         if self.drafter is not None:
             return self.drafter.policy
         return self.runner.proposer.policy if self.ngram is not None else None
-
-    @property
-    def follows_choice(self) -> bool:
-        """Whether the graphs' draft loop follows the cost model's choice (module docstring)."""
-        return self.drafter is not None and self.drafter.policy.cost_model is not None
 
     # ---- eligibility ----------------------------------------------------------------------
     def accepts(self, plan) -> bool:
@@ -275,90 +270,8 @@ class FusedStep:
             mark = req.num_draft_exact_tokens
             if (sr.num_computed_tokens > mark and req.draft_repair_mark != mark
                     and sr.num_computed_tokens < req.max_model_len - 2):
-                return self.launch_kd(plan) > 0
+                return self.lengths.launch_kd(plan) > 0
         return False
-
-    def draft_steps(self, batch_size: int) -> int:
-        """Draft-loop length in the graph: the policy's k for this batch size (a plan's
-        draft_batch_size; an upper bound of every request's own k, which the host trims to).
-        Under the cost model the bound of its choice (launch_kd)."""
-        if not self.device_drafts:
-            return 0
-        return self.policy.base_k(batch_size)
-
-    def steady_kd(self, bucket: int, q: int) -> int:
-        """The draft-loop length of the graph a steady decode step of q rows a request runs:
-        the policy's k, or under the cost model q - 1 (the next step drafts as many as this
-        one verifies), within the bound. Captured at start-up and timed for the step-time
-        table (runner/step_timing.py: the table's (bucket, q) is the cost of choosing q - 1)."""
-        kd = self.draft_steps(bucket)
-        return min(q - 1, kd) if self.follows_choice else kd
-
-    def launch_kd(self, plan) -> int:
-        """The draft-loop length of plan's graph launched from the host: draft_steps, or under
-        the cost model the longest draft it chooses for the next step (chosen once for plan,
-        counted when the graph launches)."""
-        if not self.follows_choice:
-            return self.draft_steps(plan.draft_batch_size)
-        rids = [sr.request.request_id for sr in plan.scheduled]
-        return max(self._next_choice(plan, rids, plan.draft_batch_size).lengths, default=0)
-
-    def chained_kd(self, prev: Launched, plan) -> Optional[int]:
-        """The draft-loop length of the step chained after `prev` (plan: prev's plan, its
-        requests still running), or None when it can't be chained: prev's drafts are not kd for
-        every request (a per-request policy, another k at this batch size, a cost-model choice
-        of several lengths or one other than kd: the device's next step verifies kd drafts of
-        every row), the next choice is not one length, it would draft after a kd = 0 step (the
-        skipped plane entries: the general path repairs them), or its graph was not captured
-        ahead (capturing now would clobber the step in flight)."""
-        if not self.chainable:
-            return None
-        bucket, _, kd, _ = prev.key
-        batch_size = plan.draft_batch_size
-        if self.follows_choice:
-            rids = [sr.request.request_id for sr in plan.scheduled]
-            if prev.next_k is None or any(prev.next_k[r] != kd for r in rids):
-                return None
-            lengths = set(self._next_choice(prev, rids, batch_size).lengths)
-            if len(lengths) != 1:
-                return None
-            kd_next = lengths.pop()
-            if kd_next > 0 and kd == 0 and not prev.prefill:
-                return None
-        else:
-            policy = self.policy
-            if policy is not None and (policy.adaptive or policy.base_k(batch_size) != kd):
-                return None
-            kd_next = kd
-        if (bucket, self.next_q(kd), kd_next, True) not in self.table.by_mode[prev.mode]:
-            return None
-        return kd_next
-
-    def _next_choice(self, after, rids: list, batch_size: int):
-        """The cost model's choice of the next step's draft lengths for the step that follows
-        `after` (its plan, or the Launched step it chains from), made once (DraftChoice)."""
-        kept = self._choice
-        if kept is None or kept[0] is not after:
-            kept = self._choice = (after, rids, self.drafter.policy.choose(rids, batch_size))
-        return kept[2]
-
-    def choose_next(self, plan) -> Optional[dict]:
-        """Under the cost model, the next step's draft lengths for plan's requests (the choice
-        launch_kd made, or made now), counted: a Launched step's next_k. None otherwise."""
-        if not self.follows_choice:
-            return None
-        self.launch_kd(plan)
-        return self._take_choice(plan)
-
-    def _take_choice(self, after) -> Optional[dict]:
-        """The choice made for `after`, counted now that its graph launches -> next_k."""
-        if not self.follows_choice:
-            return None
-        kept, self._choice = self._choice, None
-        if kept is None or kept[0] is not after:  # pragma: no cover - launch_kd, chained_kd
-            raise RuntimeError("a fused step launched without its draft-length choice")
-        _, rids, choice = kept
-        return dict(zip(rids, self.drafter.policy.commit(choice)))
 
     # ---- the step: launch, chain, collect ----------------------------------------------------
     def execute(self, plan, hb, q: int) -> StepResult:
@@ -369,7 +282,7 @@ class FusedStep:
         """Copy the step's inputs in and launch its graph; nothing is waited for."""
         b = len(plan.scheduled)
         bucket = self.graphs.bucket_for(b)
-        key = (bucket, q, self.launch_kd(plan), False)
+        key = (bucket, q, self.lengths.launch_kd(plan), False)
         mode = graph_mode(sr.request.sampling_params for sr in plan.scheduled)
         table = self.table.by_mode[mode]
         if key not in table:
@@ -391,7 +304,7 @@ class FusedStep:
         rows = [sr.request.request_id for sr in plan.scheduled]
         launched = self._replay(key, rows, t0, entry=table[key])
         launched.mode = mode
-        launched.next_k = self._take_choice(plan)
+        launched.next_k = self.lengths.take(plan)
         self._check_writes(launched, [sr.block_ids for sr in plan.scheduled])
         return launched
 
@@ -411,7 +324,7 @@ class FusedStep:
         self.chained += 1
         launched = self._replay(key, prev.rows, t0, entry=table[key], chained=True)
         launched.mode = prev.mode
-        launched.next_k = self._take_choice(prev)
+        launched.next_k = self.lengths.take(prev)
         self._check_writes(launched, block_tables, chained=True)
         return launched
 

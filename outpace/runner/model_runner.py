@@ -196,7 +196,7 @@ class ModelRunner:
         return self.fused.prefill.launch(plan, self._host_batch(plan, q), q)
 
     def chained_kd(self, launched, plan: StepPlan) -> Optional[int]:
-        return self.fused.chained_kd(launched, plan)
+        return self.fused.lengths.chained_kd(launched, plan)
 
     @_under_kernel_options
     def chain(self, launched, block_tables: list, kd_next: int):

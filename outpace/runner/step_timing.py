@@ -6,7 +6,7 @@ each is replayed over a dummy batch that writes nowhere (the graphs' capture bat
 the fastest of REPS replays after one untimed (the fastest: other work on the machine only ever
 adds time). Where decode steps run as the fused step the graph timed is the fused one (target,
 verify and the head's draft loop): the one a steady step of that length runs
-(FusedStep.steady_kd): under the cost model the loop drafts q - 1 tokens (the graph's loop
+(StepDraftLengths.steady_kd): under the cost model the loop drafts q - 1 tokens (the graph's loop
 follows the choice, so the entry of q is the cost of choosing q - 1 drafts, q = 1 running no
 head at all); otherwise the target's, and a head drafting outside the graph adds an eager draft
 loop the table leaves out.

@@ -521,24 +521,26 @@ def test_graph_switches_with_forced_acceptance(tiny_loaded, tiny_heads, fake_gra
 
 
 def test_a_chained_step_keeps_one_length_and_never_drafts_after_a_skip():
-    """FusedStep.chained_kd under the cost model: the chained step verifies the drafts prev
+    """StepDraftLengths.chained_kd under the cost model: the chained step verifies the drafts prev
     made for every row, so prev's choice must be kd for each; its own loop is the next
     choice when that is one length whose graph exists, and never > 0 right after a kd = 0
     decode step (whose skipped plane entries the general path repairs first)."""
     from types import SimpleNamespace as NS
 
-    from outpace.runner.fused_step import FusedStep, Launched
+    from outpace.runner.fused_draft_length import StepDraftLengths
+    from outpace.runner.fused_step import Launched
     from outpace.runner.graph_mode import GREEDY as GREEDY_MODE
 
     def chained_kd(prev_kd, prev_next, choice, prefill=False, captured=None):
         captured = captured or {(1, prev_kd + 1, c, True) for c in range(4)}
-        step = NS(chainable=True, follows_choice=True, next_q=lambda kd: kd + 1,
-                  table=NS(by_mode={GREEDY_MODE: captured}),
-                  _next_choice=lambda after, rids, b: NS(lengths=list(choice)))
+        step = NS(chainable=True, next_q=lambda kd: kd + 1,
+                  table=NS(by_mode={GREEDY_MODE: captured}))
+        lengths = NS(step=step, follows_choice=True,
+                     _next_choice=lambda after, rids, b: NS(lengths=list(choice)))
         prev = Launched((1, 2, prev_kd, False), ["a", "b"], None, None, prefill=prefill,
                         next_k=dict(zip("ab", prev_next)))
         plan = NS(draft_batch_size=2, scheduled=[NS(request=NS(request_id=r)) for r in "ab"])
-        return FusedStep.chained_kd(step, prev, plan)
+        return StepDraftLengths.chained_kd(lengths, prev, plan)
 
     assert chained_kd(3, (3, 3), (3, 3)) == 3
     assert chained_kd(3, (3, 3), (0, 0)) == 0  # the choice falls: chained with no head

@@ -210,10 +210,10 @@ def test_a_skip_at_the_context_end_keeps_the_batch_on_the_graphs():
         req = NS(num_draft_exact_tokens=mark, draft_repair_mark=repair, max_model_len=max_len)
         return NS(draft_batch_size=1, scheduled=[NS(request=req, num_computed_tokens=computed)])
 
-    step = NS(launch_kd=lambda plan: 3)
+    step = NS(lengths=NS(launch_kd=lambda plan: 3))
     resumes = FusedStep._resumes_drafting
     assert resumes(step, plan_of(20, 64))  # can draft, entries 10..20 skipped: general path
     assert not resumes(step, plan_of(62, 64))  # at the context's end: nothing to draft
     assert not resumes(step, plan_of(20, 64, repair=10))  # its repair already ran
     assert not resumes(step, plan_of(10, 64))  # nothing above the mark
-    assert not resumes(NS(launch_kd=lambda plan: 0), plan_of(20, 64))  # the graph drafts none
+    assert not resumes(NS(lengths=NS(launch_kd=lambda plan: 0)), plan_of(20, 64))  # the graph drafts none
