@@ -220,8 +220,8 @@ def test_chat_says_to_reset_once_the_context_is_full_and_survives_ctrl_c():
 
 
 def test_ctrl_c_while_the_model_loads_is_no_traceback(default_model_path):
-    """Ctrl-C before the answer starts (here while the model loads): exit status 130 and one
-    line, no traceback. On a quick machine the signal may land in the answer instead (a long
+    """Ctrl-C before the answer starts (here while the model loads): exit status 130 (or death
+    by SIGINT, which a shell reports as 130) and one line, no traceback. On a quick machine the signal may land in the answer instead (a long
     one is asked for, so the run can't end first): then 130, the answer marked interrupted."""
     import os
     import signal
@@ -241,7 +241,10 @@ def test_ctrl_c_while_the_model_loads_is_no_traceback(default_model_path):
     time.sleep(0.8)  # past the argument checks, while torch and the model load
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)
-    assert proc.returncode == 130 and "Traceback" not in err, err
+    # A shell reports both as status 130: Python ends by SIGINT itself, however the
+    # KeyboardInterrupt was caught, when it was raised inside exec'd code (dataclasses
+    # build their methods so while torch imports)
+    assert proc.returncode in (130, -signal.SIGINT) and "Traceback" not in err, err
     if out.strip():  # the answer had started
         assert out.rstrip().endswith("[interrupted]") and not err.strip(), (out, err)
     else:
