@@ -40,6 +40,9 @@ class EngineArgs:
     enforce_eager: bool = False
     overlap: bool = True
     seed: int = 0
+    # ranks the model is split over (engine/tp_executor.py; vLLM's name): processes outpace
+    # starts, the engine's own being rank 0
+    tensor_parallel_size: int = 1
     kernel_options: Optional[Any] = None  # a KernelOptions; None: every fast path on
     # a Jinja template, or the path of a file holding one, in place of the model's
     chat_template: Optional[str] = None

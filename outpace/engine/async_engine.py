@@ -172,6 +172,7 @@ class AsyncEngine(LoopCrossing):
             self._fail_in_flight(EngineDeadError(f"the engine stopped: {e!r}"), release=False)
         finally:
             self._fail_pending_adds()
+            self.engine.shutdown()
 
     def _apply_commands(self, wait: float) -> bool:
         """Run queued adds/aborts (waiting up to `wait` s for the first); False: stop."""

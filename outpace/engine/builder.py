@@ -88,12 +88,75 @@ def kv_headroom(model_cfg, spec_cfg, max_num_tokens: int, max_num_seqs: int,
     return headroom
 
 
+@dataclasses.dataclass
+class Assembled:
+    """What `assemble` builds for one rank: the engine's parts."""
+
+    config: EngineConfig
+    tokenizer: object  # None on a tensor-parallel rank other than 0
+    scheduler: object
+    kv: object
+    runner: object
+    graphs: bool
+
+
 def build_engine(cls, args: EngineArgs):
-    """The engine `cls` of `args` (checked here first: engine/preflight.py)."""
+    """The engine `cls` of `args` (checked here first: engine/preflight.py); with
+    tensor_parallel_size > 1 the other ranks' processes first (engine/tp_executor.py)."""
     # Every argument is checked before torch's work and the model's load (which take seconds);
     # the scheduler's again below with the model's context length.
-    from outpace.engine.preflight import check_engine_args, check_max_model_len
+    from outpace.engine.preflight import check_engine_args
+    from outpace.parallel.group import SINGLE
     checked = check_engine_args(args)
+    a = args
+    if a.tensor_parallel_size == 1:
+        parts = assemble(a, checked, SINGLE)
+        runner = parts.runner
+    else:
+        from outpace.engine.tp_executor import TensorParallelRunner, WorkerDiedError, WorkerSet
+        if a.device == "auto":
+            if torch.cuda.is_available():
+                raise ConfigError(f"tensor_parallel_size={a.tensor_parallel_size} runs on the "
+                                  f"CPU for now: pass device cpu (--device cpu), or "
+                                  f"tensor_parallel_size 1 on the GPU",
+                                  option="tensor_parallel_size")
+            a = dataclasses.replace(a, device="cpu")  # the ranks build what rank 0 does
+        workers = WorkerSet(a, a.tensor_parallel_size)
+        try:
+            parts = assemble(a, checked, workers.tp)
+        except Exception as e:
+            dead = workers.dead_reason(" while loading")
+            workers.stop(timeout=2.0)
+            if dead is not None:
+                raise WorkerDiedError(dead) from e
+            raise
+        except BaseException:
+            workers.stop(timeout=2.0)
+            raise
+        runner = TensorParallelRunner(parts.runner, workers)
+    device = parts.config.runner.device
+    torch_device = torch.device(device)
+    engine = cls(parts.config, parts.tokenizer, parts.scheduler, parts.kv, runner,
+                 model_name=a.model)
+    engine.measure_step_times()  # the draft-length cost model's table, where it is used
+    if torch_device.type == "cuda":
+        limit_host_threads(a.quiet)
+        engine.warm_up()  # compile the prefill kernels now (see LLMEngine.warm_up)
+        # Everything alive now (weights, graphs, tokenizer, library objects) lives as long as
+        # the engine: keep it out of the garbage collector's scans, which otherwise land in
+        # the middle of decode steps as pauses that grow with the heap.
+        gc.collect()
+        gc.freeze()
+    return engine
+
+
+def assemble(args: EngineArgs, checked, tp) -> Assembled:
+    """Rank `tp.rank`'s parts of the engine of `args` (checked by preflight: `checked`): its
+    share of the model and its KV pool, a runner over them, and the scheduler (used on rank 0).
+    Every rank runs this with the same arguments; the sizes all ranks must share (the KV
+    blocks) are agreed on here."""
+    from outpace.engine.preflight import check_max_model_len
+    from outpace.parallel.shard import local_config
     a = args
     model, device, max_num_seqs, block_size = a.model, a.device, a.max_num_seqs, a.block_size
     max_num_batched_tokens = a.max_num_batched_tokens
@@ -115,13 +178,18 @@ def build_engine(cls, args: EngineArgs):
                               seed=a.seed, overlap=a.overlap,
                               kernel_options=a.kernel_options or KernelOptions())
     spec_cfg, cache_cfg, chat_template = checked.spec, checked.cache, checked.chat_template
-    if spec_cfg.force_accept_mean is not None:
+    if tp.size > 1 and not device.startswith("cuda"):
+        # the ranks share the host's memory: a CPU pool's bytes are split between them (each
+        # rank's tokens cost 1 / size of the bytes, so the pool holds as many tokens)
+        cache_cfg = dataclasses.replace(cache_cfg, cpu_kv_bytes=cache_cfg.cpu_kv_bytes // tp.size)
+    first = tp.rank == 0  # the rank that speaks for the engine in the log
+    if spec_cfg.force_accept_mean is not None and first:
         log.warning("outpace: WARNING: speculative option force_accept_mean=%s is for "
                     "benchmarking: drafts are accepted at random, so the output is NOT what the "
                     "model would write", spec_cfg.force_accept_mean)
     if max_prefill_with_decodes is None:
         max_prefill_with_decodes = default_prefill_with_decodes(torch.device(device))
-    if a.gpu_memory_utilization is not None and not device.startswith("cuda"):
+    if a.gpu_memory_utilization is not None and not device.startswith("cuda") and first:
         # Accepted, as vLLM's CPU backend accepts it, so a vLLM command line runs unchanged.
         log.warning("gpu_memory_utilization (--gpu-memory-utilization) is ignored on %s: a CPU "
                     "KV pool is %d MiB (or set num_kv_blocks)", device,
@@ -144,15 +212,18 @@ def build_engine(cls, args: EngineArgs):
         model_cfg = checked.model_config
         positions = a.max_model_len or min(
             model_cfg.max_position_embeddings,
-            pool_tokens_at_most(cache_cfg, model_cfg, runner_cfg.torch_kv_cache_dtype,
-                                torch_device))
+            pool_tokens_at_most(cache_cfg, local_config(model_cfg, tp.size),
+                                runner_cfg.torch_kv_cache_dtype, torch_device))
         target, model_cfg, tokenizer = load_model(model, dtype=runner_cfg.torch_dtype,
                                                   weight_dtype=runner_cfg.torch_weight_dtype,
-                                                  device=torch_device, quiet=a.quiet,
+                                                  device=torch_device,
+                                                  quiet=a.quiet or tp.rank > 0,
                                                   download_dir=a.download_dir,
-                                                  max_positions=positions)
-    if chat_template is not None:
+                                                  max_positions=positions, tp=tp,
+                                                  tokenizer=tp.rank == 0)
+    if chat_template is not None and tokenizer is not None:
         tokenizer = tokenizer.with_chat_template(chat_template)
+    rank_cfg = local_config(model_cfg, tp.size)  # this rank's heads: its pool and attention
     limit = model_cfg.max_position_embeddings
     if max_num_batched_tokens is None:
         max_num_batched_tokens = default_token_budget(torch_device)
@@ -176,8 +247,10 @@ def build_engine(cls, args: EngineArgs):
     headroom = kv_headroom(model_cfg, spec_cfg, max_num_tokens, max_num_seqs,
                            min(config.max_model_len, target.rotary.max_positions),
                            runner_cfg.torch_dtype.itemsize, graphs)
-    num_blocks = size_kv(cache_cfg, model_cfg, num_slots, runner_cfg.torch_kv_cache_dtype,
-                         torch_device, headroom=headroom)
+    # every rank's block tables are rank 0's: the pool is the size the smallest rank holds
+    num_blocks = tp.all_min(size_kv(cache_cfg, rank_cfg, num_slots,
+                                    runner_cfg.torch_kv_cache_dtype, torch_device,
+                                    headroom=headroom))
     lookahead = proposer.num_lookahead_tokens if proposer else 0
     # One request of the whole context must fit the pool (block 0 is the null block), or the
     # engine would advertise a context it cuts short.
@@ -194,9 +267,10 @@ def build_engine(cls, args: EngineArgs):
                 f"blocks of {block_size}{less}), fewer than max_model_len="
                 f"{config.max_model_len}: raise {where} or lower max_model_len "
                 f"(--max-model-len)")
-        log.warning("the KV cache holds %d tokens of one request, fewer than the model's %d "
-                    "positions: max_model_len is %d (raise %s for more)", fits,
-                    config.max_model_len, fits, where)
+        if first:
+            log.warning("the KV cache holds %d tokens of one request, fewer than the model's "
+                        "%d positions: max_model_len is %d (raise %s for more)", fits,
+                        config.max_model_len, fits, where)
         sched_cfg = dataclasses.replace(sched_cfg, max_model_len=fits)
         config = dataclasses.replace(config, scheduler=sched_cfg)
     if target.rotary.max_positions < config.max_model_len:  # a model lent with `loaded`
@@ -210,7 +284,7 @@ def build_engine(cls, args: EngineArgs):
     scheduler = Scheduler(sched_cfg, kv, config.max_model_len, num_lookahead_tokens=lookahead,
                           block_size=block_size,
                           draft_plane=proposer is not None and proposer.num_kv_layers > 0)
-    runner = ModelRunner(target, model_cfg, num_blocks=num_blocks, block_size=block_size,
+    runner = ModelRunner(target, rank_cfg, num_blocks=num_blocks, block_size=block_size,
                          max_model_len=config.max_model_len, max_num_tokens=max_num_tokens,
                          max_num_seqs=max_num_seqs, device=torch_device,
                          kv_dtype=runner_cfg.torch_kv_cache_dtype, proposer=proposer,
@@ -218,22 +292,14 @@ def build_engine(cls, args: EngineArgs):
     if graphs:
         # Graphs for plain decode (q = 1) and every verify length (q = 2 .. k + 1).
         runner.enable_cuda_graphs(tuple(range(1, max_k + 2)), capture_fused=True)
-    if not a.quiet:
+    if not a.quiet and first:
         dtypes = str(runner_cfg.torch_dtype)
         if runner_cfg.torch_weight_dtype != runner_cfg.torch_dtype:
             dtypes += f", weights {runner_cfg.torch_weight_dtype}"
         if runner_cfg.torch_kv_cache_dtype != runner_cfg.torch_dtype:
             dtypes += f", KV cache {runner_cfg.torch_kv_cache_dtype}"
-        log.info("outpace: %s on %s (%s), %d KV blocks of %d tokens", model, device, dtypes,
-                 num_blocks, block_size)
-    engine = cls(config, tokenizer, scheduler, kv, runner, model_name=model)
-    engine.measure_step_times()  # the draft-length cost model's table, where it is used
-    if torch_device.type == "cuda":
-        limit_host_threads(a.quiet)
-        engine.warm_up()  # compile the prefill kernels now (see LLMEngine.warm_up)
-        # Everything alive now (weights, graphs, tokenizer, library objects) lives as long as
-        # the engine: keep it out of the garbage collector's scans, which otherwise land in
-        # the middle of decode steps as pauses that grow with the heap.
-        gc.collect()
-        gc.freeze()
-    return engine
+        ranks = f", {tp.size} tensor-parallel ranks" if tp.size > 1 else ""
+        log.info("outpace: %s on %s (%s%s), %d KV blocks of %d tokens", model, device, dtypes,
+                 ranks, num_blocks, block_size)
+    return Assembled(config=config, tokenizer=tokenizer, scheduler=scheduler, kv=kv,
+                     runner=runner, graphs=graphs)

@@ -217,4 +217,6 @@ def run_engine_core(conn, lifeline, engine_args, log_level: int,
     try:
         EngineCore(engine, conn, max_consecutive_step_failures).run()
     except BaseException:  # noqa: BLE001 -- already reported and logged: exit non-zero
+        engine.shutdown()
         os._exit(1)
+    engine.shutdown()

@@ -101,8 +101,7 @@ class LLMEngine:
             self.tokenizer, ids, params.skip_special_tokens, params.stop,
             params.include_stop_str_in_output) if params.detokenize else None
         self._emitted[request_id] = 0
-        if self.runner.proposer is not None:
-            self.runner.proposer.begin(req)
+        self.runner.begin_request(req)
 
     def check_text_length(self, text: str) -> None:
         """Refuse a text prompt that holds a context's worth of tokens by its length alone
@@ -326,6 +325,11 @@ class LLMEngine:
         if proposer is None or proposer.policy.cost_model is None:
             return
         proposer.policy.set_step_times(self.runner.measure_step_times(proposer.policy.k))
+
+    def shutdown(self) -> None:
+        """Stop what the engine started beside this process (tensor-parallel ranks); the engine
+        computes nothing after it. Idempotent; also done when the engine is collected."""
+        self.runner.shutdown()
 
     # ---- introspection --------------------------------------------------------------------
     def stats(self) -> dict:

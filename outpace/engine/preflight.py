@@ -101,6 +101,32 @@ def _check_bools(**flags) -> None:
             raise ConfigError(f"{name} must be true or false, got {v!r}", option=name)
 
 
+# What tensor parallelism runs today: the target sharded over CPU processes (gloo), with the
+# model-free drafters. The heads' sharding and NCCL on GPUs are to come.
+_TP_METHODS = (None, "ngram", "suffix")
+
+
+def check_tensor_parallel(a: EngineArgs, spec) -> None:
+    """tensor_parallel_size against what runs sharded; the model's shapes are checked once
+    its config is read (parallel/shard.check_shardable)."""
+    from outpace.option_checks import check_int
+    check_int("tensor_parallel_size", a.tensor_parallel_size, 1, 64)
+    if a.tensor_parallel_size == 1:
+        return
+    if a.device not in ("cpu", "auto"):  # auto: the builder checks it resolves to the CPU
+        raise ConfigError(f"tensor_parallel_size={a.tensor_parallel_size} runs on the CPU "
+                          f"(device cpu) for now; on {a.device!r} use tensor_parallel_size 1",
+                          option="tensor_parallel_size")
+    if spec.method not in _TP_METHODS:
+        raise ConfigError(f"speculative method {spec.method!r} does not run under tensor "
+                          f"parallelism yet: use tensor_parallel_size 1, or the ngram or suffix "
+                          f"drafter", option="tensor_parallel_size")
+    if a.loaded is not None:
+        raise ConfigError("a loaded model can't be shared with tensor-parallel ranks (each "
+                          "process loads its own part): pass the model's path instead",
+                          option="tensor_parallel_size")
+
+
 def check_engine_args(args: EngineArgs) -> CheckedArgs:
     """The engine's arguments checked, cheapest first, the model's config last (it may be
     fetched): a ConfigError or ModelLoadError naming the option. The model's config is not read
@@ -158,11 +184,15 @@ def check_engine_args(args: EngineArgs) -> CheckedArgs:
         from outpace.chat_template import load_chat_template
         template = load_chat_template(a.chat_template)
 
+    check_tensor_parallel(a, spec)
+
     model_cfg = None
     if a.loaded is None:
         # the config alone: config.json, or the GGUF header (a catalog model is fetched whole,
         # its config being in its one file; a Hugging Face id's weights are not)
         from outpace.models.loader import load_model_config
+        from outpace.parallel.shard import check_shardable
         model_cfg = load_model_config(model, quiet=a.quiet, download_dir=a.download_dir)
         check_max_model_len(a.max_model_len, model_cfg)
+        check_shardable(model_cfg, a.tensor_parallel_size)
     return CheckedArgs(spec=spec, cache=cache, chat_template=template, model_config=model_cfg)

@@ -17,7 +17,8 @@ ENGINE_FLAGS = {
     "gpu_memory_utilization": "--gpu-memory-utilization", "max_num_seqs": "--max-num-seqs",
     "max_num_batched_tokens": "--max-num-batched-tokens",
     "max_prefill_with_decodes": "--max-prefill-with-decodes", "seed": "--seed",
-    "chat_template": "--chat-template", "max_waiting_requests": "--max-waiting"}
+    "chat_template": "--chat-template", "max_waiting_requests": "--max-waiting",
+    "tensor_parallel_size": "--tensor-parallel-size"}
 # ... where the speculative config came from --spec and its flags (not --speculative-config,
 # whose errors name its JSON keys)
 SPEC_FLAGS = {"method": "--spec", "num_speculative_tokens": "--k",
@@ -82,6 +83,7 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
                 max_prefill_with_decodes=a.max_prefill_with_decodes,
                 enable_prefix_caching=not a.no_prefix_caching, enforce_eager=a.enforce_eager,
                 overlap=not a.no_overlap, seed=a.seed, speculative_config=spec,
+                tensor_parallel_size=a.tensor_parallel_size,
                 chat_template=a.chat_template, quiet=a.quiet, download_dir=a.download_dir)
 
 

@@ -26,6 +26,11 @@ class LLM:
         self.engine = LLMEngine.from_args(model, **engine_args)
         self._ids = itertools.count()
 
+    def shutdown(self) -> None:
+        """Stop the engine's other processes (tensor-parallel ranks) now rather than when this
+        LLM is collected or Python exits."""
+        self.engine.shutdown()
+
     @property
     def tokenizer(self):
         return self.engine.tokenizer

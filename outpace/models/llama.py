@@ -15,6 +15,11 @@ The forward on CPU goes layer by layer (with the fast paths of cpu_fast_paths.py
 takes fewer kernels: `_forward_few_rows` up to SMALL_M_MAX tokens, `_forward_fused_norms` above.
 The draft heads (eagle3.py, mtp.py) run their decoder layer through the same few-row path
 (`LlamaDecoderLayer.forward_few_rows`).
+
+Under tensor parallelism (`tp`, parallel/) each rank holds its share of the heads, the MLP's
+columns and the vocabulary (parallel/shard.py), sums the row-parallel projections' outputs
+(o, down) and the embedding with one all-reduce each, and gathers the LM head's logits; the
+few-row CUDA path, whose kernels add the projections into the residual stream, is off.
 """
 
 from __future__ import annotations
@@ -39,6 +44,8 @@ from outpace.model_config import ModelConfig
 from outpace.models.cpu_fast_paths import add_weight_copies_, cpu_threads_for, linear
 from outpace.models.rotary import RotaryEmbedding
 from outpace.models.weight_dtype import upcast_embedding
+from outpace.parallel.group import SINGLE, TensorParallel
+from outpace.parallel.shard import kv_head_start, vocab_range, vocab_rows
 
 
 def _param(*shape, dtype, device) -> nn.Parameter:
@@ -85,10 +92,13 @@ class LlamaAttention(nn.Module):
     """
 
     def __init__(self, cfg: ModelConfig, layer_slot: int, qkv_input_size: Optional[int] = None,
-                 dtype=torch.float32, device="cpu"):
+                 dtype=torch.float32, device="cpu", tp: TensorParallel = SINGLE):
         super().__init__()
         self.layer_slot = layer_slot
-        self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.tp = tp  # this rank's heads: cfg's / tp.size (KV heads at least 1)
+        self.num_heads = cfg.num_attention_heads // tp.size
+        self.num_kv_heads = max(cfg.num_key_value_heads // tp.size, 1)
+        self.kv_head_start = kv_head_start(cfg, tp.rank, tp.size)
         self.head_dim = cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
@@ -117,8 +127,10 @@ class LlamaAttention(nn.Module):
             o = self.attend(qkv, cos_sin, rope, ctx)
         if (kernel_options().mid_row_kernels and self.o_bias is None
                 and mid_rows_ok(o, self.o_weight)):
-            return small_linear_triton(o, self.o_weight)
-        return linear(o, self, "o_weight", self.o_bias)
+            out = small_linear_triton(o, self.o_weight)
+        else:  # (row-parallel: the bias added once, by rank 0, before the sum)
+            out = linear(o, self, "o_weight", self.o_bias if self.tp.rank == 0 else None)
+        return self.tp.all_reduce_(out)
 
     def _mid_rows(self, x, cos_sin) -> bool:
         """Whether forward's qkv projection takes the Triton kernel with rope and the KV store
@@ -151,24 +163,26 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype=torch.float32, device="cpu"):
+    def __init__(self, cfg: ModelConfig, dtype=torch.float32, device="cpu",
+                 tp: TensorParallel = SINGLE):
         super().__init__()
-        self.inter = cfg.intermediate_size
+        self.tp = tp
+        self.inter = cfg.intermediate_size // tp.size  # this rank's columns
         self.gate_up_weight = _param(2 * self.inter, cfg.hidden_size, dtype=dtype, device=device)
         self.down_weight = _param(cfg.hidden_size, self.inter, dtype=dtype, device=device)
 
     def forward(self, x):  # [T, H] -> [T, H]
         if kernel_options().mid_row_kernels and mid_rows_ok(x, self.gate_up_weight, self.inter):
             # CUDA, a prefill's rows: gate_up with silu * mul in one Triton kernel
-            return linear(small_linear_silu_mul_triton(x, self.gate_up_weight), self,
-                          "down_weight")
+            return self.tp.all_reduce_(linear(small_linear_silu_mul_triton(
+                x, self.gate_up_weight), self, "down_weight"))
         gu = linear(x, self, "gate_up_weight")  # [T, 2I]
         if use_triton(gu):
             a = silu_mul(gu)  # one kernel, the same rounding
         else:
             a = F.silu(gu[:, :self.inter])
             a.mul_(gu[:, self.inter:])
-        return linear(a, self, "down_weight")
+        return self.tp.all_reduce_(linear(a, self, "down_weight"))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -179,15 +193,15 @@ class LlamaDecoderLayer(nn.Module):
     """
 
     def __init__(self, cfg: ModelConfig, layer_slot: int, qkv_input_size: Optional[int] = None,
-                 dtype=torch.float32, device="cpu"):
+                 dtype=torch.float32, device="cpu", tp: TensorParallel = SINGLE):
         super().__init__()
         kw = dict(dtype=dtype, device=device)
         self.layer_slot = layer_slot
         self.hidden_size = cfg.hidden_size
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
-        self.self_attn = LlamaAttention(cfg, layer_slot, qkv_input_size, **kw)
+        self.self_attn = LlamaAttention(cfg, layer_slot, qkv_input_size, **kw, tp=tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
-        self.mlp = LlamaMLP(cfg, **kw)
+        self.mlp = LlamaMLP(cfg, **kw, tp=tp)
 
     def forward(self, hidden, cos_sin, rope: RotaryEmbedding, ctx: ForwardContext,
                 attn_input=None):
@@ -217,10 +231,11 @@ class LlamaDecoderLayer(nn.Module):
 
     def few_rows_ok(self) -> bool:
         """Whether forward_few_rows can run this layer: narrow enough (FEW_ROW_MAX_HIDDEN) and
-        no biases (the few-row kernels have none). The caller checks the rest: CUDA with triton
-        and at most SMALL_M_MAX rows."""
+        no biases (the few-row kernels have none), unsharded (they add o and down into the
+        residual stream before a sum over ranks could). The caller checks the rest: CUDA with
+        triton and at most SMALL_M_MAX rows."""
         a = self.self_attn
-        return (self.hidden_size <= FEW_ROW_MAX_HIDDEN
+        return (self.hidden_size <= FEW_ROW_MAX_HIDDEN and a.tp.size == 1
                 and a.qkv_bias is None and a.o_bias is None)
 
     def forward_few_rows(self, residual, cos_sin, rope: RotaryEmbedding, ctx: ForwardContext,
@@ -264,20 +279,29 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype=torch.float32, device="cpu",
-                 max_positions: Optional[int] = None):
-        # max_positions: the positions the rope tables cover (None: the model's; rotary.py)
+                 max_positions: Optional[int] = None, tp: TensorParallel = SINGLE):
+        # max_positions: the positions the rope tables cover (None: the model's; rotary.py).
+        # tp: this rank's share (its heads, MLP columns and vocabulary rows); `config` stays
+        # the whole model's.
         super().__init__()
         kw = dict(dtype=dtype, device=device)
         self.config = cfg
-        self.embed_weight = _param(cfg.vocab_size, cfg.hidden_size, **kw)
+        self.tp = tp
+        self.vocab_start, self.vocab_held = vocab_range(cfg.vocab_size, tp.rank, tp.size)
+        rows = vocab_rows(cfg.vocab_size, tp.size)
+        self.embed_weight = _param(rows, cfg.hidden_size, **kw)
         self.rotary = RotaryEmbedding(cfg, **kw, max_positions=max_positions)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, i, **kw) for i in range(cfg.num_hidden_layers))
+            LlamaDecoderLayer(cfg, i, **kw, tp=tp) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
         if cfg.tie_word_embeddings:
             self.lm_head_weight = self.embed_weight  # the same Parameter, loaded once
         else:
-            self.lm_head_weight = _param(cfg.vocab_size, cfg.hidden_size, **kw)
+            self.lm_head_weight = _param(rows, cfg.hidden_size, **kw)
+        with torch.no_grad():  # a last shard's rows past the vocabulary (loading skips them)
+            for w in {id(self.embed_weight): self.embed_weight,
+                      id(self.lm_head_weight): self.lm_head_weight}.values():
+                w[self.vocab_held:].zero_()
 
     @property
     def dtype(self) -> torch.dtype:
@@ -287,7 +311,13 @@ class LlamaForCausalLM(nn.Module):
         return self.norm.weight.dtype
 
     def embed_tokens(self, input_ids):  # [T] long -> [T, H] of self.dtype
-        return upcast_embedding(input_ids, self.embed_weight, self.dtype)
+        if self.tp.size == 1:
+            return upcast_embedding(input_ids, self.embed_weight, self.dtype)
+        # vocab-parallel: each rank's rows for the ids it holds, zeros for the rest, summed
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.vocab_held)
+        e = upcast_embedding(local.masked_fill(outside, 0), self.embed_weight, self.dtype)
+        return self.tp.all_reduce_(e.masked_fill_(outside.unsqueeze(-1), 0))
 
     def forward(self, input_ids, positions, ctx: ForwardContext, capture_layers: tuple = (),
                 inputs_embeds=None):
@@ -369,45 +399,74 @@ class LlamaForCausalLM(nn.Module):
         the activation dtype."""
         add_weight_copies_(self, self.dtype)
 
+    def _logits(self, hidden):  # [N, H] -> [N, V] in the model's dtype
+        rows = linear(hidden, self, "lm_head_weight")
+        if self.tp.size == 1:
+            return rows
+        # vocab-parallel: every rank's rows side by side, the last shard's padding cut
+        return self.tp.all_gather_last(rows)[:, :self.config.vocab_size].contiguous()
+
     def compute_logits(self, hidden):  # [N, H] -> [N, V] float32
         with cpu_threads_for(hidden):
-            return linear(hidden, self, "lm_head_weight").float()
+            return self._logits(hidden).float()
 
     def greedy_tokens(self, hidden, also: tuple = ()):  # [N, H] -> [N] int64
         # argmax of compute_logits, also written into `also` ([N] int64 views; argmax_rows).
         # The argmax of the logits in the model's dtype is the argmax of their fp32 copy (the
         # conversion is exact), so the conversion kernel is skipped.
         with cpu_threads_for(hidden):
-            return argmax_rows(linear(hidden, self, "lm_head_weight"), also=also)
+            return argmax_rows(self._logits(hidden), also=also)
 
     # ---- loading -------------------------------------------------------------------------
 
     def param_slices(self) -> dict:
-        """HF parameter name -> (destination Parameter, first row, rows) for load_weights."""
-        out = {"model.embed_tokens.weight": (self.embed_weight, 0),
-               "model.norm.weight": (self.norm.weight, 0)}
-        if not self.config.tie_word_embeddings:
-            out["lm_head.weight"] = (self.lm_head_weight, 0)
+        """HF parameter name -> (destination Parameter, first row, rows, source dim, source
+        start, source length) for load_weights: the checkpoint tensor (of that length along
+        `source dim`; None: taken whole) is narrowed to this rank's part from `source start`
+        and copied into the destination's rows."""
+        cfg, tp, r = self.config, self.tp, self.tp.rank
+        sharded = tp.size > 1
+        whole = lambda dest, off=0, rows=None: (dest, off, dest.shape[0] if rows is None
+                                                else rows, None, 0, None)
+
+        def part(dest, off, rows, dim, start, full):
+            return (dest, off, rows, dim, start, full) if sharded else whole(dest, off, rows)
+        vocab = part(self.embed_weight, 0, self.vocab_held, 0, self.vocab_start, cfg.vocab_size)
+        out = {"model.embed_tokens.weight": vocab, "model.norm.weight": whole(self.norm.weight)}
+        if not cfg.tie_word_embeddings:
+            out["lm_head.weight"] = part(self.lm_head_weight, 0, self.vocab_held, 0,
+                                         self.vocab_start, cfg.vocab_size)
+        hd = cfg.head_dim
+        q_full, kv_full = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
         for i, layer in enumerate(self.layers):
             p, a, mlp = f"model.layers.{i}.", layer.self_attn, layer.mlp
-            out[p + "input_layernorm.weight"] = (layer.input_layernorm.weight, 0)
-            out[p + "post_attention_layernorm.weight"] = (layer.post_attention_layernorm.weight, 0)
-            offs = {"q": (0, a.q_size), "k": (a.q_size, a.kv_size),
-                    "v": (a.q_size + a.kv_size, a.kv_size)}
-            for n, (off, rows) in offs.items():
-                out[f"{p}self_attn.{n}_proj.weight"] = (a.qkv_weight, off, rows)
+            out[p + "input_layernorm.weight"] = whole(layer.input_layernorm.weight)
+            out[p + "post_attention_layernorm.weight"] = whole(layer.post_attention_layernorm.weight)
+            kv0 = a.kv_head_start * hd
+            offs = {"q": (0, a.q_size, r * a.q_size, q_full),
+                    "k": (a.q_size, a.kv_size, kv0, kv_full),
+                    "v": (a.q_size + a.kv_size, a.kv_size, kv0, kv_full)}
+            for n, (off, rows, start, full) in offs.items():
+                out[f"{p}self_attn.{n}_proj.weight"] = part(a.qkv_weight, off, rows, 0, start,
+                                                            full)
                 if a.qkv_bias is not None:
-                    out[f"{p}self_attn.{n}_proj.bias"] = (a.qkv_bias, off, rows)
-            out[p + "self_attn.o_proj.weight"] = (a.o_weight, 0)
+                    out[f"{p}self_attn.{n}_proj.bias"] = part(a.qkv_bias, off, rows, 0, start,
+                                                              full)
+            out[p + "self_attn.o_proj.weight"] = part(a.o_weight, 0, cfg.hidden_size, 1,
+                                                      r * a.q_size, q_full)
             if a.o_bias is not None:
-                out[p + "self_attn.o_proj.bias"] = (a.o_bias, 0)
+                out[p + "self_attn.o_proj.bias"] = whole(a.o_bias)
             if a.q_norm is not None:
-                out[p + "self_attn.q_norm.weight"] = (a.q_norm.weight, 0)
-                out[p + "self_attn.k_norm.weight"] = (a.k_norm.weight, 0)
-            out[p + "mlp.gate_proj.weight"] = (mlp.gate_up_weight, 0, mlp.inter)
-            out[p + "mlp.up_proj.weight"] = (mlp.gate_up_weight, mlp.inter, mlp.inter)
-            out[p + "mlp.down_proj.weight"] = (mlp.down_weight, 0)
-        return {k: v if len(v) == 3 else (v[0], 0, v[0].shape[0]) for k, v in out.items()}
+                out[p + "self_attn.q_norm.weight"] = whole(a.q_norm.weight)
+                out[p + "self_attn.k_norm.weight"] = whole(a.k_norm.weight)
+            inter = cfg.intermediate_size
+            out[p + "mlp.gate_proj.weight"] = part(mlp.gate_up_weight, 0, mlp.inter, 0,
+                                                   r * mlp.inter, inter)
+            out[p + "mlp.up_proj.weight"] = part(mlp.gate_up_weight, mlp.inter, mlp.inter, 0,
+                                                 r * mlp.inter, inter)
+            out[p + "mlp.down_proj.weight"] = part(mlp.down_weight, 0, cfg.hidden_size, 1,
+                                                   r * mlp.inter, inter)
+        return out
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
@@ -424,13 +483,27 @@ class LlamaForCausalLM(nn.Module):
                 if not name.endswith("rotary_emb.inv_freq"):  # HF buffer, recomputed here
                     unused.append(name)
                 continue
-            dest, off, rows = slots[name]
+            dest, off, rows, dim, start, full = slots[name]
             target = dest.narrow(0, off, rows)
-            if tuple(target.shape) != tuple(tensor.shape):
+            expected = list(target.shape)
+            if dim is not None:
+                expected[dim] = full
+            if tuple(expected) != tuple(tensor.shape):
                 raise ModelLoadError(
                     f"tensor {name} has shape {tuple(tensor.shape)}, but the model config "
-                    f"expects {tuple(target.shape)}; the weights do not match config.json")
-            if isinstance(tensor, torch.Tensor):
+                    f"expects {tuple(expected)}; the weights do not match config.json")
+            if dim is not None:  # this rank's part of it
+                if hasattr(tensor, "part"):  # a stored tensor that reads only the part
+                    target.copy_(tensor.part(dim, start, target.shape[dim]))
+                    missing.discard(name)
+                    continue
+                if not isinstance(tensor, torch.Tensor):  # one tensor whole, then its part
+                    whole = torch.empty(tuple(tensor.shape), dtype=target.dtype,
+                                        device=target.device)
+                    tensor.copy_into(whole)
+                    tensor = whole
+                target.copy_(tensor.narrow(dim, start, target.shape[dim]))
+            elif isinstance(tensor, torch.Tensor):
                 target.copy_(tensor)
             else:  # a loader's tensor that writes itself (loader/gguf_quants.QuantizedTensor)
                 tensor.copy_into(target)

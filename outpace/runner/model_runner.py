@@ -113,6 +113,14 @@ class ModelRunner:
             if hasattr(proposer, "bind"):
                 proposer.bind(self)
 
+    def begin_request(self, req) -> None:
+        """A request the engine admitted: its drafter state begins."""
+        if self.proposer is not None:
+            self.proposer.begin(req)
+
+    def shutdown(self) -> None:
+        """Nothing to stop (a tensor-parallel runner stops its other ranks)."""
+
     def release(self, request_id: str) -> None:
         """Forget per-request state (generator, proposer state)."""
         self.sampling.release(request_id)

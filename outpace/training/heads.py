@@ -62,7 +62,7 @@ def new_mtp_head(target, target_cfg, num_modules: int, seed: int, device,
     if warm_start:
         last = len(target.layers) - 1
         src = {name[len(f"model.layers.{last}."):]: (t, off, rows)
-               for name, (t, off, rows) in target.param_slices().items()
+               for name, (t, off, rows, *_) in target.param_slices().items()
                if name.startswith(f"model.layers.{last}.")}
         for d in range(num_modules):
             for rest, (t, off, rows) in src.items():

@@ -21,12 +21,14 @@ def randomize_(model, seed: int = 0, std: float = 0.15) -> None:
                 p.copy_(std * torch.randn(p.shape, generator=g))
 
 
-def tiny_hf(family: str, seed: int = 0):
-    """A tiny random transformers model of `family`, fp32, eval mode."""
+def tiny_hf(family: str, seed: int = 0, **overrides):
+    """A tiny random transformers model of `family`, fp32, eval mode; `overrides`: config
+    values in place of the tiny defaults (vocab_size, num_key_value_heads, ...)."""
     import transformers as tf
     common = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
                   rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False)
+    common.update(overrides)
     if family == "llama":
         cfg = tf.LlamaConfig(**common)
     elif family == "llama_bias":

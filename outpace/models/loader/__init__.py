@@ -53,7 +53,8 @@ def load_model_config(path_or_name, quiet: bool = False, download_dir=None):
 
 
 def load_model(path_or_name, runner_cfg=None, quiet: bool = False, *, dtype=None, device=None,
-               weight_dtype=None, download_dir=None, max_positions=None):
+               weight_dtype=None, download_dir=None, max_positions=None, tp=None,
+               tokenizer: bool = True):
     """-> (model in eval mode, ModelConfig, Tokenizer).
 
     `path_or_name`: a catalog name, a Hugging Face folder, a .gguf file, or a Hugging Face model
@@ -64,6 +65,9 @@ def load_model(path_or_name, runner_cfg=None, quiet: bool = False, *, dtype=None
     models/weight_dtype.py) come from `runner_cfg` (default RunnerConfig(): CPU, float32); the
     `dtype`, `weight_dtype` (torch.dtype) and `device` keywords override it (weight_dtype
     defaults to dtype then).
+
+    `tp`: a tensor-parallel rank's share of the model (parallel/group.TensorParallel; None: the
+    whole model). tokenizer=False: no tokenizer (None in its place), for ranks that only compute.
     """
     import sys
 
@@ -85,29 +89,33 @@ def load_model(path_or_name, runner_cfg=None, quiet: bool = False, *, dtype=None
     # ops (which release the GIL), so on two cores the two overlap. Its eos ids come from the
     # config, read first (cheap).
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="outpace-tokenizer") as pool:
+        submit = pool.submit if tokenizer else (lambda *a, **k: None)
         if kind == "hf":
             from outpace.models.loader.safetensors import load_hf_folder, read_hf_config
-            tok_future = pool.submit(Tokenizer.from_folder, path,
-                                     read_hf_config(path).eos_token_ids)
-            model, cfg = load_hf_folder(path, dtype, device, quiet, max_positions=max_positions)
+            tok_future = submit(Tokenizer.from_folder, path, read_hf_config(path).eos_token_ids)
+            model, cfg = load_hf_folder(path, dtype, device, quiet, max_positions=max_positions,
+                                        tp=tp)
         else:
             from outpace.models.loader.gguf import GGUFFile, config_from_gguf, load_gguf
             g = GGUFFile(path)
-            tok_future = pool.submit(Tokenizer.from_gguf, path, config_from_gguf(g).eos_token_ids,
-                                     cache_key=g.metadata_sha256(), quiet=quiet)
-            model, cfg, g = load_gguf(g, dtype, device, quiet, max_positions=max_positions)
+            tok_future = submit(Tokenizer.from_gguf, path, config_from_gguf(g).eos_token_ids,
+                                cache_key=g.metadata_sha256(), quiet=quiet)
+            model, cfg, g = load_gguf(g, dtype, device, quiet, max_positions=max_positions,
+                                      tp=tp)
         if weight_dtype != dtype:
             # Loaded in the activation dtype first (the loaders round once, from the file's
             # values)
             store_weights_in_(model, weight_dtype)
         if torch.device(device).type == "cpu":
             model.add_cpu_weight_copies_()
-        tok = tok_future.result()
+        tok = tok_future.result() if tok_future is not None else None
     if not quiet:
         dtypes = str(dtype) if weight_dtype == dtype else f"{dtype}, weights {weight_dtype}"
         # a Hugging Face id's snapshot folder is named by its commit: show the id
         shown = path.name if Path(str(path_or_name)).expanduser().exists() else path_or_name
-        print(f"outpace: loaded {shown} ({cfg.architecture}, "
-              f"{sum(p.numel() for p in model.parameters()) / 1e6:.0f}M params, {dtypes}) in "
+        params = f"{sum(p.numel() for p in model.parameters()) / 1e6:.0f}M params"
+        if tp is not None and tp.size > 1:
+            params += f" on rank {tp.rank} of {tp.size}"
+        print(f"outpace: loaded {shown} ({cfg.architecture}, {params}, {dtypes}) in "
               f"{time.perf_counter() - t0:.1f} s", file=sys.stderr)
     return model, cfg, tok

@@ -367,11 +367,12 @@ def _one_cpu_thread(device):
         torch.set_num_threads(n)
 
 
-def load_gguf(path, dtype=None, device="cpu", quiet: bool = False, max_positions=None):
+def load_gguf(path, dtype=None, device="cpu", quiet: bool = False, max_positions=None,
+              tp=None):
     """-> (model, ModelConfig, GGUFFile). `path`: a .gguf file, or a GGUFFile already parsed.
     The GGUFFile stays useful for the tokenizer cache key. dtype: the activations' (None:
     float32). max_positions: the positions the rope tables cover (None: the model's
-    context_length)."""
+    context_length). tp: a tensor-parallel rank's share (None: the whole model)."""
     import torch
     dtype = torch.float32 if dtype is None else dtype
     from outpace.models.loader.shapes import check_shapes
@@ -382,7 +383,8 @@ def load_gguf(path, dtype=None, device="cpu", quiet: bool = False, max_positions
     check_shapes(cfg, {hf_name(i.name): i.shape for i in g.tensors.values() if hf_name(i.name)},
                  g.path)
     model = model_class(cfg.architecture)(cfg, dtype=dtype, device=device,
-                                          max_positions=max_positions)
+                                          max_positions=max_positions,
+                                          **({} if tp is None else {"tp": tp}))
     with _one_cpu_thread(device):
         model.load_weights(iter_gguf_weights(g, cfg, quiet, device))
     return model.eval(), cfg, g

@@ -87,8 +87,33 @@ def tensor_shapes(files: list[Path]) -> dict:
     return shapes
 
 
-def iter_safetensors(files: list[Path], quiet: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) for every tensor of every file, with a progress bar over tensors."""
+class StoredTensor:
+    """A tensor of a safetensors file read when asked: whole (`copy_into`), or only a part
+    (`part`: a tensor-parallel rank's rows or columns, the rest never read)."""
+
+    def __init__(self, handle, name: str, where):
+        self._handle, self.name, self._where = handle, name, where
+        self.shape = tuple(handle.get_slice(name).get_shape())
+
+    def _read(self, how):
+        try:
+            return how()
+        except Exception as e:
+            raise ModelLoadError(f"can't read tensor {self.name} from {self._where} ({e}); "
+                                 "the file is corrupt, re-download it") from e
+
+    def copy_into(self, target) -> None:
+        target.copy_(self._read(lambda: self._handle.get_tensor(self.name)))
+
+    def part(self, dim: int, start: int, length: int):
+        index = (slice(None),) * dim + (slice(start, start + length),)
+        return self._read(lambda: self._handle.get_slice(self.name)[index])
+
+
+def iter_safetensors(files: list[Path], quiet: bool = False,
+                     lazy: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every tensor of every file, with a progress bar over tensors;
+    lazy: each a StoredTensor, read by whoever takes it (whole or a part)."""
     from safetensors import safe_open
     from tqdm import tqdm
     handles = []
@@ -103,6 +128,10 @@ def iter_safetensors(files: list[Path], quiet: bool = False) -> Iterator[tuple[s
               disable=quiet, leave=False) as bar:
         for f, h in handles:
             for name in h.keys():
+                if lazy:
+                    yield name, StoredTensor(h, name, f)
+                    bar.update(1)
+                    continue
                 try:
                     t = h.get_tensor(name)
                 except Exception as e:
@@ -113,9 +142,10 @@ def iter_safetensors(files: list[Path], quiet: bool = False) -> Iterator[tuple[s
 
 
 def load_hf_folder(folder, dtype=None, device="cpu", quiet: bool = False,
-                   max_positions=None):
+                   max_positions=None, tp=None):
     """-> (model, ModelConfig). dtype: the activations' (None: float32). max_positions: the
-    positions the rope tables cover (None: the model's max_position_embeddings)."""
+    positions the rope tables cover (None: the model's max_position_embeddings). tp: a
+    tensor-parallel rank's share (None: the whole model)."""
     import torch
     dtype = torch.float32 if dtype is None else dtype
     from outpace.models.loader.shapes import check_shapes
@@ -125,6 +155,8 @@ def load_hf_folder(folder, dtype=None, device="cpu", quiet: bool = False,
     # the config against the weights' headers before anything is allocated from it
     check_shapes(cfg, tensor_shapes(files), folder)
     model = model_class(cfg.architecture)(cfg, dtype=dtype, device=device,
-                                          max_positions=max_positions)
-    model.load_weights(iter_safetensors(files, quiet))
+                                          max_positions=max_positions,
+                                          **({} if tp is None else {"tp": tp}))
+    # a tensor-parallel rank reads only its part of each sharded tensor
+    model.load_weights(iter_safetensors(files, quiet, lazy=tp is not None and tp.size > 1))
     return model.eval(), cfg

@@ -42,7 +42,7 @@ def expected_shapes(cfg: ModelConfig) -> dict:
     from outpace.models.registry import model_class
     model = model_class(cfg.architecture)(cfg, device="meta", max_positions=1)
     return {name: (rows, *dest.shape[1:])
-            for name, (dest, _off, rows) in model.param_slices().items()}
+            for name, (dest, _off, rows, *_) in model.param_slices().items()}
 
 
 def check_shapes(cfg: ModelConfig, shapes: dict, where) -> None:
