@@ -101,11 +101,6 @@ def _check_bools(**flags) -> None:
             raise ConfigError(f"{name} must be true or false, got {v!r}", option=name)
 
 
-# What tensor parallelism runs today: the target sharded over CPU processes (gloo), with the
-# model-free drafters. The heads' sharding and NCCL on GPUs are to come.
-_TP_METHODS = (None, "ngram", "suffix")
-
-
 def check_tensor_parallel(a: EngineArgs, spec) -> None:
     """tensor_parallel_size against what runs sharded; the model's shapes are checked once
     its config is read (parallel/shard.check_shardable)."""
@@ -117,10 +112,10 @@ def check_tensor_parallel(a: EngineArgs, spec) -> None:
         raise ConfigError(f"tensor_parallel_size={a.tensor_parallel_size} runs on the CPU "
                           f"(device cpu) for now; on {a.device!r} use tensor_parallel_size 1",
                           option="tensor_parallel_size")
-    if spec.method not in _TP_METHODS:
-        raise ConfigError(f"speculative method {spec.method!r} does not run under tensor "
-                          f"parallelism yet: use tensor_parallel_size 1, or the ngram or suffix "
-                          f"drafter", option="tensor_parallel_size")
+    if spec.draft_lm_head_dtype != "auto":  # the int8 copy would be of one rank's rows
+        raise ConfigError(f"draft_lm_head_dtype {spec.draft_lm_head_dtype!r} does not run under "
+                          f"tensor parallelism yet: leave it 'auto' or use "
+                          f"tensor_parallel_size 1", option="tensor_parallel_size")
     if a.loaded is not None:
         raise ConfigError("a loaded model can't be shared with tensor-parallel ranks (each "
                           "process loads its own part): pass the model's path instead",

@@ -202,7 +202,12 @@ class TensorParallelRunner:
         return self._call("execute", plan, self._sender.encode(plan), " in a step")
 
     def measure_step_times(self, max_draft: int):
-        return self._call("measure_step_times", max_draft, max_draft, " timing steps")
+        """Rank 0's step times, given to every rank's cost model too: the draft lengths it
+        picks decide how many draft steps (and collectives) a step runs, so every rank must
+        pick the same, from the same table."""
+        times = self._call("measure_step_times", max_draft, max_draft, " timing steps")
+        self._queued.append(("set_step_times", times))
+        return times
 
     def _call(self, name: str, arg, sent, doing: str):
         calls, self._queued = self._queued + [(name, sent)], []
@@ -259,5 +264,7 @@ def _serve(conn, runner) -> None:
                 runner.execute(mirror.decode(arg))
             elif name == "measure_step_times":
                 runner.measure_step_times(arg)
+            elif name == "set_step_times":
+                runner.proposer.policy.set_step_times(arg)
             else:
                 raise ValueError(f"unknown call {name!r} from rank 0")

@@ -84,8 +84,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    "the whole budget")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,
                    metavar="N",
-                   help="split the model over N processes (ranks), as vLLM does; on the CPU "
-                   "for now, with the ngram and suffix drafters or no speculation")
+                   help="split the model (and its draft head) over N processes (ranks), as "
+                   "vLLM does; on the CPU for now")
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="do not reuse the KV cache of prompt prefixes seen before")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")

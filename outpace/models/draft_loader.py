@@ -79,6 +79,32 @@ def head_slices(head) -> dict:
     return {k: (t, off, t.shape[0] if rows is None else rows) for k, (t, off, rows) in out.items()}
 
 
+def _rank_share(whole, tp, build):
+    """The head `build(tp=tp)` holding rank tp.rank's share of the loaded `whole`: its decoder
+    layers' parts (LlamaDecoderLayer.load_part_of_), everything else copied as is."""
+    from outpace.parallel.shard import check_shardable
+    layer_cfg = whole.config.layer if isinstance(whole, Eagle3Head) else whole.config
+    try:
+        check_shardable(layer_cfg, tp.size)
+    except ConfigError as e:
+        raise ConfigError(f"the draft head's layer: {e}", option=e.option) from None
+    part = build(tp=tp)
+    with torch.no_grad():
+        for mine, theirs in _decoder_layers(part, whole):
+            mine.load_part_of_(theirs)
+        theirs = whole.state_dict()
+        for name, t in part.state_dict().items():
+            if t.shape == theirs[name].shape:  # not a sharded matrix: the same on every rank
+                t.copy_(theirs[name])
+    return part
+
+
+def _decoder_layers(a, b) -> list:
+    if isinstance(a, Eagle3Head):
+        return [(a.midlayer, b.midlayer)]
+    return [(ma.layer, mb.layer) for ma, mb in zip(a.layers, b.layers)]
+
+
 def export_weights(head) -> dict:
     """The head's tensors under their checkpoint names (CPU, contiguous): what save writes."""
     return {name: t.detach().narrow(0, off, rows).to("cpu").contiguous()
@@ -384,7 +410,7 @@ def _method_of(config: dict, names):
 
 def load_draft_head(method: str, path: Union[str, Path], target_cfg: ModelConfig,
                     first_layer_slot: int, dtype=torch.float32, device="cpu", weight_dtype=None,
-                    max_positions: Optional[int] = None):
+                    max_positions: Optional[int] = None, tp=None):
     """Load an EAGLE-3 (`method='eagle3'`) or MTP (`'mtp'`) head for `target_cfg`.
 
     Its attention layers use KV slots first_layer_slot.. (normally target_cfg.num_hidden_layers).
@@ -392,7 +418,8 @@ def load_draft_head(method: str, path: Union[str, Path], target_cfg: ModelConfig
     dtype; models/weight_dtype.py). `max_positions`: the positions its rope tables cover (the
     target's: every position the target reaches; None: the head's and the target's config).
     Raises ModelLoadError (with what to change) when the folder, config or weights are unusable
-    or don't fit the target.
+    or don't fit the target. `tp`: a tensor-parallel rank's share (None: the whole head): its
+    decoder layers sharded as the target's, the rest whole (loaded whole, then cut).
     """
     if method not in DRAFT_METHODS:
         raise ConfigError(f"draft head method {method!r} is unknown; use one of "
@@ -437,6 +464,12 @@ def load_draft_head(method: str, path: Union[str, Path], target_cfg: ModelConfig
         head = MTPHead(layer_cfg, n, first_layer_slot, dtype=dtype, device=device,
                        max_positions=max_positions, shared_head_norm=own_norm)
     _copy_weights(head, tensors, path, known_unused)
+    if tp is not None and tp.size > 1:
+        head = _rank_share(head, tp, lambda **kw: (
+            Eagle3Head(cfg, first_layer_slot, dtype=dtype, device=device,
+                       max_positions=max_positions, **kw) if method == "eagle3" else
+            MTPHead(layer_cfg, n, first_layer_slot, dtype=dtype, device=device,
+                    max_positions=max_positions, shared_head_norm=own_norm, **kw)))
     if weight_dtype is not None and weight_dtype != dtype:
         store_weights_in_(head, weight_dtype)
     if torch.device(device).type == "cpu":

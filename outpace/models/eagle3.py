@@ -43,6 +43,7 @@ from outpace.models.cpu_fast_paths import linear
 from outpace.models.llama import LlamaDecoderLayer, RMSNorm
 from outpace.models.rotary import RotaryEmbedding
 from outpace.models.weight_dtype import upcast_linear
+from outpace.parallel.group import SINGLE, TensorParallel
 
 
 def side_by_side(parts: list) -> Optional[torch.Tensor]:
@@ -136,8 +137,10 @@ class Eagle3Head(nn.Module):
     num_kv_layers = 1  # KV slots of the draft plane this head uses
 
     def __init__(self, cfg: Eagle3Config, layer_slot: int, dtype=torch.float32, device="cpu",
-                 max_positions: Optional[int] = None):
-        # max_positions: the positions the rope tables cover (None: the config's; rotary.py)
+                 max_positions: Optional[int] = None, tp: TensorParallel = SINGLE):
+        # max_positions: the positions the rope tables cover (None: the config's; rotary.py).
+        # tp: a tensor-parallel rank's share: its decoder layer sharded as the target's are;
+        # fc, the norms, its LM head and its embedding whole on every rank (vLLM's choice)
         super().__init__()
         kw = dict(dtype=dtype, device=device)
         lc = cfg.layer
@@ -147,7 +150,7 @@ class Eagle3Head(nn.Module):
         self.aux_layer_ids = cfg.resolved_aux_layer_ids
         self.fc_weight = _param(h, 3 * h, **kw)
         self.hidden_norm = RMSNorm(h, lc.rms_norm_eps, **kw)
-        self.midlayer = LlamaDecoderLayer(lc, layer_slot, qkv_input_size=2 * h, **kw)
+        self.midlayer = LlamaDecoderLayer(lc, layer_slot, qkv_input_size=2 * h, **kw, tp=tp)
         self.norm = RMSNorm(h, lc.rms_norm_eps, **kw)
         self.lm_head_weight = _param(cfg.draft_vocab_size, h, **kw)
         self.embed_weight = _param(lc.vocab_size, h, **kw) if cfg.has_embedding else None

@@ -223,6 +223,34 @@ class LlamaDecoderLayer(nn.Module):
         out += h
         return out
 
+    @torch.no_grad()
+    def load_part_of_(self, whole: "LlamaDecoderLayer") -> None:
+        """This rank's share (self's tp) of an unsharded layer's weights: a draft head's layer,
+        loaded whole first (it is one layer)."""
+        a, w, m, wm = self.self_attn, whole.self_attn, self.mlp, whole.mlp
+        q0, kv0 = a.tp.rank * a.q_size, a.kv_head_start * a.head_dim
+
+        def qkv(dst, src):
+            dst[:a.q_size].copy_(src[q0:q0 + a.q_size])
+            for i in (1, 2):  # k, then v
+                at, src_at = a.q_size + (i - 1) * a.kv_size, w.q_size + (i - 1) * w.kv_size
+                dst[at:at + a.kv_size].copy_(src[src_at + kv0:src_at + kv0 + a.kv_size])
+        qkv(a.qkv_weight, w.qkv_weight)
+        if a.qkv_bias is not None:
+            qkv(a.qkv_bias, w.qkv_bias)
+        a.o_weight.copy_(w.o_weight[:, q0:q0 + a.q_size])
+        i0 = m.tp.rank * m.inter
+        m.gate_up_weight[:m.inter].copy_(wm.gate_up_weight[i0:i0 + m.inter])
+        m.gate_up_weight[m.inter:].copy_(wm.gate_up_weight[wm.inter + i0:wm.inter + i0 + m.inter])
+        m.down_weight.copy_(wm.down_weight[:, i0:i0 + m.inter])
+        for mine, theirs in ((self.input_layernorm, whole.input_layernorm),
+                             (self.post_attention_layernorm, whole.post_attention_layernorm),
+                             (a.q_norm, w.q_norm), (a.k_norm, w.k_norm)):
+            if mine is not None:
+                mine.weight.copy_(theirs.weight)
+        if a.o_bias is not None:
+            a.o_bias.copy_(w.o_bias)
+
     def takes_few_rows(self, x: torch.Tensor) -> bool:
         """Whether a draft head should run this layer on `x` through forward_few_rows: CUDA
         with triton, at most SMALL_M_MAX rows, the few-row kernels on, and few_rows_ok()."""

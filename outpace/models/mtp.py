@@ -30,11 +30,12 @@ from outpace.model_config import ModelConfig
 from outpace.models.cpu_fast_paths import linear
 from outpace.models.llama import LlamaDecoderLayer, RMSNorm
 from outpace.models.rotary import RotaryEmbedding
+from outpace.parallel.group import SINGLE, TensorParallel
 
 
 class MTPModule(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_slot: int, dtype=torch.float32, device="cpu",
-                 shared_head_norm: bool = False):
+                 shared_head_norm: bool = False, tp: TensorParallel = SINGLE):
         super().__init__()
         kw = dict(dtype=dtype, device=device)
         h = cfg.hidden_size
@@ -42,7 +43,7 @@ class MTPModule(nn.Module):
         self.hnorm = RMSNorm(h, cfg.rms_norm_eps, **kw)
         # Uninitialized: the loader (or init-draft) fills it.
         self.eh_proj_weight = nn.Parameter(torch.empty(h, 2 * h, **kw))
-        self.layer = LlamaDecoderLayer(cfg, layer_slot, **kw)
+        self.layer = LlamaDecoderLayer(cfg, layer_slot, **kw, tp=tp)
         # The module's own final norm before the (shared) LM head; None: the target's
         self.shared_head_norm = RMSNorm(h, cfg.rms_norm_eps, **kw) if shared_head_norm else None
 
@@ -50,9 +51,11 @@ class MTPModule(nn.Module):
 class MTPHead(nn.Module):
     def __init__(self, cfg: ModelConfig, num_modules: int, first_layer_slot: int,
                  dtype=torch.float32, device="cpu", max_positions: Optional[int] = None,
-                 shared_head_norm: bool = False):
+                 shared_head_norm: bool = False, tp: TensorParallel = SINGLE):
         # max_positions: the positions the rope tables cover (None: the config's; rotary.py);
-        # shared_head_norm: every module has its own final norm (a DeepSeek-layout checkpoint)
+        # shared_head_norm: every module has its own final norm (a DeepSeek-layout checkpoint);
+        # tp: a tensor-parallel rank's share: each module's decoder layer sharded as the
+        # target's are, its norms and eh_proj whole (the LM head is the target's, sharded)
         super().__init__()
         if num_modules < 1:
             raise ValueError(f"an MTP head needs >= 1 module, got {num_modules}")
@@ -62,7 +65,7 @@ class MTPHead(nn.Module):
         self.has_shared_head_norm = shared_head_norm
         self.layers = nn.ModuleList(
             MTPModule(cfg, first_layer_slot + d, dtype=dtype, device=device,
-                      shared_head_norm=shared_head_norm)
+                      shared_head_norm=shared_head_norm, tp=tp)
             for d in range(num_modules))
         self.rotary = RotaryEmbedding(cfg, dtype=dtype, device=device,
                                       max_positions=max_positions)

@@ -20,7 +20,8 @@ class Eagle3Proposer(HeadProposer):
                                     first_layer_slot=model_cfg.num_hidden_layers,
                                     dtype=runner_cfg.torch_dtype, device=runner_cfg.device,
                                     weight_dtype=runner_cfg.torch_weight_dtype,
-                                    max_positions=target.rotary.max_positions)
+                                    max_positions=target.rotary.max_positions,
+                                    tp=getattr(target, "tp", None))
         self.num_kv_layers = 1
         self.capture_layers = tuple(self.head.aux_layer_ids)
 

@@ -37,6 +37,7 @@ from outpace.kernels.argmax import argmax_rows
 from outpace.kernels.int8_linear import int8_linear, quantize_int8_rows
 from outpace.kernels.skinny_gemm import SMALL_M_MAX
 from outpace.models.cpu_fast_paths import cpu_threads_for
+from outpace.parallel.group import SINGLE
 from outpace.attention.inputs import InputBuffers, build_host_batch
 from outpace.speculative.base import DraftBatch, DraftWork, Proposer
 from outpace.speculative.draft_length import DraftLengthPolicy
@@ -144,7 +145,8 @@ class HeadProposer(Proposer):
         cast straight to hidden's dtype are embed_tokens' (the target computes in that dtype)."""
         t = self.target
         table = getattr(t, "embed_weight", None)
-        if table is not None and getattr(t, "dtype", None) != hidden.dtype:
+        if table is not None and (getattr(t, "dtype", None) != hidden.dtype
+                                  or getattr(t, "tp", SINGLE).size > 1):  # a shard of it
             table = None
         return {"embed_fn": t.embed_tokens, "embed_weight": table}
 

@@ -14,13 +14,13 @@ from outpace.errors import ConfigError
 from outpace.speculative.head_proposer import HeadProposer
 
 
-def load_mtp_head(spec, model_cfg, runner_cfg, max_positions=None):
+def load_mtp_head(spec, model_cfg, runner_cfg, max_positions=None, tp=None):
     from outpace.models.draft_loader import load_draft_head
     return load_draft_head("mtp", spec.model, model_cfg,
                            first_layer_slot=model_cfg.num_hidden_layers,
                            dtype=runner_cfg.torch_dtype, device=runner_cfg.device,
                            weight_dtype=runner_cfg.torch_weight_dtype,
-                           max_positions=max_positions)
+                           max_positions=max_positions, tp=tp)
 
 
 class MTPEagleProposer(HeadProposer):
@@ -52,7 +52,8 @@ class MTPEagleProposer(HeadProposer):
 def MTPProposer(spec, policy, target, model_cfg, runner_cfg):
     """Pick the MTP mode from the options and the number of modules in the checkpoint."""
     # the head's rope tables cover the positions the target's do
-    head = load_mtp_head(spec, model_cfg, runner_cfg, max_positions=target.rotary.max_positions)
+    head = load_mtp_head(spec, model_cfg, runner_cfg, max_positions=target.rotary.max_positions,
+                         tp=getattr(target, "tp", None))
     mode = spec.mtp_mode or ("eagle" if head.num_modules == 1 else "depths")
     if mode == "eagle":
         return MTPEagleProposer(spec, policy, target, head)

@@ -1,8 +1,9 @@
 """Tensor parallelism on the CPU (gloo, engine/tp_executor.py): the sharded engine's output is the
 unsharded engine's, token for token, for the default model over 3 ranks (its 9 query and 3 KV
 heads) and a tiny random model over 2 (o and q/k/v biases, one KV head replicated on both ranks,
-a vocabulary that does not divide); the model-free drafters run under it; a rank that dies fails
-the engine at once with an error naming it, and nothing is left running."""
+a vocabulary that does not divide); every drafter runs under it (EAGLE-3 and MTP heads sharded
+too); a rank that dies fails the engine at once with an error naming it, and nothing is left
+running."""
 
 import os
 import signal
@@ -64,18 +65,6 @@ def test_three_ranks_give_the_default_models_tokens_and_logprobs(reference, defa
     assert want[0].outputs[0].logprobs
 
 
-def test_ngram_drafting_under_three_ranks_is_the_plain_output(reference, default_model_path):
-    llm = LLM(str(default_model_path), device="cpu", quiet=True, tensor_parallel_size=3,
-              speculative_config={"method": "ngram", "num_speculative_tokens": 3})
-    try:
-        params = SamplingParams(max_tokens=24, temperature=0.0)
-        prompts = PROMPTS[1:]  # code and a list: text that repeats
-        assert _tokens(llm, prompts, params) == _tokens(reference, prompts, params)
-        assert llm.engine.spec_stats.num_draft_tokens > 0  # it did draft
-    finally:
-        assert _all_ended(llm)
-
-
 @pytest.fixture(scope="module")
 def tiny_folder(tmp_path_factory):
     """A tiny model with biases on q/k/v and o, 4 query heads over 1 KV head, and 95 ids
@@ -86,21 +75,51 @@ def tiny_folder(tmp_path_factory):
     return folder
 
 
-def test_two_ranks_of_a_tiny_model_with_suffix_drafting(tiny_folder):
+@pytest.fixture(scope="module")
+def tiny_reference(tiny_folder):
     ref = LLM(str(tiny_folder), device="cpu", quiet=True)
-    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2)
-    want = ref.generate(TINY_PROMPTS, params)
-    for spec in (None, {"method": "suffix", "num_speculative_tokens": 3}):
-        llm = LLM(str(tiny_folder), device="cpu", quiet=True, tensor_parallel_size=2,
-                  speculative_config=spec)
+    return ref.generate(TINY_PROMPTS, GREEDY)
+
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2)
+
+
+@pytest.mark.parametrize("spec", [None, {"method": "suffix", "num_speculative_tokens": 3},
+                                  {"method": "ngram", "num_speculative_tokens": 2}])
+def test_two_ranks_of_a_tiny_model_model_free_drafters(tiny_folder, tiny_reference, spec):
+    llm = LLM(str(tiny_folder), device="cpu", quiet=True, tensor_parallel_size=2,
+              speculative_config=spec)
+    try:
+        got = llm.generate(TINY_PROMPTS, GREEDY)
+    finally:
+        assert _all_ended(llm)
+    for w, g in zip(tiny_reference, got):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        for lw, lg in zip(w.outputs[0].logprobs, g.outputs[0].logprobs):
+            assert max(abs(lw[t] - lg[t]) for t in lw) < 1e-5
+
+
+@pytest.mark.parametrize("method", ["eagle3", "mtp"])
+def test_a_draft_heads_drafts_are_the_same_over_two_ranks(tiny_folder, tmp_path, method):
+    """Under force-accept the output is made of the head's drafts, so it equals the unsharded
+    engine's only if the sharded head drafts exactly what the whole one does (its layer cut
+    right, its KV plane in each rank's pool)."""
+    from outpace.training.init_draft import init_draft
+    head = init_draft(method, str(tiny_folder), tmp_path / method, seed=3, quiet=True)
+    spec = {"method": method, "model": str(head), "num_speculative_tokens": 3,
+            "force_accept_mean": 2.0}
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    outs = []
+    for size in (1, 2):
+        llm = LLM(str(tiny_folder), device="cpu", quiet=True, tensor_parallel_size=size,
+                  speculative_config=spec, seed=7)
         try:
-            got = llm.generate(TINY_PROMPTS, params)
+            outs.append((_tokens(llm, TINY_PROMPTS, params),
+                         llm.engine.spec_stats.as_dict()["accepted_per_position"]))
         finally:
-            assert _all_ended(llm)
-        for w, g in zip(want, got):
-            assert g.outputs[0].token_ids == w.outputs[0].token_ids, spec
-            for lw, lg in zip(w.outputs[0].logprobs, g.outputs[0].logprobs):
-                assert max(abs(lw[t] - lg[t]) for t in lw) < 1e-5, spec
+            if size > 1:
+                assert _all_ended(llm)
+    assert outs[1] == outs[0] and sum(outs[0][1]) > 0
 
 
 def test_a_killed_rank_fails_the_engine_at_once_and_nothing_is_left(tiny_folder):

@@ -55,8 +55,9 @@ def test_a_model_that_does_not_shard_is_an_error_naming_the_sizes_that_do(size, 
 @pytest.mark.parametrize("kw,match", [
     (dict(tensor_parallel_size=0), "tensor_parallel_size must be an integer in 1..64"),
     (dict(tensor_parallel_size=2, device="cuda"), "runs on the CPU"),
-    (dict(tensor_parallel_size=3, speculative_config={"method": "eagle3"}),  # the shipped head
-     "'eagle3' does not run under tensor parallelism"),
+    (dict(tensor_parallel_size=3, speculative_config={"method": "eagle3",  # the shipped head
+                                                      "draft_lm_head_dtype": "int8"}),
+     "draft_lm_head_dtype 'int8' does not run under tensor parallelism"),
     (dict(tensor_parallel_size=2, device="cpu"),
      "does not divide the model's 9 attention heads; this model shards over 1, 3 rank"),
 ])
@@ -111,3 +112,43 @@ def test_the_mirrors_hold_what_rank_0_holds_step_after_step():
     mirror.release("a")
     assert "a" not in mirror.requests
     assert dataclasses.fields(Request)  # the changing fields are read from the dataclass
+
+
+class _Workers:
+    error = None
+
+    def __init__(self):
+        self.sent = []
+
+    def send(self, calls):
+        self.sent.append(calls)
+
+
+class _Runner:
+    proposer = None
+
+    def __init__(self):
+        self.calls = []
+
+    def __getattr__(self, name):
+        return lambda *a: self.calls.append((name, *a)) or f"{name} done"
+
+
+def test_rank_0_sends_each_call_before_making_it_and_its_step_times_after():
+    """Begin / release ride with the next step; the cost model's table measured on rank 0 is
+    given to every rank (the draft lengths, and so the collectives a step runs, must agree)."""
+    from outpace.engine.tp_executor import TensorParallelRunner
+    workers, runner = _Workers(), _Runner()
+    tpr = TensorParallelRunner(runner, workers)
+    req = _req("a", [1, 2, 3])
+    tpr.begin_request(req)
+    assert workers.sent == [] and runner.calls == [("begin_request", req)]
+    assert tpr.measure_step_times(3) == "measure_step_times done"
+    assert [name for name, _ in workers.sent[0]] == ["begin", "measure_step_times"]
+    tpr.release("a")
+    plan = _plan((req, []))
+    assert tpr.execute(plan) == "execute done"
+    assert workers.sent[1][0] == ("set_step_times", "measure_step_times done")
+    assert [name for name, _ in workers.sent[1]] == ["set_step_times", "release", "execute"]
+    assert runner.calls[-1] == ("execute", plan)
+    assert tpr.can_launch(plan) is False and tpr.fused is None
