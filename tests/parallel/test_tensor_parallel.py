@@ -137,3 +137,41 @@ def test_a_killed_rank_fails_the_engine_at_once_and_nothing_is_left(tiny_folder)
         assert not llm.engine.has_unfinished_requests()
     finally:
         assert _all_ended(llm)
+
+
+def test_the_ranks_end_when_the_engines_process_is_killed(tiny_folder, tmp_path):
+    """Rank 0's process killed outright (no cleanup runs): the other ranks see their pipe or
+    their gloo connections close and exit, rather than wait forever."""
+    import subprocess
+    import sys
+    script = tmp_path / "engine.py"
+    script.write_text(
+        "import os, sys, time\n"
+        "from outpace import LLM\n"
+        "if __name__ == '__main__':\n"
+        f"    llm = LLM({str(tiny_folder)!r}, device='cpu', quiet=True, tensor_parallel_size=2)\n"
+        "    print(*[p.pid for p in llm.engine.runner.workers.processes], flush=True)\n"
+        "    time.sleep(120)\n")
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": repo, "OMP_NUM_THREADS": "1"})
+    try:
+        pids = [int(p) for p in proc.stdout.readline().split()]
+        assert pids
+        proc.kill()
+        proc.wait(10)
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and any(_alive(p) for p in pids):
+            time.sleep(0.2)
+        assert not any(_alive(p) for p in pids)
+    finally:
+        proc.kill()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie has ended (its parent is gone)
+        return f.read().split(")")[-1].split()[0] != "Z"
