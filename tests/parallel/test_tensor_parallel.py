@@ -53,8 +53,8 @@ def default_tp3(default_model_path):
 
 def test_three_ranks_give_the_default_models_tokens_and_logprobs(reference, default_tp3):
     """Greedy (with logprobs) and seeded sampling, in one batch."""
-    params = [SamplingParams(max_tokens=32, temperature=0.0, logprobs=3)] * 2 + [
-        SamplingParams(max_tokens=32, temperature=0.9, top_p=0.95, seed=s) for s in (11, 12)]
+    params = [SamplingParams(max_tokens=20, temperature=0.0, logprobs=3)] * 2 + [
+        SamplingParams(max_tokens=20, temperature=0.9, top_p=0.95, seed=s) for s in (11, 12)]
     want = reference.generate(PROMPTS, params)
     got = default_tp3.generate(PROMPTS, params)
     for w, g in zip(want, got):
@@ -75,38 +75,51 @@ def tiny_folder(tmp_path_factory):
     return folder
 
 
+# greedy with logprobs, greedy, and seeded sampling, in one batch
+TINY_PARAMS = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2),
+               SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True),
+               SamplingParams(max_tokens=24, temperature=0.8, seed=5, ignore_eos=True)]
+
+
 @pytest.fixture(scope="module")
 def tiny_reference(tiny_folder):
-    ref = LLM(str(tiny_folder), device="cpu", quiet=True)
-    return ref.generate(TINY_PROMPTS, GREEDY)
+    """The unsharded engine's output, without speculation."""
+    return LLM(str(tiny_folder), device="cpu", quiet=True).generate(TINY_PROMPTS, TINY_PARAMS)
 
 
-GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2)
+@pytest.fixture(scope="module")
+def tiny_heads(tiny_folder, tmp_path_factory):
+    from outpace.training.init_draft import init_draft
+    out = tmp_path_factory.mktemp("tp_heads")
+    return {m: str(init_draft(m, str(tiny_folder), out / m, seed=3, quiet=True))
+            for m in ("eagle3", "mtp")}
 
 
-@pytest.mark.parametrize("spec", [None, {"method": "suffix", "num_speculative_tokens": 3},
-                                  {"method": "ngram", "num_speculative_tokens": 2}])
-def test_two_ranks_of_a_tiny_model_model_free_drafters(tiny_folder, tiny_reference, spec):
+@pytest.mark.parametrize("method", [None, "suffix", "ngram", "eagle3", "mtp"])
+def test_two_ranks_of_a_tiny_model_give_its_output_with_every_drafter(
+        tiny_folder, tiny_reference, tiny_heads, method):
+    spec = None if method is None else {"method": method, "num_speculative_tokens": 3,
+                                        **({"model": tiny_heads[method]}
+                                           if method in tiny_heads else {})}
     llm = LLM(str(tiny_folder), device="cpu", quiet=True, tensor_parallel_size=2,
               speculative_config=spec)
     try:
-        got = llm.generate(TINY_PROMPTS, GREEDY)
+        got = llm.generate(TINY_PROMPTS, TINY_PARAMS)
     finally:
         assert _all_ended(llm)
     for w, g in zip(tiny_reference, got):
         assert g.outputs[0].token_ids == w.outputs[0].token_ids
-        for lw, lg in zip(w.outputs[0].logprobs, g.outputs[0].logprobs):
+        for lw, lg in zip(w.outputs[0].logprobs or (), g.outputs[0].logprobs or ()):
             assert max(abs(lw[t] - lg[t]) for t in lw) < 1e-5
+    assert tiny_reference[0].outputs[0].logprobs
 
 
 @pytest.mark.parametrize("method", ["eagle3", "mtp"])
-def test_a_draft_heads_drafts_are_the_same_over_two_ranks(tiny_folder, tmp_path, method):
+def test_a_draft_heads_drafts_are_the_same_over_two_ranks(tiny_folder, tiny_heads, method):
     """Under force-accept the output is made of the head's drafts, so it equals the unsharded
     engine's only if the sharded head drafts exactly what the whole one does (its layer cut
     right, its KV plane in each rank's pool)."""
-    from outpace.training.init_draft import init_draft
-    head = init_draft(method, str(tiny_folder), tmp_path / method, seed=3, quiet=True)
-    spec = {"method": method, "model": str(head), "num_speculative_tokens": 3,
+    spec = {"method": method, "model": tiny_heads[method], "num_speculative_tokens": 3,
             "force_accept_mean": 2.0}
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     outs = []
