@@ -59,5 +59,10 @@ class ModelNotFoundError(InvalidRequestError):
     """A request names a model the engine does not serve."""
 
 
+class EngineStoppedError(OutpaceError):
+    """The engine can't compute any more (a tensor-parallel rank ended): not one step's failure,
+    so whoever runs the engine loop stops at once rather than retrying."""
+
+
 class QueueFullError(OutpaceError):
     """The waiting queue is at its bound; retry later."""

@@ -31,7 +31,7 @@ from typing import Callable, Optional, Union
 from outpace.chat_template import ChatPrompt
 from outpace.engine.request_stream import (LoopCrossing, RequestStream, RequestTiming,
                                            StreamItem, error_item)
-from outpace.errors import OutpaceError
+from outpace.errors import EngineStoppedError, OutpaceError
 from outpace.types import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -158,7 +158,8 @@ class AsyncEngine(LoopCrossing):
                 except Exception as e:  # noqa: BLE001 -- isolated to the requests in flight
                     failures += 1
                     log.exception("engine step failed (%d in a row)", failures)
-                    if failures >= self.max_consecutive_step_failures:
+                    if (failures >= self.max_consecutive_step_failures
+                            or isinstance(e, EngineStoppedError)):  # no step will run again
                         raise
                     self._fail_in_flight(e)
                     continue

@@ -11,7 +11,7 @@ import torch
 
 from outpace.config import CacheConfig, EngineConfig, SchedulerConfig
 from outpace.engine.args import EngineArgs
-from outpace.errors import ConfigError
+from outpace.errors import ConfigError, OutpaceError
 from outpace.runner_config import KernelOptions, RunnerConfig
 
 log = logging.getLogger(__name__)
@@ -125,7 +125,9 @@ def build_engine(cls, args: EngineArgs):
         try:
             parts = assemble(a, checked, workers.tp)
         except Exception as e:
-            dead = workers.dead_reason(" while loading")
+            # rank 0's own error when it is one a user can act on (every rank meets it), else
+            # the error of the rank whose end broke rank 0's collective
+            dead = None if isinstance(e, OutpaceError) else workers.dead_reason(" while loading")
             workers.stop(timeout=2.0)
             if dead is not None:
                 raise WorkerDiedError(dead) from e

@@ -35,6 +35,7 @@ import threading
 from typing import Optional
 
 from outpace.engine.output_processor import CoreOutput
+from outpace.errors import EngineStoppedError
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +78,8 @@ class EngineCore:
                 except Exception as e:  # noqa: BLE001 -- isolated to the requests in flight
                     failures += 1
                     log.exception("engine step failed (%d in a row)", failures)
-                    if failures >= self.max_consecutive_step_failures:
+                    if (failures >= self.max_consecutive_step_failures
+                            or isinstance(e, EngineStoppedError)):  # no step will run again
                         raise
                     self._fail_in_flight(e)
                     continue

@@ -14,14 +14,20 @@ engine's process ended) exits."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import pickle
+import shutil
+import signal
+import tempfile
+import threading
 import time
 import weakref
 from typing import Optional
 
 from outpace.engine.plan_mirror import PlanMirror, PlanSender
+from outpace.errors import EngineStoppedError
 
 log = logging.getLogger(__name__)
 
@@ -31,19 +37,37 @@ COLLECTIVE_TIMEOUT_S = 1800.0
 JOIN_TIMEOUT_S = 300.0
 
 
-class WorkerDiedError(RuntimeError):
-    """A tensor-parallel rank ended: the engine can't compute any more."""
+class WorkerDiedError(EngineStoppedError, RuntimeError):
+    """A tensor-parallel rank ended (or the ranks fell out of step): the engine can't compute
+    any more."""
 
 
-def cpu_threads_per_rank(size: int) -> int:
-    """Each rank's share of the cores (the ranks run at once), unless OMP_NUM_THREADS chose."""
-    return max(1, (os.cpu_count() or 1) // size)
+def rank_threads(size: int) -> int:
+    """torch's CPU threads on every rank: OMP_NUM_THREADS where set, else each rank's share of
+    the cores (the ranks run at once). The same on every rank: the parts every rank computes
+    whole (a draft head's fc, norms and LM head) must come out bit for bit the same, and a
+    product's rounding can depend on how many threads split it."""
+    try:
+        return max(1, int(os.environ["OMP_NUM_THREADS"]))
+    except (KeyError, ValueError):
+        return max(1, (os.cpu_count() or 1) // size)
 
 
-def _set_threads(size: int) -> None:
-    import torch
-    if "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(cpu_threads_per_rank(size))
+@contextlib.contextmanager
+def _sigint_after_the_call():
+    """Ctrl-C during a call takes effect when the call has ended on rank 0, so that it never
+    leaves rank 0 out of step with the others (which would have run the call whole)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # (a signal reaches Python in the main thread only)
+        return
+    caught = []
+    previous = signal.signal(signal.SIGINT, lambda *_: caught.append(True))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if caught:
+            signal.raise_signal(signal.SIGINT)  # as the process would have taken it
 
 
 class WorkerSet:
@@ -53,31 +77,37 @@ class WorkerSet:
     def __init__(self, args, size: int):
         import multiprocessing
 
-        from outpace.parallel.group import host_store, open_group
+        import torch
+
+        from outpace.parallel.group import open_group
         self.size = size
         self.error: Optional[str] = None  # why the group broke, once it has
         ctx = multiprocessing.get_context("spawn")
-        store = host_store(size, JOIN_TIMEOUT_S)
+        # the ranks meet through a file only this user can read (mkdtemp: mode 0700)
+        self._folder = tempfile.mkdtemp(prefix="outpace-tp-")
+        store = os.path.join(self._folder, "store")
+        threads = rank_threads(size)
         level = logging.getLogger("outpace").getEffectiveLevel()
         self._conns, self._procs = [], []
+        self._threads_before = torch.get_num_threads()
         try:
             for rank in range(1, size):
                 ours, theirs = ctx.Pipe()
                 p = ctx.Process(target=worker_main, name=f"outpace-tp-rank{rank}", daemon=True,
-                                args=(args, rank, size, store.port, theirs, level))
+                                args=(args, rank, size, store, threads, theirs, level))
                 p.start()
                 theirs.close()
                 self._conns.append(ours)
                 self._procs.append(p)
             self._wait_hello()
-            _set_threads(size)
-            self.tp = open_group(0, size, store.port, COLLECTIVE_TIMEOUT_S, store=store)
+            torch.set_num_threads(threads)
+            self.tp = open_group(0, size, store, COLLECTIVE_TIMEOUT_S)
         except BaseException:
             self.stop(timeout=2.0)
             raise
-        self._store = store  # the other ranks' group rendezvous lives as long as rank 0's
         # the ranks stop with the engine, or when it is collected or the interpreter exits
-        self._finalizer = weakref.finalize(self, _stop_procs, self._conns, self._procs, 5.0)
+        self._finalizer = weakref.finalize(self, _stop_procs, self._conns, self._procs, 5.0,
+                                           self._folder)
 
     def _wait_hello(self) -> None:
         """Each rank's "hello" (it imported torch and is about to join), or its error."""
@@ -104,26 +134,40 @@ class WorkerSet:
         if self.error is not None:
             raise WorkerDiedError(self.error)
         data = pickle.dumps(calls, protocol=pickle.HIGHEST_PROTOCOL)
-        for rank, conn in enumerate(self._conns, start=1):
+        for conn in self._conns:
             try:
                 conn.send_bytes(data)
             except OSError as e:
                 raise self.broke(e, "") from e
 
     def broke(self, cause: BaseException, doing: str) -> WorkerDiedError:
-        """The error to raise once a call failed on rank 0, a collective or a send: the first
-        rank that ended, with its own error where it sent one, else rank 0's; recorded, so
+        """The error to raise once a call failed on rank 0, a collective or a send: the rank
+        that ended first, with its own error where it sent one, else rank 0's; recorded, so
         every later call raises it at once (the ranks are out of step after a failure)."""
         if self.error is None:
+            what = ("was interrupted" if isinstance(cause, KeyboardInterrupt)
+                    else f"failed: {type(cause).__name__}: {cause}")
             self.error = self.dead_reason(doing) or (
-                f"tensor-parallel rank 0 failed{doing}: {type(cause).__name__}: {cause}; the "
-                f"other ranks can't continue in step")
+                f"tensor-parallel rank 0 {what}{doing}; the other ranks can't continue in "
+                f"step, so the engine has stopped")
         return WorkerDiedError(self.error)
 
     def dead_reason(self, doing: str) -> Optional[str]:
-        """Why the first rank that ended (or sent an error) did; None while all run."""
-        return next((self._why(r, doing) for r, p in enumerate(self._procs, start=1)
-                     if not p.is_alive() or self._conns[r - 1].poll()), None)
+        """Why a rank ended (None while all run): one that sent its error first, then one a
+        signal ended, then any other (those may have ended of the first one's broken
+        collective)."""
+        ended = [r for r, p in enumerate(self._procs, start=1)
+                 if not p.is_alive() or self._conns[r - 1].poll()]
+        if not ended:
+            return None
+        reasons = [(r, self._why(r, doing)) for r in ended]
+        for pick in (lambda r, why: " failed" in why,
+                     lambda r, why: (self._procs[r - 1].exitcode or 0) < 0,
+                     lambda r, why: True):
+            for r, why in reasons:
+                if pick(r, why):
+                    return why
+        return None
 
     def _why(self, rank: int, doing: str) -> str:
         conn, proc = self._conns[rank - 1], self._procs[rank - 1]
@@ -140,18 +184,25 @@ class WorkerSet:
             return f"tensor-parallel rank {rank} failed{doing}: {sent}"
         if proc.exitcode is None:
             return f"tensor-parallel rank {rank} did not answer{doing}"
-        return f"tensor-parallel rank {rank} ended{doing} (exit code {proc.exitcode})"
+        hint = ""
+        if doing == " while starting" and proc.exitcode == 1:
+            hint = ("; a script that starts tensor-parallel ranks needs its engine under "
+                    "`if __name__ == \"__main__\":` (the ranks are spawned and import it)")
+        return f"tensor-parallel rank {rank} ended{doing} (exit code {proc.exitcode}){hint}"
 
     def stop(self, timeout: float = 5.0) -> None:
-        """Ask every rank to end, then end the ones that don't (idempotent)."""
+        """Ask every rank to end, then end the ones that don't; rank 0's CPU threads back to
+        what they were (idempotent)."""
         fin = getattr(self, "_finalizer", None)
         if fin is not None:
             fin()
         else:
-            _stop_procs(self._conns, self._procs, timeout)
+            _stop_procs(self._conns, self._procs, timeout, self._folder)
+        import torch
+        torch.set_num_threads(self._threads_before)
 
 
-def _stop_procs(conns: list, procs: list, timeout: float) -> None:
+def _stop_procs(conns: list, procs: list, timeout: float, folder: str) -> None:
     for conn in conns:
         try:
             conn.send_bytes(pickle.dumps(None))
@@ -165,6 +216,7 @@ def _stop_procs(conns: list, procs: list, timeout: float) -> None:
             p.join(timeout=1.0)
     for conn in conns:
         conn.close()
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 class TensorParallelRunner:
@@ -211,36 +263,45 @@ class TensorParallelRunner:
 
     def _call(self, name: str, arg, sent, doing: str):
         calls, self._queued = self._queued + [(name, sent)], []
-        self.workers.send(calls)
-        try:
-            return getattr(self.runner, name)(arg)
-        except Exception as e:  # a collective a rank's end broke, or rank 0's own failure
-            err = self.workers.broke(e, doing)
-            self.workers.stop(timeout=2.0)
-            raise err from e
+        with _sigint_after_the_call():
+            self.workers.send(calls)
+            try:
+                return getattr(self.runner, name)(arg)
+            except BaseException as e:  # a collective a rank's end broke, or rank 0's failure
+                err = self.workers.broke(e, doing)
+                self.workers.stop(timeout=2.0)
+                if isinstance(e, KeyboardInterrupt):
+                    raise
+                raise err from e
 
     def shutdown(self) -> None:
         self.workers.stop()
 
 
-def worker_main(args, rank: int, size: int, port: int, conn, log_level: int) -> None:
+def worker_main(args, rank: int, size: int, store: str, threads: int, conn,
+                log_level: int) -> None:
     """Rank `rank`: join the group, build this rank's runner as rank 0 builds its own, then run
-    the calls rank 0 sends until it sends None or its pipe closes. An error is sent to rank 0
-    (and ends this rank, which breaks the group)."""
+    the calls rank 0 sends until it sends None or its pipe closes. An error is logged here and
+    sent to rank 0 (and ends this rank, which breaks the group)."""
+    # Ctrl-C in a terminal reaches the whole process group: rank 0 decides what it means (a
+    # server drains its requests first, which needs every rank), and ends this rank after
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     logging.getLogger("outpace").setLevel(max(log_level, logging.WARNING))
     try:
-        _set_threads(size)
+        import torch
+        torch.set_num_threads(threads)
         from outpace.engine.builder import assemble
         from outpace.engine.preflight import check_engine_args
         from outpace.parallel.group import open_group
         conn.send(("hello",))
-        tp = open_group(rank, size, port, COLLECTIVE_TIMEOUT_S)
+        tp = open_group(rank, size, store, COLLECTIVE_TIMEOUT_S)
         runner = assemble(args, check_engine_args(args), tp).runner
         _serve(conn, runner)
-    except (EOFError, KeyboardInterrupt):  # rank 0 ended first
+    except EOFError:  # rank 0 ended first
         pass
     except BaseException as e:  # noqa: BLE001 -- rank 0 reports it
+        log.exception("outpace: tensor-parallel rank %d failed", rank)
         try:
             conn.send(("error", f"{type(e).__name__}: {e}"))
         except OSError:

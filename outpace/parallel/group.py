@@ -5,14 +5,15 @@ logits, the minimum of a number every rank must agree on).
 A model gets its `TensorParallel` at construction; size 1 (`SINGLE`) makes every collective the
 identity, so unsharded code pays nothing. The process group is a torch.distributed one (gloo on
 CPU) created for this engine alone, not torch.distributed's default group: several engines can
-live in one process.
+live in one process. The ranks meet through a file in a private folder (a FileStore, no port)
+and connect over 127.0.0.1 only: nothing listens beyond the host.
 """
 
 from __future__ import annotations
 
 import datetime
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -57,24 +58,13 @@ class TensorParallel:
 SINGLE = TensorParallel()
 
 
-def open_group(rank: int, size: int, port: int, timeout_s: float,
-               store=None) -> TensorParallel:
-    """Rank `rank`'s TensorParallel over a gloo group of `size` ranks meeting at
-    127.0.0.1:`port` (rank 0 passes the TCPStore it created there as `store`)."""
+def open_group(rank: int, size: int, store_path: str, timeout_s: float) -> TensorParallel:
+    """Rank `rank`'s TensorParallel over a gloo group of `size` ranks meeting at the file
+    `store_path` (in a folder only this user reads), connected over 127.0.0.1."""
     import torch.distributed as dist
-    timeout = datetime.timedelta(seconds=timeout_s)
-    if store is None:
-        store = dist.TCPStore("127.0.0.1", port, size, False, timeout=timeout)
-    group = dist.ProcessGroupGloo(store, rank, size, timeout)
+    store = dist.FileStore(store_path, size)
+    opts = dist.ProcessGroupGloo._Options()
+    opts._timeout = datetime.timedelta(seconds=timeout_s)
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+    group = dist.ProcessGroupGloo(store, rank, size, opts)
     return TensorParallel(rank=rank, size=size, group=group)
-
-
-def host_store(size: int, timeout_s: float):
-    """Rank 0's TCPStore on a free port of 127.0.0.1 (its `.port` tells the others)."""
-    import torch.distributed as dist
-    return dist.TCPStore("127.0.0.1", 0, size, True,
-                         timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
-
-
-def describe(tp: Optional[TensorParallel]) -> str:
-    return "" if tp is None or tp.size == 1 else f" (tensor-parallel rank {tp.rank} of {tp.size})"

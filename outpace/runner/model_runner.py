@@ -355,6 +355,10 @@ class ModelRunner:
                     block_ids=[sr.block_ids for sr in plan.scheduled], first_pass=first_pass)
                 drafts = self.proposer.propose(batch, ks)
         except Exception as e:  # a drafter bug must not take the engine down: go on without drafts
+            if self.model.tp.size > 1:
+                # not under tensor parallelism: the other ranks' drafting runs collectives
+                # this rank would now skip, so the ranks are out of step (the step fails)
+                raise
             self.drafter_failed(e, plan, result)
             return
         for sr, d, k in zip(plan.scheduled, drafts, ks):

@@ -67,6 +67,9 @@ class SamplingStep:
         # Benchmarks only (lossy): accept floor(mean - 1 + U) drafts regardless of the target,
         # so a random head can stand in for a trained one at a chosen mean acceptance length.
         self.force_accept_mean: Optional[float] = None
+        # its draws: the engine's own generator, so that nothing else in the process (a
+        # user's torch.rand) moves them, and every tensor-parallel rank draws the same
+        self._force_draws = torch.Generator(device=device).manual_seed(seed)
         self.relaxed: Optional[RelaxedAcceptance] = None
         self._spans: dict = {}  # request_id -> [ThinkingSpanTracker, committed tokens fed]
 
@@ -150,7 +153,9 @@ class SamplingStep:
                                for g in groups], dtype=torch.long, device=dev)
         num_drafts = torch.tensor([g[2] for g in groups], device=dev)
         if self.force_accept_mean is not None:
-            out, acc = force_accept(targets[index], drafts, num_drafts, self.force_accept_mean)
+            u = torch.rand(len(groups), generator=self._force_draws, device=dev)
+            out, acc = force_accept(targets[index], drafts, num_drafts, self.force_accept_mean,
+                                    u=u)
         else:
             relaxed = None
             if self.relaxed is not None:

@@ -59,3 +59,33 @@ def test_step_failure_is_contained_then_fatal(tiny_model_dir):
         aengine.shutdown()
 
     asyncio.run(scenario())
+
+
+def test_an_engine_that_stopped_is_dead_at_its_first_failure(tiny_model_dir):
+    """EngineStoppedError (a tensor-parallel rank ended) is not one step's failure: the loop
+    stops at once instead of failing more rounds of requests first."""
+    from outpace.errors import EngineStoppedError
+    engine = LLMEngine.from_args(str(tiny_model_dir), device="cpu", max_model_len=MAX_MODEL_LEN,
+                                 num_kv_blocks=NUM_KV_BLOCKS, quiet=True)
+    aengine = AsyncEngine(engine, max_consecutive_step_failures=3)
+    app = build_app(aengine, ServerConfig())
+    body = {"model": engine.model_name, "prompt": "hi", "max_tokens": 4, "ignore_eos": True}
+
+    def stopped():
+        raise EngineStoppedError("tensor-parallel rank 1 ended (exit code -9)")
+
+    async def scenario():
+        aengine.start()
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                     base_url="http://localhost") as c:
+            engine.step = stopped
+            r = await c.post("/v1/completions", json=body)
+            assert r.status_code != 200 and "rank 1 ended" in r.json()["error"]["message"]
+            for _ in range(50):
+                if not aengine.healthy:
+                    break
+                await asyncio.sleep(0.02)
+            assert (await c.get("/health")).status_code == 503
+        aengine.shutdown()
+
+    asyncio.run(scenario())

@@ -19,6 +19,9 @@ from tests.models.helpers import tiny_hf, word_tokenizer
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n", "Once upon a time, a dragon",
            "List three colors, then list them again:"]
 TINY_PROMPTS = [[5, 6, 7, 8, 9, 10], [20, 21, 22, 20, 21, 22, 20, 21], [40, 3]]
+# small KV pools (a CPU pool is 1 GiB by default, touched when it is zeroed)
+SMALL = dict(max_model_len=512, num_kv_blocks=80)
+TINY = dict(num_kv_blocks=40)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -41,12 +44,13 @@ def _all_ended(llm) -> bool:
 
 @pytest.fixture(scope="module")
 def reference(loaded_default):
-    return LLM("smollm2-135m", device="cpu", quiet=True, loaded=loaded_default)
+    return LLM("smollm2-135m", device="cpu", quiet=True, loaded=loaded_default, **SMALL)
 
 
 @pytest.fixture(scope="module")
 def default_tp3(default_model_path):
-    llm = LLM(str(default_model_path), device="cpu", quiet=True, tensor_parallel_size=3)
+    llm = LLM(str(default_model_path), device="cpu", quiet=True, tensor_parallel_size=3,
+              **SMALL)
     yield llm
     assert _all_ended(llm)
 
@@ -84,7 +88,8 @@ TINY_PARAMS = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, l
 @pytest.fixture(scope="module")
 def tiny_reference(tiny_folder):
     """The unsharded engine's output, without speculation."""
-    return LLM(str(tiny_folder), device="cpu", quiet=True).generate(TINY_PROMPTS, TINY_PARAMS)
+    return LLM(str(tiny_folder), device="cpu", quiet=True, **TINY).generate(TINY_PROMPTS,
+                                                                          TINY_PARAMS)
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +107,7 @@ def test_two_ranks_of_a_tiny_model_give_its_output_with_every_drafter(
                                         **({"model": tiny_heads[method]}
                                            if method in tiny_heads else {})}
     llm = LLM(str(tiny_folder), device="cpu", quiet=True, tensor_parallel_size=2,
-              speculative_config=spec)
+              speculative_config=spec, **TINY)
     try:
         got = llm.generate(TINY_PROMPTS, TINY_PARAMS)
     finally:
@@ -125,7 +130,7 @@ def test_a_draft_heads_drafts_are_the_same_over_two_ranks(tiny_folder, tiny_head
     outs = []
     for size in (1, 2):
         llm = LLM(str(tiny_folder), device="cpu", quiet=True, tensor_parallel_size=size,
-                  speculative_config=spec, seed=7)
+                  speculative_config=spec, seed=7, **TINY)
         try:
             outs.append((_tokens(llm, TINY_PROMPTS, params),
                          llm.engine.spec_stats.as_dict()["accepted_per_position"]))
@@ -136,7 +141,7 @@ def test_a_draft_heads_drafts_are_the_same_over_two_ranks(tiny_folder, tiny_head
 
 
 def test_a_killed_rank_fails_the_engine_at_once_and_nothing_is_left(tiny_folder):
-    llm = LLM(str(tiny_folder), device="cpu", quiet=True, tensor_parallel_size=2)
+    llm = LLM(str(tiny_folder), device="cpu", quiet=True, tensor_parallel_size=2, **TINY)
     try:
         rank1 = llm.engine.runner.workers.processes[0]
         os.kill(rank1.pid, signal.SIGKILL)
@@ -162,7 +167,8 @@ def test_the_ranks_end_when_the_engines_process_is_killed(tiny_folder, tmp_path)
         "import os, sys, time\n"
         "from outpace import LLM\n"
         "if __name__ == '__main__':\n"
-        f"    llm = LLM({str(tiny_folder)!r}, device='cpu', quiet=True, tensor_parallel_size=2)\n"
+        f"    llm = LLM({str(tiny_folder)!r}, device='cpu', quiet=True, tensor_parallel_size=2,"
+        " num_kv_blocks=40)\n"
         "    print(*[p.pid for p in llm.engine.runner.workers.processes], flush=True)\n"
         "    time.sleep(120)\n")
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

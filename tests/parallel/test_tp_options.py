@@ -115,13 +115,18 @@ def test_the_mirrors_hold_what_rank_0_holds_step_after_step():
 
 
 class _Workers:
-    error = None
-
     def __init__(self):
-        self.sent = []
+        self.sent, self.error, self.stopped = [], None, False
 
     def send(self, calls):
         self.sent.append(calls)
+
+    def broke(self, cause, doing):
+        self.error = f"rank 0 {type(cause).__name__}{doing}"
+        return RuntimeError(self.error)
+
+    def stop(self, timeout):
+        self.stopped = True
 
 
 class _Runner:
@@ -152,3 +157,41 @@ def test_rank_0_sends_each_call_before_making_it_and_its_step_times_after():
     assert [name for name, _ in workers.sent[1]] == ["set_step_times", "release", "execute"]
     assert runner.calls[-1] == ("execute", plan)
     assert tpr.can_launch(plan) is False and tpr.fused is None
+
+
+def test_ctrl_c_during_a_call_waits_for_its_end():
+    import os
+    import signal
+
+    from outpace.engine.tp_executor import _sigint_after_the_call
+    ran = []
+    with pytest.raises(KeyboardInterrupt):
+        with _sigint_after_the_call():
+            os.kill(os.getpid(), signal.SIGINT)
+            ran.append("the rest of the call")  # not cut short
+    assert ran == ["the rest of the call"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_call_interrupted_on_rank_0_stops_the_ranks():
+    """A KeyboardInterrupt (or any error) inside rank 0's part of a call leaves the others out
+    of step: the group is marked broken and stopped, and the interrupt goes on up."""
+    from outpace.engine.tp_executor import TensorParallelRunner
+
+    class Interrupted(_Runner):
+        def execute(self, plan):
+            raise KeyboardInterrupt
+
+    workers = _Workers()
+    tpr = TensorParallelRunner(Interrupted(), workers)
+    with pytest.raises(KeyboardInterrupt):
+        tpr.execute(_plan((_req("a", [1, 2]), [])))
+    assert workers.stopped and workers.error == "rank 0 KeyboardInterrupt in a step"
+
+
+def test_the_plan_rows_carry_every_field_of_a_scheduled_request_and_a_plan():
+    """A field added to ScheduledRequest or StepPlan must be sent too (plan_mirror.py)."""
+    assert [f.name for f in dataclasses.fields(ScheduledRequest)] == [
+        "request", "num_computed_tokens", "num_new_tokens", "draft_token_ids", "sample",
+        "block_ids"]
+    assert [f.name for f in dataclasses.fields(StepPlan)] == ["scheduled", "preempted_ids", "load"]
