@@ -18,13 +18,17 @@ from outpace.entrypoints.openai.server import build_app
 from tests.e2e.server_helpers import MAX_MODEL_LEN, NUM_KV_BLOCKS
 
 
-def test_step_failure_is_contained_then_fatal(tiny_model_dir):
+def _served(tiny_model_dir, max_consecutive_step_failures: int):
+    """(engine, its AsyncEngine, the app, a completion request's body)."""
     engine = LLMEngine.from_args(str(tiny_model_dir), device="cpu", max_model_len=MAX_MODEL_LEN,
-                                 num_kv_blocks=NUM_KV_BLOCKS,
-                                 quiet=True)
-    aengine = AsyncEngine(engine, max_consecutive_step_failures=2)
-    app = build_app(aengine, ServerConfig())
+                                 num_kv_blocks=NUM_KV_BLOCKS, quiet=True)
+    aengine = AsyncEngine(engine, max_consecutive_step_failures=max_consecutive_step_failures)
     body = {"model": engine.model_name, "prompt": "hi", "max_tokens": 4, "ignore_eos": True}
+    return engine, aengine, build_app(aengine, ServerConfig()), body
+
+
+def test_step_failure_is_contained_then_fatal(tiny_model_dir):
+    engine, aengine, app, body = _served(tiny_model_dir, 2)
     real_step = engine.step
 
     def boom():
@@ -65,11 +69,7 @@ def test_an_engine_that_stopped_is_dead_at_its_first_failure(tiny_model_dir):
     """EngineStoppedError (a tensor-parallel rank ended) is not one step's failure: the loop
     stops at once instead of failing more rounds of requests first."""
     from outpace.errors import EngineStoppedError
-    engine = LLMEngine.from_args(str(tiny_model_dir), device="cpu", max_model_len=MAX_MODEL_LEN,
-                                 num_kv_blocks=NUM_KV_BLOCKS, quiet=True)
-    aengine = AsyncEngine(engine, max_consecutive_step_failures=3)
-    app = build_app(aengine, ServerConfig())
-    body = {"model": engine.model_name, "prompt": "hi", "max_tokens": 4, "ignore_eos": True}
+    engine, aengine, app, body = _served(tiny_model_dir, 3)
 
     def stopped():
         raise EngineStoppedError("tensor-parallel rank 1 ended (exit code -9)")
