@@ -114,17 +114,11 @@ def load_weights(model, weights: Iterable[tuple[str, torch.Tensor]]) -> list[str
             raise ModelLoadError(
                 f"tensor {name} has shape {tuple(tensor.shape)}, but the model config "
                 f"expects {tuple(expected)}; the weights do not match config.json")
-        if dim is not None:  # this rank's part of it
-            if hasattr(tensor, "part"):  # a stored tensor that reads only the part
-                target.copy_(tensor.part(dim, start, target.shape[dim]))
-                missing.discard(name)
-                continue
-            if not isinstance(tensor, torch.Tensor):  # one tensor whole, then its part
-                whole = torch.empty(tuple(tensor.shape), dtype=target.dtype,
-                                    device=target.device)
-                tensor.copy_into(whole)
-                tensor = whole
-            target.copy_(tensor.narrow(dim, start, target.shape[dim]))
+        if dim is not None:  # this rank's part of it: a tensor's slice, or what a loader's
+            # tensor reads of it (safetensors.StoredTensor, gguf_quants.QuantizedTensor)
+            target.copy_(tensor.narrow(dim, start, target.shape[dim])
+                         if isinstance(tensor, torch.Tensor)
+                         else tensor.part(dim, start, target.shape[dim]))
         elif isinstance(tensor, torch.Tensor):
             target.copy_(tensor)
         else:  # a loader's tensor that writes itself (loader/gguf_quants.QuantizedTensor)

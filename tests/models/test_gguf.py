@@ -118,6 +118,18 @@ def test_dequantize_matches_gguf_reference(qtype):
 
 
 @pytest.mark.parametrize("qtype", ALL_TYPES)
+def test_a_tensor_parallel_ranks_part_dequantized_alone(qtype):
+    """QuantizedTensor.part: rows dequantized from their own blocks, columns cut from the whole
+    tensor; the same bits as the whole tensor's slice."""
+    from outpace.models.loader.gguf_quants import QuantizedTensor
+    raw = _random_blocks(qtype, seed=4).view(np.uint8).reshape(6, -1)
+    whole = dequantize(raw, qtype, (6, 512))
+    t = QuantizedTensor(raw, qtype, (6, 512))
+    for dim, start, length in ((0, 0, 2), (0, 2, 4), (0, 5, 1), (1, 256, 256), (1, 0, 32)):
+        assert torch.equal(t.part(dim, start, length), whole.narrow(dim, start, length))
+
+
+@pytest.mark.parametrize("qtype", ALL_TYPES)
 def test_dequantize_into_a_weight_gives_the_same_bits(qtype):
     # the loader dequantizes straight into the model's parameters: the same values as a
     # fresh tensor, on random blocks of every type, the whole tensor written

@@ -89,6 +89,16 @@ class QuantizedTensor:
     def dequantize(self) -> torch.Tensor:
         return dequantize(self.raw, self.type_name, self.shape, self.device)
 
+    def part(self, dim: int, start: int, length: int) -> torch.Tensor:
+        """Rows start .. start + length - 1 (dim 0) dequantized alone: a tensor-parallel
+        rank's part (a GGUF row is its own run of blocks); along another dim the whole tensor,
+        then its part."""
+        rows = self.raw if self.raw.ndim == 2 and self.raw.shape[0] == self.shape[0] else None
+        if dim != 0 or rows is None:
+            return self.dequantize().narrow(dim, start, length)
+        return dequantize(rows[start:start + length], self.type_name,
+                          (length, *self.shape[1:]), self.device)
+
     def copy_into(self, target: torch.Tensor) -> None:
         import torch
         on = torch.device("cpu" if self.device is None else self.device).type
