@@ -3,9 +3,9 @@ CUDA graph per (batch bucket, query length q, draft steps kd), and one output co
 
 A step qualifies when every scheduled request is decoding (its rows are its last committed token
 and its drafts), whatever it samples with (penalties: runner/fused_penalties.py; logprobs: the
-+logprobs graphs, whose second output holds each row's logprobs), unless the engine verifies
-with relaxed acceptance. Then nothing between the step's input copy and its output copies needs
-the host:
++logprobs graphs, whose second output holds each row's logprobs; relaxed acceptance in
+thinking spans: runner/fused_relaxed.py, in greedy graphs). Then nothing between the step's
+input copy and its output copies needs the host:
 
     input buffers (ids, positions, slots, block tables, seq_lens, num_drafts)
       -> target forward -> logits -> each row's token [B, q]: the argmax, or in a *sampled*
@@ -108,6 +108,7 @@ from outpace.runner.fused_ngram import StepNgram
 from outpace.runner.fused_output import StepOutput
 from outpace.runner.fused_penalties import StepPenalties
 from outpace.runner.fused_prefill import PrefillGraphs
+from outpace.runner.fused_relaxed import StepRelaxed
 from outpace.runner.fused_sampling import StepSampling
 from outpace.runner.graph_mode import GREEDY, MODES, GraphMode, graph_mode
 from outpace.runner.step_bookkeeping import accept, chained_inputs
@@ -191,6 +192,10 @@ class FusedStep:
              ((m, kmax), torch.long), ((max(runner.graphs.varlen_t, default=1),), torch.long),
              ((m,), torch.long)])
         self.penalties = StepPenalties(self.inputs, runner.model_cfg.vocab_size)
+        # relaxed acceptance inside thinking spans (fused_relaxed.py), where it is on
+        relaxed = runner.sampling.relaxed
+        self.relaxed = None if relaxed is None else StepRelaxed(self.inputs, relaxed,
+                                                                runner.max_model_len, dev)
         self.sampling = StepSampling(self.inputs, self.runner, self.penalties)
         self.draft_loop = (DraftLoop(self.head, self.backend, self.block_size, m, dev)
                            if self.head is not None else None)
@@ -255,7 +260,9 @@ class FusedStep:
         if plan is not None and self.window is not None and any(
                 sr.request.num_tokens <= self.window.K for sr in plan.scheduled):
             return False  # the window's rows would start below position 0
-        return self.runner.sampling.relaxed is None
+        # relaxed acceptance in greedy graphs only (fused_relaxed.py)
+        return self.relaxed is None or plan is None or not graph_mode(
+            sr.request.sampling_params for sr in plan.scheduled).samples
 
     def _resumes_drafting(self, plan) -> bool:
         """Whether plan's graph would draft (kd > 0) for a request whose draft-plane entries
@@ -296,6 +303,8 @@ class FusedStep:
         nd[:b] = [len(sr.draft_token_ids) for sr in plan.scheduled]
         extra = [(self.num_drafts, nd), (self.real, np.arange(bucket) < b)]
         extra += self.sampling.mode_rows(plan, bucket, mode)
+        if self.relaxed is not None:
+            extra += self.relaxed.rows(plan, bucket, self.runner.sampling)
         self.graphs.load_padded(hb, full_width=True, extra=tuple(extra))
         if mode.penalties:
             self.penalties.fill_tables(plan, bucket)
@@ -475,7 +484,7 @@ class FusedStep:
         hidden, aux = self.model(ids, pos, ctx, capture_layers=capture)
         # [n]: each row's token, the target's choice that accept verifies the drafts against
         logits = raw = logprobs = None
-        if mode.samples or mode.logprobs:
+        if mode.samples or mode.logprobs or self.relaxed is not None:
             logits = self.model.compute_logits(hidden)  # [n, V] float32
         if mode.logprobs:  # raw: as they were before the penalties change them in place
             raw = logits.clone() if mode.penalties else logits
@@ -494,6 +503,9 @@ class FusedStep:
                  else torch.rand(bucket, device=ids.device))
         carry = ((self.carry_pos[:bucket], self.carry_tokens[:bucket])
                  if self.chainable or self.relaunchable else None)
+        if self.relaxed is not None and mean is None:  # (force-accept replaces verifying)
+            target = self.relaxed.targets(target, ids, self.num_drafts[:bucket], logits,
+                                          bucket, q)
         # Verify (or force-accept), and what the head and the next chained step start from:
         # the token at position + 1 of every row (emitted up to the accepted count, the
         # target's filler past it), each request's row `accepted` (position f - 2, f: its
@@ -508,6 +520,8 @@ class FusedStep:
                             buf.block_tables[:bucket], q, kd, outs)
         if mode.penalties:  # what the next step's penalties read (fused_penalties.py)
             self.penalties.count_emitted(packed, q, bucket)
+        if self.relaxed is not None:  # the span state the next chained step reads
+            self.relaxed.advance(packed, q, bucket)
         if raw is not None:
             logprobs = self.sampling.logprobs(raw, packed, bucket, q)
         if self.ngram is not None:  # the emitted tokens, then the next step's drafts from them
@@ -533,6 +547,8 @@ class FusedStep:
         self.carry_tokens[:bucket].zero_()
         self.sampling.greedy_rows(bucket)  # the dummy batch samples nothing...
         self.penalties.neutral_rows(bucket)  # ...and has no penalties
+        if self.relaxed is not None:  # ...nor thinking spans
+            self.relaxed.neutral_rows(bucket)
         if self.ngram is not None:  # ...nor history to draft from
             self.ngram.neutral_rows(bucket)
 

@@ -193,7 +193,9 @@ class ModelRunner:
         if self._graph_q(plan) is not None:
             return True
         q = self._prefill_graph_q(plan)
-        return q is not None and self.fused.prefill.can_launch(plan, q)
+        # (not under relaxed acceptance: the first decode step would chain from the prefill
+        # graph without the span state staged)
+        return q is not None and fused.relaxed is None and self.fused.prefill.can_launch(plan, q)
 
     @_under_kernel_options
     def launch(self, plan: StepPlan):

@@ -79,15 +79,24 @@ class SamplingStep:
 
     def _eligible(self, req, drafts: list, kmax: int) -> list:
         """[kmax] bool: which drafts of req sit inside a thinking span (False past its drafts)."""
-        hist = req.all_token_ids
+        return self._span(req).relaxed_eligible(drafts) + [False] * (kmax - len(drafts))
+
+    def span_inside(self, req) -> bool:
+        """Whether req is inside a thinking span after its committed tokens (the fused step
+        stages it: runner/fused_relaxed.py)."""
+        return self._span(req).inside
+
+    def _span(self, req) -> ThinkingSpanTracker:
+        """req's span tracker, fed the tokens committed since it was last asked."""
         entry = self._spans.get(req.request_id)
-        if entry is None or entry[1] > len(hist):
+        n = req.num_tokens
+        if entry is None or entry[1] > n:
             cfg = self.relaxed
             entry = self._spans[req.request_id] = [
                 ThinkingSpanTracker(cfg.begin_ids, cfg.end_ids), 0]
-        entry[0].update(hist[entry[1]:])  # only the tokens committed since the last step
-        entry[1] = len(hist)
-        return entry[0].relaxed_eligible(drafts) + [False] * (kmax - len(drafts))
+        entry[0].update(req.token_slice(entry[1], n))  # only the tokens new since then
+        entry[1] = n
+        return entry[0]
 
     def _seed_entry(self, req) -> tuple:
         entry = self._seeds.get(req.request_id)
