@@ -11,8 +11,10 @@ general path applies it (runner/sampling_step.py, speculative/verify.py):
   and among the drafts the request could still turn into output (a chained step verifies its
   k drafts even where fewer tokens are left, which strict verification makes harmless; a
   relaxed draft there would become the last token where a step launched from the host, its
-  drafts trimmed by the scheduler, emits the target's): each row's tokens left (`left`),
-  staged with `inside` and counted down by the emitted tokens;
+  drafts trimmed by the scheduler, emits the target's): each row's output tokens left under
+  max_tokens (`left`), staged with `inside` and counted down by the emitted tokens. The
+  context never binds here: a host launch's drafts are trimmed by the scheduler already, and a
+  chain runs only where the context has room for its drafts (Scheduler.context_has_room);
 - the drafts that pass (relaxed_accept_batched over the rows' probabilities) take the target's
   place in the verify, up to the first draft neither the target nor the relaxed check accepts:
   strict prefix verification then accepts them, and emits the target's token after them, as the
@@ -32,9 +34,11 @@ from outpace.speculative.verify import relaxed_accept_batched
 class StepRelaxed:
     def __init__(self, inputs, relaxed, max_model_len: int, device: torch.device):
         self.cfg = relaxed  # sampling_step.RelaxedAcceptance
-        self.max_model_len = max_model_len
+        self.max_model_len = max_model_len  # (no request emits more)
         m = inputs.max_seqs
         self.inside, self.left = inputs.add_buffers([((m,), torch.bool), ((m,), torch.long)])
+        # compared by broadcasting, never torch.isin: with many ids it sorts, which syncs with
+        # the host and can't be captured
         self.begin_ids = torch.tensor(relaxed.begin_ids, dtype=torch.long, device=device)
         self.end_ids = torch.tensor(relaxed.end_ids, dtype=torch.long, device=device)
 
@@ -49,20 +53,22 @@ class StepRelaxed:
         return [(self.inside, inside), (self.left, left)]
 
     def _tokens_left(self, req) -> int:
-        """Tokens req may still emit (Scheduler._tokens_left's rule: max_tokens, the context)."""
-        left = min(self.max_model_len, req.max_model_len) - req.num_tokens
+        """Output tokens req may still emit under max_tokens (the context: module docstring)."""
         max_tokens = req.sampling_params.max_tokens
-        return left if max_tokens is None else min(left, max_tokens - len(req.output_token_ids))
+        return self.max_model_len if max_tokens is None else \
+            max_tokens - len(req.output_token_ids)
 
     def neutral_rows(self, bucket: int) -> None:
         self.inside[:bucket].zero_()
         self.left[:bucket].zero_()
 
+    @staticmethod
+    def _among(tok: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return (tok.unsqueeze(-1) == ids).any(-1)
+
     def _next(self, inside: torch.Tensor, tok: torch.Tensor) -> torch.Tensor:
         """The span state after `tok` ([B] each; -1: no token, the state kept)."""
-        begins = torch.isin(tok, self.begin_ids)
-        ends = torch.isin(tok, self.end_ids)
-        return (inside | begins) & ~ends
+        return (inside | self._among(tok, self.begin_ids)) & ~self._among(tok, self.end_ids)
 
     def targets(self, target: torch.Tensor, ids: torch.Tensor, num_drafts: torch.Tensor,
                 logits: torch.Tensor, bucket: int, q: int) -> torch.Tensor:
@@ -80,11 +86,11 @@ class StepRelaxed:
         eligible = []
         for j in range(k):  # ThinkingSpanTracker.relaxed_eligible, a column at a time
             tok = drafts[:, j]
-            marker = torch.isin(tok, self.begin_ids) | torch.isin(tok, self.end_ids)
+            marker = self._among(tok, self.begin_ids) | self._among(tok, self.end_ids)
             eligible.append(inside & ~marker)
             inside = self._next(inside, tok)
         eligible = torch.stack(eligible, dim=1) & real  # [B, k]
-        probs = torch.softmax(logits.view(bucket, q, -1), dim=-1)
+        probs = torch.softmax(logits.view(bucket, q, -1)[:, :k], dim=-1)  # the drafts' rows
         ok = relaxed_accept_batched(probs, drafts, self.cfg.top_k, self.cfg.delta, eligible)
         # up to the first draft that neither the target's token nor the relaxed check accepts
         match = (drafts == tgt[:, :k]) | ok

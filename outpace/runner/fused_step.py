@@ -260,8 +260,13 @@ class FusedStep:
         if plan is not None and self.window is not None and any(
                 sr.request.num_tokens <= self.window.K for sr in plan.scheduled):
             return False  # the window's rows would start below position 0
-        # relaxed acceptance in greedy graphs only (fused_relaxed.py)
-        return self.relaxed is None or plan is None or not graph_mode(
+        # relaxed acceptance in greedy graphs only (fused_relaxed.py), with a head or a host
+        # drafter (MTP depths mode's window and the device n-gram: the general path)
+        if self.relaxed is None:
+            return True
+        if self.window is not None or self.ngram is not None:
+            return False
+        return plan is None or not graph_mode(
             sr.request.sampling_params for sr in plan.scheduled).samples
 
     def _resumes_drafting(self, plan) -> bool:
@@ -503,7 +508,8 @@ class FusedStep:
                  else torch.rand(bucket, device=ids.device))
         carry = ((self.carry_pos[:bucket], self.carry_tokens[:bucket])
                  if self.chainable or self.relaunchable else None)
-        if self.relaxed is not None and mean is None:  # (force-accept replaces verifying)
+        # (force-accept replaces verifying; sampled graphs don't serve relaxed steps: accepts)
+        if self.relaxed is not None and mean is None and not mode.samples:
             target = self.relaxed.targets(target, ids, self.num_drafts[:bucket], logits,
                                           bucket, q)
         # Verify (or force-accept), and what the head and the next chained step start from:
