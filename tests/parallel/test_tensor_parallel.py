@@ -57,8 +57,8 @@ def default_tp3(default_model_path):
 
 def test_three_ranks_give_the_default_models_tokens_and_logprobs(reference, default_tp3):
     """Greedy (with logprobs) and seeded sampling, in one batch."""
-    params = [SamplingParams(max_tokens=20, temperature=0.0, logprobs=3)] * 2 + [
-        SamplingParams(max_tokens=20, temperature=0.9, top_p=0.95, seed=s) for s in (11, 12)]
+    params = [SamplingParams(max_tokens=12, temperature=0.0, logprobs=3)] * 2 + [
+        SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, seed=s) for s in (11, 12)]
     want = reference.generate(PROMPTS, params)
     got = default_tp3.generate(PROMPTS, params)
     for w, g in zip(want, got):
@@ -100,7 +100,8 @@ def tiny_heads(tiny_folder, tmp_path_factory):
             for m in ("eagle3", "mtp")}
 
 
-@pytest.mark.parametrize("method", [None, "suffix", "ngram", "eagle3", "mtp"])
+# (n-gram takes suffix's path under TP: a host drafter, its drafts carried in the step plans)
+@pytest.mark.parametrize("method", [None, "suffix", "eagle3", "mtp"])
 def test_two_ranks_of_a_tiny_model_give_its_output_with_every_drafter(
         tiny_folder, tiny_reference, tiny_heads, method):
     spec = None if method is None else {"method": method, "num_speculative_tokens": 3,
