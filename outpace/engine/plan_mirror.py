@@ -1,7 +1,8 @@
 """The step plans rank 0 sends the other tensor-parallel ranks, small: a request travels whole
-once (when it begins), then each step carries only what changed (its new output tokens and the
-scheduler's counters), and the receiving rank keeps a mirror of every request to rebuild the
-plan its runner executes. The mirrors are read by the runner only, as rank 0's requests are."""
+once (when it begins), then each step carries only what changed (its new output tokens, the
+blocks its table gained, the scheduler's counters), and the receiving rank keeps a mirror of
+every request to rebuild the plan its runner executes. The mirrors are read by the runner only,
+as rank 0's requests are."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ class PlanSender:
 
     def __init__(self):
         self._sent: dict = {}  # request_id -> output tokens the mirrors hold
+        self._tables: dict = {}  # request_id -> the block table the mirrors hold
 
     def begin(self, req: Request) -> bytes:
         """The request whole (pickled now: later steps change it)."""
@@ -30,6 +32,18 @@ class PlanSender:
 
     def release(self, request_id: str) -> None:
         self._sent.pop(request_id, None)
+        self._tables.pop(request_id, None)
+
+    def _table_change(self, rid: str, table: list) -> tuple:
+        """(entries kept, entries after them): a table only grows while its request runs, so
+        mostly (len(held), the new blocks); anything else (a preempted request's new table)
+        travels whole."""
+        held = self._tables.get(rid, [])
+        n = len(held)
+        self._tables[rid] = list(table)
+        if len(table) >= n and table[:n] == held:
+            return n, list(table[n:])
+        return 0, list(table)
 
     def encode(self, plan: StepPlan) -> tuple:
         rows = []
@@ -42,7 +56,7 @@ class PlanSender:
             self._sent[rid] = len(out)
             rows.append((rid, new, tuple(getattr(req, f) for f in _CHANGING),
                          s.num_computed_tokens, s.num_new_tokens, list(s.draft_token_ids),
-                         s.sample, list(s.block_ids)))
+                         s.sample, self._table_change(rid, s.block_ids)))
         return rows, list(plan.preempted_ids), plan.load
 
 
@@ -51,6 +65,7 @@ class PlanMirror:
 
     def __init__(self):
         self.requests: dict = {}  # request_id -> Request
+        self.tables: dict = {}  # request_id -> its block table
 
     def begin(self, payload: bytes) -> Request:
         req = pickle.loads(payload)
@@ -59,14 +74,19 @@ class PlanMirror:
 
     def release(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
+        self.tables.pop(request_id, None)
 
     def decode(self, encoded: tuple) -> StepPlan:
         rows, preempted, load = encoded
         scheduled = []
-        for rid, (keep, new), changing, computed, num_new, drafts, sample, blocks in rows:
+        for rid, (keep, new), changing, computed, num_new, drafts, sample, (kept, more) in rows:
             req = self.requests[rid]
             del req.output_token_ids[keep:]
             req.output_token_ids.extend(new)
+            table = self.tables.setdefault(rid, [])
+            del table[kept:]
+            table.extend(more)
+            blocks = list(table)
             for name, value in zip(_CHANGING, changing):
                 setattr(req, name, value)
             scheduled.append(ScheduledRequest(request=req, num_computed_tokens=computed,

@@ -75,10 +75,12 @@ def _req(rid, prompt, out=()):
     return r
 
 
-def _plan(*rows):
+def _plan(*rows, tables=None):
+    tables = tables or {}
     return StepPlan(scheduled=[ScheduledRequest(request=r, num_computed_tokens=r.num_tokens - 1,
                                                 num_new_tokens=1 + len(d), draft_token_ids=d,
-                                                block_ids=[1, 2]) for r, d in rows], load=3)
+                                                block_ids=tables.get(r.request_id, [1, 2]))
+                               for r, d in rows], load=3)
 
 
 def test_the_mirrors_hold_what_rank_0_holds_step_after_step():
@@ -112,6 +114,25 @@ def test_the_mirrors_hold_what_rank_0_holds_step_after_step():
     mirror.release("a")
     assert "a" not in mirror.requests
     assert dataclasses.fields(Request)  # the changing fields are read from the dataclass
+
+
+def test_the_block_tables_travel_as_the_blocks_they_gained():
+    sender, mirror = PlanSender(), PlanMirror()
+    a = _req("a", [1, 2, 3])
+    mirror.begin(sender.begin(a))
+    for table, sent in (([7], (0, [7])), ([7, 9], (1, [9])), ([7, 9], (2, [])),
+                        ([7, 9, 4, 5], (2, [4, 5])),
+                        ([3, 8], (0, [3, 8])),  # a new table (preempted, readmitted): whole
+                        ([3, 8, 6], (2, [6]))):
+        encoded = sender.encode(_plan((a, []), tables={"a": table}))
+        assert encoded[0][0][-1] == sent
+        assert mirror.decode(encoded).scheduled[0].block_ids == table
+    sender.release("a")
+    mirror.release("a")
+    a2 = _req("a", [1])  # the id used again: its table starts over
+    mirror.begin(sender.begin(a2))
+    encoded = sender.encode(_plan((a2, []), tables={"a": [2]}))
+    assert encoded[0][0][-1] == (0, [2]) and mirror.decode(encoded).scheduled[0].block_ids == [2]
 
 
 class _Workers:
