@@ -195,3 +195,20 @@ def _alive(pid: int) -> bool:
         return False
     with open(f"/proc/{pid}/stat") as f:  # a zombie has ended (its parent is gone)
         return f.read().split(")")[-1].split()[0] != "Z"
+
+
+def test_a_script_without_the_main_guard_is_told_what_to_add(tiny_folder, tmp_path):
+    """The ranks are spawned, so each imports the script that built the engine: without
+    `if __name__ == "__main__":` a rank can't start, and the error says what to add."""
+    import subprocess
+    import sys
+    script = tmp_path / "unguarded.py"
+    script.write_text("from outpace import LLM\n"
+                      f"LLM({str(tiny_folder)!r}, device='cpu', quiet=True, "
+                      "tensor_parallel_size=2, num_kv_blocks=40)\n")
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": repo, "OMP_NUM_THREADS": "1"})
+    assert r.returncode != 0
+    assert "tensor-parallel rank 1 ended while starting" in r.stderr, r.stderr[-2000:]
+    assert 'if __name__ == "__main__":' in r.stderr
