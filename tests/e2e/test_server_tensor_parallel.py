@@ -4,41 +4,10 @@ stopped (SIGTERM) no rank is left running."""
 
 from __future__ import annotations
 
-import os
-import time
-
 import pytest
 
 from tests.e2e.server_helpers import MAX_MODEL_LEN, NUM_KV_BLOCKS, ServerProcess
-
-
-def _descendants(pid: int) -> set:
-    """Every live process under `pid` (from /proc's parent links)."""
-    parent = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if fields[0] != "Z":
-                parent[int(entry)] = int(fields[1])
-    out, todo = set(), [pid]
-    while todo:
-        p = todo.pop()
-        kids = [c for c, pp in parent.items() if pp == p]
-        out.update(kids)
-        todo.extend(kids)
-    return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+from tests.process_helpers import descendants, wait_all_ended
 
 
 PROMPT = "Once upon a time"
@@ -65,12 +34,9 @@ def test_a_sharded_server_answers_and_leaves_no_rank(tiny_model_dir, unsharded_a
         with srv.client() as c:
             r = c.post("/v1/completions", json=body)
         assert r.status_code == 200, r.text
-        ranks = _descendants(srv.proc.pid)
+        ranks = descendants(srv.proc.pid)
         assert ranks  # the other rank (and with --engine-process, the core)
     finally:
         srv.stop()
     assert r.json()["choices"][0]["text"] == unsharded_answer and unsharded_answer
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and any(_alive(p) for p in ranks):
-        time.sleep(0.2)
-    assert not [p for p in ranks if _alive(p)], srv.log_tail()
+    assert not wait_all_ended(ranks, 10), srv.log_tail()

@@ -15,6 +15,7 @@ import torch
 from outpace import LLM, SamplingParams
 from outpace.engine.tp_executor import WorkerDiedError
 from tests.models.helpers import tiny_hf, word_tokenizer
+from tests.process_helpers import wait_all_ended
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n", "Once upon a time, a dragon",
            "List three colors, then list them again:"]
@@ -180,21 +181,9 @@ def test_the_ranks_end_when_the_engines_process_is_killed(tiny_folder, tmp_path)
         assert pids
         proc.kill()
         proc.wait(10)
-        deadline = time.monotonic() + 15
-        while time.monotonic() < deadline and any(_alive(p) for p in pids):
-            time.sleep(0.2)
-        assert not any(_alive(p) for p in pids)
+        assert not wait_all_ended(pids, 15)
     finally:
         proc.kill()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as f:  # a zombie has ended (its parent is gone)
-        return f.read().split(")")[-1].split()[0] != "Z"
 
 
 def test_a_script_without_the_main_guard_is_told_what_to_add(tiny_folder, tmp_path):
