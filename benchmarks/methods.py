@@ -1,0 +1,148 @@
+"""Every speculative method against no speculation, in turns: issue 35's table.
+
+    python benchmarks/methods.py --gguf MODEL.gguf --out out [--batches 1 8 32 128] [--rounds 3]
+
+Each method runs at its defaults (k = 3, the heads shipped for the default model) and with the
+draft-length cost model (`"adaptive": "cost"`), greedy, 128 new tokens (EOS ignored), bf16 on
+CUDA (--device cpu: fp32, a smoke run). Two prompt sets:
+  chat  MT-bench first turns (batch 1: the first 16 one at a time; batch 8: the 80 in waves of
+        8; batch 32: the 80 x 4; batch 128: the 80 x 5)
+  copy  a copy-heavy set, batch 1 only: each of the first 16 HumanEval prompts with "rewrite
+        this with type hints and a docstring" (the answer repeats most of the prompt)
+All engines are built first, then timed in turns, round by round, the order rotating, so that
+the host's slow and fast periods fall on every engine alike; per (set, batch, config) the
+median tok/s over the rounds and the median of its ratio to no-spec's run of the same round.
+Writes gpu_methods.json in --out after every round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.common import (  # noqa: E402
+    chat_ids, device_name, drop_script_folder, git_commit, load_prompts, print_table, run_engine,
+    write_result)
+
+COPY_INSTRUCTION = ("Rewrite this Python code with type hints and a docstring. Keep the code "
+                    "and its comments as they are.\n\n```python\n{code}```")
+
+
+def configs(k: int, heads: dict) -> list:
+    """(name, speculative_config or None, prompt sets) of the run."""
+    out = [("no-spec", None, ("chat", "copy"))]
+    for method in ("ngram", "suffix", "eagle3", "mtp"):
+        base = {"method": method, "num_speculative_tokens": k}
+        if method in heads:
+            base["model"] = str(heads[method])
+        elif method in ("eagle3", "mtp"):
+            continue
+        sets = ("chat", "copy") if method != "mtp" else ("chat",)
+        out.append((method, base, sets))
+        out.append((f"{method}-cost", {**base, "adaptive": "cost"}, ("chat",)))
+    if "eagle3" in heads:  # the suffix enhancer over the head's drafts
+        out.append(("eagle3-enhancer", {"method": "eagle3", "model": str(heads["eagle3"]),
+                                        "num_speculative_tokens": k, "enhancer_min_match": 4},
+                    ("copy",)))
+    return out
+
+
+def prompt_sets(tok, batches) -> dict:
+    mt = chat_ids(tok, load_prompts("mtbench", 80))
+    copy = chat_ids(tok, [COPY_INSTRUCTION.format(code=p) for p in load_prompts("humaneval", 16)])
+    chat = {1: mt[:16], 8: mt, 32: mt * 4, 128: mt * 5}
+    return {"chat": {b: chat.get(b, mt) for b in batches}, "copy": {1: copy}}
+
+
+def main():
+    drop_script_folder()
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--gguf", required=True)
+    ap.add_argument("--device", default="cuda", help="cpu: a smoke run (fp32)")
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 128])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--k", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--kv-blocks", type=int, default=4096)
+    ap.add_argument("--configs", default="", help="only these (comma-separated names)")
+    ap.add_argument("--deadline-s", type=float, default=540,
+                    help="no round starts later than this after the start")
+    args = ap.parse_args()
+    t0 = time.perf_counter()
+    from outpace.engine.engine import LLMEngine
+    from outpace.models.loader import load_model
+    from outpace.models.shipped_heads import shipped_head
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    loaded = load_model(args.gguf, dtype=dtype, device=torch.device(args.device), quiet=True)
+    heads = {m: shipped_head(args.gguf, m) for m in ("eagle3", "mtp")}
+    heads = {m: h for m, h in heads.items() if h is not None}
+    sets = prompt_sets(loaded[2], args.batches)
+    todo = configs(args.k, heads)
+    if args.configs:
+        todo = [c for c in todo if c[0] in args.configs.split(",")]
+    out_path = Path(args.out)
+    out_path = out_path if out_path.suffix == ".json" else out_path / "gpu_methods.json"
+    result = {"commit": git_commit(), "device": device_name(args.device), "torch": torch.__version__,
+              "args": vars(args), "heads": {m: str(h) for m, h in heads.items()}, "build_s": {},
+              "runs": {}}
+    engines = []
+    for name, spec, wanted in todo:
+        tb = time.perf_counter()
+        eng = LLMEngine.from_args(args.gguf, loaded=loaded, device=args.device,
+                                  dtype=str(dtype).removeprefix("torch."),
+                                  speculative_config=spec, max_num_seqs=max(args.batches),
+                                  num_kv_blocks=args.kv_blocks, enable_prefix_caching=False,
+                                  quiet=True)
+        for s in wanted:  # warm-up: every batch size, the largest at full length
+            for b, ps in sets[s].items():
+                run_engine(eng, ps[:b], b, args.max_tokens if b == max(sets[s]) else 8)
+        result["build_s"][name] = round(time.perf_counter() - tb, 1)
+        print(f"[{time.perf_counter() - t0:6.1f}s] built {name}", flush=True)
+        engines.append((name, eng, wanted))
+    runs = result["runs"]
+    for rnd in range(args.rounds):
+        if rnd and time.perf_counter() - t0 > args.deadline_s:
+            print(f"deadline: {rnd} rounds", flush=True)
+            break
+        shift = rnd % len(engines)
+        for name, eng, wanted in engines[shift:] + engines[:shift]:
+            for s in wanted:
+                for b, ps in sets[s].items():
+                    r = run_engine(eng, ps, b, args.max_tokens)
+                    runs.setdefault(f"{s}/b{b}/{name}", []).append(
+                        {k: r[k] for k in ("tok_s", "mean_acceptance_length",
+                                           "acceptance_per_position")})
+        print(f"[{time.perf_counter() - t0:6.1f}s] round {rnd} done", flush=True)
+        result["table"] = table(runs)
+        write_result(out_path, result)
+    print_table(result["table"], ["set", "batch", "config", "tok_s", "vs_no_spec",
+                                  "mean_acceptance_length"])
+    print("wrote", out_path)
+
+
+def table(runs: dict) -> list:
+    med = statistics.median
+    rows = []
+    for key, rs in runs.items():
+        s, b, name = key.split("/")
+        base = runs.get(f"{s}/{b}/no-spec", [])
+        ratios = [r["tok_s"] / x["tok_s"] for r, x in zip(rs, base)]
+        mal = [r["mean_acceptance_length"] for r in rs if r["mean_acceptance_length"]]
+        rows.append({"set": s, "batch": int(b[1:]), "config": name,
+                     "tok_s": round(med(r["tok_s"] for r in rs), 1),
+                     "tok_s_runs": [r["tok_s"] for r in rs],
+                     "vs_no_spec": round(med(ratios), 3) if ratios else None,
+                     "mean_acceptance_length": round(med(mal), 3) if mal else None,
+                     "acceptance_per_position": rs[-1]["acceptance_per_position"]})
+    return sorted(rows, key=lambda r: (r["set"], r["batch"], r["config"] != "no-spec"))
+
+
+if __name__ == "__main__":
+    main()
