@@ -2,7 +2,8 @@
 host buffers, waiting for them, and the StepResult they make: each request's emitted tokens and
 accepted count, its logprobs (a +logprobs graph's second output, runner/fused_sampling.py), and
 its next drafts (the graph's: a head's or the device n-gram's, trimmed to the request's draft
-length; or a host drafter's proposals from the committed tokens).
+length, a head's replaced by its suffix enhancer's where that matched long enough; or a host
+drafter's proposals from the committed tokens).
 """
 
 from __future__ import annotations
@@ -77,6 +78,9 @@ class StepOutput:
         observe = proposer.policy.observe if adaptive else None
         # the policy's k, the same for every request unless it adapts per request
         k_all = proposer.policy.base_k(batch_size) if drafting and not adaptive else None
+        # a host drafter and a head's suffix enhancer propose from the committed tokens
+        enhancer = self.head is not None and self.head.enhancer is not None
+        reads_tokens = self.host_drafter is not None or enhancer
         for i, (sr, row) in enumerate(zip(plan.scheduled, rows)):
             req = sr.request
             nd = len(sr.draft_token_ids)
@@ -91,7 +95,7 @@ class StepOutput:
             if observe is not None:
                 observe(req.request_id, nd, acc)
             if drafting:
-                if self.host_drafter is not None:  # it reads the committed sequence's tail
+                if reads_tokens:  # it reads the committed sequence's tail
                     committed.append(CommittedTokens(req.prompt_token_ids,
                                                      req.output_token_ids, toks))
                 asked.append(req)
@@ -105,6 +109,12 @@ class StepOutput:
             drafts = [row[q + 1:q + 1 + min(k, kd)] for row, k in zip(rows, ks)]
             if self.device_ngram:  # a row's drafts end at its first -1
                 drafts = [d[:d.index(-1)] if -1 in d else d for d in drafts]
+            if enhancer:  # a long suffix match replaces the graph's drafts, as in the eager head
+                try:
+                    drafts = self.head.enhance(asked, committed, drafts, ks)
+                except Exception as e:  # as on the general path: no drafts for this step
+                    runner.drafter_failed(e, plan, result)
+                    return result
         else:
             batch = DraftBatch(requests=[sr.request for sr in plan.scheduled],
                                committed=committed, row_start=[], row_end=[],

@@ -160,8 +160,9 @@ class FusedStep:
         self.block_size = runner.block_size
         proposer = runner.proposer
         # A head drafts inside the graph; so does the n-gram lookup with "ngram_device"
-        # (fused_ngram.py); another model-free drafter on the host after the copy.
-        self.head = (proposer if isinstance(proposer, HeadProposer) and proposer.enhancer is None
+        # (fused_ngram.py); another model-free drafter on the host after the copy. A head's
+        # suffix enhancer replaces drafts on the host after the copy (StepOutput.result).
+        self.head = (proposer if isinstance(proposer, HeadProposer)
                      and proposer.supports_device_drafting else None)
         dev = runner.device
         m = self.inputs.max_seqs
@@ -200,8 +201,11 @@ class FusedStep:
         self.draft_loop = (DraftLoop(self.head, self.backend, self.block_size, m, dev)
                            if self.head is not None else None)
         # What chaining carries from a step to the next (see the module docstring); a host
-        # drafter's steps relaunch from the same carry instead.
-        self.chainable = self.host_drafter is None
+        # drafter's steps relaunch from the same carry instead. A head with the suffix enhancer
+        # does neither: the next step verifies the drafts the host chose after reading this
+        # one's output, so every step is launched from the host.
+        enhanced = self.head is not None and self.head.enhancer is not None
+        self.chainable = self.host_drafter is None and not enhanced
         self.relaunchable = self.host_drafter is not None
         self.carry_pos = torch.zeros(m, dtype=torch.long, device=dev)  # bonus token's position
         self.carry_tokens = torch.zeros(m, kmax, dtype=torch.long, device=dev)  # bonus, drafts
@@ -253,7 +257,7 @@ class FusedStep:
         """Whether decode steps run here (plan: any decode step; the answer is the engine's)."""
         proposer = self.runner.proposer
         if proposer is not None and not self.device_drafts and self.host_drafter is None:
-            return False  # a head that can't draft on the device (the suffix enhancer)
+            return False  # a head that can't draft on the device (MTP depths with the enhancer)
         if plan is not None and self.drafter is not None and self.drafter.work.skipped_rows \
                 and self._resumes_drafting(plan):
             return False

@@ -347,6 +347,8 @@ class ModelRunner:
                 drafts = self.fused.prefill.varlen_drafts(t_varlen, next_ids, last_rows, ends, ks)
             if drafts is not None:
                 self.proposer.work.first_pass_rows += len(hb.input_ids)
+                # the head's suffix enhancer, as its eager propose applies it
+                drafts = self.proposer.enhance(reqs, committed, drafts, ks)
             else:
                 # (the eager head's pass gathers the rows of the requests that run it)
                 batch = DraftBatch(

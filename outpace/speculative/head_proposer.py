@@ -233,13 +233,18 @@ class HeadProposer(Proposer):
         return h, last_row
 
     def _enhance(self, batch: DraftBatch, drafts: list, k: list) -> list:
-        """Suffix enhancer: a long enough suffix match replaces the head's drafts."""
+        return self.enhance(batch.requests, batch.committed, drafts, k)
+
+    def enhance(self, requests: list, committed: list, drafts: list, k: list) -> list:
+        """Suffix enhancer: a long enough suffix match replaces the head's drafts (per request:
+        its committed tokens, its drafts, its draft length). The fused step's graphs call it on
+        the drafts they made, as the eager head does on its own, so both verify the same."""
         if self.enhancer is None:
             return drafts
-        for i, (req, committed) in enumerate(zip(batch.requests, batch.committed)):
+        for i, (req, toks_so_far) in enumerate(zip(requests, committed)):
             if k[i] <= 0:
                 continue
-            toks, match_len = self.enhancer.match(req, committed, k[i])
+            toks, match_len = self.enhancer.match(req, toks_so_far, k[i])
             if toks and match_len >= self.enhancer_min_match:
                 drafts[i] = toks[:k[i]]
         return drafts

@@ -53,7 +53,10 @@ CASES = [(None, 0, {}), ("ngram", 3, {}), ("suffix", 2, {}), ("eagle3", 1, {}),
          # (Scheduler.reserve_chained), or overlap preempts where eager doesn't
          ("mtp", 2, {}),
          ("eagle3", 3, {"draft_lm_head_dtype": "int8"}),
-         ("mtp", 3, {"draft_lm_head_dtype": "int8"})]
+         ("mtp", 3, {"draft_lm_head_dtype": "int8"}),
+         # the suffix enhancer replaces the graph's drafts on the host: steps launch from
+         # the host (neither chained nor relaunched)
+         ("eagle3", 3, {"enhancer_min_match": 2}), ("mtp", 2, {"enhancer_min_match": 2})]
 CASE_IDS = [f"{m}-k{k}" + "".join(f"-{o}" for o in opts) for m, k, opts in CASES]
 # Sync steps are launched from the host, overlapped ones chained (heads) or relaunched (host
 # drafters). What a case adds inside the graph (suffix beside n-gram: another host drafter;
@@ -61,7 +64,8 @@ CASE_IDS = [f"{m}-k{k}" + "".join(f"-{o}" for o in opts) for m, k, opts in CASES
 # those run in one of the two; the rest in both.
 ONE_WAY = {("suffix", 2, ()): True, ("eagle3", 1, ()): True,
            ("eagle3", 3, ("draft_lm_head_dtype",)): True,
-           ("mtp", 3, ("draft_lm_head_dtype",)): False}
+           ("mtp", 3, ("draft_lm_head_dtype",)): False,
+           ("mtp", 2, ("enhancer_min_match",)): False}
 EQUAL_CASES = [(f"{cid}-{'overlap' if overlap else 'sync'}", *case, overlap)
                for cid, case in zip(CASE_IDS, CASES) for overlap in (False, True)
                if ONE_WAY.get((case[0], case[1], tuple(case[2])), overlap) == overlap]
@@ -104,7 +108,11 @@ def test_fused_step_equals_eager(tiny_loaded, tiny_heads, fake_graph_capture, me
     runner = fused.engine.runner
     assert runner.fused.replays > 20, "the fused step served too few steps"
     host_drafter = method in ("ngram", "suffix")
-    if overlap and not host_drafter:
+    if "enhancer_min_match" in opts:  # every step launched from the host
+        assert runner.fused.chained == runner.fused.relaunched == 0
+        # the random head's drafts are rarely accepted: the enhancer's matches were
+        assert fused.stats["spec"]["num_accepted_tokens"] > 20
+    elif overlap and not host_drafter:
         assert runner.fused.chained > 10, "no step was launched from its predecessor's outputs"
     else:  # host drafters never chain: their steps are relaunched from the previous carry
         assert runner.fused.chained == 0
@@ -145,17 +153,20 @@ def test_host_drafter_failures_in_the_fused_step(tiny_loaded, fake_graph_capture
         assert run.engine.runner.fused.relaunched > 10
 
 
-@pytest.mark.parametrize("method,k,mean", [("eagle3", 4, 3.5), ("mtp", 3, 2.5)])
+@pytest.mark.parametrize("method,k,opts", [
+    ("eagle3", 4, {"force_accept_mean": 3.5}), ("mtp", 3, {"force_accept_mean": 2.5}),
+    # the enhancer's drafts replace the loop's: the next step's first pass rewrites the
+    # entries the loop wrote for the head's own drafts
+    ("eagle3", 3, {"enhancer_min_match": 2})], ids=["eagle3", "mtp", "eagle3-enhancer"])
 def test_device_draft_loop_writes_an_exact_draft_plane(tiny_loaded, tiny_heads,
-                                                       fake_graph_capture, method, k, mean):
+                                                       fake_graph_capture, method, k, opts):
     checker = PlaneChecker(tiny_loaded)
     # overlap off: the checker reads the plane between steps, which with a step in flight
     # holds that step's writes past the committed tokens (drafts equal the eager path's with
     # overlap on too: test_fused_step_equals_eager)
     run = run_waves(tiny_loaded, waves(), GREEDY, after_step=checker, overlap=False,
                     on_engine=lambda e: enable_graphs(e, k),
-                    speculative_config=head_spec(tiny_heads, method, k,
-                                                 force_accept_mean=mean), **SMALL)
+                    speculative_config=head_spec(tiny_heads, method, k, **opts), **SMALL)
     assert run.engine.runner.fused.replays > 10
     assert checker.entries_checked > 500
     per_pos = [run.stats["spec"]["num_drafts"]] + run.stats["spec"]["accepted_per_position"]
