@@ -180,8 +180,9 @@ class LLMEngine:
         steps of every request don't wait for the host, which would make each of them take
         about twice a chained step (docs/decisions.md, "Steps chain up to max_tokens")."""
         sched = self.scheduler
-        if sched.num_waiting or not self.runner.fused.chainable:
-            return None
+        fused = self.runner.fused
+        if sched.num_waiting or not (fused.chainable or fused.relaunchable):
+            return None  # (a host drafter's steps chain only when they draft nothing)
         kd = launched.kd
         if len(launched.rows) * (kd + 1) > self.config.scheduler.max_num_batched_tokens:
             return None

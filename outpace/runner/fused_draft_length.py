@@ -17,6 +17,8 @@ class StepDraftLengths:
         # the cost model's choice for the step about to launch, made once and kept until then:
         # (the plan or the Launched step it follows, request ids, DraftChoice)
         self._choice = None
+        # a host drafter's choice of 0 drafts for a chain (prev, request ids, DraftChoice)
+        self._host_choice = None
 
     @property
     def follows_choice(self) -> bool:
@@ -57,7 +59,7 @@ class StepDraftLengths:
         skipped plane entries: the general path repairs them), or its graph was not captured
         ahead (capturing now would clobber the step in flight)."""
         if not self.step.chainable:
-            return None
+            return self._host_chain(prev, plan) if self.step.relaunchable else None
         bucket, _, kd, _ = prev.key
         batch_size = plan.draft_batch_size
         if self.follows_choice:
@@ -78,6 +80,38 @@ class StepDraftLengths:
         if (bucket, self.step.next_q(kd), kd_next, True) not in self.step.table.by_mode[prev.mode]:
             return None
         return kd_next
+
+    def _host_chain(self, prev, plan) -> Optional[int]:
+        """A host drafter's step chains only when the next step drafts nothing (0), else None:
+        its drafts would come from prev's tokens, which the host has not read yet. Nothing to
+        draft means the k schedule's 0 at this batch size, or under the cost model a choice of
+        0 for every request, made now for the step after prev (kept until `take_host`, which
+        counts it once the chain launches, and given to prev's collect as its next_k, so the
+        host proposes nothing for the step already running). A request the drafter would not
+        help then costs a plain chained step, not a wait for the host."""
+        policy = self.step.runner.proposer.policy
+        batch_size = plan.draft_batch_size
+        self._host_choice = None
+        if policy.cost_model is not None:
+            rids = [sr.request.request_id for sr in plan.scheduled]
+            choice = policy.choose(rids, batch_size)
+            if any(choice.lengths):
+                return None  # not counted: the host launch after prev's collect asks again
+            self._host_choice = (prev, rids, choice)
+        elif policy.adaptive or policy.base_k(batch_size) > 0:
+            return None
+        if (prev.key[0], 1, 0, True) not in self.step.table.by_mode[prev.mode]:
+            return None
+        return 0
+
+    def take_host(self, prev) -> Optional[dict]:
+        """The host drafter's choice of 0 drafts that let the step after prev chain (cost
+        model), counted now that the chain launches -> prev's next_k; None otherwise."""
+        kept, self._host_choice = self._host_choice, None
+        if kept is None or kept[0] is not prev:
+            return None
+        _, rids, choice = kept
+        return dict(zip(rids, self.step.runner.proposer.policy.commit(choice)))
 
     def _next_choice(self, after, rids: list, batch_size: int):
         """The cost model's choice of the next step's draft lengths for the step that follows

@@ -61,7 +61,9 @@ draft counts, left in its carry, in N+1's query length of kd + 1), and the engin
 (no admission, blocks reserved for the worst case, no request near its limits).
 
 A host drafter (n-gram, suffix) needs N's tokens before it can propose N+1's drafts, so its
-steps can't chain; but they can be *relaunched*: once N's output is read and the drafts are
+steps chain only when N+1 drafts nothing (the k schedule's 0 at the batch size, or the cost
+model's choice of 0 for everyone, made at the chain and handed to N's collect:
+StepDraftLengths.chained_kd); otherwise they are *relaunched*: once N's output is read and the drafts are
 proposed, N+1 is launched from the same carry (positions, slots and bonus tokens built on the
 device) with only the drafts and their counts staged (`relaunch`), and N's commit,
 detokenization and outputs run while N+1 does. That takes the scheduling, batch building and
@@ -339,6 +341,12 @@ class FusedStep:
         t0 = time.perf_counter()
         bt = self._tables.update(prev.rows, bucket, block_tables)
         self.inputs.put_if_changed(self.inputs.block_tables, bt)
+        if self.relaunchable:  # a host drafter's step that drafts nothing (chained_kd)
+            # (its relaunch graph reads the staged counts; prev's collect proposes nothing)
+            self.inputs.put_all([(self.num_drafts, np.zeros(bucket, np.int64))])
+            next_k = self.lengths.take_host(prev)
+            if next_k is not None:
+                prev.next_k = next_k
         self.chained += 1
         launched = self._replay(key, prev.rows, t0, entry=table[key], chained=True)
         launched.mode = prev.mode

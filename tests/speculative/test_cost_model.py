@@ -551,3 +551,34 @@ def test_a_chained_step_keeps_one_length_and_never_drafts_after_a_skip():
     assert chained_kd(0, (0, 0), (3, 3)) is None  # drafting after a skip: the general path
     assert chained_kd(3, (3, 3), (3, 3), prefill=True) == 3
     assert chained_kd(3, (3, 3), (2, 2), captured={(1, 4, 3, True)}) is None  # no graph
+
+
+@pytest.mark.parametrize("verify_row,chains", [(10.0, True), (0.02, False)],
+                         ids=["drafting-never-pays", "drafting-pays"])
+def test_host_drafter_steps_chain_where_the_cost_model_drafts_nothing(
+        tiny_loaded, tiny_heads, fake_graph_capture, verify_row, chains):
+    """A host drafter (suffix) under the cost model, overlap on: where every extra verify row
+    costs ten steps the choice is 0 for everyone, so each step chains from the last on the
+    device like a plain one (no wait for the host's proposals) and nothing is drafted; where
+    rows are nearly free the drafter proposes and its steps are relaunched. Output identical
+    to no speculation either way; the chained steps' writes checked."""
+    from tests.speculative.test_fused_step import enable_graphs
+    k = 3
+    prompts = repetitive_prompts(3, 34)
+    want = run_waves(tiny_loaded, [prompts], GREEDY, **KW).outputs
+
+    def on_engine(engine):
+        enable_graphs(engine, k)
+        engine.runner.proposer.policy.set_step_times(padded_table(k, verify_row=verify_row))
+    run = run_waves(tiny_loaded, [prompts], GREEDY, on_engine=on_engine, max_num_seqs=8,
+                    speculative_config=spec_of(tiny_heads, "suffix", k, check_fused_writes=True),
+                    **KW)
+    fused, spec = run.engine.runner.fused, run.stats["spec"]
+    assert run.outputs == want
+    assert fused.write_check.steps > 10
+    if chains:
+        assert fused.chained > fused.replays // 2, (fused.chained, fused.replays)
+        assert spec["num_drafts"] == 0
+    else:
+        assert fused.relaunched > fused.replays // 2 and spec["num_accepted_tokens"] > 0
+        assert fused.chained < fused.replays // 4, (fused.chained, fused.replays)
