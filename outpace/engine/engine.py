@@ -206,8 +206,8 @@ class LLMEngine:
         return self.runner.chain(launched, [table(rid) for rid in launched.rows], kd_next)
 
     def _relaunch(self, plan, launched, result):
-        """A host drafter's next step, launched from `launched`'s carry on the device with the
-        drafts `result` proposes (FusedStep.relaunch), before `result` is committed; or None
+        """A host drafter's next step (or a head's with the suffix enhancer), launched from
+        `launched`'s carry on the device with the drafts `result` proposes (FusedStep.relaunch), before `result` is committed; or None
         under _chain's conditions, which here know each request's tokens: a request waits,
         may reach the end of its context, nobody wants more tokens, or blocks can't be
         reserved. The drafts are trimmed as the scheduler would plan them after the commit
@@ -217,6 +217,7 @@ class LLMEngine:
             return None
         drafts = {}
         needed = False
+        kd = launched.kd  # the relaunched step's own draft loop (a host drafter's: 0)
         for sr in plan.scheduled:
             req = sr.request
             out = result.outputs.get(req.request_id)
@@ -225,7 +226,8 @@ class LLMEngine:
             n = len(out.token_ids)
             # the drafts the scheduler would plan after this commit (none past max_tokens)
             d = sched.drafts_after(req, n, out.next_draft_token_ids or [])
-            if not sched.context_has_room(req, n + len(d) + 2):
+            # (a head's relaunched graph drafts kd more: the enhancer's)
+            if not sched.context_has_room(req, n + len(d) + 2 + kd):
                 return None
             needed = needed or sched.wants_more_than(req, n)
             drafts[req.request_id] = d
@@ -233,7 +235,8 @@ class LLMEngine:
         if not needed or q is None or \
                 len(launched.rows) * q > self.config.scheduler.max_num_batched_tokens:
             return None
-        if not sched.reserve_chained([sr.request for sr in plan.scheduled], q - 1):
+        if not sched.reserve_chained([sr.request for sr in plan.scheduled], q - 1,
+                                     max(q - 1, kd)):
             return None
         for rid, d in drafts.items():  # the commit makes them the requests' next drafts
             result.outputs[rid].next_draft_token_ids = d

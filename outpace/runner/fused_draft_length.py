@@ -59,7 +59,7 @@ class StepDraftLengths:
         skipped plane entries: the general path repairs them), or its graph was not captured
         ahead (capturing now would clobber the step in flight)."""
         if not self.step.chainable:
-            return self._host_chain(prev, plan) if self.step.relaunchable else None
+            return self._host_chain(prev, plan) if self.step.host_drafter is not None else None
         bucket, _, kd, _ = prev.key
         batch_size = plan.draft_batch_size
         if self.follows_choice:

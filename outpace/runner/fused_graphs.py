@@ -26,15 +26,15 @@ class GraphTable:
     def successors(self, bucket: int, kd: int) -> list:
         """The keys of the steps launched from a step of (bucket, any q, kd) on the device: the
         chained step (q = kd + 1 drafts-and-bonus; its own loop kd again, and under the cost
-        model also 0: the choice falling to no drafts chains too) and a host drafter's
-        relaunched ones."""
+        model also 0: the choice falling to no drafts chains too) and the relaunched ones of a
+        host drafter or a head with the suffix enhancer."""
         step, q_lens = self.step, self.step.graphs.q_lens
         keys = []
         if step.chainable and step.next_q(kd) in q_lens:
             loops = (kd, 0) if step.lengths.follows_choice and kd else (kd,)
             keys += [(bucket, step.next_q(kd), k, True) for k in loops]
-        if step.relaunchable:
-            keys += [(bucket, q, 0, True) for q in q_lens]
+        if step.relaunchable:  # (a head's, with the enhancer, drafts kd again)
+            keys += [(bucket, q, kd, True) for q in q_lens]
         return keys
 
     def capture_common(self) -> None:

@@ -203,12 +203,15 @@ class FusedStep:
         self.draft_loop = (DraftLoop(self.head, self.backend, self.block_size, m, dev)
                            if self.head is not None else None)
         # What chaining carries from a step to the next (see the module docstring); a host
-        # drafter's steps relaunch from the same carry instead. A head with the suffix enhancer
-        # does neither: the next step verifies the drafts the host chose after reading this
-        # one's output, so every step is launched from the host.
+        # drafter's steps relaunch from the same carry instead. So do a head's with the suffix
+        # enhancer: the next step verifies the drafts the host chose after reading this one's
+        # output (its graph drafts again, kd as the step before). Where the head's loop length
+        # may change from step to step (a k schedule, the cost model) they are launched from
+        # the host instead.
         enhanced = self.head is not None and self.head.enhancer is not None
         self.chainable = self.host_drafter is None and not enhanced
-        self.relaunchable = self.host_drafter is not None
+        self.relaunchable = self.host_drafter is not None or (
+            enhanced and proposer.policy.schedule is None and proposer.policy.cost_model is None)
         self.carry_pos = torch.zeros(m, dtype=torch.long, device=dev)  # bonus token's position
         self.carry_tokens = torch.zeros(m, kmax, dtype=torch.long, device=dev)  # bonus, drafts
         # Force-accept's draws when its mean is whole: floor(mean - 1 + u) is mean - 1 for any
@@ -341,7 +344,7 @@ class FusedStep:
         t0 = time.perf_counter()
         bt = self._tables.update(prev.rows, bucket, block_tables)
         self.inputs.put_if_changed(self.inputs.block_tables, bt)
-        if self.relaunchable:  # a host drafter's step that drafts nothing (chained_kd)
+        if self.host_drafter is not None:  # a step that drafts nothing (chained_kd)
             # (its relaunch graph reads the staged counts; prev's collect proposes nothing)
             self.inputs.put_all([(self.num_drafts, np.zeros(bucket, np.int64))])
             next_k = self.lengths.take_host(prev)
@@ -356,12 +359,13 @@ class FusedStep:
 
     @torch.inference_mode()
     def relaunch(self, prev: Launched, drafts: list, block_tables: list) -> Optional[Launched]:
-        """Launch the step after `prev` (whose output was read) for a host drafter: from the
-        carry prev left on the device, with `drafts` (per row of prev, prev.rows order: the
-        drafts the host proposed, [] for a request that finished) staged. block_tables as for
+        """Launch the step after `prev` (whose output was read) for a host drafter, or a head
+        with the suffix enhancer (its graph's loop drafting prev's kd again): from the carry
+        prev left on the device, with `drafts` (per row of prev, prev.rows order: the drafts
+        the host proposed or kept, [] for a request that finished) staged. block_tables as for
         chain. None when no graph was captured ahead for that query length."""
-        bucket = prev.key[0]
-        key = (bucket, self.relaunch_q(max(len(d) for d in drafts)), 0, True)
+        bucket, kd = prev.key[0], prev.key[2]  # (a head's loop as prev's; a host drafter's 0)
+        key = (bucket, self.relaunch_q(max(len(d) for d in drafts)), kd, True)
         table = self.table.by_mode[prev.mode]
         if not self.relaunchable or key not in table:
             return None

@@ -54,9 +54,10 @@ CASES = [(None, 0, {}), ("ngram", 3, {}), ("suffix", 2, {}), ("eagle3", 1, {}),
          ("mtp", 2, {}),
          ("eagle3", 3, {"draft_lm_head_dtype": "int8"}),
          ("mtp", 3, {"draft_lm_head_dtype": "int8"}),
-         # the suffix enhancer replaces the graph's drafts on the host: steps launch from
-         # the host (neither chained nor relaunched)
-         ("eagle3", 3, {"enhancer_min_match": 2}), ("mtp", 2, {"enhancer_min_match": 2}),
+         # the suffix enhancer replaces the graph's drafts on the host: steps relaunch with
+         # them (the write check on: the relaunched loop's reservation)
+         ("eagle3", 3, {"enhancer_min_match": 2, "check_fused_writes": True}),
+         ("mtp", 2, {"enhancer_min_match": 2}),
          # a host drafter's steps chain where the next one drafts nothing (above 2 requests)
          ("suffix", 3, {"k_schedule": [[2, 3]], "check_fused_writes": True,
                         "force_accept_mean": 2.0})]
@@ -68,7 +69,7 @@ CASE_IDS = [f"{m}-k{k}" + "".join(f"-{o}" for o in opts) for m, k, opts in CASES
 ONE_WAY = {("suffix", 2, ()): True, ("eagle3", 1, ()): True,
            ("eagle3", 3, ("draft_lm_head_dtype",)): True,
            ("mtp", 3, ("draft_lm_head_dtype",)): False,
-           ("mtp", 2, ("enhancer_min_match",)): False,
+           ("mtp", 2, ("enhancer_min_match",)): True,
            ("suffix", 3, ("k_schedule", "check_fused_writes", "force_accept_mean")): True}
 EQUAL_CASES = [(f"{cid}-{'overlap' if overlap else 'sync'}", *case, overlap)
                for cid, case in zip(CASE_IDS, CASES) for overlap in (False, True)
@@ -112,8 +113,9 @@ def test_fused_step_equals_eager(tiny_loaded, tiny_heads, fake_graph_capture, me
     runner = fused.engine.runner
     assert runner.fused.replays > 20, "the fused step served too few steps"
     host_drafter = method in ("ngram", "suffix")
-    if "enhancer_min_match" in opts:  # every step launched from the host
-        assert runner.fused.chained == runner.fused.relaunched == 0
+    if "enhancer_min_match" in opts:  # never chained: relaunched with the host's drafts
+        assert runner.fused.chained == 0
+        assert (runner.fused.relaunched > 10) == overlap, runner.fused.relaunched
         # the random head's drafts are rarely accepted: the enhancer's matches were
         assert fused.stats["spec"]["num_accepted_tokens"] > 20
     elif overlap and not host_drafter:
@@ -124,7 +126,7 @@ def test_fused_step_equals_eager(tiny_loaded, tiny_heads, fake_graph_capture, me
         assert runner.fused.chained == 0
     if overlap and host_drafter:
         assert runner.fused.relaunched > 10, "no step was relaunched from the carry"
-    else:
+    elif "enhancer_min_match" not in opts:
         assert runner.fused.relaunched == 0
     assert {key[0] for key in runner.fused.table.greedy} >= {4}, "no batch padded to a bucket"
     if k:
