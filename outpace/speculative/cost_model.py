@@ -14,7 +14,9 @@ takes the k <= m that is best for the ratio. Without per-request costs that is k
 only where its expected gain pays for its own rows, so one batch mixes lengths. The ratio of
 separable sums is maximised per m by Dinkelbach's iteration (each request's best k for the
 ratio found so far, until the ratio stops rising), a few numpy passes over a [B, K + 1] array.
-Ties go to the shorter draft: speculation is chosen only where it is expected to gain.
+Ties go to the shorter draft: speculation is chosen only where it is expected to gain. Where
+every request drafts one length, the length last used is kept unless another beats it by
+KEEP_MARGIN (a change of length launches from the host instead of chaining).
 
 A choice is made (`decide`) apart from being counted (`record`: the probes' counts in the
 estimates), so that a caller can make one it may not use: the fused step chooses the next step's
@@ -34,6 +36,11 @@ from outpace.speculative.step_times import StepTimes
 
 _MAX_ROUNDS = 8  # Dinkelbach rounds per longest draft; it converges in two or three
 _EPS = 1e-12
+# Where every request drafts one length (a graph step), another length than the last one used
+# must beat it by this fraction of tokens per second: a change of length cannot chain (the
+# next graph's loop differs) and is launched from the host, which costs more than estimates
+# moving by a few percent around a tie gain.
+KEEP_MARGIN = 0.05
 
 
 @dataclass(frozen=True)
@@ -51,6 +58,7 @@ class CostModel:
         self.k = k
         self.estimates = estimates
         self.table = table
+        self.last_uniform: Optional[int] = None  # the one length of the last choice used
 
     def choose(self, request_ids: Sequence[str], batch_size: int, k_max: int) -> list:
         """Each request's draft length (0..k_max), decided and counted."""
@@ -72,7 +80,7 @@ class CostModel:
         rows = est.rows(request_ids)
         k_max = max(0, min(k_max, self.k, self.table.max_draft))
         alpha, probe = est.for_choice(rows)
-        ks = self.best_lengths(alpha[:, :k_max], batch_size)
+        ks = self.best_lengths(alpha[:, :k_max], batch_size, keep=self.last_uniform)
         return DraftChoice(ks.tolist(), (rows, ks, k_max, probe))
 
     def record(self, choice: DraftChoice) -> None:
@@ -80,10 +88,14 @@ class CostModel:
         probes' backoff)."""
         if choice.counts is not None:
             self.estimates.chosen(*choice.counts)
+            ks = choice.counts[1]
+            self.last_uniform = int(ks[0]) if len(ks) and (ks == ks[0]).all() else None
 
-    def best_lengths(self, alpha: np.ndarray, batch_size: int) -> np.ndarray:
+    def best_lengths(self, alpha: np.ndarray, batch_size: int,
+                     keep: Optional[int] = None) -> np.ndarray:
         """[B, K] conditional acceptance -> [B] draft lengths maximising the batch's tokens per
-        second under self.table (no estimates touched)."""
+        second under self.table (no estimates touched). keep: where every request drafts one
+        length (no per-row costs), that length unless another beats it by KEEP_MARGIN."""
         table = self.table
         n, k_max = alpha.shape
         batch_size = max(batch_size, n)
@@ -93,6 +105,7 @@ class CostModel:
         per_row_cost = bool(cost.any())
         best_ks = np.zeros(n, np.int64)
         best = (gain[:, 0].sum() + others) / (table.batch_time(batch_size, 0) + n * cost[0])
+        kept = best if keep == 0 and not per_row_cost else None  # keep's ratio
         idx = np.arange(n)
         for m in range(1, k_max + 1):
             t = table.batch_time(batch_size, m)
@@ -101,10 +114,14 @@ class CostModel:
             if not per_row_cost:  # every request drafts m: padded rows cost nothing more
                 ks = np.full(n, m, np.int64)
                 ratio = (gain[:, m].sum() + others) / t
+                if m == keep:
+                    kept = ratio
             else:
                 ks, ratio = self._best_for(gain[:, :m + 1], cost[:m + 1], t, others, idx, best)
             if ratio > best * (1 + 1e-9) + _EPS:
                 best, best_ks = ratio, ks
+        if kept is not None and best < kept * (1 + KEEP_MARGIN):
+            return np.full(n, keep, np.int64)
         return best_ks
 
     @staticmethod

@@ -203,6 +203,53 @@ def test_choice_is_the_best_ratio_of_all_choices(seed):
     assert ratio(alphas, got, table, batch) >= best * (1 - 1e-9), (got, alphas)
 
 
+def test_a_uniform_length_is_kept_unless_another_beats_it_by_the_margin():
+    """Over a graph table everyone drafts one length; the last one used stays while another
+    is better by less than KEEP_MARGIN (a change of length launches from the host), and gives
+    way beyond it."""
+    from outpace.speculative.cost_model import KEEP_MARGIN
+    table = padded_table(verify_row=0.15)
+    cm, ids = model_with([[0.6] * K] * 2, table)
+    alpha = cm.estimates.alpha(ids)
+    free = cm.best_lengths(alpha, 2)
+    rates = {m: ratio(alpha.tolist(), [m, m], table, 2) for m in range(K + 1)}
+    best = int(free[0])
+    assert max(rates, key=rates.get) == best
+    near = [m for m in rates if m != best and rates[best] < rates[m] * (1 + KEEP_MARGIN)]
+    far = [m for m in rates if rates[best] >= rates[m] * (1 + KEEP_MARGIN)]
+    assert near and far, rates  # the case has both kinds
+    for m in near:
+        assert cm.best_lengths(alpha, 2, keep=m).tolist() == [m, m]
+    for m in far:
+        assert cm.best_lengths(alpha, 2, keep=m).tolist() == [best, best]
+    # per-row costs (eager steps) mix lengths: nothing is kept there
+    eager, ids = model_with([[0.97] * K, [0.05] * K], eager_table())
+    assert eager.best_lengths(eager.estimates.alpha(ids), 2, keep=1).tolist() == [K, 0]
+
+
+def test_estimates_moving_around_a_tie_do_not_flip_the_length():
+    """Acceptance wobbling around the point where two lengths tie: without the margin the
+    length flips with every wobble; with it (the last length used kept), it stays put."""
+    table = padded_table(verify_row=0.15)
+    lo, hi = 0.05, 0.99  # bisect the acceptance where drafting 2 and 3 tie
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        two, three = (ratio([[mid] * K], [m], table, 1) for m in (2, 3))
+        lo, hi = (mid, hi) if two > three else (lo, mid)
+    flips = {}
+    for keep in (False, True):
+        chosen, last = [], None
+        for i in range(40):
+            a = lo + (0.01 if i % 2 else -0.01)
+            cm, ids = model_with([[a] * K], table)
+            ks = cm.best_lengths(cm.estimates.alpha(ids), 1, keep=last if keep else None)
+            chosen.append(int(ks[0]))
+            last = chosen[-1]
+        flips[keep] = sum(x != y for x, y in zip(chosen, chosen[1:]))
+    assert set(chosen) <= {2, 3}
+    assert flips[False] == 39 and flips[True] == 0, flips
+
+
 def test_probes_back_off_and_reset():
     """A request that drafts less than it could reads the prior once after 4 such steps, then
     after 8, 16 (the backoff doubles to its cap); drafting on its own estimate resets it."""
