@@ -4,6 +4,7 @@
 #   bash benchmarks/gpu_session.sh tests            pytest tests/gpu
 #   bash benchmarks/gpu_session.sh bench SECTIONS [ARGS]     throughput.py --sections SECTIONS
 #   bash benchmarks/gpu_session.sh accuracy SECTIONS [ARGS]  accuracy.py --sections SECTIONS (check, spec_exact)
+#   bash benchmarks/gpu_session.sh methods [ARGS]  methods.py (every method against no speculation)
 #   bash benchmarks/gpu_session.sh diag [ARGS]     archive/diag_step.py (where a fused step's time goes)
 #   bash benchmarks/gpu_session.sh rows [ARGS]     archive/diag_few_rows.py (few-row block policies in the step)
 #   bash benchmarks/gpu_session.sh request        archive/diag_request.py (a batch-1 request's steps and idle GPU)
@@ -42,6 +43,8 @@ case "$1" in
            --out "${OUT:-/tmp/out}" --sections "$@" ;;
   accuracy) shift; python3 benchmarks/accuracy.py --gguf "$GGUF" \
            --out "${OUT:-/tmp/out}" --sections "$@" ;;
+  methods) shift; python3 benchmarks/methods.py --gguf "$GGUF" \
+           --out "${OUT:-/tmp/out}/gpu_methods.json" "$@" ;;
   diag)  shift; python3 benchmarks/archive/diag_step.py --gguf "$GGUF" --out "${OUT:-/tmp/out}" "$@" ;;
   rows)  shift; python3 benchmarks/archive/diag_few_rows.py --gguf "$GGUF" --out "${OUT:-/tmp/out}" "$@" ;;
   request) shift; python3 benchmarks/archive/diag_request.py --gguf "$GGUF" --out "${OUT:-/tmp/out}" "$@" ;;

@@ -3,7 +3,8 @@
     python benchmarks/methods.py --gguf MODEL.gguf --out out [--batches 1 8 32 128] [--rounds 3]
 
 Each method runs at its defaults (k = 3, the heads shipped for the default model) and with the
-draft-length cost model (`"adaptive": "cost"`), greedy, 128 new tokens (EOS ignored), bf16 on
+draft-length cost model (`"adaptive": "cost"`), n-gram also with its lookup in the graphs
+(`"ngram_device": true`), greedy, 128 new tokens (EOS ignored), bf16 on
 CUDA (--device cpu: fp32, a smoke run). Two prompt sets:
   chat  MT-bench first turns (batch 1: the first 16 one at a time; batch 8: the 80 in waves of
         8; batch 32: the 80 x 4; batch 128: the 80 x 5)
@@ -46,6 +47,8 @@ def configs(k: int, heads: dict) -> list:
         sets = ("chat", "copy") if method != "mtp" else ("chat",)
         out.append((method, base, sets))
         out.append((f"{method}-cost", {**base, "adaptive": "cost"}, ("chat",)))
+        if method == "ngram":  # the lookup inside the graphs: its steps chain
+            out.append(("ngram-device", {**base, "ngram_device": True}, ("chat", "copy")))
     if "eagle3" in heads:  # the suffix enhancer over the head's drafts
         out.append(("eagle3-enhancer", {"method": "eagle3", "model": str(heads["eagle3"]),
                                         "num_speculative_tokens": k, "enhancer_min_match": 4},
