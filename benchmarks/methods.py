@@ -92,7 +92,8 @@ def main():
         todo = [c for c in todo if c[0] in args.configs.split(",")]
     out_path = Path(args.out)
     out_path = out_path if out_path.suffix == ".json" else out_path / "gpu_methods.json"
-    result = {"commit": git_commit(), "device": device_name(args.device), "torch": torch.__version__,
+    result = {"commit": git_commit(), "device": device_name(args.device),
+              "torch": torch.__version__,
               "args": vars(args), "heads": {m: str(h) for m, h in heads.items()}, "build_s": {},
               "runs": {}}
     engines = []

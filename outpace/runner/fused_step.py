@@ -63,8 +63,8 @@ draft counts, left in its carry, in N+1's query length of kd + 1), and the engin
 A host drafter (n-gram, suffix) needs N's tokens before it can propose N+1's drafts, so its
 steps chain only when N+1 drafts nothing (the k schedule's 0 at the batch size, or the cost
 model's choice of 0 for everyone, made at the chain and handed to N's collect:
-StepDraftLengths.chained_kd); otherwise they are *relaunched*: once N's output is read and the drafts are
-proposed, N+1 is launched from the same carry (positions, slots and bonus tokens built on the
+StepDraftLengths.chained_kd); otherwise they are *relaunched*: once N's output is read and the
+drafts are proposed, N+1 is launched from the same carry (positions, slots and bonus tokens built on the
 device) with only the drafts and their counts staged (`relaunch`), and N's commit,
 detokenization and outputs run while N+1 does. That takes the scheduling, batch building and
 input staging of a step off the path between two steps, where the GPU would otherwise sit
