@@ -210,8 +210,9 @@ class LLMEngine:
         `launched`'s carry on the device with the drafts `result` proposes
         (FusedStep.relaunch), before `result` is committed; or None under _chain's conditions,
         which here know each request's tokens: a request waits, may reach the end of its
-        context, nobody wants more tokens, or blocks can't be reserved. The drafts are trimmed as the scheduler would plan them after the commit
-        (Scheduler.drafts_after), so the step is the one an unchained engine would run."""
+        context, nobody wants more tokens, or blocks can't be reserved. The drafts are trimmed
+        as the scheduler would plan them after the commit (Scheduler.drafts_after), so the
+        step is the one an unchained engine would run."""
         sched, fused = self.scheduler, self.runner.fused
         if not fused.relaunchable or sched.num_waiting:
             return None
