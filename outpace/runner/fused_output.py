@@ -75,7 +75,7 @@ class StepOutput:
             lp_rows = logprob_lists(logprobs, max(
                 sr.request.sampling_params.logprobs or 0 for sr in plan.scheduled))
         adaptive = proposer is not None and proposer.policy.adaptive
-        observe = proposer.policy.observe if adaptive else None
+        observed = ([], [], []) if adaptive else None  # request ids, drafts, accepted
         # the policy's k, the same for every request unless it adapts per request
         k_all = proposer.policy.base_k(batch_size) if drafting and not adaptive else None
         # a host drafter and a head's suffix enhancer propose from the committed tokens
@@ -92,14 +92,18 @@ class StepOutput:
             if lp_rows is not None and req.sampling_params.logprobs is not None:
                 outputs[req.request_id].logprobs = token_logprobs(
                     lp_rows[i][:acc + 1], req.sampling_params.logprobs)
-            if observe is not None:
-                observe(req.request_id, nd, acc)
+            if observed is not None:
+                observed[0].append(req.request_id)
+                observed[1].append(nd)
+                observed[2].append(acc)
             if drafting:
                 if reads_tokens:  # it reads the committed sequence's tail
                     committed.append(CommittedTokens(req.prompt_token_ids,
                                                      req.output_token_ids, toks))
                 asked.append(req)
                 num_committed.append(req.num_tokens + len(toks))
+        if observed is not None:
+            proposer.policy.observe_many(*observed)
         if plane_skipped:
             self.head.work.skip(sum(sr.num_new_tokens for sr in plan.scheduled))
         if not drafting:

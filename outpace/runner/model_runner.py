@@ -287,10 +287,10 @@ class ModelRunner:
         for sr, out in zip(plan.scheduled, per_req):
             result.outputs[sr.request.request_id] = out or RequestStepOutput(token_ids=[])
         if self.proposer is not None:
-            for sr, out in zip(plan.scheduled, per_req):
-                if out is not None:
-                    self.proposer.policy.observe(sr.request.request_id, out.num_draft_tokens,
-                                                 out.num_accepted_tokens)
+            seen = [(sr.request.request_id, out.num_draft_tokens, out.num_accepted_tokens)
+                    for sr, out in zip(plan.scheduled, per_req) if out is not None]
+            if seen:
+                self.proposer.policy.observe_many(*zip(*seen))
             self._propose(plan, per_req, hb, ids, pos, hidden, aux, meta, result, q_prefill,
                           t_varlen)
         return result

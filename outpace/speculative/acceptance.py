@@ -93,6 +93,24 @@ class AcceptanceEstimates:
         hit = np.arange(seen) < num_accepted  # accepted positions 1, the first rejected 0
         a[:seen] += self.rate * (hit - a[:seen])
 
+    def observe_many(self, request_ids: Sequence[str], num_draft: Sequence[int],
+                     num_accepted: Sequence[int]) -> None:
+        """`observe` for a step's requests at once (each at most once): one numpy pass over
+        their rows instead of a few small array operations a request, which at batch 128 are
+        on the host's critical path every step."""
+        slot = self._slot
+        picked = [(row, d, a) for row, d, a in
+                  zip(map(slot.get, request_ids), num_draft, num_accepted)
+                  if d > 0 and row is not None]
+        if not picked:
+            return
+        rows, nd, na = (np.array(c, np.int64) for c in zip(*picked))
+        seen = np.minimum(np.minimum(na + 1, nd), self.k)
+        j = np.arange(self.k)
+        hit = (j[None, :] < na[:, None]).astype(np.float64)
+        a = self._alpha[rows]
+        self._alpha[rows] = np.where(j[None, :] < seen[:, None], a + self.rate * (hit - a), a)
+
     def for_choice(self, rows: np.ndarray) -> tuple:
         """([B, k] the estimates a step's choice reads, [B] bool: which rows probe): rows
         whose backoff has run out read at least the prior at every position."""

@@ -113,6 +113,17 @@ class DraftLengthPolicy:
             cur = max(1, cur - 1)
         self._per_request[request_id] = cur
 
+    def observe_many(self, request_ids: Sequence[str], num_draft: Sequence[int],
+                     num_accepted: Sequence[int]) -> None:
+        """`observe` for a step's requests (each at most once), at once."""
+        if not self.adaptive:
+            return
+        if self.cost_model is not None:
+            self.cost_model.estimates.observe_many(request_ids, num_draft, num_accepted)
+            return
+        for rid, d, a in zip(request_ids, num_draft, num_accepted):
+            self.observe(rid, d, a)
+
     def forget(self, request_id: str) -> None:
         self._per_request.pop(request_id, None)
         if self.cost_model is not None:

@@ -117,6 +117,26 @@ def test_estimates_update_per_position():
     assert len(est) == n
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_a_steps_observations_at_once_equal_one_at_a_time(seed):
+    """observe_many (one numpy pass a step) leaves the estimates observe leaves, request by
+    request: random drafts and accepted counts, requests without a row and empty drafts
+    among them."""
+    rng = random.Random(seed)
+    one, many = AcceptanceEstimates(K, 0.5), AcceptanceEstimates(K, 0.5)
+    ids = [f"r{i}" for i in range(12)]
+    for est in (one, many):
+        est.rows(ids[:10])  # r10, r11 never asked: ignored
+    for _ in range(20):
+        step = rng.sample(ids, 8)
+        nd = [rng.randint(0, K + 1) for _ in step]
+        na = [rng.randint(0, d) for d in nd]
+        for r, d, a in zip(step, nd, na):
+            one.observe(r, d, a)
+        many.observe_many(step, nd, na)
+    assert np.array_equal(one.alpha(ids[:10]), many.alpha(ids[:10]))
+
+
 def test_estimates_prior_per_position_and_expected_emitted():
     est = AcceptanceEstimates(3, [0.9, 0.5, 0.2])
     a = est.alpha(["x"])
