@@ -85,7 +85,8 @@ class StepDraftLengths:
         """A host drafter's step chains only when the next step drafts nothing (0), else None:
         its drafts would come from prev's tokens, which the host has not read yet. Nothing to
         draft means the k schedule's 0 at this batch size, or under the cost model a choice of
-        0 for every request, made now for the step after prev (kept until `take_host`, which
+        0 for every request where prev drafted nothing (so its acceptance moves no estimate),
+        made now for the step after prev (kept until `take_host`, which
         counts it once the chain launches, and given to prev's collect as its next_k, so the
         host proposes nothing for the step already running). A request the drafter would not
         help then costs a plain chained step, not a wait for the host."""
@@ -93,6 +94,10 @@ class StepDraftLengths:
         batch_size = plan.draft_batch_size
         self._host_choice = None
         if policy.cost_model is not None:
+            if any(sr.draft_token_ids for sr in plan.scheduled):
+                # prev's acceptance, not yet observed, would move the estimates the choice
+                # reads: the collect after prev chooses (the same choice a sync step makes)
+                return None
             rids = [sr.request.request_id for sr in plan.scheduled]
             choice = policy.choose(rids, batch_size)
             if any(choice.lengths):

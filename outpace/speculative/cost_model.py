@@ -80,7 +80,9 @@ class CostModel:
         rows = est.rows(request_ids)
         k_max = max(0, min(k_max, self.k, self.table.max_draft))
         alpha, probe = est.for_choice(rows)
-        ks = self.best_lengths(alpha[:, :k_max], batch_size, keep=self.last_uniform)
+        # (a probe reads the prior to try drafting again: no length is kept over it)
+        keep = None if probe.any() else self.last_uniform
+        ks = self.best_lengths(alpha[:, :k_max], batch_size, keep=keep)
         return DraftChoice(ks.tolist(), (rows, ks, k_max, probe))
 
     def record(self, choice: DraftChoice) -> None:

@@ -637,11 +637,16 @@ def test_host_drafter_steps_chain_where_the_cost_model_drafts_nothing(
     def on_engine(engine):
         enable_graphs(engine, k)
         engine.runner.proposer.policy.set_step_times(padded_table(k, verify_row=verify_row))
-    run = run_waves(tiny_loaded, [prompts], GREEDY, on_engine=on_engine, max_num_seqs=8,
-                    speculative_config=spec_of(tiny_heads, "suffix", k, check_fused_writes=True),
-                    **KW)
+    runs = [run_waves(tiny_loaded, [prompts], GREEDY, on_engine=on_engine, max_num_seqs=8,
+                      speculative_config=spec_of(tiny_heads, "suffix", k,
+                                                 check_fused_writes=True),
+                      overlap=overlap, **KW) for overlap in (False, True)]
+    sync, run = runs
     fused, spec = run.engine.runner.fused, run.stats["spec"]
-    assert run.outputs == want
+    assert run.outputs == sync.outputs == want
+    # the same choices with overlap as without: a chain's choice reads the estimates a sync
+    # step's choice does
+    assert spec == sync.stats["spec"]
     assert fused.write_check.steps > 10
     if chains:
         assert fused.chained > fused.replays // 2, (fused.chained, fused.replays)
