@@ -214,8 +214,10 @@ class LLMEngine:
         as the scheduler would plan them after the commit (Scheduler.drafts_after), so the
         step is the one an unchained engine would run."""
         sched, fused = self.scheduler, self.runner.fused
-        if not fused.relaunchable or sched.num_waiting or result.num_draft_failures:
-            return None  # (after a drafter failure the scheduler plans the plane's repair)
+        if not fused.relaunchable or sched.num_waiting:
+            return None
+        if result.num_draft_failures and self.runner.proposer.num_kv_layers:
+            return None  # a head's failure: the scheduler plans its plane's repair first
         drafts = {}
         needed = False
         kd = launched.kd  # the relaunched step's own draft loop (a host drafter's: 0)

@@ -163,6 +163,37 @@ def test_host_drafter_failures_in_the_fused_step(tiny_loaded, fake_graph_capture
         assert run.engine.runner.fused.relaunched > 10
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_enhancer_failures_in_the_fused_step(tiny_loaded, tiny_heads, fake_graph_capture,
+                                             overlap):
+    """The suffix enhancer raising after a fused graph drafted (every third match): no drafts
+    for that step, every failure counted, the step after it not relaunched (the scheduler
+    repairs the head's plane first), the output as without speculation."""
+    want = run_waves(tiny_loaded, waves(), GREEDY, **SMALL).outputs
+    calls = []
+
+    def on_engine(engine):
+        enable_graphs(engine, 3)
+        enhancer = engine.runner.proposer.enhancer
+        inner = enhancer.match
+
+        def match(*args):
+            calls.append(1)
+            if len(calls) % 3 == 0:
+                raise RuntimeError("injected enhancer failure")
+            return inner(*args)
+        enhancer.match = match
+    run = run_waves(tiny_loaded, waves(), GREEDY, overlap=overlap, on_engine=on_engine,
+                    speculative_config=spec_for(tiny_heads, "eagle3", 3, enhancer_min_match=2),
+                    **SMALL)
+    assert run.outputs == want
+    assert run.stats["num_draft_failures_total"] >= 5
+    fused = run.engine.runner.fused
+    assert fused.replays > 20 and fused.chained == 0
+    if overlap:  # relaunched between the failures
+        assert fused.relaunched > 5
+
+
 @pytest.mark.parametrize("method,k,opts", [
     ("eagle3", 4, {"force_accept_mean": 3.5}), ("mtp", 3, {"force_accept_mean": 2.5}),
     # the enhancer's drafts replace the loop's: the next step's first pass rewrites the
