@@ -199,7 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--out", required=True, help="folder for the head (and its checkpoints)")
     t.add_argument("--draft-vocab", type=int, default=None,
                    help="EAGLE-3 draft vocabulary size (default 8192, or the target's if "
-                   "smaller)")
+                   "smaller; with --init-head, a larger size grows the head's vocabulary)")
     t.add_argument("--aux-layers", type=int, nargs=3, default=None, metavar="I",
                    help="EAGLE-3: the 3 target layers whose outputs the head fuses (default "
                    "1, L/2-1, L-4)")

@@ -96,6 +96,27 @@ def head_from_export(method: str, path, target, target_cfg, device):
     return head
 
 
+def grow_eagle3_head(head: Eagle3Head, target, target_cfg, d2t: torch.Tensor,
+                     t2d: torch.Tensor, device) -> Eagle3Head:
+    """`head` over a larger draft vocabulary (d2t, t2d) that holds all of its ids
+    (`draft_vocab.grow_draft_vocab`): every tensor and every trained LM head row kept, the added
+    ids' rows taken from the target's LM head (the warm start a new head gets)."""
+    old_ids = draft_ids_of(head.d2t.cpu())
+    new_ids = draft_ids_of(d2t.cpu())
+    pos = torch.searchsorted(new_ids, old_ids)
+    if pos.max() >= new_ids.numel() or not torch.equal(new_ids[pos], old_ids):
+        raise ValueError("the grown draft vocabulary must hold every id of the head's")
+    grown = new_eagle3_head(target, target_cfg, d2t, t2d, 0, device, True,
+                            tuple(head.aux_layer_ids))
+    tensors = {n: t.float() if t.is_floating_point() else t
+               for n, t in export_weights(head).items()}
+    lm = export_weights(grown)["lm_head.weight"].float()
+    lm[pos] = tensors["lm_head.weight"]
+    tensors.update({"lm_head.weight": lm, "d2t": d2t.cpu(), "t2d": t2d.cpu()})
+    fill_head_(grown, tensors)
+    return grown
+
+
 def export_head(head, out_dir, dtype: torch.dtype = torch.bfloat16) -> Path:
     """Write the head as a draft head folder (config.json + model.safetensors), its floating
     tensors in `dtype` (d2t int64, t2d bool)."""

@@ -33,9 +33,10 @@ from outpace.errors import ConfigError
 from outpace.training.batches import collate, epoch_order, plan_batches, sequences_from_records
 from outpace.training.checkpoint import load_checkpoint, save_checkpoint
 from outpace.training.config import TrainConfig
-from outpace.training.draft_vocab import choose_draft_vocab, count_tokens, coverage, draft_ids_of
-from outpace.training.heads import (export_head, head_from_export, new_eagle3_head,
-                                     new_mtp_head)
+from outpace.training.draft_vocab import (choose_draft_vocab, count_tokens, coverage,
+                                          draft_ids_of, grow_draft_vocab)
+from outpace.training.heads import (export_head, grow_eagle3_head, head_from_export,
+                                     new_eagle3_head, new_mtp_head)
 from outpace.training.selfdistill import read_extra_answers, read_prompts, regenerate
 from outpace.training.target_features import dense_layer, target_features
 from outpace.training.ttt import Eagle3Unroll, MTPUnroll, unroll
@@ -186,17 +187,29 @@ class Trainer:
             self._log(f"starting from the head in {cfg.init_head}")
         if cfg.method == "eagle3" and cfg.init_head is not None:
             h = self.head
-            if cfg.draft_vocab is not None and cfg.draft_vocab != h.config.draft_vocab_size:
-                raise ConfigError(f"--draft-vocab {cfg.draft_vocab} differs from the draft "
-                                  f"vocabulary of --init-head {cfg.init_head} "
-                                  f"({h.config.draft_vocab_size}); leave --draft-vocab out")
+            have = h.config.draft_vocab_size
+            if cfg.draft_vocab is not None and cfg.draft_vocab < have:
+                raise ConfigError(f"--draft-vocab {cfg.draft_vocab} is smaller than the draft "
+                                  f"vocabulary of --init-head {cfg.init_head} ({have}): a "
+                                  f"continued head keeps its ids; leave --draft-vocab out or "
+                                  f"pass {have} or more")
+            if cfg.draft_vocab is not None and cfg.draft_vocab > tcfg.vocab_size:
+                raise ConfigError(f"--draft-vocab {cfg.draft_vocab} is larger than the target's "
+                                  f"vocabulary ({tcfg.vocab_size})")
             if cfg.aux_layers is not None and tuple(cfg.aux_layers) != tuple(h.aux_layer_ids):
                 raise ConfigError(f"--aux-layers {list(cfg.aux_layers)} differ from those of "
                                   f"--init-head {cfg.init_head} ({list(h.aux_layer_ids)}); "
                                   f"leave --aux-layers out")
             counts = count_tokens((s.ids[s.answer_start:] for s in self.seqs), tcfg.vocab_size)
-            self.vocab_coverage = coverage(counts, h.t2d.cpu())
             self.coverage_by_size = None
+            if cfg.draft_vocab is not None and cfg.draft_vocab > have:
+                # the head's ids and trained rows kept, the most frequent others added
+                d2t, t2d = grow_draft_vocab(counts, h.t2d.cpu(), cfg.draft_vocab)
+                self._log(f"draft vocabulary grown from {have} to {cfg.draft_vocab} ids: "
+                          f"coverage {coverage(counts, h.t2d.cpu()):.4f} -> "
+                          f"{coverage(counts, t2d):.4f} of the answer tokens")
+                self.head = h = grow_eagle3_head(h, self.target, tcfg, d2t, t2d, self.device)
+            self.vocab_coverage = coverage(counts, h.t2d.cpu())
             self.unroll = Eagle3Unroll(h, self.target.embed_weight)
             self.capture = tuple(h.aux_layer_ids)
         elif cfg.method == "eagle3":

@@ -111,3 +111,24 @@ def test_export_then_load_gives_the_same_outputs(tiny_loaded, tmp_path, method, 
                 results.append((y, y.argmax(-1)))
     torch.testing.assert_close(results[0][0], results[1][0], rtol=0, atol=0)
     assert torch.equal(results[0][1], results[1][1])
+
+
+def test_a_grown_draft_vocabulary_keeps_the_heads_ids_and_adds_the_most_frequent():
+    from outpace.training.draft_vocab import choose_draft_vocab, draft_ids_of, grow_draft_vocab
+    counts = torch.tensor([5, 0, 9, 1, 7, 3, 3, 0, 2, 8])
+    # a head whose ids are not the most frequent: 1 (unseen) and 3 (rare)
+    t2d = torch.zeros(10, dtype=torch.bool)
+    t2d[[1, 3]] = True
+    d2t, grown = grow_draft_vocab(counts, t2d, 5)
+    assert draft_ids_of(d2t).tolist() == [1, 2, 3, 4, 9]  # kept 1, 3; added 2, 9, 4 by count
+    assert grown.sum() == 5 and bool(grown[draft_ids_of(d2t)].all())
+    # ties go to the lower id; growing to the same size changes nothing
+    d2t, grown = grow_draft_vocab(counts, t2d, 7)
+    assert draft_ids_of(d2t).tolist() == [0, 1, 2, 3, 4, 5, 9]
+    same, _ = grow_draft_vocab(counts, t2d, 2)
+    assert draft_ids_of(same).tolist() == [1, 3]
+    # a vocabulary chosen by frequency grows into the larger frequency choice
+    d2t8, t2d8 = choose_draft_vocab(counts, 4)
+    assert torch.equal(grow_draft_vocab(counts, t2d8, 6)[0], choose_draft_vocab(counts, 6)[0])
+    with pytest.raises(ValueError, match="must hold 2..10"):
+        grow_draft_vocab(counts, t2d, 1)

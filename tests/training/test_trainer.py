@@ -198,7 +198,7 @@ def test_init_head_starts_from_the_exported_head(tiny_loaded, tiny_prompts, tmp_
     if method == "eagle3":
         assert torch.equal(again.head.d2t, first.head.d2t)
         assert tuple(again.head.aux_layer_ids) == (0, 1, 1)
-        with pytest.raises(ConfigError, match="--draft-vocab 32 differs"):
+        with pytest.raises(ConfigError, match="--draft-vocab 32 is smaller"):
             Trainer(_cfg(tiny_prompts, tmp_path, "bad", init_head=str(tmp_path / "first"),
                          draft_vocab=32, **{k: v for k, v in kw.items() if k != "method"},
                          method="eagle3"), loaded=tiny_loaded)
@@ -206,6 +206,40 @@ def test_init_head_starts_from_the_exported_head(tiny_loaded, tiny_prompts, tmp_
         with pytest.raises(ConfigError, match="pass --num-modules 1"):
             Trainer(_cfg(tiny_prompts, tmp_path, "bad", init_head=str(tmp_path / "first"),
                          num_modules=2, ttt_steps=2, **kw), loaded=tiny_loaded)
+
+
+def test_init_head_with_a_larger_draft_vocab_grows_it(tiny_loaded, tiny_prompts, tmp_path):
+    """--init-head with a larger --draft-vocab: the head's ids and trained rows stay (its
+    drafts over them unchanged), the added ids are the most frequent others with the target's
+    LM head rows; the grown run resumes; a smaller size is refused."""
+    from outpace.training.draft_vocab import draft_ids_of
+    first = Trainer(_cfg(tiny_prompts, tmp_path, "first", export_dtype="float32", epochs=1,
+                         draft_vocab=24), loaded=tiny_loaded)
+    first.run()
+    grown = Trainer(_cfg(tiny_prompts, tmp_path, "grown", init_head=str(tmp_path / "first"),
+                         draft_vocab=40, epochs=1), loaded=tiny_loaded)
+    old_ids, new_ids = draft_ids_of(first.head.d2t), draft_ids_of(grown.head.d2t)
+    assert new_ids.numel() == 40 and set(old_ids.tolist()) <= set(new_ids.tolist())
+    pos = torch.searchsorted(new_ids, old_ids)
+    lm_old, lm_new = first.head.lm_head_weight, grown.head.lm_head_weight
+    assert torch.equal(lm_new[pos], lm_old)
+    added = torch.ones(40, dtype=torch.bool)
+    added[pos] = False
+    model = tiny_loaded[0]
+    assert torch.equal(lm_new[added], model.lm_head_weight[new_ids[added]].float())
+    assert grown.vocab_coverage >= json.loads(
+        (tmp_path / "first" / "training.json").read_text())["draft_vocab_coverage"]
+    for name, t in first.head.state_dict().items():  # everything else is the head's
+        if name not in ("lm_head_weight", "d2t", "t2d"):
+            assert torch.equal(grown.head.state_dict()[name], t), name
+    grown.run(max_steps=2)
+    again = Trainer(_cfg(tiny_prompts, tmp_path, "grown", init_head=str(tmp_path / "first"),
+                         draft_vocab=40, epochs=1, resume=str(tmp_path / "grown")),
+                    loaded=tiny_loaded)
+    assert again.step == 2 and torch.equal(again.head.d2t, grown.head.d2t)
+    with pytest.raises(ConfigError, match="smaller than the draft vocabulary of --init-head"):
+        Trainer(_cfg(tiny_prompts, tmp_path, "bad", init_head=str(tmp_path / "first"),
+                     draft_vocab=16), loaded=tiny_loaded)
 
 
 def test_extra_answers_join_the_data_and_the_trajectory(tiny_loaded, tiny_prompts, tmp_path):
