@@ -119,16 +119,29 @@ def main():
         for name, eng, wanted in engines[shift:] + engines[:shift]:
             for s in wanted:
                 for b, ps in sets[s].items():
+                    fused = eng.runner.fused
+                    before = (fused.chained, fused.replays) if fused is not None else (0, 0)
                     r = run_engine(eng, ps, b, args.max_tokens)
-                    runs.setdefault(f"{s}/b{b}/{name}", []).append(
-                        {k: r[k] for k in ("tok_s", "mean_acceptance_length",
-                                           "acceptance_per_position")})
+                    row = {k: r[k] for k in ("tok_s", "mean_acceptance_length",
+                                             "acceptance_per_position")}
+                    if fused is not None and fused.replays > before[1]:
+                        row["chained_share"] = round((fused.chained - before[0]) /
+                                                     (fused.replays - before[1]), 3)
+                    cost = cost_model_of(eng)
+                    if cost is not None:  # the measured corrections to its table, ms
+                        row["measured_ms"] = cost.measured.snapshot()
+                    runs.setdefault(f"{s}/b{b}/{name}", []).append(row)
         print(f"[{time.perf_counter() - t0:6.1f}s] round {rnd} done", flush=True)
         result["table"] = table(runs)
         write_result(out_path, result)
     print_table(result["table"], ["set", "batch", "config", "tok_s", "vs_no_spec",
                                   "mean_acceptance_length"])
     print("wrote", out_path)
+
+
+def cost_model_of(engine):
+    proposer = engine.runner.proposer
+    return proposer.policy.cost_model if proposer is not None else None
 
 
 def table(runs: dict) -> list:

@@ -107,6 +107,7 @@ class StepOutput:
         if plane_skipped:
             self.head.work.skip(sum(sr.num_new_tokens for sr in plan.scheduled))
         if not drafting:
+            runner.step_clock.chose(0)
             return result
         ks = runner.draft_lengths(asked, batch_size, num_committed, k=k_all, chosen=next_k)
         if self.host_drafter is None:  # drafted in the graph

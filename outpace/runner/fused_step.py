@@ -423,6 +423,11 @@ class FusedStep:
             if kd > 0:  # what a step chained from this one verifies, in launched.rows order
                 drafted = packed[:, q + 1:] >= 0
                 launched.next_drafts = drafted.sum(axis=1).tolist()  # sync-ok: numpy
+        clock = self.runner.step_clock
+        if launched.prefill:
+            clock.interrupt()
+        else:  # before `result`, which decides the next step's drafts (clock.chose)
+            clock.collected(len(plan.scheduled), t2)
         next_k = None
         if launched.next_k is not None:
             next_k = [launched.next_k[sr.request.request_id] for sr in plan.scheduled]

@@ -24,6 +24,7 @@ from outpace.attention.inputs import InputBuffers, build_host_batch
 from outpace.kernels.options import use_kernel_options
 from outpace.rate_limited_log import RateLimitedLog
 from outpace.runner.sampling_step import RelaxedAcceptance, SamplingStep
+from outpace.runner.step_clock import StepClock
 from outpace.runner_config import KernelOptions
 from outpace.speculative.base import DraftBatch
 from outpace.types import RequestStepOutput, StepPlan, StepResult
@@ -106,6 +107,10 @@ class ModelRunner:
         self._deferred_k: dict = {}
         self.draft_failures = RateLimitedLog(
             log, "the drafter raised; continuing without drafts for that step")
+        # decode steps' measured times for the cost model (a no-op without one)
+        policy = getattr(proposer, "policy", None)
+        self.step_clock = StepClock(policy.observe_step if policy is not None
+                                    else lambda *a: None)
         if proposer is not None:
             self.sampling.force_accept_mean = proposer.spec.force_accept_mean
             self.sampling.relaxed = RelaxedAcceptance.from_spec(proposer.spec,
@@ -263,6 +268,7 @@ class ModelRunner:
         self.path_steps[path.kind] += 1
         if path.kind == FUSED:
             return self.fused.execute(plan, hb, path.size)
+        self.step_clock.interrupt()
         q_prefill = path.size if path.kind == PREFILL_GRAPH else None
         t_varlen = path.size if path.kind == VARLEN_GRAPH else None
         if path.kind == DECODE_GRAPH:
@@ -434,5 +440,7 @@ class ModelRunner:
             ks = [k] * len(reqs)
         else:
             ks = self.proposer.draft_lengths(reqs, batch_size)
-        return [max(0, min(ki, req.max_model_len - n - 1))
-                for ki, req, n in zip(ks, reqs, num_committed)]
+        ks = [max(0, min(ki, req.max_model_len - n - 1))
+              for ki, req, n in zip(ks, reqs, num_committed)]
+        self.step_clock.chose(max(ks, default=0))
+        return ks

@@ -2,7 +2,8 @@
 that the batch emits the most tokens per second of step time.
 
 With E_r(k) the expected tokens request r emits when it drafts k (speculative/acceptance.py) and
-the step's time from the engine's table (speculative/step_times.py), the choice maximises
+the step's time from the engine's table (speculative/step_times.py) corrected by what the
+running engine measures (speculative/measured_steps.py), the choice maximises
 
     (sum_r E_r(k_r) + requests of the batch that are not asked) / (batch_time(batch, max_r k_r)
                                                                   + sum_r per_draft[k_r])
@@ -32,6 +33,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from outpace.speculative.acceptance import AcceptanceEstimates
+from outpace.speculative.measured_steps import MeasuredSteps
 from outpace.speculative.step_times import StepTimes
 
 _MAX_ROUNDS = 8  # Dinkelbach rounds per longest draft; it converges in two or three
@@ -57,8 +59,27 @@ class CostModel:
                  table: Optional[StepTimes] = None):
         self.k = k
         self.estimates = estimates
-        self.table = table
+        self.measured: Optional[MeasuredSteps] = None
+        self._table: Optional[StepTimes] = None
+        self.set_table(table)
         self.last_uniform: Optional[int] = None  # the one length of the last choice used
+
+    @property
+    def table(self) -> Optional[StepTimes]:
+        return self._table
+
+    def set_table(self, table: Optional[StepTimes], measure: bool = True) -> None:
+        """The start-up table; its measured corrections start afresh. measure=False: the
+        table alone decides (no step's measured time corrects it: a table given as the truth,
+        as tests give one)."""
+        self._table = table
+        self.measured = MeasuredSteps(table, frozen=not measure) if table is not None else None
+
+    def observe_step(self, batch: int, m: int, seconds: float) -> None:
+        """A decode step's measured time (MeasuredSteps.observe): `batch` requests, m the
+        longest draft chosen for it."""
+        if self.measured is not None:
+            self.measured.observe(batch, m, seconds)
 
     def choose(self, request_ids: Sequence[str], batch_size: int, k_max: int) -> list:
         """Each request's draft length (0..k_max), decided and counted."""
@@ -98,7 +119,7 @@ class CostModel:
         """[B, K] conditional acceptance -> [B] draft lengths maximising the batch's tokens per
         second under self.table (no estimates touched). keep: where every request drafts one
         length (no per-row costs), that length unless another beats it by KEEP_MARGIN."""
-        table = self.table
+        table, times = self.table, self.measured
         n, k_max = alpha.shape
         batch_size = max(batch_size, n)
         gain = AcceptanceEstimates.expected_emitted(alpha)  # [B, K + 1]
@@ -106,11 +127,11 @@ class CostModel:
         cost = np.array([table.draft_cost(k) for k in range(k_max + 1)])
         per_row_cost = bool(cost.any())
         best_ks = np.zeros(n, np.int64)
-        best = (gain[:, 0].sum() + others) / (table.batch_time(batch_size, 0) + n * cost[0])
+        best = (gain[:, 0].sum() + others) / (times.batch_time(batch_size, 0) + n * cost[0])
         kept = best if keep == 0 and not per_row_cost else None  # keep's ratio
         idx = np.arange(n)
         for m in range(1, k_max + 1):
-            t = table.batch_time(batch_size, m)
+            t = times.batch_time(batch_size, m)
             if not np.isfinite(t):
                 break
             if not per_row_cost:  # every request drafts m: padded rows cost nothing more

@@ -50,10 +50,11 @@ class DraftLengthPolicy:
         if self.cost_model is not None:
             self.cost_model.estimates = AcceptanceEstimates(self.k, prior)
 
-    def set_step_times(self, table: StepTimes) -> None:
-        """The step-time table the cost model reads (the engine's, measured at start-up)."""
+    def set_step_times(self, table: StepTimes, measure: bool = True) -> None:
+        """The step-time table the cost model reads (the engine's, measured at start-up),
+        corrected by the steps' measured times unless measure is False."""
         if self.cost_model is not None:
-            self.cost_model.table = table
+            self.cost_model.set_table(table, measure)
 
     @staticmethod
     def _check_schedule(schedule, k):
@@ -123,6 +124,11 @@ class DraftLengthPolicy:
             return
         for rid, d, a in zip(request_ids, num_draft, num_accepted):
             self.observe(rid, d, a)
+
+    def observe_step(self, batch: int, longest: int, seconds: float) -> None:
+        """A decode step's measured time (the cost model's corrections to its table)."""
+        if self.cost_model is not None:
+            self.cost_model.observe_step(batch, longest, seconds)
 
     def forget(self, request_id: str) -> None:
         self._per_request.pop(request_id, None)

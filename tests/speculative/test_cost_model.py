@@ -291,7 +291,7 @@ def test_probes_back_off_and_reset():
 def test_undrafted_requests_come_back():
     """A request at k = 0 is measured again after a while (a probe)."""
     policy = DraftLengthPolicy(K, adaptive="cost", prior=0.9)
-    policy.set_step_times(eager_table())
+    policy.set_step_times(eager_table(), measure=False)
     assert policy.lengths(["a"], 1) == [K]
     for _ in range(6):
         policy.observe("a", K, 0)
@@ -303,7 +303,7 @@ def test_policy_needs_a_table_and_keeps_the_schedule():
     policy = DraftLengthPolicy(K, schedule=[[2, 2]], adaptive="cost", prior=0.97)
     with pytest.raises(RuntimeError, match="no step-time table"):
         policy.lengths(["a"], 1)
-    policy.set_step_times(padded_table())
+    policy.set_step_times(padded_table(), measure=False)
     assert policy.lengths(["a", "b"], 2) == [2, 2]  # the schedule's k at batch 2 bounds it
     assert policy.lengths(["a", "b", "c"], 3) == [0, 0, 0]  # beyond its last bound: none
     assert policy.base_k(1) == 2
@@ -354,7 +354,7 @@ def test_output_identical_to_no_speculation(tiny_loaded, tiny_heads, method):
     def on_engine(engine):
         # the measured table, then one where every drafted row costs: a mix of lengths
         assert engine.runner.proposer.policy.cost_model.table is not None
-        engine.runner.proposer.policy.set_step_times(eager_table(3, token_s=0.05))
+        engine.runner.proposer.policy.set_step_times(eager_table(3, token_s=0.05), measure=False)
         logs.append(StepLog(engine))
     got = run_waves(tiny_loaded, [prompts], GREEDY, speculative_config=spec_of(
         tiny_heads, method), on_engine=on_engine, **KW)
@@ -379,7 +379,7 @@ def test_fused_graph_steps_with_the_cost_model(tiny_loaded, tiny_heads, fake_gra
         engine.runner.enable_cuda_graphs(tuple(range(1, k + 2)), capture_fused=True)
         engine.measure_step_times()
         tables.append(engine.runner.proposer.policy.cost_model.table)
-        engine.runner.proposer.policy.set_step_times(eager_table(k, token_s=0.05))
+        engine.runner.proposer.policy.set_step_times(eager_table(k, token_s=0.05), measure=False)
         logs.append(StepLog(engine))
     got = run_waves(tiny_loaded, [prompts], GREEDY, speculative_config=spec_of(
         tiny_heads, method, k), on_engine=on_engine, max_num_seqs=4, **KW)
@@ -403,7 +403,7 @@ def test_head_whose_drafts_fail_stops_drafting_then_resumes(tiny_loaded, tiny_he
     logs, state = [], {}
 
     def on_engine(engine):
-        engine.runner.proposer.policy.set_step_times(eager_table(3, token_s=0.05))
+        engine.runner.proposer.policy.set_step_times(eager_table(3, token_s=0.05), measure=False)
         logs.append(StepLog(engine))
 
     def after_step(engine):
@@ -470,7 +470,7 @@ def graph_run(tiny_loaded, tiny_heads, prompts, params, table, k=3, after_step=N
 
     def on_engine(engine):
         enable_graphs(engine, k)
-        engine.runner.proposer.policy.set_step_times(table)
+        engine.runner.proposer.policy.set_step_times(table, measure=False)
         rec["steps"] = GraphSteps(engine)
     run = run_waves(tiny_loaded, [prompts], params, on_engine=on_engine, after_step=after_step,
                     speculative_config=spec_of(tiny_heads, "eagle3", k, **opts),
@@ -636,7 +636,7 @@ def test_host_drafter_steps_chain_where_the_cost_model_drafts_nothing(
 
     def on_engine(engine):
         enable_graphs(engine, k)
-        engine.runner.proposer.policy.set_step_times(padded_table(k, verify_row=verify_row))
+        engine.runner.proposer.policy.set_step_times(padded_table(k, verify_row=verify_row), measure=False)
     runs = [run_waves(tiny_loaded, [prompts], GREEDY, on_engine=on_engine, max_num_seqs=8,
                       speculative_config=spec_of(tiny_heads, "suffix", k,
                                                  check_fused_writes=True),
