@@ -128,7 +128,8 @@ def main():
                         row["chained_share"] = round((fused.chained - before[0]) /
                                                      (fused.replays - before[1]), 3)
                     cost = cost_model_of(eng)
-                    if cost is not None:  # the measured corrections to its table, ms
+                    if cost is not None and cost.measured is not None:
+                        # the measured corrections to its table (ms) after this run
                         row["measured_ms"] = cost.measured.snapshot()
                     runs.setdefault(f"{s}/b{b}/{name}", []).append(row)
         print(f"[{time.perf_counter() - t0:6.1f}s] round {rnd} done", flush=True)

@@ -96,6 +96,7 @@ class LLMEngine:
         req = Request(request_id=request_id, prompt_token_ids=ids, sampling_params=params,
                       eos_token_ids=eos, max_model_len=self.max_model_len, prompt=text)
         self.scheduler.add_request(req)  # may raise QueueFullError: nothing recorded yet
+        self.runner.step_clock.interrupt()  # the engine may have idled before this request
         self._requests[request_id] = req
         self._detok[request_id] = IncrementalDetokenizer(
             self.tokenizer, ids, params.skip_special_tokens, params.stop,
@@ -113,6 +114,7 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> None:
         if request_id not in self._requests:
             return
+        self.runner.step_clock.interrupt()  # the engine may idle before its next step
         self.scheduler.abort_request(request_id)
         self._forget(request_id)
 

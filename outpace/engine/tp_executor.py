@@ -238,6 +238,12 @@ class TensorParallelRunner:
     def fused(self):
         return None
 
+    @property
+    def step_clock(self):
+        """Rank 0's, which never measures here: steps run one at a time on the general path
+        (every rank must choose the same draft lengths, from the same table alone)."""
+        return self.runner.step_clock
+
     def begin_request(self, req) -> None:
         self._queued.append(("begin", self._sender.begin(req)))
         self.runner.begin_request(req)

@@ -59,6 +59,7 @@ class GraphTable:
         in flight), with the steps that follow it for a mode not captured at start-up
         (penalties, logprobs), or a draft-loop length the cost model chose that start-up did
         not capture."""
+        self.step.runner.step_clock.interrupt()  # a capture is not a step's time
         if mode in BASE_MODES and not self.step.lengths.follows_choice:
             self.by_mode[mode][key] = self.capture(*key, mode=mode)
             return

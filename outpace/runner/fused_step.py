@@ -424,10 +424,11 @@ class FusedStep:
                 drafted = packed[:, q + 1:] >= 0
                 launched.next_drafts = drafted.sum(axis=1).tolist()  # sync-ok: numpy
         clock = self.runner.step_clock
-        if launched.prefill:
+        if launched.prefill or not plan.scheduled:  # a prefill, or a chain drained by nobody
             clock.interrupt()
-        else:  # before `result`, which decides the next step's drafts (clock.chose)
-            clock.collected(len(plan.scheduled), t2)
+        else:  # before `result`, which decides the next step's drafts (clock.chose); the
+            # graph's own bucket (a chained step keeps its first launch's rows)
+            clock.collected(launched.key[0], t2)
         next_k = None
         if launched.next_k is not None:
             next_k = [launched.next_k[sr.request.request_id] for sr in plan.scheduled]

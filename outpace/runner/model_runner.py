@@ -418,6 +418,7 @@ class ModelRunner:
         scheduler recomputes them before any draft reads them: Scheduler.update)."""
         self.draft_failures.record(exc)
         result.num_draft_failures += 1
+        self.step_clock.chose(0)  # the next step verifies no drafts
         if self.proposer.num_kv_layers:
             outputs = result.outputs
             for sr in plan.scheduled:

@@ -2,8 +2,9 @@
 measured corrections (speculative/measured_steps.py).
 
 A fused decode step's output reaching the host (`collected`) closes an interval that began at
-the previous one's, when nothing else ran between them; any other step (a prefill, a mixed or
-eager step: `interrupt`) breaks the run. Each interval is reported with the longest draft
+the previous one's, when nothing else ran between them; anything else (a prefill, a mixed or
+eager step, a graph captured on first launch, a request added or aborted, which may leave the
+engine idle with a step in flight: `interrupt`) breaks the run. Each interval is reported with the longest draft
 that was chosen for the step it ends (`chose`, called where the draft lengths of the next step
 are decided), so a choice's whole cost is measured: for a host drafter the wait while the host
 reads the tokens, proposes and relaunches, for a head the host launch a change of length
@@ -30,7 +31,8 @@ class StepClock:
         self._last = None
 
     def collected(self, requests: int, now: float) -> None:
-        """A fused decode step of `requests` requests: its output reached the host at `now`."""
+        """A fused decode step of `requests` requests (its graph's batch bucket): its output
+        reached the host at `now`."""
         if self._last is not None:
             self.report(requests, self._pending, now - self._last)
         self._last = now

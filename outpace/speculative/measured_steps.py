@@ -22,7 +22,10 @@ times the current estimate counts as OUTLIER times it. Staleness: a correction n
 again within STALE decode steps is dropped (the table's time again), so a length the choice
 gave up on is tried once in a while and measured anew (a step in STALE at most): its cost
 may have changed (another batch, another load), and without it a choice of 0 made on one bad
-measurement would stand for good.
+measurement would stand for good. The step without drafts never goes stale.
+
+The per-request `per_draft` terms of an eager table are not corrected: eager steps are not
+fused decode steps, so they are never measured.
 """
 
 from __future__ import annotations
@@ -63,6 +66,7 @@ class MeasuredSteps:
         self.samples += 1
         if not self._fresh(key):  # gone stale: measured afresh
             self._corr.pop(key, None)
+            self._first.pop(key, None)
         self._at[key] = self.samples
         old = self._corr.get(key)
         if old is None:
@@ -76,7 +80,9 @@ class MeasuredSteps:
         self._corr[key] = old + self.rate * (seconds - base - old)
 
     def _fresh(self, key) -> bool:
-        return self.samples - self._at.get(key, -self.stale - 1) <= self.stale
+        """Measured within `stale` steps; a step without drafts never goes stale (it is the
+        step every choice is weighed against, and no exploration is needed to measure it)."""
+        return key[1] == 0 or self.samples - self._at.get(key, -self.stale - 1) <= self.stale
 
     def correction(self, batch: int, m: int) -> float:
         """Seconds to add to the table's time of a step of `batch` requests drafting m."""

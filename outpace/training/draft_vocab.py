@@ -43,19 +43,22 @@ def choose_draft_vocab(counts: torch.Tensor, size: int) -> tuple:
     return d2t, t2d
 
 
-def grow_draft_vocab(counts: torch.Tensor, t2d: torch.Tensor, size: int) -> tuple:
-    """A larger draft vocabulary that keeps every id of `t2d` and adds the most frequent others
-    (ties and unseen ids: the lower id first) up to `size` -> (d2t [size] int64, t2d [V] bool).
-    A head continued with it keeps its trained rows; only the added ids are new."""
+def grow_draft_vocab(counts: torch.Tensor, kept: torch.Tensor, size: int) -> tuple:
+    """A larger draft vocabulary that keeps every target id in `kept` (a head's:
+    `draft_ids_of(d2t)`) and adds the most frequent others (ties and unseen ids: the lower id
+    first) up to `size` -> (d2t [size] int64, t2d [V] bool). A head continued with it keeps its
+    trained rows; only the added ids are new."""
+    counts = counts.cpu()
     v = counts.numel()
-    have = int(t2d.sum())
+    have = int(kept.numel())
     if not have <= size <= v:
         raise ValueError(f"a grown draft vocabulary must hold {have}..{v} ids (the head's and "
                          f"at most the target's vocabulary), got {size}")
-    t2d = t2d.to(device=counts.device, dtype=torch.bool)
+    mask = torch.zeros(v, dtype=torch.bool)
+    mask[kept.cpu()] = True
     # the kept ids rank first whatever their count; then the others by descending count
     top = int(counts.max()) + 1 if v else 1
-    key = torch.where(t2d, torch.full_like(counts, top), counts)
+    key = torch.where(mask, torch.full_like(counts, top), counts)
     order = torch.sort(-key, stable=True).indices[:size]
     ids = torch.sort(order).values
     d2t = ids - torch.arange(size, dtype=torch.int64)

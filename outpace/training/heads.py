@@ -97,16 +97,18 @@ def head_from_export(method: str, path, target, target_cfg, device):
 
 
 def grow_eagle3_head(head: Eagle3Head, target, target_cfg, d2t: torch.Tensor,
-                     t2d: torch.Tensor, device) -> Eagle3Head:
+                     t2d: torch.Tensor, device, warm_start: bool = True,
+                     seed: int = 0) -> Eagle3Head:
     """`head` over a larger draft vocabulary (d2t, t2d) that holds all of its ids
     (`draft_vocab.grow_draft_vocab`): every tensor and every trained LM head row kept, the added
-    ids' rows taken from the target's LM head (the warm start a new head gets)."""
+    ids' rows taken from the target's LM head (warm_start, as a new head's) or random."""
     old_ids = draft_ids_of(head.d2t.cpu())
     new_ids = draft_ids_of(d2t.cpu())
     pos = torch.searchsorted(new_ids, old_ids)
     if pos.max() >= new_ids.numel() or not torch.equal(new_ids[pos], old_ids):
-        raise ValueError("the grown draft vocabulary must hold every id of the head's")
-    grown = new_eagle3_head(target, target_cfg, d2t, t2d, 0, device, True,
+        raise ConfigError("the grown draft vocabulary must hold every id of the head's "
+                          "(its d2t)")
+    grown = new_eagle3_head(target, target_cfg, d2t, t2d, seed, device, warm_start,
                             tuple(head.aux_layer_ids))
     tensors = {n: t.float() if t.is_floating_point() else t
                for n, t in export_weights(head).items()}

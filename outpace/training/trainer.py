@@ -204,11 +204,13 @@ class Trainer:
             self.coverage_by_size = None
             if cfg.draft_vocab is not None and cfg.draft_vocab > have:
                 # the head's ids and trained rows kept, the most frequent others added
-                d2t, t2d = grow_draft_vocab(counts, h.t2d.cpu(), cfg.draft_vocab)
+                kept = draft_ids_of(h.d2t.cpu())  # what drafts map to: its rows' ids
+                d2t, t2d = grow_draft_vocab(counts, kept, cfg.draft_vocab)
                 self._log(f"draft vocabulary grown from {have} to {cfg.draft_vocab} ids: "
                           f"coverage {coverage(counts, h.t2d.cpu()):.4f} -> "
                           f"{coverage(counts, t2d):.4f} of the answer tokens")
-                self.head = h = grow_eagle3_head(h, self.target, tcfg, d2t, t2d, self.device)
+                self.head = h = grow_eagle3_head(h, self.target, tcfg, d2t, t2d, self.device,
+                                                 cfg.warm_start, cfg.seed)
             self.vocab_coverage = coverage(counts, h.t2d.cpu())
             self.unroll = Eagle3Unroll(h, self.target.embed_weight)
             self.capture = tuple(h.aux_layer_ids)

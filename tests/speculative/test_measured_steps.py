@@ -68,6 +68,30 @@ def test_a_correction_not_measured_again_goes_stale():
     assert m.correction(1, 3) == 0.0
     m.observe(1, 3, table.batch_time(1, 3) + 2.0)
     assert m.correction(1, 3) == pytest.approx(1.0)
+    # a lone first sample goes stale too: it does not pair with one long after it
+    m.observe(1, 2, table.batch_time(1, 2) + 0.01)
+    for _ in range(11):
+        m.observe(1, 0, table.batch_time(1, 0))
+    m.observe(1, 2, table.batch_time(1, 2) + 4.0)
+    m.observe(1, 2, table.batch_time(1, 2) + 3.0)
+    assert m.correction(1, 2) == pytest.approx(3.0)
+    # the step without drafts never goes stale
+    assert m.correction(1, 0) == 0.0 and "1/0" in m.snapshot()
+
+
+def test_the_clock_reports_only_consecutive_decode_steps():
+    seen = []
+    clock = StepClock(lambda *a: seen.append(a))
+    clock.collected(4, 1.0)  # the first: no interval yet
+    clock.chose(3)
+    clock.collected(4, 1.5)
+    clock.chose(0)
+    clock.collected(8, 1.75)
+    clock.interrupt()  # a prefill, a request added: the next output starts afresh
+    clock.chose(2)
+    clock.collected(8, 9.0)
+    clock.collected(8, 9.25)
+    assert seen == [(4, 3, 0.5), (8, 0, 0.25), (8, 2, 0.25)]
 
 
 def test_a_measured_host_wait_turns_drafting_off_and_a_cheap_one_keeps_it():

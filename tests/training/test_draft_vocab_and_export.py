@@ -117,18 +117,18 @@ def test_a_grown_draft_vocabulary_keeps_the_heads_ids_and_adds_the_most_frequent
     from outpace.training.draft_vocab import choose_draft_vocab, draft_ids_of, grow_draft_vocab
     counts = torch.tensor([5, 0, 9, 1, 7, 3, 3, 0, 2, 8])
     # a head whose ids are not the most frequent: 1 (unseen) and 3 (rare)
-    t2d = torch.zeros(10, dtype=torch.bool)
-    t2d[[1, 3]] = True
-    d2t, grown = grow_draft_vocab(counts, t2d, 5)
+    kept = torch.tensor([1, 3])
+    d2t, grown = grow_draft_vocab(counts, kept, 5)
     assert draft_ids_of(d2t).tolist() == [1, 2, 3, 4, 9]  # kept 1, 3; added 2, 9, 4 by count
     assert grown.sum() == 5 and bool(grown[draft_ids_of(d2t)].all())
     # ties go to the lower id; growing to the same size changes nothing
-    d2t, grown = grow_draft_vocab(counts, t2d, 7)
+    d2t, grown = grow_draft_vocab(counts, kept, 7)
     assert draft_ids_of(d2t).tolist() == [0, 1, 2, 3, 4, 5, 9]
-    same, _ = grow_draft_vocab(counts, t2d, 2)
+    same, _ = grow_draft_vocab(counts, kept, 2)
     assert draft_ids_of(same).tolist() == [1, 3]
     # a vocabulary chosen by frequency grows into the larger frequency choice
-    d2t8, t2d8 = choose_draft_vocab(counts, 4)
-    assert torch.equal(grow_draft_vocab(counts, t2d8, 6)[0], choose_draft_vocab(counts, 6)[0])
+    d2t8, _ = choose_draft_vocab(counts, 4)
+    assert torch.equal(grow_draft_vocab(counts, draft_ids_of(d2t8), 6)[0],
+                       choose_draft_vocab(counts, 6)[0])
     with pytest.raises(ValueError, match="must hold 2..10"):
-        grow_draft_vocab(counts, t2d, 1)
+        grow_draft_vocab(counts, kept, 1)
