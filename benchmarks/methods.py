@@ -8,6 +8,8 @@ draft-length cost model (`"adaptive": "cost"`), n-gram also with its lookup in t
 CUDA (--device cpu: fp32, a smoke run). Two prompt sets:
   chat  MT-bench first turns (batch 1: the first 16 one at a time; batch 8: the 80 in waves of
         8; batch 32: the 80 x 4; batch 128: the 80 x 5)
+  chat1 the chat set's batch 1 alone (--depths: MTP with a random 3-module head, eagle and
+        depths mode at force-accept 3, issue 35's synthetic comparison)
   copy  a copy-heavy set, batch 1 only: each of the first 16 HumanEval prompts with "rewrite
         this with type hints and a docstring" (the answer repeats most of the prompt)
 All engines are built first, then timed in turns, round by round, the order rotating, so that
@@ -35,9 +37,15 @@ COPY_INSTRUCTION = ("Rewrite this Python code with type hints and a docstring. K
                     "and its comments as they are.\n\n```python\n{code}```")
 
 
-def configs(k: int, heads: dict) -> list:
-    """(name, speculative_config or None, prompt sets) of the run."""
+def configs(k: int, heads: dict, depths_head=None) -> list:
+    """(name, speculative_config or None, prompt sets) of the run. depths_head: a random
+    3-module MTP head, for the depths-mode rows (synthetic: force-accept 3, chat batch 1)."""
     out = [("no-spec", None, ("chat", "copy"))]
+    if depths_head is not None:  # issue 35: depths mode within 10% of MTP-Eagle's tok/s
+        for mode in ("eagle", "depths"):
+            out.append((f"mtp3-{mode}-fa3 (synthetic)",
+                        {"method": "mtp", "model": str(depths_head), "num_speculative_tokens": 3,
+                         "mtp_mode": mode, "force_accept_mean": 3.0}, ("chat1",)))
     for method in ("ngram", "suffix", "eagle3", "mtp"):
         base = {"method": method, "num_speculative_tokens": k}
         if method in heads:
@@ -60,7 +68,8 @@ def prompt_sets(tok, batches) -> dict:
     mt = chat_ids(tok, load_prompts("mtbench", 80))
     copy = chat_ids(tok, [COPY_INSTRUCTION.format(code=p) for p in load_prompts("humaneval", 16)])
     chat = {1: mt[:16], 8: mt, 32: mt * 4, 128: mt * 5}
-    return {"chat": {b: chat.get(b, mt) for b in batches}, "copy": {1: copy}}
+    return {"chat": {b: chat.get(b, mt) for b in batches}, "copy": {1: copy},
+            "chat1": {1: mt[:16]}}
 
 
 def main():
@@ -75,6 +84,9 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--kv-blocks", type=int, default=4096)
     ap.add_argument("--configs", default="", help="only these (comma-separated names)")
+    ap.add_argument("--depths", action="store_true",
+                    help="also MTP with a random 3-module head, eagle and depths mode, under "
+                    "force-accept 3 at batch 1 (synthetic rows)")
     ap.add_argument("--deadline-s", type=float, default=540,
                     help="no round starts later than this after the start")
     args = ap.parse_args()
@@ -87,7 +99,13 @@ def main():
     heads = {m: shipped_head(args.gguf, m) for m in ("eagle3", "mtp")}
     heads = {m: h for m, h in heads.items() if h is not None}
     sets = prompt_sets(loaded[2], args.batches)
-    todo = configs(args.k, heads)
+    depths_head = None
+    if args.depths:
+        import tempfile
+        from outpace.training.init_draft import init_draft
+        depths_head = init_draft("mtp", args.gguf, Path(tempfile.mkdtemp()) / "mtp3",
+                                 num_layers=3, quiet=True)
+    todo = configs(args.k, heads, depths_head)
     if args.configs:
         todo = [c for c in todo if c[0] in args.configs.split(",")]
     out_path = Path(args.out)
@@ -150,7 +168,7 @@ def table(runs: dict) -> list:
     rows = []
     for key, rs in runs.items():
         s, b, name = key.split("/")
-        base = runs.get(f"{s}/{b}/no-spec", [])
+        base = runs.get(f"{'chat' if s == 'chat1' else s}/{b}/no-spec", [])
         ratios = [r["tok_s"] / x["tok_s"] for r, x in zip(rs, base)]
         mal = [r["mean_acceptance_length"] for r in rs if r["mean_acceptance_length"]]
         rows.append({"set": s, "batch": int(b[1:]), "config": name,
