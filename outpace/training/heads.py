@@ -100,8 +100,12 @@ def grow_eagle3_head(head: Eagle3Head, target, target_cfg, d2t: torch.Tensor,
                      t2d: torch.Tensor, device, warm_start: bool = True,
                      seed: int = 0) -> Eagle3Head:
     """`head` over a larger draft vocabulary (d2t, t2d) that holds all of its ids
-    (`draft_vocab.grow_draft_vocab`): every tensor and every trained LM head row kept, the added
-    ids' rows taken from the target's LM head (warm_start, as a new head's) or random."""
+    (`draft_vocab.grow_draft_vocab`): every tensor and every trained LM head row kept. The added
+    ids' rows (warm_start) are the target's LM head rows mapped as training mapped the kept
+    ones: a * row + b, a the median per-row least-squares scale and b the mean remainder of
+    the head's rows against the target's rows of the same ids (the target's rows as they are
+    outscore the trained ones, and the head would propose the added ids nearly everywhere);
+    else random."""
     old_ids = draft_ids_of(head.d2t.cpu())
     new_ids = draft_ids_of(d2t.cpu())
     pos = torch.searchsorted(new_ids, old_ids)
@@ -113,6 +117,13 @@ def grow_eagle3_head(head: Eagle3Head, target, target_cfg, d2t: torch.Tensor,
     tensors = {n: t.float() if t.is_floating_point() else t
                for n, t in export_weights(head).items()}
     lm = export_weights(grown)["lm_head.weight"].float()
+    if warm_start:
+        trained = tensors["lm_head.weight"]
+        own = target.lm_head_weight.detach().index_select(
+            0, old_ids.to(target.lm_head_weight.device)).float().cpu()
+        scale = ((trained * own).sum(1) / (own * own).sum(1).clamp_min(1e-12)).median()
+        shift = (trained - scale * own).mean(0)
+        lm = scale * lm + shift
     lm[pos] = tensors["lm_head.weight"]
     tensors.update({"lm_head.weight": lm, "d2t": d2t.cpu(), "t2d": t2d.cpu()})
     fill_head_(grown, tensors)
