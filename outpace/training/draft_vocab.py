@@ -58,13 +58,7 @@ def grow_draft_vocab(counts: torch.Tensor, kept: torch.Tensor, size: int) -> tup
     mask[kept.cpu()] = True
     # the kept ids rank first whatever their count; then the others by descending count
     top = int(counts.max()) + 1 if v else 1
-    key = torch.where(mask, torch.full_like(counts, top), counts)
-    order = torch.sort(-key, stable=True).indices[:size]
-    ids = torch.sort(order).values
-    d2t = ids - torch.arange(size, dtype=torch.int64)
-    grown = torch.zeros(v, dtype=torch.bool)
-    grown[ids] = True
-    return d2t, grown
+    return choose_draft_vocab(torch.where(mask, torch.full_like(counts, top), counts), size)
 
 
 def draft_ids_of(d2t: torch.Tensor) -> torch.Tensor:
