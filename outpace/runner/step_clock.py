@@ -4,11 +4,12 @@ measured corrections (speculative/measured_steps.py).
 A fused decode step's output reaching the host (`collected`) closes an interval that began at
 the previous one's, when nothing else ran between them; anything else (a prefill, a mixed or
 eager step, a graph captured on first launch, a request added or aborted, which may leave the
-engine idle with a step in flight: `interrupt`) breaks the run. Each interval is reported with the longest draft
-that was chosen for the step it ends (`chose`, called where the draft lengths of the next step
-are decided), so a choice's whole cost is measured: for a host drafter the wait while the host
-reads the tokens, proposes and relaunches, for a head the host launch a change of length
-takes, and wherever the host is the bottleneck its own per-step work.
+engine idle with a step in flight: `interrupt`) breaks the run. Each interval is reported with
+the longest draft that was chosen for the step it ends (`chose`, called where the draft
+lengths of the next step are decided), so a choice's whole cost is measured: for a host
+drafter the wait while the host reads the tokens, proposes and relaunches, for a head the host
+launch a change of length takes, and wherever the host is the bottleneck its own per-step
+work.
 """
 
 from __future__ import annotations
