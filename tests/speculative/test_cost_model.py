@@ -636,7 +636,8 @@ def test_host_drafter_steps_chain_where_the_cost_model_drafts_nothing(
 
     def on_engine(engine):
         enable_graphs(engine, k)
-        engine.runner.proposer.policy.set_step_times(padded_table(k, verify_row=verify_row), measure=False)
+        engine.runner.proposer.policy.set_step_times(padded_table(k, verify_row=verify_row),
+                                                     measure=False)
     runs = [run_waves(tiny_loaded, [prompts], GREEDY, on_engine=on_engine, max_num_seqs=8,
                       speculative_config=spec_of(tiny_heads, "suffix", k,
                                                  check_fused_writes=True),
