@@ -179,16 +179,18 @@ class SuiteError(Exception):
 
 def wait_ready(srv: Child, url: str, timeout: float) -> float:
     """Seconds from the spawn until /health answers 200."""
-    import httpx
+    import urllib.error
+    import urllib.request
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if srv.proc.poll() is not None:
             raise SuiteError(f"the server exited with {srv.proc.returncode} while starting:\n"
                              f"{srv.log_tail()}")
         try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return time.perf_counter() - srv.spawned
-        except httpx.HTTPError:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return time.perf_counter() - srv.spawned
+        except (urllib.error.URLError, OSError):
             pass
         time.sleep(0.05)
     raise SuiteError(f"the server was not ready after {timeout} s (--startup-timeout):\n"
@@ -198,18 +200,13 @@ def wait_ready(srv: Child, url: str, timeout: float) -> float:
 async def first_token(srv: Child, url: str, api_key, prompt: str) -> tuple:
     """A one-token streamed chat request -> (the served model's name, seconds from the spawn
     to its first token)."""
-    import httpx
-
-    from outpace.bench.serve import ServeBenchConfig, one_request
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=600) as client:
-        r = await client.get("/v1/models")
-        r.raise_for_status()
-        model = r.json()["data"][0]["id"]
-        cfg = ServeBenchConfig(base_url=url, model=model, endpoint=CHAT, api_key=api_key,
-                               output_len=1, ignore_eos=True)
+    from outpace.bench.serve import ServeBenchConfig, one_request, open_session, served_model
+    cfg = ServeBenchConfig(base_url=url, endpoint=CHAT, api_key=api_key, output_len=1,
+                           ignore_eos=True)
+    async with open_session(cfg) as session:
+        model = await served_model(session, cfg)
         sent = time.perf_counter()
-        res = await one_request(client, cfg, model, prompt)
+        res = await one_request(session, cfg, model, prompt)
     if not res.ok:
         raise SuiteError(f"the start-up request failed: {res.error}\n{srv.log_tail()}")
     return model, sent + res.ttft - srv.spawned
@@ -217,7 +214,7 @@ async def first_token(srv: Child, url: str, api_key, prompt: str) -> tuple:
 
 def run_server(a, name: str, argv: list, texts: dict, log_dir: Path) -> dict:
     """One config's server: start-up, the load at each concurrency, stopped -> its record."""
-    from outpace.bench.serve import ServeBenchConfig, run_benchmark
+    from outpace.bench.serve import ServeBenchConfig, run_load
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "outpace", "serve", *argv, "--port", str(port)]
@@ -236,8 +233,9 @@ def run_server(a, name: str, argv: list, texts: dict, log_dir: Path) -> dict:
             cfg = ServeBenchConfig(base_url=url, model=model, endpoint=CHAT, api_key=a.api_key,
                                    num_prompts=len(texts[c]), max_concurrency=c,
                                    output_len=a.output_len, ignore_eos=True, temperature=0.0,
-                                   seed=a.seed)
-            s = asyncio.run(run_benchmark(cfg, texts[c]))
+                                   seed=a.seed,
+                                   client_processes=min(a.client_processes, c, len(texts[c])))
+            s = run_load(cfg, texts[c])
             s.pop("config")
             rec["load"][str(c)] = s
             print(f"[{name}] concurrency {c}: {s['output_throughput']:.1f} tok/s, "
@@ -402,6 +400,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-len", type=int, default=128, help="output tokens of each request")
     p.add_argument("--dataset", default="mtbench", choices=["mtbench", "humaneval", "random"])
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--client-processes", type=int, default=4, metavar="N",
+                   help="processes sending each load (outpace bench serve --client-processes; "
+                   "fewer where the concurrency is lower)")
     p.add_argument("--offline-engine", default="per-concurrency",
                    choices=["per-concurrency", "shared"],
                    help="per-concurrency: an engine of max_num_seqs = C for concurrency C; "
@@ -425,6 +426,7 @@ def check(a, server_args: list) -> list:
         at_least(c, 1, "--concurrency")
     at_least(a.num_prompts, 1, "--num-prompts")
     at_least(a.output_len, 1, "--output-len")
+    at_least(a.client_processes, 1, "--client-processes")
     if len(set(a.concurrency)) != len(a.concurrency):
         raise ConfigError(f"--concurrency lists a value twice: {a.concurrency}",
                           option="concurrency")

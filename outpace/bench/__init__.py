@@ -3,7 +3,7 @@ as `vllm bench` has them. One module a subcommand (its flags: `add_arguments`, i
 `offline.py` (the engine side of latency and throughput), `datasets.py` (prompts) and
 `report.py` (percentiles, results, progress) are shared.
 
-Nothing here imports torch or httpx until a benchmark runs: a bad flag is an error at once."""
+Nothing here imports torch or aiohttp until a benchmark runs: a bad flag is an error at once."""
 
 from __future__ import annotations
 

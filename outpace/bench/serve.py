@@ -48,6 +48,7 @@ class ServeBenchConfig:
     temperature: float = 0.0
     seed: int = 0
     timeout_s: float = 600.0
+    client_processes: int = 1  # processes sending the load (bench/load_processes.py)
 
 
 @dataclass
@@ -73,21 +74,23 @@ def _payload(cfg: ServeBenchConfig, model: str, prompt: str) -> dict:
     return {**body, "prompt": prompt}
 
 
-async def one_request(client, cfg: ServeBenchConfig, model: str, prompt: str) -> RequestResult:
-    import httpx
+async def one_request(session, cfg: ServeBenchConfig, model: str, prompt: str) -> RequestResult:
+    """One streamed request through `session` (open_session's) -> its RequestResult."""
+    import aiohttp
     res = RequestResult()
     t0 = time.perf_counter()
     last = t0
     try:
-        async with client.stream("POST", cfg.endpoint, json=_payload(cfg, model, prompt)) as r:
-            if r.status_code != 200:
-                res.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+        async with session.post(cfg.base_url + cfg.endpoint,
+                                json=_payload(cfg, model, prompt)) as r:
+            if r.status != 200:
+                res.error = f"HTTP {r.status}: {(await r.read())[:200]!r}"
                 return res
-            async for line in r.aiter_lines():
-                if not line.startswith("data:"):
+            async for raw in r.content:  # one line at a time
+                if not raw.startswith(b"data:"):
                     continue
-                data = line[5:].strip()
-                if data == "[DONE]":
+                data = raw[5:].strip()
+                if data == b"[DONE]":
                     break
                 chunk = json.loads(data)
                 if "error" in chunk:
@@ -117,88 +120,117 @@ async def one_request(client, cfg: ServeBenchConfig, model: str, prompt: str) ->
         res.ok = res.finish_reason is not None
         if not res.ok:
             res.error = "stream ended without a finish_reason"
-    except (httpx.HTTPError, ValueError, AttributeError, TypeError) as e:
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, AttributeError,
+            TypeError) as e:
         res.error = f"{type(e).__name__}: {e}"
     return res
 
 
-def _client(cfg: ServeBenchConfig):
-    import httpx
+def open_session(cfg: ServeBenchConfig):
+    """The client's aiohttp session (use it as an async context manager): as many connections
+    as requests in flight (no bound without max_concurrency: a pool smaller than the load would
+    queue requests in the client and count it in their TTFT), cfg.timeout_s a request."""
+    import aiohttp
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
-    # as many connections as requests in flight (no bound without max_concurrency): a pool
-    # smaller than the load would queue requests in the client and count it in their TTFT
-    n = cfg.max_concurrency
-    return httpx.AsyncClient(base_url=cfg.base_url, headers=headers,
-                             limits=httpx.Limits(max_connections=n,
-                                                 max_keepalive_connections=n or 256),
-                             timeout=httpx.Timeout(cfg.timeout_s))
+    return aiohttp.ClientSession(
+        headers=headers, connector=aiohttp.TCPConnector(limit=cfg.max_concurrency or 0),
+        timeout=aiohttp.ClientTimeout(total=cfg.timeout_s),
+        read_bufsize=1 << 20)  # a streamed line (logprobs included) fits in the buffer
 
 
-async def _served_model(client, cfg: ServeBenchConfig) -> str:
+async def served_model(session, cfg: ServeBenchConfig) -> str:
     """The model to ask for: cfg.model, else the first the server lists. The server is
     reached here first, so a wrong address or key is one error, not a failed request each."""
-    import httpx
+    import aiohttp
     try:
-        r = await client.get("/v1/models", timeout=30)
-    except httpx.HTTPError as e:
+        async with session.get(cfg.base_url + "/v1/models",
+                               timeout=aiohttp.ClientTimeout(total=30)) as r:
+            status, body = r.status, await r.read()
+    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
         raise OutpaceError(f"cannot reach the server at {cfg.base_url} ({type(e).__name__}: "
                            f"{e}); start it, or give its address (--base-url, or --host and "
                            f"--port)") from None
-    if r.status_code in (401, 403):
+    if status in (401, 403):
         raise OutpaceError(f"the server at {cfg.base_url} refused the API key (HTTP "
-                           f"{r.status_code}); give --api-key (or OPENAI_API_KEY)")
+                           f"{status}); give --api-key (or OPENAI_API_KEY)")
     if cfg.model is not None:
         return cfg.model
     try:
-        r.raise_for_status()
-        return r.json()["data"][0]["id"]
-    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
-        raise OutpaceError(f"{cfg.base_url}/v1/models lists no model (HTTP {r.status_code}); "
+        if status != 200:
+            raise ValueError(status)
+        return json.loads(body)["data"][0]["id"]
+    except (ValueError, KeyError, IndexError, TypeError):
+        raise OutpaceError(f"{cfg.base_url}/v1/models lists no model (HTTP {status}); "
                            f"give --model") from None
 
 
-async def run_benchmark(cfg: ServeBenchConfig, prompts: list,
-                        on_done: Optional[Callable] = None) -> dict:
-    """Send the load (prompts in order, repeated as needed); returns the summary (what
-    --output-json holds). on_done(result) as each request ends."""
+async def drive(session, cfg: ServeBenchConfig, model: str, prompts: list,
+                on_done: Optional[Callable] = None, ready=None) -> tuple:
+    """Send the load (prompts in order, repeated as needed) -> (results, start, end), the
+    start and end as time.perf_counter(). on_done(result) as each request ends; ready(): called
+    once, just before the first request (a multi-process load's start line)."""
+    rng = random.Random(cfg.seed)
+    sem = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
+    results: list = []
+
+    async def run_one(prompt):
+        try:
+            res = await one_request(session, cfg, model, prompt)
+            results.append(res)
+            if on_done is not None:
+                on_done(res)
+        finally:
+            if sem is not None:
+                sem.release()
+
+    if ready is not None:
+        await asyncio.get_running_loop().run_in_executor(None, ready)
+    tasks = []
+    start = time.perf_counter()
+    i = 0
+    while cfg.num_prompts is None or i < cfg.num_prompts:
+        if sem is not None:  # the slot is taken here and handed to the request
+            await sem.acquire()
+        if cfg.duration_s is not None and time.perf_counter() - start >= cfg.duration_s:
+            if sem is not None:
+                sem.release()
+            break
+        tasks.append(asyncio.create_task(run_one(prompts[i % len(prompts)])))
+        i += 1
+        if cfg.request_rate != float("inf"):
+            await asyncio.sleep(rng.expovariate(cfg.request_rate))
+    await asyncio.gather(*tasks)
+    return results, start, time.perf_counter()
+
+
+def check_load(cfg: ServeBenchConfig) -> None:
     if cfg.num_prompts is None and cfg.duration_s is None:
         raise ValueError("give num_prompts or duration_s, or the load never ends")
     if cfg.duration_s is not None and cfg.max_concurrency is None \
             and cfg.request_rate == float("inf"):
         raise ValueError("a timed run needs max_concurrency or a finite request_rate")
-    rng = random.Random(cfg.seed)
-    sem = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
-    results: list = []
-    async with _client(cfg) as client:
-        model = await _served_model(client, cfg)
 
-        async def run_one(prompt):
-            try:
-                res = await one_request(client, cfg, model, prompt)
-                results.append(res)
-                if on_done is not None:
-                    on_done(res)
-            finally:
-                if sem is not None:
-                    sem.release()
 
-        tasks = []
-        start = time.perf_counter()
-        i = 0
-        while cfg.num_prompts is None or i < cfg.num_prompts:
-            if sem is not None:  # the slot is taken here and handed to the request
-                await sem.acquire()
-            if cfg.duration_s is not None and time.perf_counter() - start >= cfg.duration_s:
-                if sem is not None:
-                    sem.release()
-                break
-            tasks.append(asyncio.create_task(run_one(prompts[i % len(prompts)])))
-            i += 1
-            if cfg.request_rate != float("inf"):
-                await asyncio.sleep(rng.expovariate(cfg.request_rate))
-        await asyncio.gather(*tasks)
-        duration = time.perf_counter() - start
-    return summarize(cfg, model, results, duration)
+async def run_benchmark(cfg: ServeBenchConfig, prompts: list,
+                        on_done: Optional[Callable] = None) -> dict:
+    """The load from this process (cfg.client_processes aside: see run_load) -> the summary
+    (what --output-json holds). on_done(result) as each request ends."""
+    check_load(cfg)
+    async with open_session(cfg) as session:
+        model = await served_model(session, cfg)
+        results, start, end = await drive(session, cfg, model, prompts, on_done)
+    return summarize(cfg, model, results, end - start)
+
+
+def run_load(cfg: ServeBenchConfig, prompts: list, on_progress: Optional[Callable] = None) -> dict:
+    """The load from cfg.client_processes processes (one: this one) -> the summary.
+    on_progress(n): n more requests ended."""
+    check_load(cfg)
+    if cfg.client_processes == 1:
+        done = (lambda _: on_progress(1)) if on_progress is not None else None
+        return asyncio.run(run_benchmark(cfg, prompts, done))
+    from outpace.bench.load_processes import run_in_processes
+    return run_in_processes(cfg, prompts, on_progress)
 
 
 def _stats_ms(name: str, xs: list) -> dict:
@@ -281,6 +313,10 @@ def add_arguments(p) -> None:
     p.add_argument("--seed", type=int, default=0, help="random prompts and arrival times")
     p.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS",
                    help="a request's time limit")
+    p.add_argument("--client-processes", type=int, default=1, metavar="N",
+                   help="processes that send the load, each a share of the prompts, the "
+                   "concurrency and the rate: one Python process parses a few tens of "
+                   "thousands of streamed chunks a second, so a fast server needs several")
     p.add_argument("--output-json", default=None, metavar="FILE",
                    help="write the results as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress output")
@@ -318,6 +354,12 @@ def config_from_args(a) -> ServeBenchConfig:
     if not (a.timeout > 0 and math.isfinite(a.timeout)):
         raise ConfigError(f"--timeout must be a number of seconds > 0, got {a.timeout}",
                           option="timeout")
+    at_least(a.client_processes, 1, "--client-processes")
+    for flag, value in (("--num-prompts", a.num_prompts), ("--max-concurrency", a.max_concurrency)):
+        if value is not None and value < a.client_processes:
+            raise ConfigError(f"{flag} {value} is less than --client-processes "
+                              f"{a.client_processes}: every process needs a share of at least one",
+                              option="client_processes")
     if a.dataset is not None and a.input_len is not None:
         raise ConfigError("--input-len sets random prompts' length: leave it out with "
                           "--dataset, or leave --dataset out", option="input_len")
@@ -326,7 +368,7 @@ def config_from_args(a) -> ServeBenchConfig:
                             num_prompts=a.num_prompts, request_rate=a.request_rate,
                             max_concurrency=a.max_concurrency, output_len=a.output_len,
                             ignore_eos=a.ignore_eos, temperature=a.temperature, seed=a.seed,
-                            timeout_s=a.timeout)
+                            timeout_s=a.timeout, client_processes=a.client_processes)
 
 
 def run(a) -> int:
@@ -338,7 +380,7 @@ def run(a) -> int:
         prompts = random_text_prompts(cfg.num_prompts, a.input_len or 64, cfg.seed)
     bar = progress(cfg.num_prompts, "req", a.quiet)
     try:
-        s = asyncio.run(run_benchmark(cfg, prompts, on_done=lambda _: bar.update(1)))
+        s = run_load(cfg, prompts, on_progress=bar.update)
     finally:
         bar.close()
     print_summary(s)

@@ -124,6 +124,11 @@ CASES = [
     (["serve", "--endpoint", "/v1/embeddings"], "argument --endpoint: invalid choice"),
     (["serve", "--timeout", "0"], "--timeout must be a number of seconds > 0"),
     (["serve", "--dataset", "/no/such.jsonl"], "--dataset '/no/such.jsonl' does not exist"),
+    (["serve", "--client-processes", "0"], "--client-processes must be an integer >= 1"),
+    (["serve", "--client-processes", "3", "--num-prompts", "2"],
+     "--num-prompts 2 is less than --client-processes 3"),
+    (["serve", "--client-processes", "3", "--max-concurrency", "2"],
+     "--max-concurrency 2 is less than --client-processes 3"),
 ]
 
 
@@ -148,10 +153,10 @@ def test_an_unreachable_server_is_one_error_line(capsys):
     assert line.startswith("cannot reach the server at http://127.0.0.1:1"), line
 
 
-def test_the_checks_run_without_torch_or_httpx():
-    """The flag errors come before torch (seconds to import) and httpx are imported."""
+def test_the_checks_run_without_torch_or_aiohttp():
+    """The flag errors come before torch (seconds to import) and aiohttp are imported."""
     cases = [["bench", *argv] for argv, _ in CASES]
-    assert exit_codes_without(cases, ("torch", "httpx")) == [2] * len(cases)
+    assert exit_codes_without(cases, ("torch", "aiohttp")) == [2] * len(cases)
 
 
 def test_serve_json_writes_an_unbounded_request_rate_as_inf_as_vllm_does(tmp_path):

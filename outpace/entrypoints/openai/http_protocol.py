@@ -1,4 +1,5 @@
-"""The server's HTTP/1.1 protocol: uvicorn's h11 protocol with a deadline for request headers.
+"""The server's HTTP/1.1 protocol: uvicorn's, with a deadline for request headers; its httptools
+protocol (a C parser, the cheaper one a streamed chunk) where httptools is installed, else h11.
 
 uvicorn closes a connection left idle after a response (`timeout_keep_alive`), but not one that
 was just opened and sends nothing, nor one that sends a request header a byte at a time: its
@@ -33,3 +34,45 @@ class HeaderDeadlineH11Protocol(H11Protocol):
             super().timeout_keep_alive_handler()
         except h11.LocalProtocolError:  # a state h11 can't close from: close the socket anyway
             self.transport.close()
+
+
+try:  # httptools is optional: uvicorn's protocol over it imports it
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+except ImportError:  # pragma: no cover - httptools is a dependency; h11 serves without it
+    HttpToolsProtocol = None
+
+
+if HttpToolsProtocol is not None:
+    class HeaderDeadlineHttpToolsProtocol(HttpToolsProtocol):
+        _before_header = False  # inside data_received until a request header is complete
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self.timeout_keep_alive_task = self.loop.call_later(
+                self.timeout_keep_alive, self.timeout_keep_alive_handler)
+
+        def data_received(self, data: bytes) -> None:
+            # uvicorn stops the timer as data_received begins, on any byte: that stop is
+            # skipped here, and on_headers_complete, a whole request header parsed, stops it
+            self._before_header = True
+            try:
+                super().data_received(data)
+            finally:
+                self._before_header = False
+
+        def _unset_keepalive_if_required(self) -> None:
+            if not self._before_header:
+                super()._unset_keepalive_if_required()
+
+        def on_headers_complete(self) -> None:
+            self._before_header = False
+            super()._unset_keepalive_if_required()
+            super().on_headers_complete()
+
+
+def header_deadline_protocol(prefer_httptools: bool = True) -> type:
+    """The protocol class the server runs: httptools' where it is installed (and preferred),
+    else h11's."""
+    if prefer_httptools and HttpToolsProtocol is not None:
+        return HeaderDeadlineHttpToolsProtocol
+    return HeaderDeadlineH11Protocol

@@ -244,7 +244,7 @@ def run_server(engine_args: EngineArgs, server_cfg: ServerConfig,
     import uvicorn
 
     from outpace.engine.engine import LLMEngine
-    from outpace.entrypoints.openai.http_protocol import HeaderDeadlineH11Protocol
+    from outpace.entrypoints.openai.http_protocol import header_deadline_protocol
 
     if server_cfg.engine_process:
         from outpace.engine.core_client import EngineCoreClient
@@ -265,7 +265,7 @@ def run_server(engine_args: EngineArgs, server_cfg: ServerConfig,
         # uvicorn.run's single-process path, on the socket bound before the engine loaded
         server = uvicorn.Server(uvicorn.Config(
             app, host=server_cfg.host, port=server_cfg.port, log_level=log_level,
-            timeout_graceful_shutdown=5, access_log=False, http=HeaderDeadlineH11Protocol,
+            timeout_graceful_shutdown=5, access_log=False, http=header_deadline_protocol(),
             timeout_keep_alive=server_cfg.timeout_keep_alive))
         with suppress(KeyboardInterrupt):
             server.run(sockets=sock and [sock])

@@ -16,7 +16,8 @@ from outpace.entrypoints.openai.errors import APIError
 from outpace.entrypoints.openai.protocol import (ChatCompletionRequest, chat_logprobs, new_id,
                                                  now_s, usage, validate)
 from outpace.entrypoints.openai.serving_common import (DeltaTracker, ServingContext, SSEResponse,
-                                                       collect, finish_reason, sse_events)
+                                                       chat_delta_json, collect, finish_reason,
+                                                       sse_events)
 from outpace.errors import InvalidRequestError
 
 
@@ -80,8 +81,8 @@ async def _stream(ctx: ServingContext, req: ChatCompletionRequest, rid: str, cre
         if n_top is not None and item.new_token_ids:
             lp = chat_logprobs(item.new_token_ids, item.new_logprobs or [], item.token_pieces,
                                n_top)
-        if not delta and lp is None and not item.finished:
-            return None
+        if lp is None and not item.finished:
+            return chat_delta_json(delta) if delta else None
         choice = {"index": 0, "delta": {"content": delta} if delta or lp else {},
                   "logprobs": lp, "finish_reason": finish_reason(item)}
         if item.finished:

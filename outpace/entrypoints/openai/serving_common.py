@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import json.encoder
 import logging
 from dataclasses import dataclass
 from typing import Optional
@@ -54,6 +55,37 @@ def sse(obj: dict) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
+# A str as json.dumps(..., ensure_ascii=False) writes it (the function json.dumps itself calls).
+json_str = json.encoder.encode_basestring
+
+
+def chat_delta_json(text: str) -> str:
+    """json.dumps of a streamed chat choice that carries only `text` (no logprobs, not the
+    last), written without building the dict: a stream's most frequent chunk."""
+    return (f'{{"index": 0, "delta": {{"content": {json_str(text)}}}, "logprobs": null, '
+            f'"finish_reason": null}}')
+
+
+def completion_delta_json(text: str) -> str:
+    """chat_delta_json's completions twin."""
+    return (f'{{"index": 0, "text": {json_str(text)}, "logprobs": null, "finish_reason": null, '
+            f'"stop_reason": null}}')
+
+
+class ChunkFormat:
+    """One stream's SSE chunks: its constant fields (id, object, created, model) serialized once;
+    a chunk's text is then that prefix, the choice's JSON and the closing."""
+
+    def __init__(self, head: dict):
+        self._prefix = f'data: {json.dumps(head, ensure_ascii=False)[:-1]}, "choices": ['
+
+    def chunk(self, choice) -> str:
+        """choice: a dict, or its JSON already (chat_delta_json's) -> the event's text, equal to
+        sse({**head, "choices": [choice], "usage": None})."""
+        body = choice if isinstance(choice, str) else json.dumps(choice, ensure_ascii=False)
+        return f'{self._prefix}{body}], "usage": null}}\n\n'
+
+
 def sse_error(exc: BaseException) -> str:
     err = to_api_error(exc)
     return sse(error_body(err.status, err.message, err.param, err.code))
@@ -61,19 +93,20 @@ def sse_error(exc: BaseException) -> str:
 
 async def sse_events(stream, head: dict, include_usage: bool, make_choice, first=None):
     """The SSE framing both endpoints share: one chunk per stream item that `make_choice(item)`
-    turns into a choice (None: skip), the usage chunk if asked, errors in-band (the status line
-    is gone by then), the request aborted on the way out (a no-op when it finished), [DONE].
-    `first`: a choice sent before any item (chat's role chunk)."""
+    turns into a choice (a dict, or its JSON; None: skip), the usage chunk if asked, errors
+    in-band (the status line is gone by then), the request aborted on the way out (a no-op when
+    it finished), [DONE]. `first`: a choice sent before any item (chat's role chunk)."""
     from outpace.entrypoints.openai.protocol import usage
     last = None
+    fmt = ChunkFormat(head)
     try:
         if first is not None:
-            yield sse({**head, "choices": [first], "usage": None})
+            yield fmt.chunk(first)
         async for item in stream:
             last = item
             choice = make_choice(item)
             if choice is not None:
-                yield sse({**head, "choices": [choice], "usage": None})
+                yield fmt.chunk(choice)
         if include_usage and last is not None:
             yield sse({**head, "choices": [],
                        "usage": usage(last.num_prompt_tokens, last.num_tokens,

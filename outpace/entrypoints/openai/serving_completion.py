@@ -8,7 +8,8 @@ from fastapi.responses import JSONResponse
 from outpace.entrypoints.openai.protocol import (CompletionRequest, completion_logprobs, new_id,
                                                  now_s, usage, validate)
 from outpace.entrypoints.openai.serving_common import (DeltaTracker, ServingContext, SSEResponse,
-                                                       collect, finish_reason, sse_events)
+                                                       collect, completion_delta_json,
+                                                       finish_reason, sse_events)
 
 
 async def create_completion(ctx: ServingContext, body: dict, http_request: Request):
@@ -49,8 +50,8 @@ async def _stream(ctx: ServingContext, req: CompletionRequest, rid: str, created
             lp = completion_logprobs(item.new_token_ids, item.new_logprobs or [],
                                      item.token_pieces, req.logprobs, text_offset)
             text_offset += sum(len(t) for t in lp["tokens"])
-        if not delta and lp is None and not item.finished:
-            return None
+        if lp is None and not item.finished:
+            return completion_delta_json(delta) if delta else None
         return {"index": 0, "text": delta, "logprobs": lp, "finish_reason": finish_reason(item),
                 "stop_reason": item.stop_reason if item.finished else None}
 
