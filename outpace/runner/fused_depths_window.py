@@ -38,7 +38,7 @@ from __future__ import annotations
 import torch
 
 from outpace.attention.base import AttentionMetadata, ForwardContext
-from outpace.runner.step_bookkeeping import slots_for
+from outpace.kernels.argmax import argmax_rows
 from outpace.speculative.mtp_window import RequestStash
 
 
@@ -66,6 +66,10 @@ class DepthsWindow:
         self.unfed = torch.full((max_seqs,), self.NONE, dtype=torch.long, device=device)  # m
         self.query_start = torch.arange(max_seqs + 1, dtype=torch.int32, device=device) * R
         self.offsets = torch.arange(R, device=device)  # row r of a window: position e - R + r
+        self.span = torch.arange(R + 1, device=device) - K  # ..., and e: s + a + these
+        # -1 (a padding row's end, a row's slot where it writes nothing) as a tensor: a Python
+        # scalar there becomes a device tensor at every call
+        self.minus_one = torch.tensor(-1, dtype=torch.long, device=device)
         self.rows: dict = {}  # request id -> its stash's row here (kept by the last step)
         proposer.device_stash = self
 
@@ -152,64 +156,56 @@ class DepthsWindow:
         accepted), accepted [B], real [B]); draft j is written into column j of each of `outs`
         ([B, >= kd] int64). Updates the stash. -> the window's positions and slots [B, R]."""
         prop, K, R, W = self.proposer, self.K, self.R, self.W
-        B = accepted.shape[0]
-        dev = accepted.device
+        B, a = accepted.shape[0], accepted
         s = pos.view(B, q)[:, 0]
-        e = s + accepted + 1
-        f = e + 1
-        end = self.end[:B]
-        has = end == s
-        low = torch.minimum(torch.minimum(s, e - W), self.unfed[:B] - W)
-        low = torch.maximum(torch.maximum(low, self.start[:B]), e - R)
-        lo = torch.where(has, low, s).clamp(min=0)
-        P = e.unsqueeze(1) - R + self.offsets  # [B, R] window positions
+        span = (s + a).unsqueeze(1) + self.span  # [B, R + 1]: positions e - R .. e
+        P, e, e_w = span[:, :R], span[:, R], span[:, R - W]
+        # lo without the rule's terms e - R and 0: every row is >= e - R, and lo >= 0 already
+        # (s and every stash start are), so neither changes which rows are below lo nor the
+        # stash's start max(lo, e - W)
+        lo = torch.minimum(torch.minimum(s, e_w), self.unfed[:B] - W)
+        lo = torch.where(self.end[:B] == s, torch.maximum(lo, self.start[:B]), s)
         valid = (P >= lo.unsqueeze(1)) & real.unsqueeze(1)
-        # h^0: this step's target rows (p >= s), the stash below
-        brow = torch.arange(B, device=dev).unsqueeze(1)
-        from_step = P >= s.unsqueeze(1)
-        step_idx = brow * q + (P - s.unsqueeze(1)).clamp(0, q - 1)
-        stash_idx = brow * K + (P - s.unsqueeze(1) + K).clamp(0, K - 1)
-        h0 = torch.where(from_step.reshape(-1, 1),
-                         hidden.index_select(0, step_idx.reshape(-1)),
-                         self.hidden[:B].reshape(B * K, -1).index_select(0, stash_idx.reshape(-1)))
-        # the committed token at each position p + d + 1 of the window (d = 0 .. K-1)
-        stash_tok = self.tokens[:B]
-        emitted = emitted.to(torch.long)
-        tok_d, use_d, src_d = [], [], []
-        for d in range(K):
-            Q = P + d + 1
-            old = stash_tok.gather(1, (Q - s.unsqueeze(1) + K - 1).clamp(0, K - 1))
-            new = emitted.gather(1, (Q - s.unsqueeze(1) - 1).clamp(0, q - 1))
-            tok_d.append(torch.where(Q <= s.unsqueeze(1), old, new))
-            use_d.append(Q >= f.unsqueeze(1))
-            src_d.append((Q - f.unsqueeze(1)).clamp(0, K - 1))
-        # the stash the next step reads (h0 is a new tensor: the old stash was read above)
-        self.hidden[:B].copy_(h0.view(B, R, -1)[:, R - K:])
-        self.tokens[:B].copy_(tok_d[0][:, R - K:])
-        self.start[:B].copy_(torch.maximum(lo, e - W))
-        self.end[:B].copy_(torch.where(real, e, torch.full_like(e, -1)))
+        # h^0 and the depth-0 tokens: row r (position s + a - K + r) is entry a + r of
+        # [stash | this step's rows] (h^0 from position s - K, tokens from s - K + 1); a < q
+        # keeps it in range
+        at = a.unsqueeze(1) + self.offsets
+        both = torch.cat([self.hidden[:B], hidden.view(B, q, -1)], dim=1)
+        h0 = both.gather(1, at.unsqueeze(2).expand(-1, -1, both.shape[2]))  # [B, R, H]
+        # a request's tokens at positions e - K .. e + K (the committed ones up to e, then the
+        # drafts, written as they are made): depth d's token of row r is entry r + d
+        seq = torch.empty(B, R + K, dtype=torch.long, device=a.device)
+        torch.gather(torch.cat([self.tokens[:B], emitted], dim=1), 1, at, out=seq[:, :R])
+        # the stash the next step reads (h0 and seq are new tensors: the old stash was read)
+        self.hidden[:B].copy_(h0[:, R - K:])
+        self.tokens[:B].copy_(seq[:, 1:R])
+        torch.maximum(lo, e_w, out=self.start[:B])
+        torch.where(real, e, self.minus_one, out=self.end[:B])
         self.unfed[:B].fill_(self.NONE)
-        # the window's metadata: rows below lo (and padding rows) write nothing
+        # the window's metadata: rows below lo (and padding rows) write nothing; slots_for's
+        # slots, the block table read in one gather
         ppos = P.clamp(min=0)
-        slots = slots_for(ppos.T, block_tables, self.block_size).T
-        slots = torch.where(valid, slots, torch.full_like(slots, -1))
+        blocks = block_tables.gather(1, (ppos // self.block_size).clamp_(
+            max=block_tables.shape[1] - 1))
+        slots = torch.add(ppos % self.block_size, blocks, alpha=self.block_size)
+        slots = torch.where(valid, slots, self.minus_one)
         meta = AttentionMetadata(
-            slot_mapping=slots.reshape(-1), query_start_loc=self.query_start[:B + 1],
-            seq_lens=torch.maximum(e, torch.full_like(e, R)).to(torch.int32),
+            slot_mapping=slots.view(-1), query_start_loc=self.query_start[:B + 1],
+            seq_lens=e.clamp(min=R).to(torch.int32),
             block_tables=block_tables, max_query_len=R,
             max_seq_len=block_tables.shape[1] * self.block_size)
         ctx = ForwardContext(self.backend, meta)
-        flat_pos = ppos.reshape(-1)
-        last = torch.arange(B, device=dev) * R + R - 1  # row e - 1: the drafts
-        table = torch.zeros(B, K, dtype=torch.long, device=dev)
+        flat_pos = ppos.view(-1)
         num_out = max(K - 1, kd)
-        h = h0
+        h = h0.view(B * R, -1)
         for d in range(K):
-            ids = torch.where(use_d[d], table.gather(1, src_d[d]), tok_d[d]).reshape(-1)
-            h = prop.head(d, h, ids, flat_pos, ctx, **prop.embed_args(h))
-            if d < num_out:
-                logits = prop.head.compute_logits(h.index_select(0, last), prop.target, d)
-                table[:, d] = logits.argmax(dim=-1)
-        for o in outs:
-            o[:, :kd].copy_(table[:, :kd])
+            h = prop.head(d, h, seq[:, d:d + R].reshape(-1), flat_pos, ctx,
+                          **prop.embed_args(h))
+            if d < num_out:  # draft d, at row e - 1: into seq, which the next depths read, and
+                # the first output (argmax writes two views at most; the rest copy after)
+                logits = prop.head.compute_logits(h.view(B, R, -1)[:, R - 1], prop.target, d)
+                argmax_rows(logits, also=(seq[:, R + d],) + tuple(
+                    o[:, d] for o in outs[:1] if d < kd))
+        for o in outs[1:]:
+            o[:, :kd].copy_(seq[:, R:R + kd])
         return ppos, slots
