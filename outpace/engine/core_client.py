@@ -58,10 +58,11 @@ def _import_tokenizer_modules() -> None:
 class EngineCoreClient(LoopCrossing):
     def __init__(self, engine_args: EngineArgs,
                  on_finished: Optional[Callable[[RequestTiming], None]] = None,
-                 max_consecutive_step_failures: int = 3):
+                 max_consecutive_step_failures: int = 3, build_engine=None):
         """Spawn the engine-core process and wait until its engine is built from
         `engine_args` (the model loads there); raises what building it raised (ConfigError,
-        ModelLoadError, ...)."""
+        ModelLoadError, ...). build_engine: a picklable function engine_args -> engine that
+        the core calls instead of LLMEngine.from_engine_args (a stand-in engine)."""
         from outpace.engine.core_process import run_engine_core
         if engine_args.loaded is not None:
             raise ConfigError("an engine process loads its own model: a model lent with "
@@ -82,7 +83,7 @@ class EngineCoreClient(LoopCrossing):
             target=run_engine_core, name="outpace-engine-core",
             args=(child_conn, lifeline_r, engine_args,
                   logging.getLogger("outpace").getEffectiveLevel(),
-                  max_consecutive_step_failures))
+                  max_consecutive_step_failures, build_engine))
         self._proc.start()
         child_conn.close()
         lifeline_r.close()

@@ -194,8 +194,9 @@ def _exit_with_parent(lifeline) -> None:
 
 
 def run_engine_core(conn, lifeline, engine_args, log_level: int,
-                    max_consecutive_step_failures: int = 3) -> None:
-    """The process's entry (spawned): build the engine of `engine_args` (an EngineArgs), send
+                    max_consecutive_step_failures: int = 3, build=None) -> None:
+    """The process's entry (spawned): build the engine of `engine_args` (an EngineArgs; with
+    `build`, a picklable function, build(engine_args) instead of LLMEngine's), send
     ("ready", info) or ("start_failed", error), then run the loop."""
     # Ctrl-C in a terminal reaches the whole process group: the front end decides when the
     # core stops (after its streams are told), so the core ignores it.
@@ -204,9 +205,11 @@ def run_engine_core(conn, lifeline, engine_args, log_level: int,
     logging.getLogger("outpace").setLevel(log_level)
     threading.Thread(target=_exit_with_parent, args=(lifeline,), name="outpace-lifeline",
                      daemon=True).start()
-    from outpace.engine.engine import LLMEngine
+    if build is None:
+        from outpace.engine.engine import LLMEngine
+        build = LLMEngine.from_engine_args
     try:
-        engine = LLMEngine.from_engine_args(engine_args)
+        engine = build(engine_args)
     except BaseException as e:  # noqa: BLE001 -- the front end reports it
         try:
             conn.send(("start_failed", portable(e)))

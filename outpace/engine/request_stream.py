@@ -25,19 +25,19 @@ class StreamItem:
     num_cached_tokens: int = 0
     error: Optional[BaseException] = None
 
-    def merge(self, later: "StreamItem") -> "StreamItem":
-        """Fold a later item into this one (a slow consumer reads several steps at once)."""
-        lps = None
-        if self.new_logprobs is not None or later.new_logprobs is not None:
-            lps = (self.new_logprobs or []) + (later.new_logprobs or [])
-        return StreamItem(
-            text=later.text, num_tokens=later.num_tokens,
-            new_token_ids=self.new_token_ids + later.new_token_ids, new_logprobs=lps,
-            token_pieces={**self.token_pieces, **later.token_pieces}, finished=later.finished,
-            finish_reason=later.finish_reason, stop_reason=later.stop_reason,
-            num_prompt_tokens=later.num_prompt_tokens or self.num_prompt_tokens,
-            num_cached_tokens=later.num_cached_tokens or self.num_cached_tokens,
-            error=later.error or self.error)
+    def absorb(self, later: "StreamItem") -> None:
+        """Fold a later item into this one, in place (a slow consumer reads several steps at
+        once): the later text, counts and end; the tokens, logprobs and pieces of both."""
+        self.new_token_ids.extend(later.new_token_ids)
+        if later.new_logprobs is not None:
+            self.new_logprobs = (self.new_logprobs or []) + later.new_logprobs
+        self.token_pieces.update(later.token_pieces)
+        self.text, self.num_tokens = later.text, later.num_tokens
+        self.finished, self.finish_reason = later.finished, later.finish_reason
+        self.stop_reason = later.stop_reason
+        self.num_prompt_tokens = later.num_prompt_tokens or self.num_prompt_tokens
+        self.num_cached_tokens = later.num_cached_tokens or self.num_cached_tokens
+        self.error = later.error or self.error
 
 
 @dataclass
@@ -70,16 +70,34 @@ class RequestTiming:
 
 
 class RequestStream:
-    """Async iterator over one request's StreamItems; ends after the finished item."""
+    """Async iterator over one request's StreamItems; ends after the finished item.
+
+    It holds at most one item not yet read: an item that arrives while one waits is folded
+    into it (StreamItem.absorb), so a consumer that falls behind reads every step's tokens at
+    once, and the cost of a step's item stays the same however far behind it is."""
 
     def __init__(self, request_id: str, owner):  # owner: the AsyncEngine (its abort())
         self.request_id = request_id
         self._owner = owner
-        self._queue: asyncio.Queue = asyncio.Queue()
+        self._pending: Optional[StreamItem] = None  # owned here until read
+        self._folded = False  # whether _pending's lists are copies of its own already
+        self._waiter: Optional[asyncio.Future] = None
         self.finished = False
 
     def _put(self, item: StreamItem) -> None:  # event loop thread only
-        self._queue.put_nowait(item)
+        pending = self._pending
+        if pending is None:
+            self._pending, self._folded = item, False
+            if self._waiter is not None and not self._waiter.done():
+                self._waiter.set_result(None)
+            return
+        if pending.finished:  # nothing follows the end (an abort after a finish)
+            return
+        if not self._folded:  # the producer's lists become this stream's before they grow
+            pending.new_token_ids = list(pending.new_token_ids)
+            pending.token_pieces = dict(pending.token_pieces)
+            self._folded = True
+        pending.absorb(item)
 
     def __aiter__(self):
         return self
@@ -87,9 +105,13 @@ class RequestStream:
     async def __anext__(self) -> StreamItem:
         if self.finished:
             raise StopAsyncIteration
-        item = await self._queue.get()
-        while not item.finished and not self._queue.empty():
-            item = item.merge(self._queue.get_nowait())
+        while self._pending is None:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        item, self._pending = self._pending, None
         if item.finished:
             self.finished = True
         if item.error is not None:
