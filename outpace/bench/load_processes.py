@@ -1,13 +1,14 @@
 """`outpace bench serve --client-processes N`: the load sent from N processes, so that the
-client's own parsing (one Python process handles a few tens of thousands of streamed chunks a
-second) is not what a fast server's numbers measure.
+client's own parsing (a Python process parses streamed chunks at a bounded rate) is not what a
+fast server's numbers measure.
 
 Process k of N takes requests k, k + N, k + 2N, ... of the single-process order (their prompts
 too), concurrency C // N (plus one for the first C % N processes), rate R / N (N Poisson streams
 of rate R / N are one of rate R) and its own seed. All of them open their sessions, then wait at
 one barrier and start together; the summary is the single-process one over every request, with
 the duration from the earliest start to the latest end (time.perf_counter is the system's
-monotonic clock, the same in every process of the machine).
+monotonic clock, the same in every process of the machine). The first process to fail ends
+the load: the others are stopped and its error is raised.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Callable, Optional
 
 from outpace.errors import OutpaceError
 
-_START_TIMEOUT_S = 120.0  # every process imported and connected, or the load is given up
+_START_TIMEOUT_S = 120.0  # every process started (imports, its session), or the load is given up
 
 
 def share(total: Optional[int], k: int, n: int) -> Optional[int]:
@@ -42,6 +43,8 @@ def shard(cfg, prompts: list, k: int, n: int) -> tuple:
 def _worker(cfg, prompts: list, model: str, barrier, counter, conn) -> None:
     """A load process: its share of the load -> ("ok", results, start, end) or ("error", text)
     on `conn`."""
+    import threading
+
     from outpace.bench.serve import drive, open_session
 
     def done(_res) -> None:
@@ -56,6 +59,8 @@ def _worker(cfg, prompts: list, model: str, barrier, counter, conn) -> None:
     try:
         results, start, end = asyncio.run(main())
         conn.send(("ok", results, start, end))
+    except threading.BrokenBarrierError:
+        conn.send(("error", f"not every load process started within {_START_TIMEOUT_S:.0f} s"))
     except BaseException as e:  # noqa: BLE001 -- reported to the parent, which raises it
         barrier.abort()  # nobody waits for a process that will never come
         conn.send(("error", f"{type(e).__name__}: {e}"))
@@ -77,6 +82,7 @@ def run_in_processes(cfg, prompts: list, on_progress: Optional[Callable] = None)
     barrier = ctx.Barrier(n)
     counter = ctx.Value("q", 0)
     procs, pipes = [], []
+    replies, failure, seen = [None] * n, None, 0
     try:
         for k in range(n):
             sub, sub_prompts = shard(cfg, prompts, k, n)
@@ -87,26 +93,33 @@ def run_in_processes(cfg, prompts: list, on_progress: Optional[Callable] = None)
             send.close()
             procs.append(p)
             pipes.append(recv)
-        replies, seen = [None] * n, 0
-        while any(r is None for r in replies):
+        while failure is None and any(r is None for r in replies):
             for k, conn in enumerate(pipes):
-                if replies[k] is None and conn.poll(0.05):
-                    try:
-                        replies[k] = conn.recv()
-                    except EOFError:
-                        replies[k] = ("error", f"load process {k} exited with "
-                                               f"{procs[k].exitcode} before it reported")
-            if on_progress is not None and counter.value > seen:
-                on_progress(counter.value - seen)
-                seen = counter.value
+                if replies[k] is not None or not conn.poll(0.05):
+                    continue
+                try:
+                    replies[k] = conn.recv()
+                except EOFError:
+                    procs[k].join(1)
+                    replies[k] = ("error", f"load process {k} exited with {procs[k].exitcode} "
+                                           f"before it reported")
+                if replies[k][0] != "ok":
+                    failure = replies[k][1]  # the first to fail: the others are stopped
+                    barrier.abort()
+                    break
+            value = counter.value
+            if on_progress is not None and value > seen:
+                on_progress(value - seen)
+                seen = value
     finally:
         for p in procs:
+            if failure is not None:
+                p.terminate()
             p.join(timeout=5)
             if p.is_alive():
                 p.kill()
-    errors = [r[1] for r in replies if r[0] != "ok"]
-    if errors:
-        raise OutpaceError(f"a load process failed: {errors[0]}")
+    if failure is not None:
+        raise OutpaceError(f"a load process failed: {failure}")
     results = [res for r in replies for res in r[1]]
     start = min(r[2] for r in replies)
     end = max(r[3] for r in replies)

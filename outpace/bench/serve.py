@@ -120,9 +120,9 @@ async def one_request(session, cfg: ServeBenchConfig, model: str, prompt: str) -
         res.ok = res.finish_reason is not None
         if not res.ok:
             res.error = "stream ended without a finish_reason"
-    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, AttributeError,
-            TypeError) as e:
-        res.error = f"{type(e).__name__}: {e}"
+    except (aiohttp.ClientError, aiohttp.http_exceptions.HttpProcessingError,
+            asyncio.TimeoutError, ValueError, AttributeError, TypeError) as e:
+        res.error = f"{type(e).__name__}: {e}"  # (a line over twice read_bufsize included)
     return res
 
 
@@ -135,7 +135,7 @@ def open_session(cfg: ServeBenchConfig):
     return aiohttp.ClientSession(
         headers=headers, connector=aiohttp.TCPConnector(limit=cfg.max_concurrency or 0),
         timeout=aiohttp.ClientTimeout(total=cfg.timeout_s),
-        read_bufsize=1 << 20)  # a streamed line (logprobs included) fits in the buffer
+        read_bufsize=1 << 20)  # a streamed line may be twice this; a longer one fails its request
 
 
 async def served_model(session, cfg: ServeBenchConfig) -> str:
@@ -204,6 +204,11 @@ async def drive(session, cfg: ServeBenchConfig, model: str, prompts: list,
 
 
 def check_load(cfg: ServeBenchConfig) -> None:
+    for name in ("num_prompts", "max_concurrency"):
+        value = getattr(cfg, name)
+        if value is not None and value < cfg.client_processes:
+            raise ValueError(f"{name} {value} is less than client_processes "
+                             f"{cfg.client_processes}: every process needs a share of one")
     if cfg.num_prompts is None and cfg.duration_s is None:
         raise ValueError("give num_prompts or duration_s, or the load never ends")
     if cfg.duration_s is not None and cfg.max_concurrency is None \
@@ -315,8 +320,8 @@ def add_arguments(p) -> None:
                    help="a request's time limit")
     p.add_argument("--client-processes", type=int, default=1, metavar="N",
                    help="processes that send the load, each a share of the prompts, the "
-                   "concurrency and the rate: one Python process parses a few tens of "
-                   "thousands of streamed chunks a second, so a fast server needs several")
+                   "concurrency and the rate: a client process parses streamed chunks at a "
+                   "bounded rate, so a fast server needs several for its numbers to be its own")
     p.add_argument("--output-json", default=None, metavar="FILE",
                    help="write the results as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress output")

@@ -30,7 +30,9 @@ class StreamItem:
         once): the later text, counts and end; the tokens, logprobs and pieces of both."""
         self.new_token_ids.extend(later.new_token_ids)
         if later.new_logprobs is not None:
-            self.new_logprobs = (self.new_logprobs or []) + later.new_logprobs
+            if self.new_logprobs is None:
+                self.new_logprobs = []
+            self.new_logprobs.extend(later.new_logprobs)
         self.token_pieces.update(later.token_pieces)
         self.text, self.num_tokens = later.text, later.num_tokens
         self.finished, self.finish_reason = later.finished, later.finish_reason
@@ -96,6 +98,8 @@ class RequestStream:
         if not self._folded:  # the producer's lists become this stream's before they grow
             pending.new_token_ids = list(pending.new_token_ids)
             pending.token_pieces = dict(pending.token_pieces)
+            if pending.new_logprobs is not None:
+                pending.new_logprobs = list(pending.new_logprobs)
             self._folded = True
         pending.absorb(item)
 

@@ -51,7 +51,14 @@ class StubServer:
                     writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
                                  b"content-length: %d\r\n\r\n%s" % (len(data), data))
                     continue
-                self.prompts.append(json.loads(body)["messages"][0]["content"])
+                prompt = json.loads(body)["messages"][0]["content"]
+                self.prompts.append(prompt)
+                if prompt == "long line":  # one event longer than the client reads as a line
+                    data = b"data: " + b"x" * (3 << 20) + b"\n\n"
+                    writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                                 b"content-length: %d\r\n\r\n%s" % (len(data), data))
+                    await writer.drain()
+                    continue
                 self.open += 1
                 self.most_open = max(self.most_open, self.open)
                 writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
@@ -116,3 +123,17 @@ def test_one_process_runs_in_this_one(stub):
                            max_concurrency=2, output_len=CHUNKS)
     s = run_load(cfg, ["a", "b"])
     assert s["completed"] == 3 and s["total_output_tokens"] == 3 * CHUNKS
+
+
+def test_a_line_too_long_fails_its_request_only(stub):
+    cfg = ServeBenchConfig(base_url=stub.url, endpoint="/v1/chat/completions", num_prompts=3,
+                           max_concurrency=3, output_len=CHUNKS)
+    s = run_load(cfg, ["long line", "a", "b"])
+    assert s["completed"] == 2 and s["failed"] == 1
+    assert "LineTooLong" in s["errors"][0] or "too long" in s["errors"][0].lower(), s["errors"]
+
+
+def test_a_process_needs_a_share_of_the_concurrency():
+    cfg = ServeBenchConfig(num_prompts=8, max_concurrency=2, client_processes=3)
+    with pytest.raises(ValueError, match="max_concurrency 2 is less than client_processes 3"):
+        run_load(cfg, ["a"])

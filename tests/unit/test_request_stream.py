@@ -60,11 +60,13 @@ def test_a_consumer_reading_each_step_gets_each_item_and_logprobs_fold_in_order(
         await asyncio.sleep(0)
         stream._put(step_item(0, 3, new_logprobs=[{100: -0.5}], token_pieces={100: "a"}))
         await asyncio.sleep(0)  # read here: one item
-        stream._put(step_item(1, 3, new_logprobs=[{101: -1.0}], token_pieces={101: "b"}))
+        lps = [{101: -1.0}]  # the producer's list: it must not grow
+        stream._put(step_item(1, 3, new_logprobs=lps, token_pieces={101: "b"}))
         stream._put(StreamItem(text="ww!", num_tokens=3, new_token_ids=[102],
                                new_logprobs=[{102: -2.0}], token_pieces={102: "c"},
                                finished=True, finish_reason="stop", stop_reason=102))
         await task
+        assert lps == [{101: -1.0}]
         return got
 
     got = asyncio.run(go())

@@ -1,5 +1,6 @@
 """The server's HTTP/1.1 protocol: uvicorn's, with a deadline for request headers; its httptools
-protocol (a C parser, the cheaper one a streamed chunk) where httptools is installed, else h11.
+protocol (a C parser: a streamed chunk costs less CPU on it) where httptools is installed, else
+h11's.
 
 uvicorn closes a connection left idle after a response (`timeout_keep_alive`), but not one that
 was just opened and sends nothing, nor one that sends a request header a byte at a time: its
@@ -28,6 +29,10 @@ class HeaderDeadlineH11Protocol(H11Protocol):
         # header has been parsed, which is the only thing that may stop it
         self.conn.receive_data(data)
         self.handle_events()
+
+    def connection_lost(self, exc) -> None:
+        super().connection_lost(exc)
+        self._unset_keepalive_if_required()  # uvicorn keeps the timer of a reset connection
 
     def timeout_keep_alive_handler(self) -> None:
         try:
@@ -68,6 +73,11 @@ if HttpToolsProtocol is not None:
             self._before_header = False
             super()._unset_keepalive_if_required()
             super().on_headers_complete()
+
+        def connection_lost(self, exc) -> None:
+            super().connection_lost(exc)
+            self._before_header = False
+            self._unset_keepalive_if_required()  # uvicorn keeps the timer of a reset connection
 
 
 def header_deadline_protocol(prefer_httptools: bool = True) -> type:
