@@ -138,13 +138,16 @@ def main():
             for s in wanted:
                 for b, ps in sets[s].items():
                     fused = eng.runner.fused
-                    before = (fused.chained, fused.replays) if fused is not None else (0, 0)
+                    before = ((fused.chained, fused.replays, fused.table.captures)
+                              if fused is not None else (0, 0, 0))
                     r = run_engine(eng, ps, b, args.max_tokens)
                     row = {k: r[k] for k in ("tok_s", "mean_acceptance_length",
                                              "acceptance_per_position")}
                     if fused is not None and fused.replays > before[1]:
                         row["chained_share"] = round((fused.chained - before[0]) /
                                                      (fused.replays - before[1]), 3)
+                    if fused is not None:  # graphs first launched inside the timed run
+                        row["captures"] = fused.table.captures - before[2]
                     cost = cost_model_of(eng)
                     if cost is not None and cost.measured is not None:
                         # the measured corrections to its table (ms) after this run

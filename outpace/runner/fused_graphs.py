@@ -18,6 +18,7 @@ class GraphTable:
         # the greedy graphs, sampled ones, sampled with masks, those two with penalties, and
         # each of these with logprobs (graph_mode.MODES)
         self.by_mode = {mode: {} for mode in MODES}
+        self.captures = 0  # graphs captured so far (benchmarks tell a timed run that captured)
 
     @property
     def greedy(self) -> dict:
@@ -77,6 +78,7 @@ class GraphTable:
         step.fill_dummy(bucket, q)
         fn = lambda: step.compute(bucket, q, kd, chained, mode)  # noqa: E731
         graph, outs = step.graphs.capture(fn)
+        self.captures += 1
         return graph, outs
 
     def dummy_step(self, bucket: int, q: int):

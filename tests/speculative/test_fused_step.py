@@ -273,9 +273,12 @@ def test_force_accept_mean_on_the_fused_path(tiny_loaded, tiny_heads, fake_graph
     # buckets 1 2 4 8 (max_num_seqs 8) x q 1..k+1, and each bucket's chained step (q = k+1)
     assert sum(not key[3] for key in captured) == 4 * (k + 1)
     assert {key for key in captured if key[3]} == {(b, k + 1, k, True) for b in (1, 2, 4, 8)}
+    captures = eng.runner.fused.table.captures
+    assert captures == sum(len(t) for t in eng.runner.fused.table.by_mode.values())
     prompts = repetitive_prompts(6, 7)
     run_batch(eng, prompts, SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True))
     assert set(eng.runner.fused.table.greedy) == captured, "steady decoding captured more graphs"
+    assert eng.runner.fused.table.captures == captures  # (what benchmarks/methods.py reports)
     spec = eng.stats()["spec"]
     assert eng.runner.fused.replays > 15
     # steps verifying drafts: accepted/steps + 1 ~ mean (steps near max_tokens draft fewer)
