@@ -1,5 +1,6 @@
-"""The server renders a chat template off the event loop: a long rendering (content up to the
-body limit) does not hold up other requests and streams (issue 38)."""
+"""The server renders a long chat off the event loop: a long rendering (content up to the body
+limit) does not hold up other requests and streams (issue 38); a short one, about as long as a
+hop to a thread and back, is rendered on the loop."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ import asyncio
 import threading
 from types import SimpleNamespace
 
-from outpace.entrypoints.openai.serving_chat import render_prompt
+from outpace.entrypoints.openai.serving_chat import INLINE_RENDER_CHARS, render_prompt
+
+LONG = [{"role": "user", "content": "x" * (INLINE_RENDER_CHARS + 1)}]
 
 
 def test_the_loop_runs_while_a_chat_template_renders():
@@ -21,8 +24,7 @@ def test_the_loop_runs_while_a_chat_template_renders():
 
     ctx = SimpleNamespace(engine=SimpleNamespace(tokenizer=SimpleNamespace(
         render_chat=render_chat)))
-    req = SimpleNamespace(template_messages=lambda: [{"role": "user", "content": "hi"}],
-                          add_generation_prompt=True)
+    req = SimpleNamespace(template_messages=lambda: LONG, add_generation_prompt=True)
 
     async def scenario():
         task = asyncio.ensure_future(render_prompt(ctx, req))
@@ -33,4 +35,19 @@ def test_the_loop_runs_while_a_chat_template_renders():
         release.set()  # ... and another coroutine runs meanwhile
         return await task
 
-    assert asyncio.run(scenario()) == ("rendered", [{"role": "user", "content": "hi"}], True)
+    assert asyncio.run(scenario()) == ("rendered", LONG, True)
+
+
+def test_a_short_chat_renders_on_the_loop():
+    threads = []
+
+    def render_chat(messages, add_generation_prompt=True):
+        threads.append(threading.current_thread())
+        return ("rendered", messages)
+
+    ctx = SimpleNamespace(engine=SimpleNamespace(tokenizer=SimpleNamespace(
+        render_chat=render_chat)))
+    short = [{"role": "user", "content": "hi"}]
+    req = SimpleNamespace(template_messages=lambda: short, add_generation_prompt=True)
+    assert asyncio.run(render_prompt(ctx, req)) == ("rendered", short)
+    assert threads == [threading.main_thread()]

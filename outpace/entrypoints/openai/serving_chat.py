@@ -21,18 +21,28 @@ from outpace.entrypoints.openai.serving_common import (DeltaTracker, ServingCont
 from outpace.errors import InvalidRequestError
 
 
+# Messages with at most this much content (characters, all messages together) are rendered on
+# the event loop: their rendering takes about as long as a hop to a worker thread and back.
+INLINE_RENDER_CHARS = 4096
+
+
 async def render_prompt(ctx: ServingContext, req) -> ChatPrompt:
     """The request's messages rendered with the chat template; tokenized later, in the thread
     that owns the tokenizer (the engine thread, or the front end's tokenizer thread beside an
     engine process), with special tokens only where the template put them
     (Tokenizer.encode_chat).
 
-    The rendering runs in a worker thread: its time grows with the messages' content (up to
-    the body limit), and on the event loop it would hold up every other request and stream
-    meanwhile. Rendering is Jinja alone, safe beside the engine thread's tokenizer calls."""
+    Longer conversations are rendered in a worker thread: the rendering's time grows with the
+    messages' content (up to the body limit), and on the event loop it would hold up every
+    other request and stream meanwhile. Rendering is Jinja alone, safe beside the engine
+    thread's tokenizer calls."""
     messages = req.template_messages()
+    render = ctx.engine.tokenizer.render_chat
     try:
-        return await asyncio.to_thread(ctx.engine.tokenizer.render_chat, messages,
+        if sum(len(m["content"]) for m in messages) <= INLINE_RENDER_CHARS and \
+                len(messages) <= 64:
+            return render(messages, add_generation_prompt=req.add_generation_prompt)
+        return await asyncio.to_thread(render, messages,
                                        add_generation_prompt=req.add_generation_prompt)
     except InvalidRequestError as e:
         raise APIError(400, str(e), param="messages") from e
