@@ -5,9 +5,7 @@ is closed after timeout_keep_alive seconds; the default is 5)."""
 from __future__ import annotations
 
 import re
-import selectors
 import socket
-import time
 import uuid
 
 import httpx
@@ -15,6 +13,7 @@ import httpx
 import outpace
 from outpace.entrypoints.cli import main
 from tests.e2e.server_helpers import wait_for
+from tests.http_watch import watch_closes
 
 HEADER_TIMEOUT_S = 5.0  # ServerConfig.timeout_keep_alive's default, which the server runs with
 
@@ -52,13 +51,6 @@ def test_one_access_log_line_per_request(server):
         server.log_tail()
 
 
-def _closed(sock: socket.socket) -> bool:
-    try:
-        return sock.recv(4096) == b""
-    except (ConnectionError, OSError):
-        return True
-
-
 def test_connections_without_a_complete_header_are_dropped(server):
     """Three clients: one sends nothing, one half a header, one a header a byte every 0.3 s
     (a byte received never restarts the deadline). Each is closed by the server after the
@@ -68,24 +60,9 @@ def test_connections_without_a_complete_header_are_dropped(server):
     trickle = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Padding: " + b"a" * 200
     socks = {name: socket.create_connection((host, int(port)), timeout=5)
              for name in ("silent", "partial", "trickle")}
-    t0 = time.monotonic()
     socks["partial"].sendall(partial)
-    sel = selectors.DefaultSelector()
-    for name, s in socks.items():
-        sel.register(s, selectors.EVENT_READ, name)
-    closed_at, sent = {}, 0
     try:
-        while len(closed_at) < 3 and time.monotonic() - t0 < HEADER_TIMEOUT_S + 10:
-            for key, _ in sel.select(timeout=0.3):
-                if _closed(key.fileobj):
-                    closed_at[key.data] = time.monotonic() - t0
-                    sel.unregister(key.fileobj)
-            if "trickle" not in closed_at and sent < len(trickle):
-                try:
-                    socks["trickle"].sendall(trickle[sent:sent + 1])
-                    sent += 1
-                except OSError:
-                    pass
+        closed_at, sent = watch_closes(socks, "trickle", trickle, HEADER_TIMEOUT_S + 10, 0.3)
         assert set(closed_at) == {"silent", "partial", "trickle"}, closed_at
         for name, t in closed_at.items():
             assert HEADER_TIMEOUT_S - 1 <= t <= HEADER_TIMEOUT_S + 5, (name, t)

@@ -6,7 +6,6 @@ Against uvicorn serving a trivial app on a thread, with a short deadline."""
 from __future__ import annotations
 
 import asyncio
-import selectors
 import socket
 import threading
 import time
@@ -15,6 +14,7 @@ import pytest
 
 from outpace.entrypoints.openai.http_protocol import (HeaderDeadlineH11Protocol,
                                                       HttpToolsProtocol, header_deadline_protocol)
+from tests.http_watch import watch_closes
 
 DEADLINE_S = 1.0
 PROTOCOLS = [HeaderDeadlineH11Protocol]
@@ -50,13 +50,6 @@ def address(request):
     sock.close()
 
 
-def _closed(sock) -> bool:
-    try:
-        return sock.recv(4096) == b""
-    except OSError:
-        return True
-
-
 def _request(sock) -> bytes:
     sock.sendall(b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
     data = b""
@@ -74,23 +67,8 @@ def test_no_complete_header_within_the_deadline_closes_the_connection(address):
     socks["partial"].sendall(b"POST / HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Ty")
     # a response, then nothing: the deadline runs again from the response
     assert _request(socks["answered"]).startswith(b"HTTP/1.1 200")
-    t0 = time.monotonic()
-    sel = selectors.DefaultSelector()
-    for name, s in socks.items():
-        sel.register(s, selectors.EVENT_READ, name)
-    closed_at, sent = {}, 0
     try:
-        while len(closed_at) < 4 and time.monotonic() - t0 < DEADLINE_S + 5:
-            for key, _ in sel.select(timeout=0.05):
-                if _closed(key.fileobj):
-                    closed_at[key.data] = time.monotonic() - t0
-                    sel.unregister(key.fileobj)
-            if "trickle" not in closed_at and sent < len(trickle):
-                try:
-                    socks["trickle"].sendall(trickle[sent:sent + 1])
-                    sent += 1
-                except OSError:
-                    pass
+        closed_at, sent = watch_closes(socks, "trickle", trickle, DEADLINE_S + 5, 0.05)
         assert set(closed_at) == set(socks), closed_at
         for name, t in closed_at.items():
             assert t <= DEADLINE_S + 1.5, (name, t)
