@@ -39,7 +39,6 @@ def stub_engine(step_ms: float, engine_args=None):
     """A StubEngine over the default model's tokenizer (engine_args: EngineCoreClient's, not
     read): module-level, so that a spawned engine-core process can build it."""
     from outpace.engine.engine import LLMEngine
-    from outpace.kvcache.prefix_cache import PrefixCacheStats  # noqa: F401  (engine stats)
     from outpace.models.catalog import resolve_model
     from outpace.models.loader.gguf import GGUFFile, config_from_gguf
     from outpace.tokenizer import Tokenizer
