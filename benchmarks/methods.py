@@ -122,10 +122,16 @@ def main():
                                   speculative_config=spec, max_num_seqs=max(args.batches),
                                   num_kv_blocks=args.kv_blocks, enable_prefix_caching=False,
                                   quiet=True)
-        for s in wanted:  # warm-up: every batch size, the largest at full length
+        for s in wanted:  # warm-up: a full-length wave at every batch size, so that graphs
+            # captured on first launch (a batch draining through smaller buckets, the cost
+            # model's other lengths) are captured before the timed rounds
             for b, ps in sets[s].items():
-                run_engine(eng, ps[:b], b, args.max_tokens if b == max(sets[s]) else 8)
+                run_engine(eng, ps[:b], b, args.max_tokens)
         result["build_s"][name] = round(time.perf_counter() - tb, 1)
+        cost = cost_model_of(eng)
+        if cost is not None and cost.table is not None:  # the start-up table it weighs (ms)
+            result.setdefault("cost_tables", {})[name] = {
+                f"{b}/{q}": round(t * 1e3, 4) for (b, q), t in sorted(cost.table.verify.items())}
         print(f"[{time.perf_counter() - t0:6.1f}s] built {name}", flush=True)
         engines.append((name, eng, wanted))
     runs = result["runs"]
@@ -152,6 +158,7 @@ def main():
                     if cost is not None and cost.measured is not None:
                         # the measured corrections to its table (ms) after this run
                         row["measured_ms"] = cost.measured.snapshot()
+                        row["measured_samples"] = cost.measured.sample_counts()
                     runs.setdefault(f"{s}/b{b}/{name}", []).append(row)
         print(f"[{time.perf_counter() - t0:6.1f}s] round {rnd} done", flush=True)
         result["table"] = table(runs)

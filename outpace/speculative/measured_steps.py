@@ -50,6 +50,7 @@ class MeasuredSteps:
         self._first: dict = {}  # (bucket, m) -> its first sample, until the second comes
         self._at: dict = {}  # (bucket, m) -> `samples` when it was last measured
         self.samples = 0  # decode steps measured
+        self._count: dict = {}  # (bucket, m) -> intervals measured in all
 
     def _bucket(self, batch: int) -> int:
         return next((b for b in self.table.buckets if b >= batch), self.table.buckets[-1])
@@ -68,6 +69,7 @@ class MeasuredSteps:
             self._corr.pop(key, None)
             self._first.pop(key, None)
         self._at[key] = self.samples
+        self._count[key] = self._count.get(key, 0) + 1
         old = self._corr.get(key)
         if old is None:
             first = self._first.pop(key, None)
@@ -106,3 +108,8 @@ class MeasuredSteps:
         got = {f"{b}/{m}": round(c * 1e3, 4) for (b, m), c in sorted(self._corr.items())
                if self._fresh((b, m))}
         return got or None
+
+    def sample_counts(self) -> dict:
+        """{"bucket/m": intervals measured} over the engine's life (stats and benchmarks:
+        which lengths were ever measured at a bucket)."""
+        return {f"{b}/{m}": n for (b, m), n in sorted(self._count.items())}

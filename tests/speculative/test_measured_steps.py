@@ -32,6 +32,8 @@ def test_corrections_average_per_bucket_and_length():
     m.observe(4, 0, table.batch_time(4, 0) - 0.4)
     assert m.correction(4, 0) == pytest.approx(-0.5) and m.correction(2, 0) == 0.0
     assert m.snapshot() == {"1/2": 1500.0, "4/0": -500.0}
+    # every interval counted where it was measured (a first sample too)
+    assert m.sample_counts() == {"1/2": 3, "4/0": 2}
     # a pause in the first two samples does not count; later a sample far above the
     # estimate counts as OUTLIER times it
     m2 = MeasuredSteps(table, outlier=3.0)
