@@ -146,12 +146,16 @@ def main():
                     fused = eng.runner.fused
                     before = ((fused.chained, fused.replays, fused.table.captures)
                               if fused is not None else (0, 0, 0))
+                    paths0 = dict(eng.runner.path_steps)
                     r = run_engine(eng, ps, b, args.max_tokens)
                     row = {k: r[k] for k in ("tok_s", "mean_acceptance_length",
                                              "acceptance_per_position")}
                     if fused is not None and fused.replays > before[1]:
                         row["chained_share"] = round((fused.chained - before[0]) /
                                                      (fused.replays - before[1]), 3)
+                    # how the run's steps ran (fused graph, decode graph, varlen, eager)
+                    row["paths"] = {k: v - paths0.get(k, 0) for k, v in
+                                    eng.runner.path_steps.items() if v - paths0.get(k, 0)}
                     if fused is not None:  # graphs first launched inside the timed run
                         row["captures"] = fused.table.captures - before[2]
                     cost = cost_model_of(eng)
