@@ -17,7 +17,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.speculative.spec_helpers import dense_target, run_waves
+from outpace import SamplingParams
+from tests.speculative.spec_helpers import dense_target, repetitive_prompts, run_waves
 from tests.speculative.test_mtp_window import (ENGINE, GREEDY, TOL, PlaneOracle, bigram_head_tensors,
                                                spec_config, waves)
 
@@ -114,7 +115,10 @@ class StepRecorder:
                 self.errors.append(f"{rid}: stash {st[:2]} hiddens differ from the target's")
 
 
-def run_case(setups, kind, D, k, graphs: bool, overlap: bool = False, window=None):
+def run_case(setups, kind, D, k, graphs: bool, overlap: bool = False, window=None,
+             scenario=None, params=GREEDY, after_step=None):
+    """scenario: the waves of prompts (default waves()); after_step(engine) runs after the
+    recorder, every step."""
     loaded, heads = setups[kind]
     rec = StepRecorder(loaded)
 
@@ -125,7 +129,13 @@ def run_case(setups, kind, D, k, graphs: bool, overlap: bool = False, window=Non
             engine.runner.enable_cuda_graphs(tuple(range(1, k + 2)), capture_fused=True)
         rec.attach(engine)
 
-    run = run_waves(loaded, waves(), GREEDY, on_engine=on_engine, after_step=rec,
+    def step(engine):
+        rec(engine)
+        if after_step is not None:
+            after_step(engine)
+
+    run = run_waves(loaded, waves() if scenario is None else scenario, params,
+                    on_engine=on_engine, after_step=step,
                     speculative_config=spec_config(heads[D], k, False), overlap=overlap,
                     **ENGINE_G)
     run.rec = rec
@@ -196,3 +206,74 @@ def test_fused_window_narrower_than_k_leaves_stale_entries(setups, fake_graph_ca
     assert run.engine.runner.fused.replays > 10
     assert run.rec.errors, "the oracle missed stale entries of a too-narrow fused window"
     assert all("module 2" in e for e in run.rec.errors if "module" in e), run.rec.errors[:3]
+
+
+def test_fused_window_after_a_window_without_a_stash(setups, fake_graph_capture):
+    """The stash's start where the window's start lo, not e - W, sets it. W = K = 3: a
+    decode window with no stash (lo = s) that accepts nothing keeps a stash of position s
+    only, and the next step, accepting nothing again, starts at that stash's start (lo = s >
+    e - W = s - 1) and keeps s .. s + 1. Windows with no stash run only after an admission,
+    which computes more than a block (the prefix-cache trim), so the stash holds W positions
+    before any decode step and the scenarios above never get here; so both engines drop one
+    request's stash after the same step (as a preemption invalidates it, without the
+    recompute). The entries that the stashless window leaves below s are stale (the dense
+    oracle sees them at modules >= 1, and their effect on later entries, in both engines
+    alike); what is checked is that the fused window does exactly what the eager one does:
+    the same stash (start, end, the target's hiddens), plane and drafts, step by step."""
+    K, prompt = 3, repetitive_prompts(1, 5, period=4, repeats=3)[0]  # 12 tokens
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    drop_at = len(prompt) + 2  # committed length at which the stash is dropped (e = f - 1)
+
+    def drop(engine):  # both engines: after the same step of the same request
+        for req in engine.scheduler.running:
+            st = engine.runner.proposer.stash.get(req.request_id)
+            if st is not None:  # whose window kept it: the fused graph's leaves it there
+                on_device[engine][st.end] = st.hidden is None
+            if req.num_tokens == drop_at and req.request_id not in dropped[engine]:
+                dropped[engine].add(req.request_id)
+                prop = engine.runner.proposer
+                prop.stash.pop(req.request_id)
+                if prop.device_stash is not None:
+                    prop.device_stash.forget(req.request_id)
+
+    dropped, on_device, runs = {}, {}, {}
+    for graphs in (False, True):
+        def after(engine):
+            dropped.setdefault(engine, set())
+            on_device.setdefault(engine, {})
+            drop(engine)
+        runs[graphs] = run_case(setups, "random", K, K, graphs=graphs, scenario=[[prompt]],
+                                params=params, after_step=after)
+    eager, fused = runs[False], runs[True]
+    assert eager.outputs == fused.outputs
+    rid, (model, cfg, _) = "w0-0", setups["random"][0]
+    assert all(dropped[run.engine] == {rid} for run in (eager, fused))
+    assert fused.engine.runner.fused.replays >= 4, fused.engine.runner.path_steps
+    for run in (eager, fused):
+        assert run.engine.runner.draft_failures.total == 0
+        assert not [e for e in run.rec.errors if "stash" in e], run.rec.errors
+        assert not [e for e in run.rec.errors if "module 0" in e], run.rec.errors
+        # the random head's drafts are rejected: one position a step from the drop on
+        states = {e: v for (r, e, f), v in run.rec.states.items() if r == rid and f == e + 1}
+        s = drop_at - 1  # the stashless window's first position
+        want = {s + 1: (s, s + 1), s + 2: (s, s + 2), s + 3: (s, s + 3), s + 4: (s + 1, s + 4)}
+        got = {e: states[e][1][:2] for e in want if e in states}
+        assert got == want, (run is fused, got)
+        if run is fused:  # the fused window kept these stashes (in its device buffers)
+            assert all(on_device[run.engine][e] for e in want), on_device[run.engine]
+        hidden = dense_target(model, cfg, (list(prompt) + run.outputs[0])[:s + 4])[0]
+        for e, (start, end) in want.items():
+            torch.testing.assert_close(states[e][1][2], hidden[start:end], atol=TOL, rtol=0)
+    common = set(eager.rec.states) & set(fused.rec.states)
+    assert len(common) >= 6, len(common)
+    for key in sorted(common):
+        (pe, se), (pf, sf) = eager.rec.states[key], fused.rec.states[key]
+        err = float((pe - pf).abs().max())
+        assert err < TOL, f"{key}: planes differ by {err:.1e}"
+        assert (se is None) == (sf is None) and (se is None or se[:2] == sf[:2]), (key, se, sf)
+        if se is not None:
+            torch.testing.assert_close(se[2], sf[2], atol=TOL, rtol=0)
+    shared = set(eager.rec.drafts) & set(fused.rec.drafts)
+    assert len(shared) >= 5, len(shared)
+    for key in shared:
+        assert eager.rec.drafts[key] == fused.rec.drafts[key], key
