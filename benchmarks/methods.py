@@ -122,16 +122,17 @@ def main():
                                   speculative_config=spec, max_num_seqs=max(args.batches),
                                   num_kv_blocks=args.kv_blocks, enable_prefix_caching=False,
                                   quiet=True)
-        for s in wanted:  # warm-up: a full-length wave at every batch size, so that graphs
-            # captured on first launch (a batch draining through smaller buckets, the cost
-            # model's other lengths) are captured before the timed rounds
+        for s in wanted:  # warm-up: a full-length wave at every batch size, so that most
+            # graphs captured on first launch (a batch draining through smaller buckets, the
+            # cost model's other lengths: they depend on its state) are captured before timing
             for b, ps in sets[s].items():
                 run_engine(eng, ps[:b], b, args.max_tokens)
         result["build_s"][name] = round(time.perf_counter() - tb, 1)
         cost = cost_model_of(eng)
-        if cost is not None and cost.table is not None:  # the start-up table it weighs (ms)
+        if cost is not None and cost.table is not None:  # the start-up table it weighs (ms):
+            # "bucket/q" is a step's verify time at query length q (drafts + 1)
             result.setdefault("cost_tables", {})[name] = {
-                f"{b}/{q}": round(t * 1e3, 4) for (b, q), t in sorted(cost.table.verify.items())}
+                f"{b}/q{q}": round(t * 1e3, 4) for (b, q), t in sorted(cost.table.verify.items())}
         print(f"[{time.perf_counter() - t0:6.1f}s] built {name}", flush=True)
         engines.append((name, eng, wanted))
     runs = result["runs"]
@@ -153,7 +154,8 @@ def main():
                     if fused is not None and fused.replays > before[1]:
                         row["chained_share"] = round((fused.chained - before[0]) /
                                                      (fused.replays - before[1]), 3)
-                    # how the run's steps ran (fused graph, decode graph, varlen, eager)
+                    # the run's steps launched from the host, by path (chained fused steps and
+                    # overlapped launches are not counted here)
                     row["paths"] = {k: v - paths0.get(k, 0) for k, v in
                                     eng.runner.path_steps.items() if v - paths0.get(k, 0)}
                     if fused is not None:  # graphs first launched inside the timed run
@@ -162,6 +164,7 @@ def main():
                     if cost is not None and cost.measured is not None:
                         # the measured corrections to its table (ms) after this run
                         row["measured_ms"] = cost.measured.snapshot()
+                        # intervals measured per (bucket, drafts) over the engine's life
                         row["measured_samples"] = cost.measured.sample_counts()
                     runs.setdefault(f"{s}/b{b}/{name}", []).append(row)
         print(f"[{time.perf_counter() - t0:6.1f}s] round {rnd} done", flush=True)
