@@ -13,8 +13,12 @@ average keeps how far that lies from the table's time (`correction`). The cost m
 correction to the table's time of every length it weighs: where drafting costs a host wait
 each step, its measured time says so and the choice of 0 follows. A length not measured yet
 at a bucket takes the correction of the nearest drafting length measured there (the host's
-wait hardly depends on the length), else none: the table's time, which is where a new engine
-starts.
+wait hardly depends on the length); at a bucket with no drafting length measured, that of the
+nearest bucket that has one (nearest in ratio), scaled down in proportion where that bucket
+is larger and taken as it is where it is smaller (a host drafter's work a step grows with its
+requests, at most in proportion; a head's hardly at all), so that a batch draining through
+smaller buckets does not try drafting afresh at each one; else none: the table's time, which
+is where a new engine starts. The step without drafts is never inferred.
 
 Noise: a correction starts at the lesser of its first two samples, so one pause of the process
 (a collection, another program) cannot switch drafting off; after that a sample above OUTLIER
@@ -93,9 +97,14 @@ class MeasuredSteps:
             return self._corr[(bucket, m)]
         if m == 0:
             return 0.0
-        near = [(abs(mm - m), mm) for (b, mm) in self._corr
-                if b == bucket and mm > 0 and self._fresh((b, mm))]
-        return self._corr[(bucket, min(near)[1])] if near else 0.0
+        drafting = [(b, mm) for (b, mm) in self._corr if mm > 0 and self._fresh((b, mm))]
+        if not drafting:
+            return 0.0
+        # the nearest measured bucket (in ratio; a tie to the smaller), then its nearest length
+        near_b = min({b for b, _ in drafting}, key=lambda b: (abs(math.log(b / bucket)), b))
+        near_m = min((mm for b, mm in drafting if b == near_b), key=lambda mm: (abs(mm - m), mm))
+        c = self._corr[(near_b, near_m)]
+        return c * bucket / near_b if near_b > bucket else c
 
     def batch_time(self, batch: int, m: int) -> float:
         """The table's batch_time with the measured correction (never below 0)."""

@@ -53,6 +53,35 @@ def test_corrections_average_per_bucket_and_length():
     assert frozen.correction(1, 1) == 0.0 and frozen.samples == 0
 
 
+
+def test_a_bucket_with_no_drafting_measured_takes_the_nearest_buckets():
+    """A bucket where no drafting length was measured takes the nearest measured bucket's
+    drafting correction (nearest in ratio, then the nearest length there), scaled down in
+    proportion from a larger bucket and as it is from a smaller one; the step without drafts
+    is never inferred; a bucket's own measurement wins. A batch draining into a smaller bucket
+    then does not try drafting afresh there: with a host wait measured at bucket 8, the choice
+    at bucket 2 is 0 where the table alone would draft."""
+    table = padded_table(3, verify_row=0.02)  # buckets 1, 2, 4, 8
+    m = MeasuredSteps(table)
+    for _ in range(2):
+        m.observe(8, 3, table.batch_time(8, 3) + 8.0)
+    assert m.correction(2, 3) == m.correction(2, 1) == pytest.approx(2.0)  # 8.0 x 2 / 8
+    assert m.correction(4, 2) == pytest.approx(4.0)
+    assert m.correction(2, 0) == m.correction(8, 0) == 0.0
+    for _ in range(2):
+        m.observe(1, 2, table.batch_time(1, 2) + 0.5)
+    assert m.correction(2, 3) == pytest.approx(0.5)  # bucket 1 is nearer 2 than 8 is
+    assert m.correction(4, 3) == pytest.approx(4.0)  # 8 is nearer 4 than 1 is: 8.0 x 4 / 8
+    for _ in range(2):
+        m.observe(2, 1, table.batch_time(2, 1) + 0.25)
+    assert m.correction(2, 3) == pytest.approx(0.25)  # its own bucket's, any length
+    # the choice at a bucket never measured
+    cm, ids = model_with([[0.6] * 3] * 2, table, k=3)
+    assert cm.best_lengths(cm.estimates.alpha(ids), 2).tolist() == [3, 3]
+    for _ in range(2):
+        cm.observe_step(8, 3, table.batch_time(8, 3) + 8.0)
+    assert cm.best_lengths(cm.estimates.alpha(ids), 2).tolist() == [0, 0]
+
 def test_a_correction_not_measured_again_goes_stale():
     """A drafting length the choice gave up on loses its correction after `stale` steps of
     other lengths (so it is tried, and measured, again); measured again, it counts afresh."""
