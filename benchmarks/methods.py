@@ -148,6 +148,9 @@ def main():
                     before = ((fused.chained, fused.replays, fused.table.captures)
                               if fused is not None else (0, 0, 0))
                     paths0 = dict(eng.runner.path_steps)
+                    cost = cost_model_of(eng)
+                    measured = cost.measured if cost is not None else None
+                    samples0 = measured.sample_counts() if measured is not None else {}
                     r = run_engine(eng, ps, b, args.max_tokens)
                     row = {k: r[k] for k in ("tok_s", "mean_acceptance_length",
                                              "acceptance_per_position")}
@@ -160,12 +163,13 @@ def main():
                                     eng.runner.path_steps.items() if v - paths0.get(k, 0)}
                     if fused is not None:  # graphs first launched inside the timed run
                         row["captures"] = fused.table.captures - before[2]
-                    cost = cost_model_of(eng)
-                    if cost is not None and cost.measured is not None:
-                        # the measured corrections to its table (ms) after this run
-                        row["measured_ms"] = cost.measured.snapshot()
-                        # intervals measured per (bucket, drafts) over the engine's life
-                        row["measured_samples"] = cost.measured.sample_counts()
+                    if measured is not None:
+                        # the measured corrections to its table (ms) after this run, and the
+                        # intervals this run measured per "bucket/drafts"
+                        row["measured_ms"] = measured.snapshot()
+                        row["measured_samples"] = {
+                            k: n - samples0.get(k, 0) for k, n in measured.sample_counts().items()
+                            if n > samples0.get(k, 0)}
                     runs.setdefault(f"{s}/b{b}/{name}", []).append(row)
         print(f"[{time.perf_counter() - t0:6.1f}s] round {rnd} done", flush=True)
         result["table"] = table(runs)
