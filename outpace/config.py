@@ -81,9 +81,13 @@ class ServerConfig:
     # the engine loop in a process of its own (engine/core_process.py), apart from the HTTP
     # front end; False: in a thread of the server's process (engine/async_engine.py)
     engine_process: bool = False
+    # HTTP front-end processes over the one engine core (vLLM's --api-server-count): more than
+    # one spreads the front end's work over processes, and implies engine_process
+    api_server_count: int = 1
 
     def __post_init__(self):
         check_int("port", self.port, 0, 65535)
+        check_int("api_server_count", self.api_server_count, 1, 64)
         if not isinstance(self.engine_process, bool):
             raise ConfigError(f"engine_process must be true or false, got "
                               f"{self.engine_process!r}", option="engine_process")

@@ -58,16 +58,57 @@ def _import_tokenizer_modules() -> None:
 class EngineCoreClient(LoopCrossing):
     def __init__(self, engine_args: EngineArgs,
                  on_finished: Optional[Callable[[RequestTiming], None]] = None,
-                 max_consecutive_step_failures: int = 3, build_engine=None):
+                 max_consecutive_step_failures: int = 3, build_engine=None,
+                 frontends: int = 1):
         """Spawn the engine-core process and wait until its engine is built from
         `engine_args` (the model loads there); raises what building it raised (ConfigError,
         ModelLoadError, ...). build_engine: a picklable function engine_args -> engine that
-        the core calls instead of LLMEngine.from_engine_args (a stand-in engine)."""
+        the core calls instead of LLMEngine.from_engine_args (a stand-in engine).
+        frontends: how many front ends the core serves; this is the first, and the others'
+        connections are `peer_conns`, each for a front end in another process (`attach`)."""
         from outpace.engine.core_process import run_engine_core
         if engine_args.loaded is not None:
             raise ConfigError("an engine process loads its own model: a model lent with "
                               "`loaded` stays in this process; set engine_process off to "
                               "serve it", option="loaded")
+        self._init_state(on_finished)
+        ctx = multiprocessing.get_context("spawn")
+        pairs = [ctx.Pipe() for _ in range(max(1, frontends))]
+        self._conn = pairs[0][0]
+        self.peer_conns = [mine for mine, _ in pairs[1:]]
+        lifeline_r, self._lifeline = ctx.Pipe(duplex=False)
+        self._proc = ctx.Process(
+            target=run_engine_core, name="outpace-engine-core",
+            args=([theirs for _, theirs in pairs], lifeline_r, engine_args,
+                  logging.getLogger("outpace").getEffectiveLevel(),
+                  max_consecutive_step_failures, build_engine))
+        self._proc.start()
+        for _, theirs in pairs:
+            theirs.close()
+        lifeline_r.close()
+        try:
+            _import_tokenizer_modules()  # while the core builds its engine
+            info = self._wait_ready()
+        except BaseException:
+            self._stop_process(timeout=2.0)
+            raise
+        self._take_ready(info)
+
+    @classmethod
+    def attach(cls, conn, on_finished: Optional[Callable[[RequestTiming], None]] = None):
+        """A further front end of a running engine core, over `conn` (one of the first
+        front end's `peer_conns`, handed to this process): it says hello and waits for the
+        core's ready. It does not own the core: its shutdown detaches it (its requests
+        aborted), and the core's end fails its streams."""
+        self = cls.__new__(cls)
+        self._init_state(on_finished)
+        self._conn, self._proc, self._lifeline, self.peer_conns = conn, None, None, []
+        _import_tokenizer_modules()
+        conn.send(("hello",))
+        self._take_ready(self._wait_ready())
+        return self
+
+    def _init_state(self, on_finished) -> None:
         self.on_finished = on_finished
         self.dead_error: Optional[BaseException] = None
         self._stopping = False
@@ -76,23 +117,8 @@ class EngineCoreClient(LoopCrossing):
         self._outbox: queue.Queue = queue.Queue()
         self._threads: list = []
         self._pending: dict = {}  # request_id -> add_request's future; tokenizer thread only
-        ctx = multiprocessing.get_context("spawn")
-        self._conn, child_conn = ctx.Pipe()
-        lifeline_r, self._lifeline = ctx.Pipe(duplex=False)
-        self._proc = ctx.Process(
-            target=run_engine_core, name="outpace-engine-core",
-            args=(child_conn, lifeline_r, engine_args,
-                  logging.getLogger("outpace").getEffectiveLevel(),
-                  max_consecutive_step_failures, build_engine))
-        self._proc.start()
-        child_conn.close()
-        lifeline_r.close()
-        try:
-            _import_tokenizer_modules()  # while the core builds its engine
-            info = self._wait_ready()
-        except BaseException:
-            self._stop_process(timeout=2.0)
-            raise
+
+    def _take_ready(self, info: dict) -> None:
         self.tokenizer = info["tokenizer"]  # the core's own: same ids, eos, chat template
         self.model_name: str = info["model_name"]
         self.max_model_len: int = info["max_model_len"]
@@ -103,7 +129,7 @@ class EngineCoreClient(LoopCrossing):
     def _wait_ready(self) -> dict:
         conn, proc = self._conn, self._proc
         while True:
-            ready = wait_connections([conn, proc.sentinel])
+            ready = wait_connections([conn] + ([proc.sentinel] if proc is not None else []))
             if conn in ready or conn.poll(0):  # a last message may come with the exit
                 try:
                     msg = conn.recv()
@@ -116,6 +142,9 @@ class EngineCoreClient(LoopCrossing):
                     raise msg[1]
                 if msg is not None:
                     continue
+            if proc is None:
+                raise EngineDeadError("the engine process closed this front end's connection "
+                                      "before it was ready")
             proc.join(5)
             raise EngineDeadError(f"the engine process exited with code {proc.exitcode} "
                                   f"while the engine was being built (its log is above)")
@@ -149,12 +178,22 @@ class EngineCoreClient(LoopCrossing):
             self._jobs.shutdown(wait=True)
         try:
             self._conn.close()
-            self._lifeline.close()
+            if self._lifeline is not None:
+                self._lifeline.close()
+            for conn in self.peer_conns:
+                conn.close()
         except OSError:
             pass
 
     def _stop_process(self, timeout: float) -> None:
         proc = self._proc
+        if proc is None:  # a further front end: its ("stop",) detaches it; nothing to join
+            if not self._jobs:
+                try:
+                    self._conn.send(("stop",))
+                except (OSError, ValueError):
+                    pass
+            return
         if not self._jobs:  # no sender yet: ask directly
             try:
                 self._conn.send(("stop",))
@@ -173,7 +212,7 @@ class EngineCoreClient(LoopCrossing):
     @property
     def healthy(self) -> bool:
         return (self.dead_error is None and self._jobs is not None and not self._stopping
-                and self._proc.exitcode is None)
+                and (self._proc is None or self._proc.exitcode is None))
 
     def stats(self) -> dict:
         """The core's last stats (sent with every step's outputs and every batch of commands
@@ -308,10 +347,13 @@ class EngineCoreClient(LoopCrossing):
         """The core's pipe closed: its process ended (or is ending)."""
         if self._stopping:
             return
-        self._proc.join(2)
+        if self._proc is not None:
+            self._proc.join(2)
         if self.dead_error is None:
             self.dead_error = EngineDeadError(
-                f"the engine process exited with code {self._proc.exitcode}")
+                f"the engine process exited with code {self._proc.exitcode}"
+                if self._proc is not None else
+                "the engine process closed this front end's connection")
             log.error("outpace: %s", self.dead_error)
         self._fail_all(EngineDeadError(f"the engine stopped: {self.dead_error!r}"))
 

@@ -12,6 +12,14 @@ detokenization and SSE framing never share a GIL with the loop that launches ste
                                                             (and one a batch of commands)
                        pipe <-- ("dead", error) before the core exits on a fatal error
 
+Several front ends (`outpace serve --api-server-count N`) each have a pipe of their own: the
+first (the server's own process, which spawned the core) gets ("ready", info) when the engine
+is built; every other one sends ("hello",) first and gets its ("ready", info) then (a pipe is
+not read before its front end's process has started, and the core must not block on it). Each
+request's outputs, acknowledgement and failure go to the pipe it came from; the stats go to
+every pipe. ("stop",) from the first front end, or its pipe's end, stops the core; from another
+front end it only detaches that one (its requests aborted).
+
 The transport is `multiprocessing.connection` (a pipe; messages pickled): plain tuples, the
 `SamplingParams` dataclass, `CoreOutput` tuples, exceptions. The requests come tokenized and
 run with `detokenize=False` and no stop strings: the front end detokenizes and matches them
@@ -32,6 +40,7 @@ import os
 import pickle
 import signal
 import threading
+from multiprocessing.connection import wait as wait_connections
 from typing import Optional
 
 from outpace.engine.output_processor import CoreOutput
@@ -52,11 +61,17 @@ def portable(error: BaseException) -> BaseException:
 class EngineCore:
     """The engine loop over a connection: commands in, one output message a step out."""
 
-    def __init__(self, engine, conn, max_consecutive_step_failures: int = 3):
+    def __init__(self, engine, conns, max_consecutive_step_failures: int = 3,
+                 ready: Optional[dict] = None):
+        """conns: one connection, or a list of them (the first front end's first); ready:
+        the ("ready", info) a later front end gets when it says hello."""
         self.engine = engine
-        self.conn = conn
+        self.conns = list(conns) if isinstance(conns, (list, tuple)) else [conns]
+        self.primary = self.conns[0]
+        self.ready = ready
         self.max_consecutive_step_failures = max_consecutive_step_failures
         self._sent: dict = {}  # request_id -> output tokens sent, for the requests in flight
+        self._owner: dict = {}  # request_id -> the connection it came from
         self._last_stats: Optional[dict] = None  # the stats last sent with a step's outputs
 
     def run(self) -> None:
@@ -88,43 +103,68 @@ class EngineCore:
                 stalled = not outputs and not (stats or {}).get("num_running", 1)
         except BaseException as e:  # noqa: BLE001 -- reported to the front end, then raised
             log.exception("engine core died")
-            self._send(("dead", portable(e)))
+            dead = ("dead", portable(e))
+            for conn in self.conns:
+                self._send(conn, dead)
             raise
 
     # ---- commands -----------------------------------------------------------------------
     def _apply_commands(self, wait: float) -> bool:
         """Run the commands waiting (up to `wait` s for the first); False: stop."""
-        conn = self.conn
         try:
-            if not conn.poll(wait):
-                return True
-            acks, applied = [], False
-            while True:
-                cmd = conn.recv()
-                if cmd[0] == "stop":
+            ready = wait_connections(self.conns, timeout=wait)
+        except OSError:  # a connection closed under the wait: the reads below find which
+            ready = list(self.conns)
+        acked: dict = {}  # connection -> acks of its adds (every connection that sent one)
+        for conn in ready:
+            try:
+                while conn.poll(0):
+                    cmd = conn.recv()
+                    if cmd[0] == "stop":
+                        if conn is self.primary:
+                            return False
+                        raise EOFError  # another front end stopping: detach it
+                    if cmd[0] == "hello":
+                        conn.send(("ready", self.ready))
+                        continue
+                    acks = acked.setdefault(conn, [])
+                    if cmd[0] == "add":
+                        acks.append((cmd[1], self._add(conn, *cmd[1:])))
+                    elif cmd[0] == "abort":
+                        self._abort(cmd[1])
+            except (EOFError, OSError):  # that front end is gone
+                if conn is self.primary:
                     return False
-                if cmd[0] == "add":
-                    acks.append((cmd[1], self._add(*cmd[1:])))
-                elif cmd[0] == "abort":
-                    self._abort(cmd[1])
-                applied = True
-                if not conn.poll(0):
-                    break
-        except (EOFError, OSError):  # the front end is gone
-            return False
-        if applied:
-            self._send(("out", acks, [], [], self._stats()))
+                self._detach(conn)
+                acked.pop(conn, None)
+        if acked:
+            stats = self._stats()
+            for conn, acks in acked.items():
+                self._send(conn, ("out", acks, [], [], stats))
         return True
 
-    def _add(self, rid, prompt_ids, params) -> Optional[BaseException]:
+    def _detach(self, conn) -> None:
+        """A front end other than the first is gone: its requests aborted, its pipe closed."""
+        if conn in self.conns:
+            self.conns.remove(conn)
+        for rid in [r for r, c in self._owner.items() if c is conn]:
+            self._abort(rid)
+        try:
+            conn.close()
+        except OSError:
+            pass
+
+    def _add(self, conn, rid, prompt_ids, params) -> Optional[BaseException]:
         try:
             self.engine.add_request(rid, prompt_ids, params)
         except Exception as e:  # noqa: BLE001 -- goes to that request only
             return portable(e)
         self._sent[rid] = 0
+        self._owner[rid] = conn
         return None
 
     def _abort(self, rid) -> None:
+        self._owner.pop(rid, None)
         if self._sent.pop(rid, None) is None:
             return
         try:
@@ -134,7 +174,9 @@ class EngineCore:
 
     # ---- outputs ------------------------------------------------------------------------
     def _send_outputs(self, outputs) -> Optional[dict]:
-        batch, sent = [], self._sent
+        sent, owner = self._sent, self._owner
+        batches: dict = {conn: [] for conn in self.conns}  # each front end's outputs
+        any_out = False
         for out in outputs:
             rid = out.request_id
             num_sent = sent.get(rid)
@@ -143,30 +185,40 @@ class EngineCore:
             comp = out.outputs[0]
             n = len(comp.token_ids)
             lps = comp.logprobs[num_sent:n] if comp.logprobs is not None else None
-            batch.append(CoreOutput(
-                rid, comp.token_ids[num_sent:n], comp.finish_reason if out.finished else None,
-                comp.stop_reason, lps, len(out.prompt_token_ids), out.num_cached_tokens or 0,
-                out.metrics.get("first_token_time") if out.finished else None))
+            batch = batches.get(owner.get(rid))
+            if batch is not None:
+                batch.append(CoreOutput(
+                    rid, comp.token_ids[num_sent:n],
+                    comp.finish_reason if out.finished else None, comp.stop_reason, lps,
+                    len(out.prompt_token_ids), out.num_cached_tokens or 0,
+                    out.metrics.get("first_token_time") if out.finished else None))
+                any_out = True
             if out.finished:
                 del sent[rid]
+                owner.pop(rid, None)
             else:
                 sent[rid] = n
         # The stats go with every message: /metrics then reads the state of the step whose
         # tokens the streams have (a dict of a few numbers beside the step's outputs). A step
         # that emitted nothing and changed no stat (requests waiting on memory) sends nothing.
         stats = self._stats()
-        if batch or stats != self._last_stats:
-            self._send(("out", [], batch, [], stats))
+        if any_out or stats != self._last_stats:
+            for conn, batch in batches.items():
+                self._send(conn, ("out", [], batch, [], stats))
             self._last_stats = stats
         return stats
 
     def _fail_in_flight(self, error: BaseException) -> None:
         error = portable(error)
-        failed = []
+        failed: dict = {conn: [] for conn in self.conns}
         for rid in list(self._sent):
+            conn = self._owner.get(rid)
             self._abort(rid)
-            failed.append((rid, error))
-        self._send(("out", [], [], failed, self._stats()))
+            if conn in failed:
+                failed[conn].append((rid, error))
+        stats = self._stats()
+        for conn, items in failed.items():
+            self._send(conn, ("out", [], [], items, stats))
 
     def _stats(self) -> Optional[dict]:
         try:
@@ -176,10 +228,11 @@ class EngineCore:
             return None
         return stats
 
-    def _send(self, msg) -> None:
+    @staticmethod
+    def _send(conn, msg) -> None:
         try:
-            self.conn.send(msg)
-        except (OSError, EOFError, ValueError):  # the front end is gone: nobody listens
+            conn.send(msg)
+        except (OSError, EOFError, ValueError):  # that front end is gone: nobody listens
             pass
 
 
@@ -193,11 +246,14 @@ def _exit_with_parent(lifeline) -> None:
     os._exit(1)
 
 
-def run_engine_core(conn, lifeline, engine_args, log_level: int,
+def run_engine_core(conns, lifeline, engine_args, log_level: int,
                     max_consecutive_step_failures: int = 3, build=None) -> None:
     """The process's entry (spawned): build the engine of `engine_args` (an EngineArgs; with
-    `build`, a picklable function, build(engine_args) instead of LLMEngine's), send
-    ("ready", info) or ("start_failed", error), then run the loop."""
+    `build`, a picklable function, build(engine_args) instead of LLMEngine's), send the first
+    front end ("ready", info) or ("start_failed", error), then run the loop. conns: the
+    front ends' connections (one, or a list: the first front end's first)."""
+    conns = list(conns) if isinstance(conns, (list, tuple)) else [conns]
+    conn = conns[0]
     # Ctrl-C in a terminal reaches the whole process group: the front end decides when the
     # core stops (after its streams are told), so the core ignores it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -216,11 +272,11 @@ def run_engine_core(conn, lifeline, engine_args, log_level: int,
         except (OSError, EOFError):
             pass
         return
-    conn.send(("ready", {"model_name": engine.model_name, "max_model_len": engine.max_model_len,
-                         "tokenizer": engine.tokenizer, "stats": dict(engine.stats()),
-                         "pid": os.getpid()}))
+    info = {"model_name": engine.model_name, "max_model_len": engine.max_model_len,
+            "tokenizer": engine.tokenizer, "stats": dict(engine.stats()), "pid": os.getpid()}
+    conn.send(("ready", info))
     try:
-        EngineCore(engine, conn, max_consecutive_step_failures).run()
+        EngineCore(engine, conns, max_consecutive_step_failures, ready=info).run()
     except BaseException:  # noqa: BLE001 -- already reported and logged: exit non-zero
         engine.shutdown()
         os._exit(1)

@@ -179,6 +179,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run the engine loop in a process of its own, apart from the HTTP "
                    "front end (tokenization, detokenization, streaming); "
                    "--no-engine-process: in a thread of the server's process (default: off)")
+    s.add_argument("--api-server-count", type=int, default=1, metavar="N",
+                   help="HTTP front-end processes sharing the port over the one engine "
+                   "process (more than 1 implies --engine-process; default: 1)")
     add_engine_args(s)
     s.set_defaults(func=cmd_serve)
     d = add_parser("init-draft", help="write a randomly initialised draft head")

@@ -141,6 +141,7 @@ def cmd_serve(a) -> int:
         server_cfg = ServerConfig(host=a.host, port=a.port, api_key=a.api_key,
                                   served_model_name=a.served_model_name,
                                   timeout_keep_alive=a.timeout_keep_alive,
+                                  api_server_count=a.api_server_count,
                                   **({} if a.engine_process is None
                                      else {"engine_process": a.engine_process}))
     except OutpaceError as e:

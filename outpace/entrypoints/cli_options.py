@@ -29,7 +29,7 @@ SAMPLING_FLAGS = {
     "repetition_penalty": "--repetition-penalty", "frequency_penalty": "--frequency-penalty",
     "presence_penalty": "--presence-penalty", "max_model_len": "--max-model-len"}
 SERVER_FLAGS = {"port": "--port", "timeout_keep_alive": "--timeout-keep-alive",
-                "host": "--host"}
+                "host": "--host", "api_server_count": "--api-server-count"}
 
 
 def _parse_value(v: str):

@@ -137,7 +137,9 @@ def test_mtp_depths_options_are_checked_against_the_head_config_before_the_model
 def test_serve_flags_are_checked_before_the_model(capsys):
     for flags, says in ((["--port", "70000"], "--port must be an integer in 0..65535"),
                         (["--max-waiting", "0"], "--max-waiting must be an integer >= 1"),
-                        (["--timeout-keep-alive", "-1"], "--timeout-keep-alive must be a number")):
+                        (["--timeout-keep-alive", "-1"], "--timeout-keep-alive must be a number"),
+                        (["--api-server-count", "0"],
+                         "--api-server-count must be an integer in 1..64")):
         assert _error_line(["serve", NO_MODEL, *flags], capsys).startswith(says)
 
 

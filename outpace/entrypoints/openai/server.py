@@ -18,9 +18,10 @@ import asyncio
 import hmac
 import ipaddress
 import logging
+import os
 import sys
 from contextlib import asynccontextmanager, suppress
-from typing import Optional
+from typing import Callable, Optional
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -135,9 +136,11 @@ async def _read_json(request: Request, limit: int) -> dict:
 
 
 def build_app(engine: AsyncEngine, server_cfg: ServerConfig,
-              metrics: Optional[ServerMetrics] = None) -> FastAPI:
+              metrics: Optional[ServerMetrics] = None,
+              before_shutdown: Optional[Callable[[], None]] = None) -> FastAPI:
     """The app around an AsyncEngine or an EngineCoreClient (the same interface; started by
-    the app's lifespan, stopped at shutdown)."""
+    the app's lifespan, stopped at shutdown, after `before_shutdown`: the server's further
+    front ends, which drain their streams while the engine still runs)."""
     served = server_cfg.served_model_name or engine.model_name
     metrics = metrics or ServerMetrics(engine, served)
     if engine.on_finished is None:
@@ -151,7 +154,11 @@ def build_app(engine: AsyncEngine, server_cfg: ServerConfig,
         try:
             yield
         finally:
-            engine.shutdown()
+            try:
+                if before_shutdown is not None:
+                    await asyncio.to_thread(before_shutdown)
+            finally:
+                engine.shutdown()
 
     app = FastAPI(title="outpace", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
@@ -246,14 +253,26 @@ def run_server(engine_args: EngineArgs, server_cfg: ServerConfig,
     from outpace.engine.engine import LLMEngine
     from outpace.entrypoints.openai.http_protocol import header_deadline_protocol
 
-    if server_cfg.engine_process:
+    n_front = server_cfg.api_server_count
+    if n_front > 1 and sock is None:
+        from outpace.entrypoints.openai.listen import bind_socket
+        sock = bind_socket(server_cfg.host, server_cfg.port)
+    if server_cfg.engine_process or n_front > 1:
         from outpace.engine.core_client import EngineCoreClient
-        engine = EngineCoreClient(engine_args)
+        engine = EngineCoreClient(engine_args, frontends=n_front)
         log.info("outpace: the engine runs in process %d", engine.pid)
     else:
         engine = AsyncEngine(LLMEngine.from_engine_args(engine_args))
+    frontends = None
     try:
-        app = build_app(engine, server_cfg)
+        if n_front > 1:  # the others share the socket, each with its own pipe to the core
+            from outpace.entrypoints.openai.frontends import Frontends
+            frontends = Frontends(engine.peer_conns, sock, server_cfg, log_level)
+            print(f"outpace: {n_front} front-end processes: {os.getpid()} (this one) and "
+                  f"{', '.join(str(p.pid) for p in frontends.procs)}, over the engine process "
+                  f"{engine.pid}", file=sys.stderr, flush=True)
+        app = build_app(engine, server_cfg,
+                        before_shutdown=frontends.stop if frontends is not None else None)
         if server_cfg.host not in ("127.0.0.1", "localhost", "::1"):
             log.warning("outpace: listening on %s, reachable from other machines%s",
                         server_cfg.host,
@@ -272,6 +291,8 @@ def run_server(engine_args: EngineArgs, server_cfg: ServerConfig,
         if not server.started:
             raise SystemExit(3)  # uvicorn's STARTUP_FAILURE
     finally:
+        if frontends is not None:  # (the app's shutdown stopped them, unless it never ran)
+            frontends.stop()
         engine.shutdown()  # whichever way uvicorn ended (the engine process never outlives it)
 
 

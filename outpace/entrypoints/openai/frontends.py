@@ -1,0 +1,125 @@
+"""The server's further front-end processes (`outpace serve --api-server-count N`, as vLLM's):
+N - 1 processes beside the server's own, each running the same app (HTTP, validation, chat
+templates, tokenization, detokenization, SSE) on the one listening socket, the kernel handing
+each new connection to one of them, and each with its own pipe to the one engine core
+(EngineCoreClient.attach), so the front end's per-request and per-token work spreads over N
+processes while one engine steps for all.
+
+The server's process starts them once its own engine client is ready, and stops them when it
+stops (SIGTERM: each drains its streams as the server does, then is killed after a bound). One
+that ends on its own ends the server (vLLM's rule: a server with a front end missing would
+refuse a share of the connections). Each watches a lifeline from the server's process and
+exits when it is gone. Each front end's /metrics counts the requests it served; the engine's
+gauges are the same in all.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import signal
+import threading
+from multiprocessing.connection import wait as wait_for
+
+log = logging.getLogger(__name__)
+
+STOP_TIMEOUT_S = 30.0  # a front end's drain after SIGTERM, before it is killed
+
+
+def _exit_with_parent(lifeline) -> None:
+    """Watchdog thread: the lifeline's only writer is the server's process, which never
+    writes; EOF means it is gone (killed included)."""
+    try:
+        lifeline.recv()
+    except BaseException:  # noqa: BLE001 -- EOF, or the pipe broken: either way it is gone
+        pass
+    os._exit(1)
+
+
+def frontend_main(conn, sock, server_cfg, log_level: str, lifeline, index: int) -> None:
+    """A further front end's process (spawned): attach to the engine core over `conn`, then
+    serve the app on `sock` until SIGTERM / SIGINT."""
+    import uvicorn
+
+    from outpace.engine.core_client import EngineCoreClient
+    from outpace.entrypoints.openai.http_protocol import header_deadline_protocol
+    from outpace.entrypoints.openai.server import build_app
+
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    logging.getLogger("outpace").setLevel(getattr(logging, log_level.upper(), logging.INFO))
+    threading.Thread(target=_exit_with_parent, args=(lifeline,), name="outpace-lifeline",
+                     daemon=True).start()
+    engine = EngineCoreClient.attach(conn)
+    try:
+        app = build_app(engine, server_cfg)
+        server = uvicorn.Server(uvicorn.Config(
+            app, log_level=log_level, timeout_graceful_shutdown=5, access_log=False,
+            http=header_deadline_protocol(), timeout_keep_alive=server_cfg.timeout_keep_alive))
+        try:
+            server.run(sockets=[sock])
+        except KeyboardInterrupt:
+            pass
+    finally:
+        engine.shutdown()
+    log.debug("outpace: front end %d stopped", index)
+
+
+class Frontends:
+    """The further front-end processes of one server: started over the first front end's
+    `peer_conns`, watched, stopped."""
+
+    def __init__(self, peer_conns: list, sock, server_cfg, log_level: str):
+        ctx = multiprocessing.get_context("spawn")
+        self._stopping = False
+        lifeline_r, self._lifeline = ctx.Pipe(duplex=False)
+        self.procs = []
+        for i, conn in enumerate(peer_conns, start=1):
+            proc = ctx.Process(target=frontend_main, name=f"outpace-frontend-{i}",
+                               args=(conn, sock, server_cfg, log_level, lifeline_r, i))
+            proc.start()
+            self.procs.append(proc)
+        # the children hold their own copies now: the core sees a pipe's end only once the
+        # front end holding it is gone, so this process keeps none
+        for conn in peer_conns:
+            conn.close()
+        lifeline_r.close()
+        self._watch = threading.Thread(target=self._watch_children, name="outpace-frontends",
+                                       daemon=True)
+        self._watch.start()
+
+    def _watch_children(self) -> None:
+        """A front end that ends while the server runs ends the server."""
+        sentinels = [p.sentinel for p in self.procs]
+        if not sentinels:
+            return
+        wait_for(sentinels)
+        if self._stopping:
+            return
+        gone = [p for p in self.procs if p.exitcode is not None]
+        log.error("outpace: front-end process %s exited (code %s): stopping the server",
+                  gone[0].name if gone else "?", gone[0].exitcode if gone else "?")
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    def stop(self, timeout: float = STOP_TIMEOUT_S) -> None:
+        """SIGTERM each (it drains its streams), then kill what is left after `timeout`.
+        Idempotent."""
+        if self._stopping:
+            return
+        self._stopping = True
+        for p in self.procs:
+            if p.exitcode is None:
+                try:
+                    os.kill(p.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        for p in self.procs:
+            p.join(timeout)
+            if p.exitcode is None:
+                log.warning("outpace: %s did not stop within %g s: killing it", p.name, timeout)
+                p.kill()
+                p.join(5)
+        try:
+            self._lifeline.close()
+        except OSError:
+            pass

@@ -1,0 +1,133 @@
+"""Several front-end processes over one engine core (`serve --api-server-count N`,
+entrypoints/openai/frontends.py, the core's pipes in engine/core_process.py): a further front
+end serves on the shared port on its own (the server's own process stopped meanwhile), streams
+from both end whole, SIGTERM ends every stream with [DONE] and every process, a front end that
+dies ends the server, and no process outlives a killed server."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.e2e.server_helpers import ServerProcess, wait_for
+from tests.e2e.test_server_engine_process import _alive, _descendants
+
+N = ["--api-server-count", "2"]
+
+
+def _spawned(srv: ServerProcess) -> list:
+    """The multiprocessing children under the server (the core and the further front ends)."""
+    out = []
+    for pid in _descendants(srv.proc.pid):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"spawn_main" in cmd and b"resource_tracker" not in cmd:
+            out.append(pid)
+    return out
+
+
+def _stream(srv: ServerProcess, max_tokens: int, out: list, timeout: float = 60) -> None:
+    """One streamed completion: its data events, appended to `out` when it ends."""
+    body = {"prompt": "hello there", "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0,
+            "stream": True}
+    with httpx.Client(base_url=srv.url, timeout=timeout) as c, \
+            c.stream("POST", "/v1/completions", json=body) as r:
+        out.append([line[6:] for line in r.iter_lines() if line.startswith("data: ")])
+
+
+def test_a_further_front_end_serves_and_sigterm_ends_every_stream(tiny_model_dir, tmp_path):
+    srv = ServerProcess(tiny_model_dir, N, tmp_path / "server.log")
+    under: set = set()
+    try:
+        srv.wait_healthy()
+        assert wait_for(lambda: len(_spawned(srv)) == 2, timeout=30), srv.log_tail()
+        under = _descendants(srv.proc.pid)
+        # the server's own process stopped: the other front end takes the connections
+        os.kill(srv.proc.pid, signal.SIGSTOP)
+        try:
+            got: list = []
+            _stream(srv, 8, got, timeout=30)
+            assert got[0][-1] == "[DONE]" and len(got[0]) >= 2, got
+        finally:
+            os.kill(srv.proc.pid, signal.SIGCONT)
+        # streams over both, whole; then SIGTERM while more run: each ends with [DONE]
+        done: list = []
+        threads = [threading.Thread(target=_stream, args=(srv, 12, done)) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert len(done) == 8 and all(ev[-1] == "[DONE]" for ev in done), done
+        texts = {"".join(json.loads(e)["choices"][0]["text"] for e in ev[:-1]
+                         if json.loads(e).get("choices")) for ev in done}
+        assert len(texts) == 1  # greedy: the same text from either front end
+        running: list = []
+        threads = [threading.Thread(target=_stream, args=(srv, 200, running))
+                   for _ in range(4)]
+        for t in threads:
+            t.start()
+        time.sleep(0.3)  # the streams under way (each ends whole, or with an error event)
+        srv.proc.send_signal(signal.SIGTERM)
+        for t in threads:
+            t.join(60)
+        assert len(running) == 4 and all(ev and ev[-1] == "[DONE]" for ev in running), running
+        srv.proc.wait(60)  # (uvicorn re-raises the SIGTERM once it has shut down)
+        assert wait_for(lambda: not any(_alive(p) for p in under), timeout=10), \
+            f"left behind: {[p for p in under if _alive(p)]}"
+    finally:
+        srv.stop()
+        for pid in under:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("victim", ["frontend", "server"])
+def test_a_dead_front_end_or_server_leaves_no_process(tiny_model_dir, tmp_path, victim):
+    """SIGKILL of a further front end ends the server (and the core); SIGKILL of the server's
+    own process ends the core and the further front ends (their lifelines)."""
+    srv = ServerProcess(tiny_model_dir, N, tmp_path / "server.log")
+    under: set = set()
+    try:
+        srv.wait_healthy()
+        assert wait_for(lambda: len(_spawned(srv)) == 2, timeout=30), srv.log_tail()
+        under = _descendants(srv.proc.pid)
+        if victim == "frontend":
+            _, fronts, core = _pids(srv)
+            os.kill(fronts[0], signal.SIGKILL)
+            srv.proc.wait(60)  # the server stops itself
+        else:
+            os.kill(srv.proc.pid, signal.SIGKILL)
+            srv.proc.wait(10)
+        assert wait_for(lambda: not any(_alive(p) for p in under), timeout=20), \
+            f"left behind: {[p for p in under if _alive(p)]}\n{srv.log_tail()}"
+    finally:
+        srv.stop()
+        for pid in under:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _pids(srv: ServerProcess) -> tuple:
+    """(the server's, the further front ends', the engine core's) pids, from the line the
+    server prints when its front ends start."""
+    def find():
+        for line in srv.log_tail(20000).splitlines():
+            if "front-end processes:" in line:
+                return line
+        return None
+    line = wait_for(find, timeout=20)
+    assert line, srv.log_tail()
+    m = re.search(r"processes: (\d+) \(this one\) and ([\d, ]+), over the engine process "
+                  r"(\d+)", line)
+    assert m, line
+    return int(m[1]), [int(p) for p in m[2].split(", ")], int(m[3])
