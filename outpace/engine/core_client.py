@@ -69,8 +69,8 @@ class EngineCoreClient(LoopCrossing):
         from outpace.engine.core_process import run_engine_core
         if engine_args.loaded is not None:
             raise ConfigError("an engine process loads its own model: a model lent with "
-                              "`loaded` stays in this process; set engine_process off to "
-                              "serve it", option="loaded")
+                              "`loaded` stays in this process; set engine_process off (and "
+                              "api_server_count to 1) to serve it", option="loaded")
         self._init_state(on_finished)
         ctx = multiprocessing.get_context("spawn")
         pairs = [ctx.Pipe() for _ in range(max(1, frontends))]
@@ -173,6 +173,9 @@ class EngineCoreClient(LoopCrossing):
         self._outbox.put(("stop",))
         self._stop_process(timeout)
         self._outbox.put(None)  # ends the sender
+        if self._proc is None:  # attached: its stop sent and the core's end read first, so
+            for t in self._threads:  # no thread is left on the connection about to close
+                t.join(2.0)
         if self._jobs is not None:
             self._submit(self._fail_all, EngineDeadError("the server is shutting down"))
             self._jobs.shutdown(wait=True)

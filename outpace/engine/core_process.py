@@ -40,6 +40,7 @@ import os
 import pickle
 import signal
 import threading
+import time
 from multiprocessing.connection import wait as wait_connections
 from typing import Optional
 
@@ -47,6 +48,8 @@ from outpace.engine.output_processor import CoreOutput
 from outpace.errors import EngineStoppedError
 
 log = logging.getLogger(__name__)
+
+STATS_EVERY_S = 0.25  # how often a front end with no outputs in a step gets the stats
 
 def portable(error: BaseException) -> BaseException:
     """`error` if it crosses a pipe intact (pickles and unpickles), else a RuntimeError with its
@@ -68,7 +71,12 @@ class EngineCore:
         self.engine = engine
         self.conns = list(conns) if isinstance(conns, (list, tuple)) else [conns]
         self.primary = self.conns[0]
-        self.ready = ready
+        # the ready message, pickled once (the tokenizer is megabytes)
+        self._ready = pickle.dumps(("ready", ready)) if ready is not None else None
+        # the front ends that have said hello (the first from the start): only they are sent
+        # outputs and stats, so the core never blocks on a pipe nobody reads yet
+        self._greeted = [self.primary]
+        self._stats_sent_at: dict = {}  # connection -> when it was last sent a message
         self.max_consecutive_step_failures = max_consecutive_step_failures
         self._sent: dict = {}  # request_id -> output tokens sent, for the requests in flight
         self._owner: dict = {}  # request_id -> the connection it came from
@@ -104,7 +112,7 @@ class EngineCore:
         except BaseException as e:  # noqa: BLE001 -- reported to the front end, then raised
             log.exception("engine core died")
             dead = ("dead", portable(e))
-            for conn in self.conns:
+            for conn in self._greeted:
                 self._send(conn, dead)
             raise
 
@@ -125,7 +133,9 @@ class EngineCore:
                             return False
                         raise EOFError  # another front end stopping: detach it
                     if cmd[0] == "hello":
-                        conn.send(("ready", self.ready))
+                        conn.send_bytes(self._ready)
+                        if conn not in self._greeted:
+                            self._greeted.append(conn)
                         continue
                     acks = acked.setdefault(conn, [])
                     if cmd[0] == "add":
@@ -147,6 +157,9 @@ class EngineCore:
         """A front end other than the first is gone: its requests aborted, its pipe closed."""
         if conn in self.conns:
             self.conns.remove(conn)
+        if conn in self._greeted:
+            self._greeted.remove(conn)
+        self._stats_sent_at.pop(conn, None)
         for rid in [r for r, c in self._owner.items() if c is conn]:
             self._abort(rid)
         try:
@@ -175,7 +188,7 @@ class EngineCore:
     # ---- outputs ------------------------------------------------------------------------
     def _send_outputs(self, outputs) -> Optional[dict]:
         sent, owner = self._sent, self._owner
-        batches: dict = {conn: [] for conn in self.conns}  # each front end's outputs
+        batches: dict = {conn: [] for conn in self._greeted}  # each front end's outputs
         any_out = False
         for out in outputs:
             rid = out.request_id
@@ -203,14 +216,20 @@ class EngineCore:
         # that emitted nothing and changed no stat (requests waiting on memory) sends nothing.
         stats = self._stats()
         if any_out or stats != self._last_stats:
+            now = time.monotonic()
             for conn, batch in batches.items():
-                self._send(conn, ("out", [], batch, [], stats))
+                # a front end with nothing this step gets the stats a few times a second
+                # (its /metrics), not every step
+                if batch or conn is self.primary or \
+                        now - self._stats_sent_at.get(conn, 0.0) >= STATS_EVERY_S:
+                    self._send(conn, ("out", [], batch, [], stats))
+                    self._stats_sent_at[conn] = now
             self._last_stats = stats
         return stats
 
     def _fail_in_flight(self, error: BaseException) -> None:
         error = portable(error)
-        failed: dict = {conn: [] for conn in self.conns}
+        failed: dict = {conn: [] for conn in self._greeted}
         for rid in list(self._sent):
             conn = self._owner.get(rid)
             self._abort(rid)

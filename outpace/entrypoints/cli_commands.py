@@ -9,7 +9,7 @@ import time
 
 from outpace.entrypoints.cli_options import (SAMPLING_FLAGS, SERVER_FLAGS, engine_args,
                                              engine_flags, load_engine, sampling_params)
-from outpace.errors import OutpaceError, spelled
+from outpace.errors import ConfigError, OutpaceError, spelled
 
 
 def _stream(engine, request_id: str, prompt_ids: list, params, out) -> tuple:
@@ -137,6 +137,11 @@ def run_chat(engine, params, spec_stats: bool = False, read=input, out=None, err
 
 def cmd_serve(a) -> int:
     from outpace.config import ServerConfig
+    if a.engine_process is False and a.api_server_count > 1:
+        raise spelled(ConfigError("api_server_count above 1 runs the engine in a process of "
+                                  "its own; leave out --no-engine-process, or set "
+                                  "api_server_count to 1", option="api_server_count"),
+                      SERVER_FLAGS)
     try:
         server_cfg = ServerConfig(host=a.host, port=a.port, api_key=a.api_key,
                                   served_model_name=a.served_model_name,

@@ -131,3 +131,60 @@ def _pids(srv: ServerProcess) -> tuple:
                   r"(\d+)", line)
     assert m, line
     return int(m[1]), [int(p) for p in m[2].split(", ")], int(m[3])
+
+
+def test_the_core_routes_each_front_ends_requests_and_waits_for_no_silent_pipe(tiny_model_dir):
+    """EngineCore over two pipes, in a thread: a second front end that has not said hello is
+    sent nothing (its pipe unread, the first front end's request runs to its end); after its
+    hello it gets the ready message, and each front end gets only its own requests' outputs;
+    its stop detaches it (its request aborted) and the core runs on for the first."""
+    import multiprocessing
+    import threading as th
+
+    from outpace.engine.core_process import EngineCore
+    from outpace.engine.engine import LLMEngine
+    from outpace.types import SamplingParams
+    from tests.e2e.test_server_engine_process import ENGINE_ARGS
+
+    engine = LLMEngine.from_args(str(tiny_model_dir), **ENGINE_ARGS)
+    first, first_core = multiprocessing.Pipe()
+    second, second_core = multiprocessing.Pipe()
+    core = EngineCore(engine, [first_core, second_core], ready={"pid": 1})
+    thread = th.Thread(target=core.run, daemon=True)
+    thread.start()
+
+    def greedy(n):
+        return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, detokenize=False)
+
+    def outputs_until_done(conn, rid):
+        got = []
+        while True:
+            assert conn.poll(30), "no message from the core"
+            msg = conn.recv()
+            assert msg[0] == "out", msg
+            for o in msg[2]:
+                assert o.request_id == rid, (o.request_id, rid)
+                got += o.new_token_ids
+                if o.finish_reason:
+                    return got
+
+    try:
+        first.send(("add", "a", [5, 6, 7], greedy(200)))
+        assert len(outputs_until_done(first, "a")) == 200
+        assert not second.poll(0.2)  # nothing for a front end that has not said hello
+        second.send(("hello",))
+        assert second.poll(10) and second.recv() == ("ready", {"pid": 1})
+        first.send(("add", "b", [5, 6, 7], greedy(8)))
+        second.send(("add", "c", [8, 9], greedy(8)))
+        assert len(outputs_until_done(second, "c")) == 8
+        assert len(outputs_until_done(first, "b")) == 8
+        second.send(("add", "d", [8, 9], greedy(200)))
+        second.send(("stop",))  # detached: "d" aborted, the core runs on
+        assert wait_for(lambda: engine.stats()["num_running"] == 0, timeout=20)
+        first.send(("add", "e", [5, 6], greedy(4)))
+        assert len(outputs_until_done(first, "e")) == 4
+        assert thread.is_alive()
+    finally:
+        first.send(("stop",))
+        thread.join(10)
+        engine.shutdown()

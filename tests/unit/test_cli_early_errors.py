@@ -139,7 +139,9 @@ def test_serve_flags_are_checked_before_the_model(capsys):
                         (["--max-waiting", "0"], "--max-waiting must be an integer >= 1"),
                         (["--timeout-keep-alive", "-1"], "--timeout-keep-alive must be a number"),
                         (["--api-server-count", "0"],
-                         "--api-server-count must be an integer in 1..64")):
+                         "--api-server-count must be an integer in 1..64"),
+                        (["--api-server-count", "2", "--no-engine-process"],
+                         "--api-server-count above 1 runs the engine in a process")):
         assert _error_line(["serve", NO_MODEL, *flags], capsys).startswith(says)
 
 

@@ -20,6 +20,7 @@ import multiprocessing
 import os
 import signal
 import threading
+import time
 from multiprocessing.connection import wait as wait_for
 
 log = logging.getLogger(__name__)
@@ -89,17 +90,20 @@ class Frontends:
         self._watch.start()
 
     def _watch_children(self) -> None:
-        """A front end that ends while the server runs ends the server."""
-        sentinels = [p.sentinel for p in self.procs]
-        if not sentinels:
-            return
-        wait_for(sentinels)
-        if self._stopping:
-            return
-        gone = [p for p in self.procs if p.exitcode is not None]
-        log.error("outpace: front-end process %s exited (code %s): stopping the server",
-                  gone[0].name if gone else "?", gone[0].exitcode if gone else "?")
-        os.kill(os.getpid(), signal.SIGTERM)
+        """A front end that fails while the server runs ends the server. One that exits
+        cleanly was told to (Ctrl-C reaches the whole process group: each front end drains
+        and exits on its own while the server drains too)."""
+        left = {p.sentinel: p for p in self.procs}
+        while left and not self._stopping:
+            for sentinel in wait_for(list(left)):
+                proc = left.pop(sentinel)
+                proc.join(1)
+                if self._stopping or proc.exitcode == 0:
+                    continue
+                log.error("outpace: front-end process %s exited (code %s): stopping the "
+                          "server", proc.name, proc.exitcode)
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
 
     def stop(self, timeout: float = STOP_TIMEOUT_S) -> None:
         """SIGTERM each (it drains its streams), then kill what is left after `timeout`.
@@ -113,8 +117,9 @@ class Frontends:
                     os.kill(p.pid, signal.SIGTERM)
                 except ProcessLookupError:
                     pass
+        deadline = time.monotonic() + timeout
         for p in self.procs:
-            p.join(timeout)
+            p.join(max(0.0, deadline - time.monotonic()))
             if p.exitcode is None:
                 log.warning("outpace: %s did not stop within %g s: killing it", p.name, timeout)
                 p.kill()
