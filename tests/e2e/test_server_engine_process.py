@@ -227,16 +227,24 @@ def test_detokenize_off_gives_token_ids_only(tiny_model_dir):
     assert outs["ids"].text == ""
 
 
+def spawned_under(pid: int) -> list:
+    """The multiprocessing children under `pid` (engine core, further front ends), not
+    multiprocessing's resource tracker."""
+    out = []
+    for child in _descendants(pid):
+        try:
+            cmd = Path(f"/proc/{child}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"spawn_main" in cmd and b"resource_tracker" not in cmd:
+            out.append(child)
+    return out
+
+
 def _core_pid(srv: ServerProcess) -> int:
     def find():
-        for pid in _descendants(srv.proc.pid):
-            try:
-                cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
-            except OSError:
-                continue
-            if b"spawn_main" in cmd and b"resource_tracker" not in cmd:
-                return pid
-        return None
+        found = spawned_under(srv.proc.pid)
+        return found[0] if found else None
     pid = wait_for(find, timeout=10)
     assert pid, f"no engine process under the server:\n{srv.log_tail()}"
     return pid

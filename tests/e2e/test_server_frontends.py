@@ -12,28 +12,34 @@ import re
 import signal
 import threading
 import time
-from pathlib import Path
+from contextlib import contextmanager
 
 import httpx
 import pytest
 
 from tests.e2e.server_helpers import ServerProcess, wait_for
-from tests.e2e.test_server_engine_process import _alive, _descendants
+from tests.e2e.test_server_engine_process import _alive, _descendants, spawned_under
 
 N = ["--api-server-count", "2"]
 
 
-def _spawned(srv: ServerProcess) -> list:
-    """The multiprocessing children under the server (the core and the further front ends)."""
-    out = []
-    for pid in _descendants(srv.proc.pid):
-        try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except OSError:
-            continue
-        if b"spawn_main" in cmd and b"resource_tracker" not in cmd:
-            out.append(pid)
-    return out
+@contextmanager
+def _server(model_dir, tmp_path):
+    """A server with two front ends, healthy, its processes all started -> (server, its
+    processes); stopped after, and whatever it left behind killed."""
+    srv = ServerProcess(model_dir, N, tmp_path / "server.log")
+    under: set = set()
+    try:
+        srv.wait_healthy()
+        assert wait_for(lambda: len(spawned_under(srv.proc.pid)) == 2, timeout=30), \
+            srv.log_tail()
+        under |= _descendants(srv.proc.pid)
+        yield srv, under
+    finally:
+        srv.stop()
+        for pid in under:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
 
 
 def _stream(srv: ServerProcess, max_tokens: int, out: list, timeout: float = 60) -> None:
@@ -46,12 +52,7 @@ def _stream(srv: ServerProcess, max_tokens: int, out: list, timeout: float = 60)
 
 
 def test_a_further_front_end_serves_and_sigterm_ends_every_stream(tiny_model_dir, tmp_path):
-    srv = ServerProcess(tiny_model_dir, N, tmp_path / "server.log")
-    under: set = set()
-    try:
-        srv.wait_healthy()
-        assert wait_for(lambda: len(_spawned(srv)) == 2, timeout=30), srv.log_tail()
-        under = _descendants(srv.proc.pid)
+    with _server(tiny_model_dir, tmp_path) as (srv, under):
         # the server's own process stopped: the other front end takes the connections
         os.kill(srv.proc.pid, signal.SIGSTOP)
         try:
@@ -84,25 +85,15 @@ def test_a_further_front_end_serves_and_sigterm_ends_every_stream(tiny_model_dir
         srv.proc.wait(60)  # (uvicorn re-raises the SIGTERM once it has shut down)
         assert wait_for(lambda: not any(_alive(p) for p in under), timeout=10), \
             f"left behind: {[p for p in under if _alive(p)]}"
-    finally:
-        srv.stop()
-        for pid in under:
-            if _alive(pid):
-                os.kill(pid, signal.SIGKILL)
 
 
 @pytest.mark.parametrize("victim", ["frontend", "server"])
 def test_a_dead_front_end_or_server_leaves_no_process(tiny_model_dir, tmp_path, victim):
     """SIGKILL of a further front end ends the server (and the core); SIGKILL of the server's
     own process ends the core and the further front ends (their lifelines)."""
-    srv = ServerProcess(tiny_model_dir, N, tmp_path / "server.log")
-    under: set = set()
-    try:
-        srv.wait_healthy()
-        assert wait_for(lambda: len(_spawned(srv)) == 2, timeout=30), srv.log_tail()
-        under = _descendants(srv.proc.pid)
+    with _server(tiny_model_dir, tmp_path) as (srv, under):
         if victim == "frontend":
-            _, fronts, core = _pids(srv)
+            _, fronts, _ = _pids(srv)
             os.kill(fronts[0], signal.SIGKILL)
             srv.proc.wait(60)  # the server stops itself
         else:
@@ -110,11 +101,6 @@ def test_a_dead_front_end_or_server_leaves_no_process(tiny_model_dir, tmp_path, 
             srv.proc.wait(10)
         assert wait_for(lambda: not any(_alive(p) for p in under), timeout=20), \
             f"left behind: {[p for p in under if _alive(p)]}\n{srv.log_tail()}"
-    finally:
-        srv.stop()
-        for pid in under:
-            if _alive(pid):
-                os.kill(pid, signal.SIGKILL)
 
 
 def _pids(srv: ServerProcess) -> tuple:
