@@ -91,14 +91,16 @@ class Frontends:
 
     def _watch_children(self) -> None:
         """A front end that fails while the server runs ends the server. One that exits
-        cleanly was told to (Ctrl-C reaches the whole process group: each front end drains
-        and exits on its own while the server drains too)."""
+        cleanly or on SIGTERM / SIGINT was told to (Ctrl-C reaches the whole process group,
+        a service manager's stop the whole group: each front end drains and exits on its own
+        while the server drains too)."""
+        told = (0, -signal.SIGTERM, -signal.SIGINT)
         left = {p.sentinel: p for p in self.procs}
         while left and not self._stopping:
             for sentinel in wait_for(list(left)):
                 proc = left.pop(sentinel)
                 proc.join(1)
-                if self._stopping or proc.exitcode == 0:
+                if self._stopping or proc.exitcode in told:
                     continue
                 log.error("outpace: front-end process %s exited (code %s): stopping the "
                           "server", proc.name, proc.exitcode)
