@@ -77,6 +77,7 @@ class EngineCore:
         # outputs and stats, so the core never blocks on a pipe nobody reads yet
         self._greeted = [self.primary]
         self._stats_sent_at: dict = {}  # connection -> when it was last sent a message
+        self._stats_of: dict = {}  # connection -> the stats it was last sent
         self.max_consecutive_step_failures = max_consecutive_step_failures
         self._sent: dict = {}  # request_id -> output tokens sent, for the requests in flight
         self._owner: dict = {}  # request_id -> the connection it came from
@@ -92,6 +93,8 @@ class EngineCore:
                 # Block for commands when there is nothing to step; pause briefly when the last
                 # step ran nothing (requests waiting on memory), rather than spin.
                 idle = not engine.has_unfinished_requests()
+                if idle:
+                    self._send_stale_stats()
                 if not self._apply_commands(wait=0.5 if idle else 0.005 if stalled else 0.0):
                     return
                 if not engine.has_unfinished_requests():
@@ -150,7 +153,7 @@ class EngineCore:
         if acked:
             stats = self._stats()
             for conn, acks in acked.items():
-                self._send(conn, ("out", acks, [], [], stats))
+                self._send_with_stats(conn, ("out", acks, [], [], stats))
         return True
 
     def _detach(self, conn) -> None:
@@ -160,6 +163,7 @@ class EngineCore:
         if conn in self._greeted:
             self._greeted.remove(conn)
         self._stats_sent_at.pop(conn, None)
+        self._stats_of.pop(conn, None)
         for rid in [r for r, c in self._owner.items() if c is conn]:
             self._abort(rid)
         try:
@@ -222,7 +226,7 @@ class EngineCore:
                 # (its /metrics), not every step
                 if batch or conn is self.primary or \
                         now - self._stats_sent_at.get(conn, 0.0) >= STATS_EVERY_S:
-                    self._send(conn, ("out", [], batch, [], stats))
+                    self._send_with_stats(conn, ("out", [], batch, [], stats))
                     self._stats_sent_at[conn] = now
             self._last_stats = stats
         return stats
@@ -237,7 +241,27 @@ class EngineCore:
                 failed[conn].append((rid, error))
         stats = self._stats()
         for conn, items in failed.items():
-            self._send(conn, ("out", [], [], items, stats))
+            self._send_with_stats(conn, ("out", [], [], items, stats))
+
+    def _send_with_stats(self, conn, msg) -> None:
+        """Send an ("out", ...) message, whose last item is the stats, noting them as that
+        front end's."""
+        self._send(conn, msg)
+        self._stats_of[conn] = msg[-1]
+
+    def _send_stale_stats(self) -> None:
+        """With nothing to step: every front end whose last stats differ from the engine's is
+        sent them, so each front end's /metrics ends on the engine's final numbers (the steps
+        sent them only to the front ends with outputs, and to the others a few times a
+        second)."""
+        stats = None
+        for conn in self._greeted:
+            if stats is None:
+                stats = self._stats()
+                if stats is None:
+                    return
+            if self._stats_of.get(conn) != stats:
+                self._send_with_stats(conn, ("out", [], [], [], stats))
 
     def _stats(self) -> Optional[dict]:
         try:

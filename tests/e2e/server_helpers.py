@@ -60,8 +60,10 @@ class ServerProcess:
     """One `outpace serve` subprocess; its output goes to a log file (a pipe could fill up)."""
 
     def __init__(self, model_dir: Path, extra_args: list, log_path: Path,
-                 api_key: str | None = None, max_model_len: int | None = MAX_MODEL_LEN):
-        """max_model_len: --max-model-len, or None for none (the model's context)."""
+                 api_key: str | None = None, max_model_len: int | None = MAX_MODEL_LEN,
+                 env: dict | None = None):
+        """max_model_len: --max-model-len, or None for none (the model's context); env: more
+        environment variables for the server."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
@@ -74,7 +76,7 @@ class ServerProcess:
             cmd += ["--max-model-len", str(max_model_len)]
         if api_key:
             cmd += ["--api-key", api_key]
-        env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+        env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **(env or {})}
         self._log = open(log_path, "wb")
         self.proc = subprocess.Popen(cmd, cwd=str(REPO), stdout=self._log,
                                      stderr=subprocess.STDOUT, env=env,

@@ -2,7 +2,8 @@
 entrypoints/openai/frontends.py, the core's pipes in engine/core_process.py): a further front
 end serves on the shared port on its own (the server's own process stopped meanwhile), streams
 from both end whole, SIGTERM ends every stream with [DONE] and every process, a front end that
-dies ends the server, and no process outlives a killed server."""
+dies ends the server, no process outlives a killed server, and /metrics on either front end
+counts the whole server's requests (prometheus_client's multiprocess mode)."""
 
 from __future__ import annotations
 
@@ -12,22 +13,22 @@ import re
 import signal
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import httpx
 import pytest
 
-from tests.e2e.server_helpers import ServerProcess, wait_for
+from tests.e2e.server_helpers import ServerProcess, scrape, wait_for
 from tests.e2e.test_server_engine_process import _alive, _descendants, spawned_under
 
 N = ["--api-server-count", "2"]
 
 
 @contextmanager
-def _server(model_dir, tmp_path):
+def _server(model_dir, tmp_path, env: dict | None = None):
     """A server with two front ends, healthy, its processes all started -> (server, its
     processes); stopped after, and whatever it left behind killed."""
-    srv = ServerProcess(model_dir, N, tmp_path / "server.log")
+    srv = ServerProcess(model_dir, N, tmp_path / "server.log", env=env)
     under: set = set()
     try:
         srv.wait_healthy()
@@ -174,3 +175,54 @@ def test_the_core_routes_each_front_ends_requests_and_waits_for_no_silent_pipe(t
         first.send(("stop",))
         thread.join(10)
         engine.shutdown()
+
+
+@contextmanager
+def _stopped(pid: int):
+    """`pid` stopped (SIGSTOP) while the block runs: the other front end takes the
+    connections."""
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+def test_metrics_on_either_front_end_count_the_whole_server(tiny_model_dir, tmp_path):
+    """Requests served by each front end (the other one stopped meanwhile), then /metrics
+    answered by each: the per-request counters are the server's totals on every scrape, the
+    engine's token counters are counted once, and the metrics' temporary directory is gone
+    once the server stopped."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    with _server(tiny_model_dir, tmp_path, env={"TMPDIR": str(tmp)}) as (srv, _):
+        own, fronts, _ = _pids(srv)
+        body = {"prompt": "count me", "max_tokens": 3, "ignore_eos": True, "temperature": 0}
+        usages = []
+        for victim in (fronts[0], own, None):  # 3 to each front end alone, then 2 to either
+            with _stopped(victim) if victim else nullcontext():
+                for _ in range(3 if victim else 2):  # a fresh connection each
+                    r = httpx.post(srv.url + "/v1/completions", json=body, timeout=30)
+                    assert r.status_code == 200, r.text
+                    usages.append(r.json()["usage"])
+        n, prompt = len(usages), sum(u["prompt_tokens"] for u in usages)
+        files = {p.name for d in tmp.glob("outpace-metrics-*") for p in d.iterdir()}
+        assert {f"counter_{own}.db", f"counter_{fronts[0]}.db"} <= files, files
+
+        def whole(m: dict) -> bool:  # the engine's numbers reach a front end with its next
+            # message from the core: the per-request ones are in the files at once
+            return (m["outpace:prompt_tokens_total"] == prompt
+                    and m["outpace:generation_tokens_total"] == 3 * n)
+
+        for victim in (fronts[0], own):  # /metrics answered by one front end, then the other
+            with _stopped(victim):
+                assert wait_for(lambda: whole(scrape(srv)), timeout=10), scrape(srv)
+                for _ in range(3):
+                    m = scrape(srv)
+                    assert m["outpace:request_success_total{finished_reason=length}"] == n, m
+                    assert m["outpace:e2e_request_latency_seconds_count"] == n, m
+                    assert m["outpace:time_to_first_token_seconds_count"] == n, m
+                    assert whole(m), m  # not once a front end
+        srv.stop()
+        assert srv.proc.returncode is not None
+        assert not list(tmp.glob("outpace-metrics-*")), list(tmp.iterdir())

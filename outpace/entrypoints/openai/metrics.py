@@ -6,9 +6,18 @@ one its process last sent) by a custom collector, so the numbers come from one p
 engine) and can't drift from it. Per-request latencies (TTFT, TPOT, end-to-end) are histograms
 fed by the async engine's `on_finished` hook.
 Each server gets its own CollectorRegistry (no module-global state).
+
+With several front-end processes (`serve --api-server-count N`) the per-request metrics use
+prometheus_client's multiprocess mode: each process writes its counters and histograms to
+files in one directory (frontends.metrics_dir), and /metrics on any front end serves a
+MultiProcessCollector that sums them over the processes, beside the engine's collector (never
+written to the files: the engine's numbers are one process's, counted once).
 """
 
 from __future__ import annotations
+
+import os
+from typing import Optional
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -80,28 +89,57 @@ class _EngineStatsCollector:
         yield per_pos
 
 
+def _check_multiprocess(path: str) -> None:
+    """prometheus_client picks its value class (in memory, or a process's files in
+    PROMETHEUS_MULTIPROC_DIR) when it is first imported, and the files' folder when a metric is
+    made: both must name `path` here."""
+    from prometheus_client import values
+
+    if (values.ValueClass is values.MutexValue
+            or os.environ.get("PROMETHEUS_MULTIPROC_DIR") != path):
+        raise RuntimeError(
+            f"the front ends' metrics need prometheus_client's multiprocess mode in {path}: "
+            "PROMETHEUS_MULTIPROC_DIR must name it before prometheus_client is first imported "
+            "in this process (frontends.metrics_dir sets it)")
+
+
 class ServerMetrics:
-    def __init__(self, async_engine, model_name: str):
-        self.registry = CollectorRegistry()
+    def __init__(self, async_engine, model_name: str, multiprocess_dir: Optional[str] = None):
+        """multiprocess_dir: with several front-end processes, the directory of their metric
+        files (prometheus_client's multiprocess mode, set up before its import); None: this
+        process's metrics, in memory."""
+        self.registry = CollectorRegistry()  # what /metrics serves
         self.model_name = model_name
+        self.multiprocess_dir = multiprocess_dir
+        record_in = self.registry
+        if multiprocess_dir is not None:
+            from prometheus_client import multiprocess
+
+            _check_multiprocess(multiprocess_dir)
+            # the metrics below write this process's files; /metrics reads every process's
+            record_in = None
+            multiprocess.MultiProcessCollector(self.registry, path=multiprocess_dir)
         labels = ["model_name"]
         self.ttft = Histogram(PREFIX + "time_to_first_token_seconds",
                               "Time from arrival to the first output token.", labels,
-                              buckets=TTFT_BUCKETS, registry=self.registry)
+                              buckets=TTFT_BUCKETS, registry=record_in)
         self.tpot = Histogram(PREFIX + "time_per_output_token_seconds",
                               "Mean time per output token after the first, per request.", labels,
-                              buckets=TPOT_BUCKETS, registry=self.registry)
+                              buckets=TPOT_BUCKETS, registry=record_in)
         self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds",
                              "Time from arrival to the last output.", labels,
-                             buckets=E2E_BUCKETS, registry=self.registry)
+                             buckets=E2E_BUCKETS, registry=record_in)
         self.finished = Counter(PREFIX + "request_success", "Finished requests, by reason.",
-                                labels + ["finished_reason"], registry=self.registry)
+                                labels + ["finished_reason"], registry=record_in)
         self.http_errors = Counter(PREFIX + "http_request_errors",
                                    "Requests answered with an error status.",
-                                   ["status_code"], registry=self.registry)
+                                   ["status_code"], registry=record_in)
         self.rejected = Counter(PREFIX + "request_rejected_queue_full",
                                 "Requests refused because the waiting queue was full (503).",
-                                labels, registry=self.registry)
+                                labels, registry=record_in)
+        # Engine-side numbers (gauges and counters alike) come from this front end's copy of the
+        # engine's one stats snapshot at scrape time, never from the files: each appears once,
+        # so no Gauge (and no multiprocess_mode) is needed for them.
         self.registry.register(_EngineStatsCollector(async_engine, model_name))
 
     def on_request_finished(self, timing) -> None:

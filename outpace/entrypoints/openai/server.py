@@ -21,7 +21,7 @@ import logging
 import os
 import sys
 from contextlib import asynccontextmanager, suppress
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -33,12 +33,14 @@ from outpace.engine.async_engine import AsyncEngine
 from outpace.entrypoints.openai.access_log import AccessLog
 from outpace.entrypoints.openai.errors import (APIError, error_response, install_error_handlers,
                                                to_api_error)
-from outpace.entrypoints.openai.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from outpace.entrypoints.openai.protocol import now_s, parse_body
 from outpace.entrypoints.openai.serving_chat import create_chat_completion
 from outpace.entrypoints.openai.serving_common import ServingContext
 from outpace.entrypoints.openai.serving_completion import create_completion
 from outpace.entrypoints.openai.serving_tokenize import detokenize, tokenize
+
+if TYPE_CHECKING:  # prometheus_client is imported by build_app: run_server sets up its mode first
+    from outpace.entrypoints.openai.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
 
@@ -137,12 +139,18 @@ async def _read_json(request: Request, limit: int) -> dict:
 
 def build_app(engine: AsyncEngine, server_cfg: ServerConfig,
               metrics: Optional[ServerMetrics] = None,
-              before_shutdown: Optional[Callable[[], None]] = None) -> FastAPI:
+              before_shutdown: Optional[Callable[[], None]] = None,
+              metrics_dir: Optional[str] = None,
+              after_shutdown: Optional[Callable[[], None]] = None) -> FastAPI:
     """The app around an AsyncEngine or an EngineCoreClient (the same interface; started by
     the app's lifespan, stopped at shutdown, after `before_shutdown`: the server's further
-    front ends, which drain their streams while the engine still runs)."""
+    front ends, which drain their streams while the engine still runs; `after_shutdown` runs
+    last, when nothing is served or recorded any more). metrics_dir: the front ends' metric
+    files (frontends.metrics_dir), or None for this process's alone."""
+    from outpace.entrypoints.openai.metrics import CONTENT_TYPE_LATEST, ServerMetrics
+
     served = server_cfg.served_model_name or engine.model_name
-    metrics = metrics or ServerMetrics(engine, served)
+    metrics = metrics or ServerMetrics(engine, served, multiprocess_dir=metrics_dir)
     if engine.on_finished is None:
         engine.on_finished = metrics.on_request_finished
     ctx = ServingContext(engine=engine, served_name=served,
@@ -158,7 +166,11 @@ def build_app(engine: AsyncEngine, server_cfg: ServerConfig,
                 if before_shutdown is not None:
                     await asyncio.to_thread(before_shutdown)
             finally:
-                engine.shutdown()
+                try:
+                    engine.shutdown()
+                finally:
+                    if after_shutdown is not None:
+                        after_shutdown()
 
     app = FastAPI(title="outpace", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
@@ -248,9 +260,21 @@ def run_server(engine_args: EngineArgs, server_cfg: ServerConfig,
     """Load the engine of `engine_args` (its max_waiting_requests bounds the waiting queue:
     503 above it), then serve until SIGINT/SIGTERM, on `sock` if given (bound before the
     engine loads: listen.bind_socket). Blocks."""
+    from outpace.entrypoints.openai.frontends import metrics_dir
+
+    n_front = server_cfg.api_server_count
+    # first: with several front ends, prometheus_client's multiprocess mode is set up in this
+    # process before its import (build_app's), and the front ends spawned later inherit it
+    with metrics_dir(n_front) as mdir:
+        _run_server(engine_args, server_cfg, log_level, sock, mdir)
+
+
+def _run_server(engine_args: EngineArgs, server_cfg: ServerConfig, log_level: str, sock,
+                mdir: Optional[str]) -> None:
     import uvicorn
 
     from outpace.engine.engine import LLMEngine
+    from outpace.entrypoints.openai.frontends import remove_metrics_dir
     from outpace.entrypoints.openai.http_protocol import header_deadline_protocol
 
     n_front = server_cfg.api_server_count
@@ -267,12 +291,17 @@ def run_server(engine_args: EngineArgs, server_cfg: ServerConfig,
     try:
         if n_front > 1:  # the others share the socket, each with its own pipe to the core
             from outpace.entrypoints.openai.frontends import Frontends
-            frontends = Frontends(engine.peer_conns, sock, server_cfg, log_level)
+            frontends = Frontends(engine.peer_conns, sock, server_cfg, log_level, mdir)
             print(f"outpace: {n_front} front-end processes: {os.getpid()} (this one) and "
                   f"{', '.join(str(p.pid) for p in frontends.procs)}, over the engine process "
                   f"{engine.pid}", file=sys.stderr, flush=True)
         app = build_app(engine, server_cfg,
-                        before_shutdown=frontends.stop if frontends is not None else None)
+                        before_shutdown=frontends.stop if frontends is not None else None,
+                        metrics_dir=mdir,
+                        # here too: uvicorn re-raises a SIGTERM it shut down on, which ends
+                        # this process before metrics_dir's own removal runs
+                        after_shutdown=None if mdir is None else
+                        (lambda: remove_metrics_dir(mdir)))
         if server_cfg.host not in ("127.0.0.1", "localhost", "::1"):
             log.warning("outpace: listening on %s, reachable from other machines%s",
                         server_cfg.host,
