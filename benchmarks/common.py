@@ -107,7 +107,8 @@ def add_ablate_arg(ap) -> None:
     ap.add_argument("--ablate", action="append", default=[], metavar="NAME",
                     help="turn one KernelOptions switch off for every engine of the run "
                          "(repeatable): pdl, pdl_prime, few_row_kernels, fused_qkv_rope_store, "
-                         "mid_row_kernels, triton_logprobs, fused_split_merge, row_warps_N")
+                         "mid_row_kernels, triton_logprobs, fused_split_merge, "
+                         "ngram_lookup_kernel, row_warps_N")
 
 
 def kernel_options(ap, ablate: list):

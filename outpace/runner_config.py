@@ -39,6 +39,9 @@ class KernelOptions:
     triton_logprobs: bool = True
     # Split-KV attention merges in its last split (else a separate merge kernel).
     fused_split_merge: bool = True
+    # The device n-gram lookup (`ngram_device`) as one Triton kernel (kernels/ngram_lookup.py;
+    # else the tensor-op reference, speculative/ngram_device.ngram_propose_ref, on CUDA too).
+    ngram_lookup_kernel: bool = True
     # The row counts whose few-row projections run a warp a row (kernels/skinny_gemm/blocks.py).
     row_warps_rows: frozenset = frozenset({2, 3, 4})
 

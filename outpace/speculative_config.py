@@ -12,8 +12,9 @@ from outpace.option_checks import check_int
 
 SPEC_METHODS = ("ngram", "suffix", "mtp", "eagle3")
 MAX_DRAFT_TOKENS = 16  # num_speculative_tokens at most (the verify graphs' query lengths)
-# prompt_lookup_max at most with ngram_device: each n is one more pass over every row's whole
-# history in every step's graph (speculative/ngram_device.py: O(bucket x max_model_len) work
+# prompt_lookup_max at most with ngram_device: each n is one more compare of every position a
+# row's lookup walks (kernels/ngram_lookup.py), or in the tensor-op reference one more pass
+# over every row's whole history (speculative/ngram_device.py: O(bucket x max_model_len) work
 # and a few graph nodes an n), while a suffix that long already pins its continuation: the
 # longer n rarely names another occurrence.
 NGRAM_DEVICE_MAX_N = 8

@@ -72,19 +72,21 @@ def pool_tokens_at_most(cache_cfg: CacheConfig, model_cfg, kv_dtype, device) -> 
 
 
 def kv_headroom(model_cfg, spec_cfg, max_num_tokens: int, max_num_seqs: int,
-                max_model_len: int, act_bytes: int, graphs: bool) -> int:
+                max_model_len: int, act_bytes: int, graphs: bool,
+                lookup_kernel: bool = False) -> int:
     """Bytes a KV pool sized from free GPU memory leaves free: a step's activations
     (kvcache/sizing.activation_bytes, with the logits of every verify row), and where the
     fused graphs run the n-gram lookup (`ngram_device`, graphs on) its device history, a
     fill's row moves and the lookup's temporaries (runner/fused_ngram.StepNgram.device_bytes),
-    which the graphs allocate after the pool."""
+    which the graphs allocate after the pool: none where the lookup runs as the Triton kernel
+    (lookup_kernel)."""
     from outpace.kvcache.sizing import activation_bytes
     max_k = spec_cfg.num_speculative_tokens if spec_cfg.enabled else 0
     headroom = activation_bytes(model_cfg, max_num_tokens, max_num_seqs * (max_k + 1),
                                 act_bytes)
     if graphs and spec_cfg.enabled and spec_cfg.ngram_device:
         from outpace.runner.fused_ngram import StepNgram
-        headroom += StepNgram.device_bytes(max_num_seqs, max_model_len)
+        headroom += StepNgram.device_bytes(max_num_seqs, max_model_len, lookup_kernel)
     return headroom
 
 
@@ -246,9 +248,14 @@ def assemble(args: EngineArgs, checked, tp) -> Assembled:
     # the device n-gram's buffers; the context is at most what the rope tables cover (the
     # pool may shorten it below)
     graphs = torch_device.type == "cuda" and not a.enforce_eager
+    from outpace.kernels import triton_available
+    # the device n-gram lookup runs as the kernel where kernels/ngram_lookup.use_ngram_kernel
+    # will hold in the runner (a CUDA device, triton, the option on)
+    lookup_kernel = (graphs and runner_cfg.kernel_options.ngram_lookup_kernel
+                     and triton_available())
     headroom = kv_headroom(model_cfg, spec_cfg, max_num_tokens, max_num_seqs,
                            min(config.max_model_len, target.rotary.max_positions),
-                           runner_cfg.torch_dtype.itemsize, graphs)
+                           runner_cfg.torch_dtype.itemsize, graphs, lookup_kernel)
     # every rank's block tables are rank 0's: the pool is the size the smallest rank holds
     num_blocks = tp.all_min(size_kv(cache_cfg, rank_cfg, num_slots,
                                     runner_cfg.torch_kv_cache_dtype, torch_device,

@@ -11,6 +11,8 @@
     masked_gumbel.py  masked_race_triton: the sampling race over the top-k / top-p / min-p
                  nucleus without a sort (reference: sample/gumbel.masked_race_tokens' CPU path)
     embed_norm_cat.py  embed_norm_cat: a draft head's [rms_norm(embedding), rms_norm(hidden)] input
+    ngram_lookup.py  ngram_lookup_triton: the device n-gram lookup, a program a row (reference:
+                 speculative/ngram_device.ngram_propose_ref)
     pdl.py       programmatic dependent launch: launch_options, wait_then_release
 
 Kernels that belong to a higher layer live there: the paged attention kernel in

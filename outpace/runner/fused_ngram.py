@@ -30,12 +30,16 @@ those the host's NgramProposer would propose from the same committed tokens (the
 same function of them), so the host's n-gram state and the graph can take turns: the general
 path (prefills, mixed steps) still proposes on the host.
 
-Cost: the history is 4 bytes x m x max_model_len; the lookup scans every row's full width,
-O(bucket x max_model_len x prompt_lookup_max) a step (ngram_device.py), its temporaries take
-at most 24 bytes x bucket x max_model_len (`lookup_bytes`) and a fill's moves up to the
-history's size again (all of it: `device_bytes`, kept out of the KV pool by the engine's
-builder). A launch from the host uploads the tokens its rows lack: in steady decoding the
-tokens committed since the rows' last fill, a prompt once.
+Cost: the history is 4 bytes x m x max_model_len. On CUDA with triton the lookup is one
+kernel (kernels/ngram_lookup.py) that walks each row's own tokens only, O(length x
+prompt_lookup_max) a row, and writes the packed output, the carry and the counts itself
+(nothing allocated); elsewhere (or with KernelOptions.ngram_lookup_kernel off) the tensor-op
+reference (`step_drafts_ref`) scans every row's full width, O(bucket x max_model_len x
+prompt_lookup_max) a step, its temporaries taking at most 24 bytes x bucket x max_model_len
+(`lookup_bytes`). A fill's moves take up to the history's size again (all of it:
+`device_bytes`, kept out of the KV pool by the engine's builder). A launch from the host
+uploads the tokens its rows lack: in steady decoding the tokens committed since the rows' last
+fill, a prompt once.
 """
 
 from __future__ import annotations
@@ -43,7 +47,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from outpace.speculative.ngram_device import lookup_bytes, ngram_propose
+from outpace.kernels.ngram_lookup import StepOutputs, ngram_lookup_triton, use_ngram_kernel
+from outpace.speculative.ngram_device import lookup_bytes, ngram_propose_ref
 
 
 class StepNgram:
@@ -68,15 +73,17 @@ class StepNgram:
         self.moved_rows = 0  # rows a fill moved on the device, summed (tests read it)
 
     @staticmethod
-    def device_bytes(max_num_seqs: int, max_model_len: int) -> int:
+    def device_bytes(max_num_seqs: int, max_model_len: int, lookup_kernel: bool = False) -> int:
         """A bound of the device memory this part takes with an engine's max_num_seqs and
         context: the history and its counters (one row more than max_num_seqs: the runner's
         padding slot), a fill's copy of the rows it moves (eager) and the lookup's
-        temporaries at the largest bucket (in the graphs' memory pool)."""
+        temporaries at the largest bucket (in the graphs' memory pool): none where the lookup
+        runs as the kernel (lookup_kernel: `use_ngram_kernel` holds), which writes into the
+        step's outputs; the tensor-op reference's bound otherwise."""
         rows, width = max_num_seqs + 1, max_model_len + 1
         history = 4 * rows * width + 2 * 8 * rows
         moves = 4 * max_num_seqs * width
-        return history + moves + lookup_bytes(max_num_seqs, max_model_len)
+        return history + moves + lookup_bytes(max_num_seqs, max_model_len, lookup_kernel)
 
     def neutral_rows(self, bucket: int) -> None:
         """Every row of a bucket empty (graphs are captured over such a batch): no drafts.
@@ -175,15 +182,28 @@ class StepNgram:
         if kd == 0:
             self.counts[:bucket].zero_()
             return
-        lengths = self.lengths[:bucket]
-        drafts, counts = ngram_propose(self.history[:bucket, :self.width], lengths, kd,
-                                       self.min_n, self.max_n)
-        counts = torch.minimum(counts, (self.width - 1 - lengths).clamp(min=0))
-        counts = torch.where(real[:bucket], counts, 0)
-        keep = torch.arange(kd, device=drafts.device) < counts.unsqueeze(1)
-        drafts_out.copy_(torch.where(keep, drafts, -1))
-        carry_drafts.copy_(torch.where(keep, drafts, 0))
-        self.counts[:bucket].copy_(counts)
+        history, lengths = self.history[:bucket, :self.width], self.lengths[:bucket]
+        out = StepOutputs(carry_drafts, drafts_out, self.counts[:bucket], real[:bucket],
+                          self.width)
+        if use_ngram_kernel(history):  # one kernel writes all three outputs
+            ngram_lookup_triton(history, lengths, kd, self.min_n, self.max_n, step=out)
+        else:
+            step_drafts_ref(history, lengths, kd, self.min_n, self.max_n, out)
+
+
+def step_drafts_ref(history: torch.Tensor, lengths: torch.Tensor, k: int, min_n: int,
+                    max_n: int, out: StepOutputs) -> None:
+    """The fused step's lookup in tensor ops (what ngram_lookup_triton writes with `step`):
+    each row's drafts from `ngram_propose_ref`, its count capped at max(context - 1 - length,
+    0) and 0 in rows not real, into out.drafts (0 past the count), out.marked (-1 past it) and
+    out.counts."""
+    drafts, counts = ngram_propose_ref(history, lengths, k, min_n, max_n)
+    counts = torch.minimum(counts, (out.context - 1 - lengths).clamp(min=0))
+    counts = torch.where(out.real, counts, 0)
+    keep = torch.arange(k, device=drafts.device) < counts.unsqueeze(1)
+    out.marked.copy_(torch.where(keep, drafts, -1))
+    out.drafts.copy_(torch.where(keep, drafts, 0))
+    out.counts.copy_(counts)
 
 
 class _Staging:

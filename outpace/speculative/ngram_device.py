@@ -1,4 +1,5 @@
-"""n-gram prompt lookup in tensor ops over a device token history, for a CUDA graph.
+"""n-gram prompt lookup over a device token history, for a CUDA graph: one Triton kernel on
+CUDA (kernels/ngram_lookup.py), the tensor-op reference here elsewhere.
 
 The same lookup as speculative/ngram.py (`NgramDrafter.propose`), batched: for each row b with
 committed tokens T = history[b, :lengths[b]] of length L, the longest n in [max_n .. min_n]
@@ -6,13 +7,15 @@ whose suffix n-gram T[L-n:L] occurs earlier, at its most recent earlier occurren
 are the tokens that followed it, up to k (fewer where they run into the end of T, unless
 `periodic`).
 
-Every shape is fixed by (B, Lmax, k, min_n, max_n), every loop runs over Python ints, and
-nothing reads a tensor's value on the host (no `.item()`, no data-dependent shape), so the
-function can be captured in a CUDA graph and replayed with new histories and lengths.
+In the reference every shape is fixed by (B, Lmax, k, min_n, max_n), every loop runs over
+Python ints, and nothing reads a tensor's value on the host (no `.item()`, no data-dependent
+shape), so the function can be captured in a CUDA graph and replayed with new histories and
+lengths (the kernel too: a fixed grid of B programs).
 
-How: an occurrence is named by its END e (its last token), not its start. The suffix of
-length n matches at end e iff history[e - t] == history[L - 1 - t] for every t < n, so one
-running AND over t = 0, 1, .. max_n - 1 of the shifted equality
+How (the reference; the kernel's walk is described in its module): an occurrence is named by
+its END e (its last token), not its start. The suffix of length n matches at end e iff
+history[e - t] == history[L - 1 - t] for every t < n, so one running AND over t = 0, 1, ..
+max_n - 1 of the shifted equality
 
     acc_t[b, e] = acc_{t-1}[b, e] and history[b, e - t] == history[b, L_b - 1 - t]
 
@@ -22,11 +25,15 @@ start e - n + 1 >= 0. Among valid ends the most recent is the largest index: an 
 position-weighted mask (-1 where none). Passes run n upward and a found match replaces the one
 of a shorter n, so the longest n wins. The continuation starts at e + 1 whatever n matched.
 
-Cost: max_n passes of O(B * Lmax) elementwise work and one row reduction each, then O(B * k)
-for the continuation: O(B * Lmax * max_n) work and O(B * Lmax) memory (`lookup_bytes`),
-against NgramState's O(max_n^2) per step on the host (it keeps an index instead of rescanning). The scan reads the
-whole buffer width Lmax whatever the rows' lengths, so a caller sizes Lmax to the longest text
-it must look up in.
+Cost: on CUDA with triton one kernel (kernels/ngram_lookup.py, unless
+KernelOptions.ngram_lookup_kernel is off): a program a row walks that row's own earlier ends
+only, from the most recent, and stops at a max_n-gram match, O(L x max_n) a row whatever Lmax,
+allocating nothing but its outputs. The tensor-op reference below (`ngram_propose_ref`, the CPU
+path) runs max_n passes of O(B * Lmax) elementwise work and one row reduction each, then
+O(B * k) for the continuation: O(B * Lmax * max_n) work in ~10 kernels a pass and O(B * Lmax)
+memory (`lookup_bytes`), reading the whole buffer width Lmax whatever the rows' lengths.
+Either way against NgramState's O(max_n^2) per step on the host (it keeps an index instead of
+rescanning).
 
 Entries of `history` at or past a row's length are never read as matches (they may hold
 anything: a slot's previous request). `lengths` must lie in 0 .. Lmax; a graph can't check
@@ -37,6 +44,7 @@ from __future__ import annotations
 
 import torch
 
+from outpace.kernels.ngram_lookup import ngram_lookup_triton, use_ngram_kernel
 from outpace.speculative.ngram import _check_range
 
 
@@ -47,8 +55,23 @@ def ngram_propose(history: torch.Tensor, lengths: torch.Tensor, k: int, min_n: i
     zeros past it (counts 0 where nothing matches).
 
     history: [B, Lmax] integer token ids; lengths: [B] integer, each in 0 .. Lmax. k, min_n,
-    max_n, periodic are fixed for a captured graph (Python values)."""
+    max_n, periodic are fixed for a captured graph (Python values). On CUDA with triton the
+    Triton kernel (kernels/ngram_lookup.py) computes it, else the tensor-op reference."""
     _check_args(history, lengths, k, min_n, max_n)
+    if use_ngram_kernel(history):
+        return ngram_lookup_triton(history, lengths, k, min_n, max_n, periodic)
+    return _propose_ref(history, lengths, k, min_n, max_n, periodic)
+
+
+def ngram_propose_ref(history: torch.Tensor, lengths: torch.Tensor, k: int, min_n: int = 1,
+                      max_n: int = 4, periodic: bool = False) -> tuple:
+    """`ngram_propose` in tensor ops on any device (the module docstring's passes): the
+    reference the kernel is tested against."""
+    _check_args(history, lengths, k, min_n, max_n)
+    return _propose_ref(history, lengths, k, min_n, max_n, periodic)
+
+
+def _propose_ref(history, lengths, k, min_n, max_n, periodic) -> tuple:
     rows, width = history.shape
     dev = history.device
     drafts = torch.zeros(rows, k, dtype=torch.long, device=dev)
@@ -98,10 +121,14 @@ def ngram_propose(history: torch.Tensor, lengths: torch.Tensor, k: int, min_n: i
 LOOKUP_CELL_BYTES = 24
 
 
-def lookup_bytes(rows: int, width: int) -> int:
-    """A bound of the memory `ngram_propose` allocates over a [rows, width] int32 history
-    (what a CUDA graph of it holds in its pool), whatever k, min_n and max_n: its passes
-    allocate the same and free the last one's."""
+def lookup_bytes(rows: int, width: int, kernel: bool = False) -> int:
+    """A bound of the memory the lookup allocates over a [rows, width] int32 history (what a
+    CUDA graph of it holds in its pool), whatever k, min_n and max_n. The reference's
+    (`ngram_propose_ref`; kernel False): its passes allocate the same and free the last one's.
+    The kernel's (kernel True, where `use_ngram_kernel` holds): none, since the fused step
+    passes it the outputs it writes (kernels/ngram_lookup.StepOutputs)."""
+    if kernel:
+        return 0
     return LOOKUP_CELL_BYTES * rows * width + 16 * width + (1 << 16)
 
 

@@ -245,6 +245,9 @@ if IN_CHILD:
     from outpace.sample.penalty_kernels import (count_emitted_ref, count_emitted_triton,
                                            penalize_rows_ref, penalize_rows_triton)
     from outpace.kernels.logprobs import row_logprobs_triton
+    from outpace.kernels.ngram_lookup import StepOutputs, ngram_lookup_triton
+    from outpace.runner.fused_ngram import step_drafts_ref
+    from outpace.speculative.ngram_device import ngram_propose_ref
     from tests.unit import logprobs_cases
     from tests.unit.kernel_cases import COMPOSITIONS, make_batch
     from tests.unit.kernel_cases import check_attention as verify_attention
@@ -1156,3 +1159,124 @@ def check_row_logprobs(rows, vocab, top, chunk, monkeypatch):
     logits[0, ::3] = float("nan")
     ids = row_logprobs_triton(logits, tokens, top)[:, 1 + top:]
     assert bool(((ids >= 0) & (ids < vocab)).all())
+
+
+# ---- the device n-gram lookup (kernels/ngram_lookup.py): integers, so exact equality ----------
+
+def _ngram_case(g, rows, width, vocab, dtype=torch.long):
+    """(history [rows, width], lengths [rows]): half the rows repeated motifs (long matches,
+    continuations that run into the end), half random ids; lengths 0, 1, 2 and width among
+    random ones, one past the width and one below 0 where there are rows enough (both clamped),
+    stale ids past every length."""
+    hist = torch.randint(0, vocab, (rows, width), generator=g)
+    for b in range(0, rows, 2):
+        motif = torch.randint(0, vocab, (int(torch.randint(1, 6, (1,), generator=g)),),
+                              generator=g)
+        hist[b] = motif.repeat(width // motif.numel() + 1)[:width]
+        if b % 4 == 0 and width > 4:  # one slip in the motif
+            hist[b, int(torch.randint(0, width, (1,), generator=g))] = vocab - 1
+    lengths = torch.randint(0, width + 1, (rows,), generator=g)
+    fixed = [0, 1, 2, width, width + 7, -3]
+    if rows >= len(fixed):
+        lengths[:len(fixed)] = torch.tensor(fixed)
+    else:
+        lengths[0] = width
+    return hist.to(dtype), lengths
+
+
+def _same_ngram(got, want):
+    for a, b in zip(got, want):
+        assert a.dtype == torch.long and a.shape == b.shape and torch.equal(a, b), (a, b)
+
+
+@pytest.mark.parametrize("k,min_n,max_n,periodic", [(4, 1, 4, False), (7, 2, 5, True),
+                                                    (1, 3, 3, False), (5, 1, 8, True),
+                                                    (3, 1, 1, False), (0, 1, 4, False)])
+@pytest.mark.parametrize("block", [16, 512])
+def check_ngram_lookup(k, min_n, max_n, periodic, block):
+    """The kernel's (drafts, counts) equal the tensor-op reference's on random rows, for one
+    block covering every row and for several blocks a row (the walk's early stop)."""
+    g = torch.Generator().manual_seed(k * 100 + min_n * 10 + max_n + periodic + block)
+    proposed = 0
+    for rows, width, vocab, dtype in ((9, 300, 2, torch.long), (6, 200, 3, torch.int32),
+                                      (1, 130, 5, torch.int32), (3, 40, 4, torch.long)):
+        hist, lengths = _ngram_case(g, rows, width, vocab, dtype)
+        if dtype == torch.int32:  # int32 lengths too (the kernel loads either)
+            lengths = lengths.to(torch.int32)
+        want = ngram_propose_ref(hist, lengths, k, min_n, max_n, periodic)
+        got = ngram_lookup_triton(hist, lengths, k, min_n, max_n, periodic, block=block)
+        _same_ngram(got, want)
+        proposed += int(want[1].sum())
+    assert k == 0 or proposed > 0  # the cases propose something
+
+
+@pytest.mark.parametrize("width", [0, 1, 2, 3])
+def check_ngram_lookup_narrow(width):
+    """Buffers too narrow for max_n (or any n): top_n = width - 1 below min_n proposes
+    nothing; a strided history (a view of a wider buffer, as the fused step passes)."""
+    wide = torch.full((3, width + 1), 5, dtype=torch.int32)
+    hist = wide[:, :width]
+    lengths = torch.tensor([0, min(width, 1), width])
+    for min_n, max_n in ((1, 4), (2, 3), (3, 3)):
+        for periodic in (False, True):
+            _same_ngram(ngram_lookup_triton(hist, lengths, 4, min_n, max_n, periodic),
+                        ngram_propose_ref(hist, lengths, 4, min_n, max_n, periodic))
+
+
+def check_ngram_lookup_planted():
+    """Rows whose answers are known: the most recent occurrence, the longest n before a more
+    recent shorter one, an occurrence ending at L - 2, none at L - 1, a match at position 0."""
+    rows = [
+        ([7, 8, 9, 7, 8], [9, 7, 8]),  # the 2-gram at 0: its continuation runs to the end
+        ([1, 2, 3, 9, 5, 2, 3, 8, 7, 1, 2, 3], [9, 5, 2]),  # the 3-gram at 0, not the 2-gram
+        ([4, 6, 1, 4, 6, 2, 4, 6], [2, 4, 6]),  # the most recent of two 2-gram occurrences
+        ([3, 3], [3]),  # the 1-gram ending at L - 2 = 0
+        ([5, 1, 2, 3], []),  # no earlier occurrence (the suffix itself ends at L - 1)
+        ([2, 4, 2, 4, 2], [4, 2]),  # [2, 4, 2] at 0 (n = 3), continuation to the end
+    ]
+    width = 16
+    hist = torch.full((len(rows), width), 9, dtype=torch.long)  # stale 9s past the lengths
+    for b, (text, _) in enumerate(rows):
+        hist[b, :len(text)] = torch.tensor(text)
+    lengths = torch.tensor([len(text) for text, _ in rows])
+    for block in (2, 4, 512):
+        drafts, counts = ngram_lookup_triton(hist, lengths, 3, 1, 4, block=block)
+        have = [d[:c] for d, c in zip(drafts.tolist(), counts.tolist())]
+        assert have == [want for _, want in rows], have
+        assert not drafts[torch.arange(3) >= counts[:, None]].any()
+    drafts, counts = ngram_lookup_triton(hist, lengths, 3, 1, 4, periodic=True)
+    assert drafts[5].tolist() == [4, 2, 4] and counts[5] == 3  # period 2 past the end
+
+
+@pytest.mark.parametrize("k,min_n,max_n", [(3, 1, 4), (5, 2, 3)])
+def check_ngram_lookup_step_outputs(k, min_n, max_n):
+    """With StepOutputs (the fused step's form): the same writes as the fused step's tensor-op
+    path (`step_drafts_ref`) into strided views of wider buffers, counts capped near the
+    context and 0 in rows not real, nothing written outside the views."""
+    g = torch.Generator().manual_seed(k + min_n)
+    rows, width, q = 8, 120, 2
+    wide, lengths = _ngram_case(g, rows, width + 1, 3, torch.int32)
+    hist = wide[:, :width]  # the history's scratch column left out, as the fused step does
+    lengths = lengths.clamp(0, width)
+    lengths[6:] = torch.tensor([width - 2, width - 3])  # the context caps these counts
+    real = torch.rand(rows, generator=g) < 0.7
+    real[6:] = True
+    outs = []
+    for run in ("ref", "kernel"):
+        packed = torch.full((rows, q + 1 + k), -7, dtype=torch.long)
+        carry = torch.full((rows, k + 2), -7, dtype=torch.long)
+        counts = torch.full((rows + 1,), -7, dtype=torch.long)
+        out = StepOutputs(carry[:, 1:1 + k], packed[:, q + 1:], counts[:rows], real, width)
+        if run == "ref":
+            step_drafts_ref(hist, lengths, k, min_n, max_n, out)
+        else:
+            assert ngram_lookup_triton(hist, lengths, k, min_n, max_n, step=out)[1] \
+                is out.counts
+        outs.append((packed, carry, counts))
+    for a, b in zip(*outs):
+        assert torch.equal(a, b), (a, b)
+    packed, carry, counts = outs[1]
+    assert (packed[:, :q + 1] == -7).all() and (carry[:, 0] == -7).all() \
+        and (carry[:, 1 + k:] == -7).all() and counts[rows] == -7
+    assert (counts[:rows][~real] == 0).all() and counts[6] <= 1 and counts[7] <= 2
+    assert counts[:rows].sum() > 0

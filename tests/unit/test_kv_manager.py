@@ -301,8 +301,8 @@ def test_gpu_memory_utilization_near_1_leaves_the_activations_their_memory():
 def test_device_ngram_buffers_are_kept_out_of_the_pool():
     """With ngram_device and graphs the headroom adds StepNgram's device bytes (its history
     and counters as allocated, a fill's row moves, the lookup's temporaries at the largest
-    bucket), growing with max_num_seqs and the context; without either, a step's activations
-    alone."""
+    bucket: none with the lookup as the kernel), growing with max_num_seqs and the context;
+    without either, a step's activations alone."""
     from outpace.engine.builder import kv_headroom
     from outpace.kvcache.sizing import activation_bytes
     from outpace.runner.fused_ngram import StepNgram
@@ -325,3 +325,9 @@ def test_device_ngram_buffers_are_kept_out_of_the_pool():
     assert extra < 2 * (held + moves + lookup_bytes(seqs, ctx))
     assert StepNgram.device_bytes(seqs, 2 * ctx) > 1.9 * extra
     assert StepNgram.device_bytes(2 * seqs, ctx) > 1.9 * extra
+    # the lookup as the Triton kernel writes into the step's outputs: no temporaries
+    assert lookup_bytes(seqs, ctx, kernel=True) == 0
+    lean = StepNgram.device_bytes(seqs, ctx, lookup_kernel=True)
+    assert lean == extra - lookup_bytes(seqs, ctx) and lean >= held + moves
+    assert kv_headroom(MODEL, on, 1000, seqs, ctx, 2, graphs=True, lookup_kernel=True) == \
+        base + lean
