@@ -23,6 +23,7 @@ from benchmarks.common import drop_script_folder, print_table, serve_prompts, wr
 drop_script_folder()
 
 from outpace.bench.serve import ServeBenchConfig, run_benchmark  # noqa: E402
+from outpace.bench.server_metrics import run_means, scrape  # noqa: E402
 from outpace.errors import OutpaceError  # noqa: E402
 
 ENDPOINTS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
@@ -57,16 +58,21 @@ def main(argv=None) -> int:
                            max_concurrency=a.max_concurrency, output_len=a.output_len,
                            ignore_eos=not a.no_ignore_eos, temperature=a.temperature,
                            seed=a.seed)
+    before = scrape(cfg.base_url)  # the server's own numbers over the run (outpace's only)
     try:
         s = asyncio.run(run_benchmark(cfg, serve_prompts(a.dataset, a.seed)))
     except OutpaceError as e:  # the server unreachable, or the key refused
         print(f"serve.py: error: {e}", file=sys.stderr)
         return 2
+    means = run_means(before, scrape(cfg.base_url))
+    phases = means.pop("server_phase_mean_ms")
+    s.update(means)
+    s.update({f"server_{k}_mean_ms": v for k, v in phases.items()})
     s["config"]["dataset"] = a.dataset
     if a.note:
         s["note"] = a.note
-    rows = [{"metric": k, "value": f"{v:.2f}" if isinstance(v, float) else v}
-            for k, v in s.items() if k not in ("config", "errors")]
+    rows = [{"metric": k, "value": f"{v:.2f}" if isinstance(v, float) else
+             "" if v is None else v} for k, v in s.items() if k not in ("config", "errors")]
     print_table(rows, ["metric", "value"])
     for e in s["errors"]:
         print("error:", e, file=sys.stderr)

@@ -19,8 +19,10 @@ For each speculative config in turn (`no-spec`, `eagle3-k2`, `mtp-k1`, `ngram-k3
      prompt of the lower concurrencies), so both prefix caches hold the same prompts.
 Per (config, concurrency): the server's output tok/s, the offline engine's, their ratio, TTFT
 p50 / p99, TPOT p50 against the offline engine's median step time, start-up seconds; the
-prompt tokens of both sides compared (the same prompts, the same template). A table last, and
-JSON (--out).
+prompt tokens of both sides compared (the same prompts, the same template). Then where the
+TTFT went: the server's /metrics scraped right before and after each load, the means over the
+run of its TTFT and of the TTFT's phases (outpace.bench.server_metrics) beside the client's
+mean TTFT, and the client processes' CPU time. Two tables last, and JSON (--out).
 
     python benchmarks/serve.py --start-server smollm2-135m --device cpu \\
         --configs no-spec,ngram-k2 --concurrency 1 2 --num-prompts 4 --output-len 8 \\
@@ -215,6 +217,7 @@ async def first_token(srv: Child, url: str, api_key, prompt: str) -> tuple:
 def run_server(a, name: str, argv: list, texts: dict, log_dir: Path) -> dict:
     """One config's server: start-up, the load at each concurrency, stopped -> its record."""
     from outpace.bench.serve import ServeBenchConfig, run_load
+    from outpace.bench.server_metrics import run_means, scrape
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "outpace", "serve", *argv, "--port", str(port)]
@@ -235,7 +238,9 @@ def run_server(a, name: str, argv: list, texts: dict, log_dir: Path) -> dict:
                                    output_len=a.output_len, ignore_eos=True, temperature=0.0,
                                    seed=a.seed,
                                    client_processes=min(a.client_processes, c, len(texts[c])))
+            before = scrape(url)
             s = run_load(cfg, texts[c])
+            s.update(run_means(before, scrape(url)))
             s.pop("config")
             rec["load"][str(c)] = s
             print(f"[{name}] concurrency {c}: {s['output_throughput']:.1f} tok/s, "
@@ -365,6 +370,13 @@ def row(name: str, c: int, server: dict, off: dict) -> dict:
         "offline_output_tokens": off["total_output_tokens"],
         "server_duration_s": s["duration"], "offline_duration_s": off["duration"],
         "offline_spec": off["spec"],
+        # where the TTFT goes: the client's mean against the server's own (from its handler),
+        # and the server's phases of it (outpace.bench.server_metrics), means over the run
+        "ttft_mean_ms": s["mean_ttft_ms"], "e2el_mean_ms": s["mean_e2el_ms"],
+        "server_ttft_mean_ms": s.get("server_ttft_mean_ms"),
+        "server_e2e_mean_ms": s.get("server_e2e_mean_ms"),
+        "server_phase_mean_ms": s.get("server_phase_mean_ms") or {},
+        "client_cpu_s": s.get("client_cpu_s"), "client_cpu_busiest": s.get("client_cpu_busiest"),
     }
 
 
@@ -384,6 +396,35 @@ def print_report(rows: list) -> None:
                   "offline step ms": _fmt(r["offline_step_ms"]),
                   "TPOT/step": _fmt(r["tpot_step_ratio"]),
                   "first token s": _fmt(r["startup_first_token_s"])} for r in rows], cols)
+    print_phases(rows)
+
+
+# the phase columns of print_phases: (header, server_metrics phase)
+PHASE_COLS = (("http wait", "http_wait"), ("frontend", "frontend"), ("to engine", "to_engine"),
+              ("queue", "queue"), ("prefill", "prefill"), ("return", "first_token_return"),
+              ("1st chunk", "first_chunk"))
+
+
+def print_phases(rows: list) -> None:
+    """Where the TTFT went, means over each run in ms: the client's TTFT, the server's (from
+    its handler's start), the server's phases around it (http wait before it; frontend to
+    return add up to it; the first chunk follows), the client's and server's end-to-end
+    latency, and the busiest client process's CPU time over the run (near 1: the client may
+    be the limit)."""
+    cols = ["config", "conc", "TTFT client", "TTFT server", *(h for h, _ in PHASE_COLS),
+            "e2e client/server", "client CPU"]
+
+    def line(r):
+        ph = r.get("server_phase_mean_ms") or {}
+        e2e_c, e2e_s = r.get("e2el_mean_ms"), r.get("server_e2e_mean_ms")
+        return {"config": r["config"], "conc": r["concurrency"],
+                "TTFT client": _fmt(r.get("ttft_mean_ms"), 1),
+                "TTFT server": _fmt(r.get("server_ttft_mean_ms"), 1),
+                **{h: _fmt(ph.get(k), 2) for h, k in PHASE_COLS},
+                "e2e client/server": f"{_fmt(e2e_c, 1)} / {_fmt(e2e_s, 1)}",
+                "client CPU": _fmt(r.get("client_cpu_busiest"))}
+    print("\nmean ms over each run: the TTFT, its phases in the server, end-to-end")
+    print_table([line(r) for r in rows], cols)
 
 
 def build_parser() -> argparse.ArgumentParser:

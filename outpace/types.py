@@ -230,6 +230,9 @@ class Request:
     spec_token_ids: list = field(default_factory=list)  # drafts to verify in the next step
     spec_stats: SpecStats = field(default_factory=SpecStats)
     stop_reason: object = None  # the stop string or token id that ended it
+    # time.monotonic() of its first admission into a step (preemption's resumes are not
+    # admissions anew): its waiting ends there, its prefill begins
+    scheduled_time: Optional[float] = None
     first_token_time: Optional[float] = None
 
     def __post_init__(self):

@@ -41,8 +41,8 @@ def shard(cfg, prompts: list, k: int, n: int) -> tuple:
 
 
 def _worker(cfg, prompts: list, model: str, barrier, counter, conn) -> None:
-    """A load process: its share of the load -> ("ok", results, start, end) or ("error", text)
-    on `conn`."""
+    """A load process: its share of the load -> ("ok", results, start, end, its CPU seconds
+    over the load) or ("error", text) on `conn`."""
     import threading
 
     from outpace.bench.serve import drive, open_session
@@ -57,8 +57,7 @@ def _worker(cfg, prompts: list, model: str, barrier, counter, conn) -> None:
                                ready=lambda: barrier.wait(_START_TIMEOUT_S))
 
     try:
-        results, start, end = asyncio.run(main())
-        conn.send(("ok", results, start, end))
+        conn.send(("ok", *asyncio.run(main())))
     except threading.BrokenBarrierError:
         conn.send(("error", f"not every load process started within {_START_TIMEOUT_S:.0f} s"))
     except BaseException as e:  # noqa: BLE001 -- reported to the parent, which raises it
@@ -123,4 +122,4 @@ def run_in_processes(cfg, prompts: list, on_progress: Optional[Callable] = None)
     results = [res for r in replies for res in r[1]]
     start = min(r[2] for r in replies)
     end = max(r[3] for r in replies)
-    return summarize(cfg, model, results, end - start)
+    return summarize(cfg, model, results, end - start, [r[4] for r in replies])

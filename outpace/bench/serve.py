@@ -166,9 +166,10 @@ async def served_model(session, cfg: ServeBenchConfig) -> str:
 
 async def drive(session, cfg: ServeBenchConfig, model: str, prompts: list,
                 on_done: Optional[Callable] = None, ready=None) -> tuple:
-    """Send the load (prompts in order, repeated as needed) -> (results, start, end), the
-    start and end as time.perf_counter(). on_done(result) as each request ends; ready(): called
-    once, just before the first request (a multi-process load's start line)."""
+    """Send the load (prompts in order, repeated as needed) -> (results, start, end, cpu), the
+    start and end as time.perf_counter(), cpu the process's CPU seconds between them
+    (time.process_time). on_done(result) as each request ends; ready(): called once, just
+    before the first request (a multi-process load's start line)."""
     rng = random.Random(cfg.seed)
     sem = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
     results: list = []
@@ -186,6 +187,7 @@ async def drive(session, cfg: ServeBenchConfig, model: str, prompts: list,
     if ready is not None:
         await asyncio.get_running_loop().run_in_executor(None, ready)
     tasks = []
+    cpu0 = time.process_time()
     start = time.perf_counter()
     i = 0
     while cfg.num_prompts is None or i < cfg.num_prompts:
@@ -200,7 +202,7 @@ async def drive(session, cfg: ServeBenchConfig, model: str, prompts: list,
         if cfg.request_rate != float("inf"):
             await asyncio.sleep(rng.expovariate(cfg.request_rate))
     await asyncio.gather(*tasks)
-    return results, start, time.perf_counter()
+    return results, start, time.perf_counter(), time.process_time() - cpu0
 
 
 def check_load(cfg: ServeBenchConfig) -> None:
@@ -223,8 +225,8 @@ async def run_benchmark(cfg: ServeBenchConfig, prompts: list,
     check_load(cfg)
     async with open_session(cfg) as session:
         model = await served_model(session, cfg)
-        results, start, end = await drive(session, cfg, model, prompts, on_done)
-    return summarize(cfg, model, results, end - start)
+        results, start, end, cpu = await drive(session, cfg, model, prompts, on_done)
+    return summarize(cfg, model, results, end - start, [cpu])
 
 
 def run_load(cfg: ServeBenchConfig, prompts: list, on_progress: Optional[Callable] = None) -> dict:
@@ -244,8 +246,12 @@ def _stats_ms(name: str, xs: list) -> dict:
             f"p99_{name}_ms": percentile(ms, 99)}
 
 
-def summarize(cfg: ServeBenchConfig, model: str, results: list, duration: float) -> dict:
-    """vLLM's result keys over the requests' results."""
+def summarize(cfg: ServeBenchConfig, model: str, results: list, duration: float,
+              client_cpu_s: Optional[list] = None) -> dict:
+    """vLLM's result keys over the requests' results, and the client's CPU time:
+    client_cpu_s, each client process's (user + system, time.process_time) summed;
+    client_cpu_busiest, the busiest process's over the duration (near 1: a core's worth, the
+    client may be what limits the load's numbers)."""
     ok = [r for r in results if r.ok]
     out_tokens = sum(r.output_tokens for r in ok)
     in_tokens = sum(r.prompt_tokens for r in ok)
@@ -266,6 +272,9 @@ def summarize(cfg: ServeBenchConfig, model: str, results: list, duration: float)
         **_stats_ms("ttft", [r.ttft for r in ok]), **_stats_ms("tpot", tpots),
         **_stats_ms("itl", [x for r in ok for x in r.itl]),
         **_stats_ms("e2el", [r.latency for r in ok]),
+        "client_cpu_s": sum(client_cpu_s) if client_cpu_s else None,
+        "client_cpu_busiest": (max(client_cpu_s) / duration
+                               if client_cpu_s and duration else None),
     }
 
 
@@ -281,6 +290,9 @@ def print_summary(s: dict, out=None) -> None:
         rows += [(f"Mean {label} (ms)", s[f"mean_{name}_ms"]),
                  (f"Median {label} (ms)", s[f"median_{name}_ms"]),
                  (f"P99 {label} (ms)", s[f"p99_{name}_ms"])]
+    if s.get("client_cpu_s") is not None:
+        rows += [("Client CPU time (s)", s["client_cpu_s"]),
+                 ("Busiest client process's CPU / duration", s["client_cpu_busiest"])]
     print_result("Serving Benchmark Result", rows, out=out or sys.stdout)
 
 

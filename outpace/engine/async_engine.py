@@ -99,10 +99,11 @@ class AsyncEngine(LoopCrossing):
 
     # ---- requests (event loop side) ---------------------------------------------------------
     async def add_request(self, request_id: str, prompt: Union[str, list, ChatPrompt],
-                          params: SamplingParams,
-                          add_special_tokens: bool = True) -> RequestStream:
+                          params: SamplingParams, add_special_tokens: bool = True,
+                          arrival: Optional[float] = None) -> RequestStream:
         """Admit a request; raises what `LLMEngine.add_request` raises (InvalidRequestError,
-        QueueFullError), or EngineDeadError.
+        QueueFullError), or EngineDeadError. arrival: the request's time.monotonic() when its
+        handler began (default: now), where its TTFT and latency start.
 
         A text prompt or a rendered chat (`Tokenizer.render_chat`) is tokenized in the engine
         thread (the tokenizer is not shared across threads); `add_special_tokens=False` for text
@@ -114,8 +115,10 @@ class AsyncEngine(LoopCrossing):
         if isinstance(prompt, (str, ChatPrompt)):
             self.engine.check_text_length(prompt if isinstance(prompt, str) else prompt.text)
         loop = asyncio.get_running_loop()
-        stream = RequestStream(request_id, self)
-        timing = RequestTiming(request_id, arrival=time.monotonic())
+        now = time.monotonic()
+        timing = RequestTiming(request_id, arrival=now if arrival is None else arrival,
+                               submitted=now)
+        stream = RequestStream(request_id, self, timing)
         fut = loop.create_future()
         self._cmds.put(("add", request_id, prompt, params, add_special_tokens, stream, timing,
                         fut))
@@ -258,9 +261,10 @@ class AsyncEngine(LoopCrossing):
         timing = tracked.timing
         if new_ids:
             if timing.first_token is None:
+                timing.take_engine_times(out.metrics)  # the same process: the same clock
                 # A request's first output that is also its last (a final-only request's only
                 # one): its first token came earlier, at the engine's first_token_time.
-                first = out.metrics.get("first_token_time") if out.finished else None
+                first = timing.engine_first_token if out.finished else None
                 timing.first_token = first or now
             timing.last_token = now
         timing.num_prompt_tokens = len(out.prompt_token_ids)

@@ -224,18 +224,20 @@ class EngineCoreClient(LoopCrossing):
 
     # ---- requests (event loop side) ---------------------------------------------------------
     async def add_request(self, request_id: str, prompt: Union[str, list, ChatPrompt],
-                          params: SamplingParams,
-                          add_special_tokens: bool = True) -> RequestStream:
+                          params: SamplingParams, add_special_tokens: bool = True,
+                          arrival: Optional[float] = None) -> RequestStream:
         """Admit a request; raises what `LLMEngine.add_request` raises (InvalidRequestError,
         QueueFullError), or EngineDeadError. A text prompt too long by its length alone is
-        refused here, before it is tokenized (in the tokenizer thread)."""
+        refused here, before it is tokenized (in the tokenizer thread). arrival: as
+        AsyncEngine.add_request's."""
         self._check_alive()
         if isinstance(prompt, (str, ChatPrompt)):
             check_text_length(self.tokenizer, self.max_model_len,
                               prompt if isinstance(prompt, str) else prompt.text)
         loop = asyncio.get_running_loop()
-        stream = RequestStream(request_id, self)
-        timing = RequestTiming(request_id, arrival=time.monotonic())
+        timing = RequestTiming(request_id,
+                               arrival=time.monotonic() if arrival is None else arrival)
+        stream = RequestStream(request_id, self, timing)
         fut = loop.create_future()
         self._submit(self._do_add, request_id, prompt, params, add_special_tokens, stream,
                      timing, fut)
@@ -297,6 +299,7 @@ class EngineCoreClient(LoopCrossing):
             self._resolve(fut, e)
             return
         self._pending[rid] = fut
+        timing.submitted = time.monotonic()
         self._outbox.put(("add", rid, ids, core_params(params)))
 
     def _do_tokenizer(self, fn, fut) -> None:

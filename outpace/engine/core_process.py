@@ -44,7 +44,7 @@ import time
 from multiprocessing.connection import wait as wait_connections
 from typing import Optional
 
-from outpace.engine.output_processor import CoreOutput
+from outpace.engine.output_processor import CoreOutput, wall_clock_times
 from outpace.errors import EngineStoppedError
 
 log = logging.getLogger(__name__)
@@ -208,7 +208,8 @@ class EngineCore:
                     rid, comp.token_ids[num_sent:n],
                     comp.finish_reason if out.finished else None, comp.stop_reason, lps,
                     len(out.prompt_token_ids), out.num_cached_tokens or 0,
-                    out.metrics.get("first_token_time") if out.finished else None))
+                    # the engine's stamps go once, with the first tokens
+                    wall_clock_times(out.metrics) if num_sent == 0 and n else None))
                 any_out = True
             if out.finished:
                 del sent[rid]

@@ -291,7 +291,8 @@ class LLMEngine:
             request_id=rid, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
             outputs=[completion], finished=finished, num_cached_tokens=req.num_cached_tokens,
             spec_stats=req.spec_stats,
-            metrics={"arrival_time": req.arrival_time, "first_token_time": req.first_token_time,
+            metrics={"arrival_time": req.arrival_time, "scheduled_time": req.scheduled_time,
+                     "first_token_time": req.first_token_time,
                      "num_preemptions": req.num_preemptions})
         if finished:
             out.metrics["finished_time"] = time.monotonic()

@@ -34,7 +34,20 @@ class CoreOutput(NamedTuple):
     new_logprobs: Optional[list]  # per new token {token_id: logprob}, or None (not asked)
     num_prompt_tokens: int
     num_cached_tokens: int
-    first_token_time: Optional[float]  # the core's time.monotonic(), on the finished output
+    # on a request's first output with tokens, and only there: the engine's stamps of it
+    # (ENGINE_TIME_KEYS of RequestOutput.metrics) as time.time(), a clock both processes share
+    engine_times: Optional[dict]
+
+
+ENGINE_TIME_KEYS = ("arrival_time", "scheduled_time", "first_token_time")
+
+
+def wall_clock_times(metrics: dict) -> dict:
+    """The engine's monotonic stamps of a request (its RequestOutput.metrics) as time.time()
+    (the engine core's side of CoreOutput.engine_times)."""
+    offset = time.time() - time.monotonic()
+    return {k: None if metrics.get(k) is None else metrics[k] + offset
+            for k in ENGINE_TIME_KEYS}
 
 
 def core_params(params: SamplingParams) -> SamplingParams:
@@ -133,10 +146,11 @@ class OutputProcessor:
         done = finish is not None
         if new_ids:
             if timing.first_token is None:
+                if out.engine_times is not None:  # time.time() -> this process's monotonic
+                    timing.take_engine_times(out.engine_times, time.time() - time.monotonic())
                 # A request's first output that is also its last (a final-only request's only
-                # one): its first token came earlier, at the core's first_token_time (the same
-                # monotonic clock: one machine).
-                timing.first_token = (out.first_token_time if done else None) or now
+                # one): its first token came earlier, at the core's first token.
+                timing.first_token = (timing.engine_first_token if done else None) or now
             timing.last_token = now
         timing.num_prompt_tokens = out.num_prompt_tokens
         timing.num_output_tokens = n

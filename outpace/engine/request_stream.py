@@ -42,18 +42,62 @@ class StreamItem:
         self.error = later.error or self.error
 
 
+# The phases of a request's time to its first token, in order, as (name, from, to) over
+# RequestTiming's stamps. Each ends where the next begins, so the five of TTFT_PHASES add up to
+# the request's TTFT (RequestTiming.ttft); FIRST_CHUNK_PHASE follows, in the HTTP handler.
+TTFT_PHASES = (
+    ("frontend", "arrival", "submitted"),
+    ("to_engine", "submitted", "engine_queued"),
+    ("queue", "engine_queued", "scheduled"),
+    ("prefill", "scheduled", "engine_first_token"),
+    ("first_token_return", "engine_first_token", "first_token"),
+)
+FIRST_CHUNK_PHASE = ("first_chunk", "first_token", "first_chunk")
+
+
 @dataclass
 class RequestTiming:
-    """Per-request timestamps (time.monotonic), handed to the `on_finished` observer."""
+    """Per-request timestamps, handed to the `on_finished` observer. All are time.monotonic() of
+    the front end's process: the engine's, when the engine runs in another process, are sent as
+    time.time() and mapped onto this clock when they arrive (OutputProcessor): the two clocks
+    move together (NTP slews both alike; only a step of the wall clock would shift a mapped
+    stamp), so the mapping keeps the differences between the processes' stamps.
+
+    Each is taken once a request (none a token, but last_token): arrival, where the HTTP
+    handler began (or add_request, when not given); submitted, when the request went to the
+    engine (the engine thread's command queue, after validation and the chat template; beside
+    an engine process, its pipe, after tokenizing too); engine_queued, scheduled and
+    engine_first_token, the engine's Request: made (LLMEngine.add_request), first scheduled,
+    first token; first_token, when the front end had that token (the engine thread's or
+    tokenizer thread's output path); first_chunk, when a streamed response's first chunk of
+    output was written by the handler."""
 
     request_id: str
     arrival: float
+    submitted: Optional[float] = None
+    engine_queued: Optional[float] = None
+    scheduled: Optional[float] = None
+    engine_first_token: Optional[float] = None
     first_token: Optional[float] = None
+    first_chunk: Optional[float] = None
     last_token: Optional[float] = None
     finished: Optional[float] = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     finish_reason: Optional[str] = None
+
+    def phase(self, start: str, end: str) -> Optional[float]:
+        """Seconds from stamp `start` to stamp `end`; None unless both were taken."""
+        a, b = getattr(self, start), getattr(self, end)
+        return None if a is None or b is None else b - a
+
+    def take_engine_times(self, metrics: dict, offset: float = 0.0) -> None:
+        """The engine's stamps of this request, from its RequestOutput.metrics (times on a
+        clock `offset` seconds ahead of this one: 0 in the engine's own process)."""
+        for field_, key in (("engine_queued", "arrival_time"), ("scheduled", "scheduled_time"),
+                            ("engine_first_token", "first_token_time")):
+            t = metrics.get(key)
+            setattr(self, field_, None if t is None else t - offset)
 
     @property
     def ttft(self) -> Optional[float]:
@@ -78,9 +122,12 @@ class RequestStream:
     into it (StreamItem.absorb), so a consumer that falls behind reads every step's tokens at
     once, and the cost of a step's item stays the same however far behind it is."""
 
-    def __init__(self, request_id: str, owner):  # owner: the AsyncEngine (its abort())
+    def __init__(self, request_id: str, owner, timing: Optional["RequestTiming"] = None):
+        """owner: the AsyncEngine (its abort()); timing: the request's, for the handler's own
+        stamp (first_chunk)."""
         self.request_id = request_id
         self._owner = owner
+        self.timing = timing
         self._pending: Optional[StreamItem] = None  # owned here until read
         self._folded = False  # whether _pending's lists are copies of its own already
         self._waiter: Optional[asyncio.Future] = None

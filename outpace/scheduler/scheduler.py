@@ -279,6 +279,7 @@ class Scheduler:
             self.waiting.popleft()
             if req.status is RequestStatus.WAITING:  # first admission (not a resume)
                 req.num_cached_tokens = cached
+                req.scheduled_time = time.monotonic()
             req.status = RequestStatus.RUNNING
             order = self._order
             bisect.insort(self.running, req, key=lambda r: order[r.request_id])

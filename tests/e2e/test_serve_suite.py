@@ -14,6 +14,7 @@ import signal
 import pytest
 
 from benchmarks.serve import main
+from outpace.bench.server_metrics import PHASES, TTFT_SUM
 from tests.e2e.server_helpers import MAX_MODEL_LEN, NUM_KV_BLOCKS
 
 ROW_KEYS = {"config", "concurrency", "server_output_tok_s", "offline_output_tok_s", "ratio",
@@ -21,7 +22,9 @@ ROW_KEYS = {"config", "concurrency", "server_output_tok_s", "offline_output_tok_
             "offline_tpot_p50_ms", "startup_ready_s", "startup_first_token_s", "failed",
             "server_prompt_tokens", "offline_prompt_tokens", "prompt_tokens_match",
             "server_output_tokens", "offline_output_tokens", "server_duration_s",
-            "offline_duration_s", "offline_spec"}
+            "offline_duration_s", "offline_spec", "ttft_mean_ms", "e2el_mean_ms",
+            "server_ttft_mean_ms", "server_e2e_mean_ms", "server_phase_mean_ms",
+            "client_cpu_s", "client_cpu_busiest"}
 
 
 def _running(pid: int) -> bool:
@@ -95,6 +98,15 @@ def test_suite_compares_its_own_server_with_the_offline_engine(tiny_model_dir, t
         assert row["prompt_tokens_match"] is True
         assert 0 < row["startup_ready_s"] <= row["startup_first_token_s"]
         assert row["startup_first_token_s"] == rec["server"]["startup_first_token_s"]
+        # the server's own means over the run (its /metrics before and after): its TTFT within
+        # the client's, its phases adding up to it
+        ph = row["server_phase_mean_ms"]
+        assert list(ph) == [p for p, _ in PHASES] and all(v >= 0 for v in ph.values()), ph
+        assert 0 < row["server_ttft_mean_ms"] <= row["ttft_mean_ms"] == load["mean_ttft_ms"]
+        assert sum(ph[p] for p in TTFT_SUM) == pytest.approx(row["server_ttft_mean_ms"],
+                                                                  abs=0.1)
+        assert 0 < row["server_e2e_mean_ms"] <= row["e2el_mean_ms"]
+        assert row["client_cpu_s"] > 0 and 0 < row["client_cpu_busiest"] < 2
 
 
 @pytest.mark.parametrize("args, message", [

@@ -18,6 +18,7 @@ from contextlib import contextmanager, nullcontext
 import httpx
 import pytest
 
+from outpace.bench.server_metrics import PHASES, TTFT_SUM
 from tests.e2e.server_helpers import ServerProcess, scrape, wait_for
 from tests.e2e.test_server_engine_process import _alive, _descendants, spawned_under
 
@@ -222,6 +223,9 @@ def test_metrics_on_either_front_end_count_the_whole_server(tiny_model_dir, tmp_
                     assert m["outpace:request_success_total{finished_reason=length}"] == n, m
                     assert m["outpace:e2e_request_latency_seconds_count"] == n, m
                     assert m["outpace:time_to_first_token_seconds_count"] == n, m
+                    for phase in ("http_wait", *TTFT_SUM):  # (first_chunk: streams only)
+                        h = dict(PHASES)[phase]
+                        assert m[f"outpace:{h}_count"] == n, (h, m)
                     assert whole(m), m  # not once a front end
         srv.stop()
         assert srv.proc.returncode is not None

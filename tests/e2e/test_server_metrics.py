@@ -1,10 +1,16 @@
-"""/metrics parses with prometheus_client's parser and its counters move as requests run."""
+"""/metrics parses with prometheus_client's parser and its counters move as requests run; the
+TTFT's phases add up to it (outpace.bench.server_metrics reads them as benchmarks/serve.py does)."""
 
 from __future__ import annotations
 
-import httpx
+import json
+import time
 
-from tests.e2e.server_helpers import scrape
+import httpx
+import pytest
+
+from outpace.bench.server_metrics import PHASES, TTFT, TTFT_SUM, histogram_totals
+from tests.e2e.server_helpers import scrape, wait_for
 
 EXPECTED = [
     "outpace:num_requests_running", "outpace:num_requests_waiting",
@@ -58,3 +64,53 @@ def test_error_statuses_are_counted(server):
     httpx.get(server.url + "/v1/nope", timeout=10)
     after = scrape(server)["outpace:http_request_errors_total{status_code=404}"]
     assert after == before + 1
+
+
+def _output_text(line: str) -> str:
+    """The output text an SSE line carries (a completion's text, a chat delta's content)."""
+    if not line.startswith("data: {"):
+        return ""
+    choices = json.loads(line[6:]).get("choices") or [{}]
+    return choices[0].get("text") or (choices[0].get("delta") or {}).get("content") or ""
+
+
+def _totals(srv) -> dict:
+    return histogram_totals(httpx.get(srv.url + "/metrics", timeout=10).text)
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": "where does the time go"}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "where does it go"}]}),
+])
+def test_ttft_phases_add_up_to_the_ttft(server, path, body):
+    """One streamed request at a time, /metrics around it: each phase recorded once, none
+    negative, the TTFT's own adding up to the server's TTFT, and the server's TTFT with the
+    phases before (HTTP header to handler) and after it (to the first chunk) inside the
+    client's TTFT."""
+    before = _totals(server)
+    body = {**body, "model": server.model, "max_tokens": 3, "ignore_eos": True, "stream": True}
+    with server.client() as client:
+        sent = time.perf_counter()
+        client_ttft = None
+        with client.stream("POST", path, json=body) as r:
+            for line in r.iter_lines():
+                if client_ttft is None and _output_text(line):
+                    client_ttft = time.perf_counter() - sent
+
+    def recorded():  # (as its last chunk goes out; beside an engine process, maybe just after)
+        t = _totals(server)
+        return t if t[TTFT][1] > before.get(TTFT, (0, 0))[1] else None
+
+    after = wait_for(recorded, timeout=5)
+
+    def one(name):  # the request's value: the only one recorded meanwhile
+        s0, c0 = before.get(name, (0.0, 0.0))
+        assert after[name][1] - c0 == 1, name
+        return after[name][0] - s0
+
+    ttft = one(TTFT)
+    phases = {phase: one(h) for phase, h in PHASES}
+    assert all(v >= 0 for v in phases.values()), phases
+    assert sum(phases[p] for p in TTFT_SUM) == pytest.approx(ttft, abs=1e-4), (ttft, phases)
+    assert client_ttft is not None
+    assert phases["http_wait"] + ttft + phases["first_chunk"] <= client_ttft

@@ -9,12 +9,21 @@ a socket and a file descriptor for as long as the client likes, so a few thousan
 exhaust the server's descriptors (slowloris). Here the same timer also runs from the moment a
 connection opens, and only a complete request header stops it: a connection must deliver one
 within `timeout_keep_alive` seconds of opening or of its last response, or it is closed.
+
+The httptools protocol also puts in each request's ASGI scope, under HEADER_PARSED, the
+time.monotonic() at which its header was parsed, where the request's task is made: the server
+measures from there to its handler's start (ServerMetrics.on_handler_start), the event loop's
+delay in starting requests.
 """
 
 from __future__ import annotations
 
+import time
+
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+HEADER_PARSED = "outpace.header_parsed"  # an ASGI scope key: see the module's docstring
 
 
 class HeaderDeadlineH11Protocol(H11Protocol):
@@ -70,6 +79,7 @@ if HttpToolsProtocol is not None:
                 super()._unset_keepalive_if_required()
 
         def on_headers_complete(self) -> None:
+            self.scope[HEADER_PARSED] = time.monotonic()
             self._before_header = False
             super()._unset_keepalive_if_required()
             super().on_headers_complete()

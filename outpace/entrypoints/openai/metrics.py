@@ -3,8 +3,11 @@
 Engine-wide counters and gauges (requests running/waiting, KV blocks, token totals, speculative
 counters) are read at scrape time from the engine's last stats snapshot (its thread's, or the
 one its process last sent) by a custom collector, so the numbers come from one place (the
-engine) and can't drift from it. Per-request latencies (TTFT, TPOT, end-to-end) are histograms
-fed by the async engine's `on_finished` hook.
+engine) and can't drift from it. Per-request latencies (TTFT, TPOT, end-to-end) and the phases
+of the TTFT (request_stream.TTFT_PHASES) are histograms fed by the async engine's `on_finished`
+hook; the phase after it, to a streamed response's first chunk, by the handler
+(`on_first_chunk`), and the one before it, from the HTTP header parsed to the handler's start,
+by the handler too (`on_handler_start`).
 Each server gets its own CollectorRegistry (no module-global state).
 
 With several front-end processes (`serve --api-server-count N`) the per-request metrics use
@@ -23,6 +26,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from outpace.engine.request_stream import FIRST_CHUNK_PHASE, TTFT_PHASES
+
 PREFIX = "outpace:"
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -31,6 +36,37 @@ TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 
                 0.75, 1.0, 2.5, 5.0)
 E2E_BUCKETS = (0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
                50.0, 60.0, 120.0, 240.0)
+# the TTFT's phases: from a tenth of a millisecond (a hop between threads) up
+PHASE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08,
+                 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 40.0)
+
+# The phases around a request's TTFT -> (metric name, help): http_wait, before it (the HTTP
+# protocol's stamp to the handler's start), then request_stream's TTFT_PHASES and
+# FIRST_CHUNK_PHASE. vLLM's names where vLLM has the phase (queue, prefill).
+PHASE_METRICS = {
+    "http_wait": ("request_http_wait_time_seconds",
+                  "Time from the request's HTTP header parsed to its handler's start (before "
+                  "the TTFT): the event loop's delay in starting the request, the middlewares "
+                  "(the httptools protocol only)."),
+    "frontend": ("request_frontend_time_seconds",
+                 "Time from arrival (the HTTP handler's start) until the request is handed to "
+                 "the engine: body, validation, chat template; with an engine process, "
+                 "tokenizing too."),
+    "to_engine": ("request_to_engine_time_seconds",
+                  "Time from the hand-over until the engine holds the request (its steps run "
+                  "meanwhile): the engine thread's command queue and tokenizing, or the pipe "
+                  "to the engine process."),
+    "queue": ("request_queue_time_seconds",
+              "Time in the engine's waiting queue, until first scheduled."),
+    "prefill": ("request_prefill_time_seconds",
+                "Time from first scheduled to the engine's first token."),
+    "first_token_return": ("request_first_token_return_time_seconds",
+                           "Time from the engine's first token until the front end has it "
+                           "(with an engine process: over the pipe)."),
+    "first_chunk": ("request_first_chunk_time_seconds",
+                    "Time from the front end's first token until the handler wrote the "
+                    "streamed response's first chunk of output (streamed responses only)."),
+}
 
 __all__ = ["ServerMetrics", "CONTENT_TYPE_LATEST"]
 
@@ -121,7 +157,8 @@ class ServerMetrics:
             multiprocess.MultiProcessCollector(self.registry, path=multiprocess_dir)
         labels = ["model_name"]
         self.ttft = Histogram(PREFIX + "time_to_first_token_seconds",
-                              "Time from arrival to the first output token.", labels,
+                              "Time from arrival (the HTTP handler's start) to the first output "
+                              "token in the front end.", labels,
                               buckets=TTFT_BUCKETS, registry=record_in)
         self.tpot = Histogram(PREFIX + "time_per_output_token_seconds",
                               "Mean time per output token after the first, per request.", labels,
@@ -129,6 +166,15 @@ class ServerMetrics:
         self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds",
                              "Time from arrival to the last output.", labels,
                              buckets=E2E_BUCKETS, registry=record_in)
+
+        def phase_histogram(name):
+            return Histogram(PREFIX + PHASE_METRICS[name][0], PHASE_METRICS[name][1], labels,
+                             buckets=PHASE_BUCKETS, registry=record_in)
+
+        self.http_wait = phase_histogram("http_wait")
+        # the TTFT's phases: name -> (its histogram, from stamp, to stamp)
+        self.phases = {name: (phase_histogram(name), start, end)
+                       for name, start, end in (*TTFT_PHASES, FIRST_CHUNK_PHASE)}
         self.finished = Counter(PREFIX + "request_success", "Finished requests, by reason.",
                                 labels + ["finished_reason"], registry=record_in)
         self.http_errors = Counter(PREFIX + "http_request_errors",
@@ -152,7 +198,26 @@ class ServerMetrics:
             self.tpot.labels(m).observe(timing.tpot)
         if timing.e2e is not None:
             self.e2e.labels(m).observe(timing.e2e)
+        for name, _, _ in TTFT_PHASES:  # those a request reached (an abort stops them)
+            self._observe_phase(name, timing)
         self.finished.labels(m, timing.finish_reason or "unknown").inc()
+
+    def on_handler_start(self, header_parsed: Optional[float], now: float) -> None:
+        """A generation's handler began at `now`; its HTTP header was parsed at header_parsed
+        (None: unknown, the h11 protocol's); runs on the event loop."""
+        if header_parsed is not None:
+            self.http_wait.labels(self.model_name).observe(now - header_parsed)
+
+    def on_first_chunk(self, timing) -> None:
+        """The handler wrote a streamed response's first chunk of output (timing.first_chunk
+        set); runs on the event loop."""
+        self._observe_phase(FIRST_CHUNK_PHASE[0], timing)
+
+    def _observe_phase(self, name: str, timing) -> None:
+        hist, start, end = self.phases[name]
+        seconds = timing.phase(start, end)
+        if seconds is not None:
+            hist.labels(self.model_name).observe(seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

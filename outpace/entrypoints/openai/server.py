@@ -20,6 +20,7 @@ import ipaddress
 import logging
 import os
 import sys
+import time
 from contextlib import asynccontextmanager, suppress
 from typing import TYPE_CHECKING, Callable, Optional
 
@@ -33,6 +34,7 @@ from outpace.engine.async_engine import AsyncEngine
 from outpace.entrypoints.openai.access_log import AccessLog
 from outpace.entrypoints.openai.errors import (APIError, error_response, install_error_handlers,
                                                to_api_error)
+from outpace.entrypoints.openai.http_protocol import HEADER_PARSED
 from outpace.entrypoints.openai.protocol import now_s, parse_body
 from outpace.entrypoints.openai.serving_chat import create_chat_completion
 from outpace.entrypoints.openai.serving_common import ServingContext
@@ -226,21 +228,30 @@ def build_app(engine: AsyncEngine, server_cfg: ServerConfig,
         ctx.check_model(model_id)
         return JSONResponse(model_card())
 
-    async def serve(request: Request, handler):
+    async def serve(request: Request, handler, **kw):
         try:
             body = await read_json(request, server_cfg.max_body_bytes,
                                    server_cfg.body_timeout)
-            return await handler(ctx, body, request)
+            return await handler(ctx, body, request, **kw)
         except Exception as e:  # noqa: BLE001 -- answered here so the connection stays usable
             raise to_api_error(e) from e
 
+    # A generation's arrival, where its TTFT and latency start, is its handler's start: the
+    # time before it (accept, HTTP parsing, the event loop's delay in starting the request, the
+    # middlewares) is the client's TTFT less the server's; from the header parsed to here is
+    # measured on its own (metrics.on_handler_start).
+    def arrived(request: Request) -> float:
+        now = time.monotonic()
+        metrics.on_handler_start(request.scope.get(HEADER_PARSED), now)
+        return now
+
     @app.post("/v1/completions", dependencies=auth)
     async def completions(request: Request):
-        return await serve(request, create_completion)
+        return await serve(request, create_completion, arrival=arrived(request))
 
     @app.post("/v1/chat/completions", dependencies=auth)
     async def chat_completions(request: Request):
-        return await serve(request, create_chat_completion)
+        return await serve(request, create_chat_completion, arrival=arrived(request))
 
     @app.post("/tokenize", dependencies=auth)
     async def tokenize_endpoint(request: Request):

@@ -7,6 +7,7 @@ plain text, never a special token."""
 from __future__ import annotations
 
 import asyncio
+from typing import Optional
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
@@ -51,7 +52,9 @@ async def render_prompt(ctx: ServingContext, req) -> ChatPrompt:
                        f"{type(e).__name__}: {e}", param="messages") from e
 
 
-async def create_chat_completion(ctx: ServingContext, body: dict, http_request: Request):
+async def create_chat_completion(ctx: ServingContext, body: dict, http_request: Request,
+                                 arrival: Optional[float] = None):
+    """arrival: time.monotonic() when the handler began (the request's TTFT starts there)."""
     req = validate(ChatCompletionRequest, body)
     ctx.check_model(req.model)
     req.check(ctx.max_model_len)
@@ -59,7 +62,7 @@ async def create_chat_completion(ctx: ServingContext, body: dict, http_request: 
     n_top = (req.top_logprobs or 0) if req.logprobs else None
     params = req.sampling_params(req.max_tokens, n_top)
     rid = new_id("chatcmpl")
-    stream = await ctx.admit(rid, prompt, params)
+    stream = await ctx.admit(rid, prompt, params, arrival=arrival)
     created = now_s()
     if req.stream:
         return SSEResponse(_stream(ctx, req, rid, created, stream, params.stop, n_top), stream)
@@ -99,5 +102,6 @@ async def _stream(ctx: ServingContext, req: ChatCompletionRequest, rid: str, cre
             choice["stop_reason"] = item.stop_reason
         return choice
 
-    async for event in sse_events(stream, head, req.include_usage, make_choice, first=role):
+    async for event in sse_events(stream, head, req.include_usage, make_choice, first=role,
+                                 on_first_chunk=ctx.first_chunk_observer()):
         yield event

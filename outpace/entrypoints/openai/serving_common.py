@@ -7,8 +7,9 @@ import asyncio
 import json
 import json.encoder
 import logging
+import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 from fastapi import Request
 from starlette.responses import StreamingResponse
@@ -33,6 +34,10 @@ class ServingContext:
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
+    def first_chunk_observer(self) -> Optional[Callable]:
+        """What sse_events calls with a stream's timing once its first chunk is written."""
+        return self.metrics.on_first_chunk if self.metrics is not None else None
+
     def check_model(self, name: Optional[str]) -> None:
         """A request may name the served model or leave `model` out (it is the only one)."""
         if name is not None and name not in self.accepted_names:
@@ -40,10 +45,12 @@ class ServingContext:
                            f"{self.served_name!r} (see /v1/models)", param="model",
                            code="model_not_found")
 
-    async def admit(self, request_id: str, prompt, params,
-                    add_special_tokens: bool = True) -> RequestStream:
+    async def admit(self, request_id: str, prompt, params, add_special_tokens: bool = True,
+                    arrival: Optional[float] = None) -> RequestStream:
+        """arrival: time.monotonic() when the request's handler began (its TTFT starts there)."""
         try:
-            return await self.engine.add_request(request_id, prompt, params, add_special_tokens)
+            return await self.engine.add_request(request_id, prompt, params, add_special_tokens,
+                                                 arrival=arrival)
         except Exception as e:
             err = to_api_error(e)
             if err.status == 503 and err.code == "queue_full" and self.metrics is not None:
@@ -91,18 +98,32 @@ def sse_error(exc: BaseException) -> str:
     return sse(error_body(err.status, err.message, err.param, err.code))
 
 
-async def sse_events(stream, head: dict, include_usage: bool, make_choice, first=None):
+async def sse_events(stream, head: dict, include_usage: bool, make_choice, first=None,
+                     on_first_chunk: Optional[Callable] = None):
     """The SSE framing both endpoints share: one chunk per stream item that `make_choice(item)`
     turns into a choice (a dict, or its JSON; None: skip), the usage chunk if asked, errors
     in-band (the status line is gone by then), the request aborted on the way out (a no-op when
-    it finished), [DONE]. `first`: a choice sent before any item (chat's role chunk)."""
+    it finished), [DONE]. `first`: a choice sent before any item (chat's role chunk).
+    on_first_chunk(timing): called once the first item's chunk was written (the HTTP layer's
+    send returned), its time in the stream's timing.first_chunk (ServerMetrics.on_first_chunk)."""
     from outpace.entrypoints.openai.protocol import usage
     last = None
     fmt = ChunkFormat(head)
     try:
         if first is not None:
             yield fmt.chunk(first)
+        # the first item's chunk apart, so the stamp costs the other chunks nothing
         async for item in stream:
+            last = item
+            choice = make_choice(item)
+            if choice is not None:
+                yield fmt.chunk(choice)
+                timing = getattr(stream, "timing", None)
+                if on_first_chunk is not None and timing is not None:
+                    timing.first_chunk = time.monotonic()
+                    on_first_chunk(timing)
+                break
+        async for item in stream:  # (after the break: the rest; else it has ended)
             last = item
             choice = make_choice(item)
             if choice is not None:

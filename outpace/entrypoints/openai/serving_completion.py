@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
@@ -12,14 +14,16 @@ from outpace.entrypoints.openai.serving_common import (DeltaTracker, ServingCont
                                                        finish_reason, sse_events)
 
 
-async def create_completion(ctx: ServingContext, body: dict, http_request: Request):
+async def create_completion(ctx: ServingContext, body: dict, http_request: Request,
+                            arrival: Optional[float] = None):
+    """arrival: time.monotonic() when the handler began (the request's TTFT starts there)."""
     req = validate(CompletionRequest, body)
     ctx.check_model(req.model)
     req.check(ctx.max_model_len)
     prompt = req.prompt_input()
     params = req.sampling_params(req.max_tokens, req.logprobs)
     rid = new_id("cmpl")
-    stream = await ctx.admit(rid, prompt, params)
+    stream = await ctx.admit(rid, prompt, params, arrival=arrival)
     created = now_s()
     if req.stream:
         return SSEResponse(_stream(ctx, req, rid, created, stream, params.stop), stream)
@@ -55,5 +59,6 @@ async def _stream(ctx: ServingContext, req: CompletionRequest, rid: str, created
         return {"index": 0, "text": delta, "logprobs": lp, "finish_reason": finish_reason(item),
                 "stop_reason": item.stop_reason if item.finished else None}
 
-    async for event in sse_events(stream, head, req.include_usage, make_choice):
+    async for event in sse_events(stream, head, req.include_usage, make_choice,
+                                 on_first_chunk=ctx.first_chunk_observer()):
         yield event
