@@ -116,6 +116,8 @@ class Child:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(
             filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
         self.spawned = time.perf_counter()
+        self.timeline: list = []  # [seconds from the spawn, line] as read_timeline saw them
+        self._read_at = 0  # how far into the log read_timeline has read
         self.proc = subprocess.Popen(argv, cwd=str(REPO), stdout=self._log,
                                      stderr=subprocess.STDOUT, env=env, start_new_session=True,
                                      preexec_fn=_die_with_parent)
@@ -126,6 +128,22 @@ class Child:
 
     def __exit__(self, *exc):
         self.stop()
+
+    def read_timeline(self, max_lines: int = 200) -> None:
+        """Note the log's lines written since the last call, each with the seconds from the
+        spawn at which this call saw it (so each stamp is late by at most the caller's polling
+        interval): the server's start-up as a timeline. Progress-bar redraws are skipped; a
+        line still being written waits for the next call."""
+        now = time.perf_counter() - self.spawned
+        with open(self.log_path, "rb") as f:
+            f.seek(self._read_at)
+            data = f.read()
+        end = max(data.rfind(b"\n"), data.rfind(b"\r")) + 1
+        self._read_at += end
+        for raw in data[:end].replace(b"\r", b"\n").split(b"\n"):
+            line = raw.decode(errors="replace").strip()
+            if line and "%|" not in line and len(self.timeline) < max_lines:
+                self.timeline.append([round(now, 2), line[:200]])
 
     def log_tail(self, n: int = 3000) -> str:
         return self.log_path.read_bytes()[-n:].decode(errors="replace")
@@ -188,10 +206,13 @@ def wait_ready(srv: Child, url: str, timeout: float) -> float:
         if srv.proc.poll() is not None:
             raise SuiteError(f"the server exited with {srv.proc.returncode} while starting:\n"
                              f"{srv.log_tail()}")
+        srv.read_timeline()
         try:
             with urllib.request.urlopen(url + "/health", timeout=2) as r:
                 if r.status == 200:
-                    return time.perf_counter() - srv.spawned
+                    ready = time.perf_counter() - srv.spawned
+                    srv.read_timeline()  # what it wrote before it answered
+                    return ready
         except (urllib.error.URLError, OSError):
             pass
         time.sleep(0.05)
@@ -231,6 +252,11 @@ def run_server(a, name: str, argv: list, texts: dict, log_dir: Path) -> dict:
             first_token(srv, url, a.api_key, texts[a.concurrency[0]][0]))
         print(f"[{name}] ready in {rec['startup_ready_s']:.1f} s, first token at "
               f"{rec['startup_first_token_s']:.1f} s", flush=True)
+        srv.read_timeline()
+        # the server's start-up, line by line (seconds from the spawn): where the time went
+        rec["startup_timeline"] = srv.timeline
+        for t, line in srv.timeline:
+            print(f"[{name}]   {t:6.2f} s  {line[:110]}", flush=True)
         rec["load"] = {}
         for c in a.concurrency:
             cfg = ServeBenchConfig(base_url=url, model=model, endpoint=CHAT, api_key=a.api_key,

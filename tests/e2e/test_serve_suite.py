@@ -67,6 +67,12 @@ def test_suite_compares_its_own_server_with_the_offline_engine(tiny_model_dir, t
         assert not any(_running(pid) for pid in pids)
         assert rec["server"]["returncode"] is not None and not rec["server"]["group_left"]
         assert len(rec["offline"]["pids"]) == 2  # an engine per concurrency
+        # the server's start-up line by line, in the order and at the times the suite saw them:
+        # the line that says it serves came before /health answered
+        timeline = rec["server"]["startup_timeline"]
+        assert [t for t, _ in timeline] == sorted(t for t, _ in timeline)
+        serving = [t for t, line in timeline if line.startswith("outpace: serving")]
+        assert len(serving) == 1 and 0 < serving[0] <= rec["server"]["startup_ready_s"] + 0.2
         assert rc == 0
     finally:
         _kill_left(pids)
