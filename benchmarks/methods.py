@@ -11,7 +11,8 @@ CUDA (--device cpu: fp32, a smoke run). Two prompt sets:
   chat1 the chat set's batch 1 alone (--depths: MTP with a random 3-module head, eagle and
         depths mode at force-accept 3, issue 35's synthetic comparison)
   copy  a copy-heavy set, batch 1 only: each of the first 16 HumanEval prompts with "rewrite
-        this with type hints and a docstring" (the answer repeats most of the prompt)
+        this with type hints and a docstring" (the answer repeats most of the prompt);
+        --copy-k 8: also n-gram on the device and suffix drafting up to 8 tokens there
 All engines are built first, then timed in turns, round by round, the order rotating, so that
 the host's slow and fast periods fall on every engine alike; per (set, batch, config) the
 median tok/s over the rounds and the median of its ratio to no-spec's run of the same round.
@@ -37,10 +38,17 @@ COPY_INSTRUCTION = ("Rewrite this Python code with type hints and a docstring. K
                     "and its comments as they are.\n\n```python\n{code}```")
 
 
-def configs(k: int, heads: dict, depths_head=None) -> list:
+def configs(k: int, heads: dict, depths_head=None, copy_ks=()) -> list:
     """(name, speculative_config or None, prompt sets) of the run. depths_head: a random
-    3-module MTP head, for the depths-mode rows (synthetic: force-accept 3, chat batch 1)."""
+    3-module MTP head, for the depths-mode rows (synthetic: force-accept 3, chat batch 1).
+    copy_ks: longer drafts for the model-free drafters on the copy-heavy set (`-kN` rows): a
+    copied span is accepted whole, so k bounds what a step can emit there."""
     out = [("no-spec", None, ("chat", "copy"))]
+    for ck in copy_ks:
+        out.append((f"ngram-device-k{ck}", {"method": "ngram", "num_speculative_tokens": ck,
+                                            "ngram_device": True}, ("copy",)))
+        out.append((f"suffix-k{ck}", {"method": "suffix", "num_speculative_tokens": ck},
+                    ("copy",)))
     if depths_head is not None:  # issue 35: depths mode within 10% of MTP-Eagle's tok/s
         for mode in ("eagle", "depths"):
             out.append((f"mtp3-{mode}-fa3 (synthetic)",
@@ -87,6 +95,8 @@ def main():
     ap.add_argument("--depths", action="store_true",
                     help="also MTP with a random 3-module head, eagle and depths mode, under "
                     "force-accept 3 at batch 1 (synthetic rows)")
+    ap.add_argument("--copy-k", type=int, nargs="*", default=[],
+                    help="also n-gram on the device and suffix at these k on the copy-heavy set")
     ap.add_argument("--deadline-s", type=float, default=540,
                     help="no round starts later than this after the start")
     args = ap.parse_args()
@@ -105,7 +115,7 @@ def main():
         from outpace.training.init_draft import init_draft
         depths_head = init_draft("mtp", args.gguf, Path(tempfile.mkdtemp()) / "mtp3",
                                  num_layers=3, quiet=True)
-    todo = configs(args.k, heads, depths_head)
+    todo = configs(args.k, heads, depths_head, args.copy_k)
     if args.configs:
         todo = [c for c in todo if c[0] in args.configs.split(",")]
     out_path = Path(args.out)
