@@ -12,9 +12,11 @@ import pickle
 from outpace.types import Request, ScheduledRequest, StepPlan
 
 # What a step may change in a Request and what the runner may read: everything but the fields
-# fixed at its start and the token lists (sent as deltas) and the output's logprobs (not read).
+# fixed at its start, the token lists (sent as deltas), the output's logprobs and the engine's
+# timestamps (neither read by the runner: a row carries nothing a mirror never reads).
 _FIXED = {"request_id", "prompt_token_ids", "sampling_params", "eos_token_ids",
-          "max_model_len", "arrival_time", "prompt", "output_token_ids", "output_logprobs"}
+          "max_model_len", "arrival_time", "prompt", "output_token_ids", "output_logprobs",
+          "scheduled_time", "first_token_time"}
 _CHANGING = tuple(f.name for f in dataclasses.fields(Request) if f.name not in _FIXED)
 
 

@@ -222,3 +222,17 @@ def test_the_plan_rows_carry_every_field_of_a_scheduled_request_and_a_plan():
         "request", "num_computed_tokens", "num_new_tokens", "draft_token_ids", "sample",
         "block_ids"]
     assert [f.name for f in dataclasses.fields(StepPlan)] == ["scheduled", "preempted_ids", "load"]
+
+
+def test_a_steps_row_carries_no_timestamps_of_the_engine():
+    """The engine's stamps (arrival, first scheduled, first token) are read on rank 0 only: a
+    step's row (sent for every scheduled request, every step) leaves them out."""
+    sender, mirror = PlanSender(), PlanMirror()
+    a = _req("a", [1, 2, 3])
+    mirror.begin(sender.begin(a))
+    a.scheduled_time, a.first_token_time = 1234.5, 2345.5
+    a.output_token_ids.append(10)
+    encoded = sender.encode(_plan((a, [])))
+    changing = encoded[0][0][2]
+    assert not [v for v in changing if v in (1234.5, 2345.5)], changing
+    assert mirror.decode(encoded).scheduled[0].request.all_token_ids == a.all_token_ids
