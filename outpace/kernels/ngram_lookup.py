@@ -71,13 +71,14 @@ if triton is not None:
 
     @triton.jit
     def _ngram_lookup_kernel(hist_ptr, len_ptr, drafts_ptr, marked_ptr, counts_ptr, real_ptr,
-                             W, stride_h, stride_d, stride_m, context,
+                             W, stride_h, stride_d, stride_m, stride_l, stride_c, stride_r,
+                             context,
                              K: tl.constexpr, MIN_N: tl.constexpr, TOP_N: tl.constexpr,
                              PERIODIC: tl.constexpr, STEP: tl.constexpr,
                              BLOCK: tl.constexpr, KBLOCK: tl.constexpr, USE_PDL: tl.constexpr):
         wait_then_release(USE_PDL)
         row = tl.program_id(0).to(tl.int64)
-        raw = tl.load(len_ptr + row).to(tl.int64)
+        raw = tl.load(len_ptr + row * stride_l).to(tl.int64)
         length = tl.minimum(tl.maximum(raw, 0), W)  # clamped, as the reference does
         h = hist_ptr + row * stride_h
         offs = tl.arange(0, BLOCK)
@@ -115,12 +116,12 @@ if triton is not None:
         tokens = tl.load(h + pos, mask=keep, other=0).to(tl.int64)
         if STEP:
             count = tl.minimum(count, tl.maximum(context - 1 - raw, 0))
-            count = tl.where(tl.load(real_ptr + row) != 0, count, 0)
+            count = tl.where(tl.load(real_ptr + row * stride_r) != 0, count, 0)
             keep = cols < count
             tl.store(marked_ptr + row * stride_m + cols, tl.where(keep, tokens, -1),
                      mask=cols < K)
         tl.store(drafts_ptr + row * stride_d + cols, tl.where(keep, tokens, 0), mask=cols < K)
-        tl.store(counts_ptr + row, count)
+        tl.store(counts_ptr + row * stride_c, count)
 
 
 def ngram_lookup_triton(history: torch.Tensor, lengths: torch.Tensor, k: int, min_n: int = 1,
@@ -130,7 +131,8 @@ def ngram_lookup_triton(history: torch.Tensor, lengths: torch.Tensor, k: int, mi
     left-aligned in drafts[b, :counts[b]], zeros past. With `step`, written there instead
     (module docstring) and returned as (step.drafts, step.counts); nothing else is allocated.
 
-    history: [B, Lmax] integer ids; lengths: [B] integers (clamped to 0 .. Lmax). The caller
+    history: [B, Lmax] integer ids; lengths: [B] integers (clamped to 0 .. Lmax), any stride,
+    as step.counts and step.real (strided views are read and written in place). The caller
     checks the options (ngram_device._check_args). block: ends a loop iteration compares (a
     power of two)."""
     rows, width = history.shape
@@ -157,7 +159,8 @@ def ngram_lookup_triton(history: torch.Tensor, lengths: torch.Tensor, k: int, mi
         history = history.contiguous()
     _ngram_lookup_kernel[(rows,)](
         history, lengths, drafts, marked, counts, real, width, history.stride(0),
-        drafts.stride(0), marked.stride(0), context, K=k, MIN_N=min_n, TOP_N=top_n,
+        drafts.stride(0), marked.stride(0), lengths.stride(0), counts.stride(0), real.stride(0),
+        context, K=k, MIN_N=min_n, TOP_N=top_n,
         PERIODIC=bool(periodic), STEP=step is not None, BLOCK=block, KBLOCK=next_pow2(k),
         num_warps=4, **pdl.launch_options(history))
     return drafts, counts

@@ -1280,3 +1280,27 @@ def check_ngram_lookup_step_outputs(k, min_n, max_n):
         and (carry[:, 1 + k:] == -7).all() and counts[rows] == -7
     assert (counts[:rows][~real] == 0).all() and counts[6] <= 1 and counts[7] <= 2
     assert counts[:rows].sum() > 0
+
+
+def check_ngram_lookup_strided_vectors():
+    """lengths, step.counts and step.real as strided views (columns of wider buffers): read
+    and written through their strides, as the reference and step_drafts_ref do, and nothing
+    written outside the counts' view."""
+    hist = torch.tensor([[1, 2, 1, 2, 1, 2, 0, 0]] * 3)
+    lengths = torch.tensor([[6, 0], [2, 0], [5, 0]])[:, 0]  # stride 2
+    _same_ngram(ngram_lookup_triton(hist, lengths, 2, 1, 4),
+                ngram_propose_ref(hist, lengths, 2, 1, 4))
+    real = torch.tensor([[True, False], [True, False], [False, True]])[:, 0]
+    outs = []
+    for run in ("ref", "kernel"):
+        counts = torch.full((3, 2), -7, dtype=torch.long)
+        out = StepOutputs(torch.zeros(3, 2, dtype=torch.long),
+                          torch.zeros(3, 2, dtype=torch.long), counts[:, 0], real, 8)
+        if run == "ref":
+            step_drafts_ref(hist, lengths, 2, 1, 4, out)
+        else:
+            ngram_lookup_triton(hist, lengths, 2, 1, 4, step=out)
+        outs.append((out.drafts, out.marked, counts))
+    for a, b in zip(*outs):
+        assert torch.equal(a, b), (a, b)
+    assert (outs[1][2][:, 1] == -7).all() and outs[1][2][:, 0].tolist() == [1, 0, 0]
