@@ -89,8 +89,11 @@ def scrape(base_url: str, timeout: float = 10.0) -> Optional[str]:
     numbers stand without it)."""
     import urllib.error
     import urllib.request
+    # no proxy from the environment: the load client (aiohttp) goes straight to the server,
+    # and so must its scrape
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     try:
-        with urllib.request.urlopen(base_url.rstrip("/") + "/metrics", timeout=timeout) as r:
+        with opener.open(base_url.rstrip("/") + "/metrics", timeout=timeout) as r:
             return r.read().decode("utf-8", errors="replace") if r.status == 200 else None
     except (urllib.error.URLError, OSError, ValueError):
         return None

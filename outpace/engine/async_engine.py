@@ -48,6 +48,7 @@ class _Tracked:
     stream: "RequestStream"
     timing: RequestTiming
     want_logprobs: bool
+    final_only: bool  # the request's one output comes at its end (not streamed)
     num_sent: int = 0
 
 
@@ -209,7 +210,8 @@ class AsyncEngine(LoopCrossing):
         except Exception as e:  # noqa: BLE001 -- goes to that request only
             self._resolve(fut, e)
             return
-        self._tracked[rid] = _Tracked(stream, timing, want_logprobs=params.logprobs is not None)
+        self._tracked[rid] = _Tracked(stream, timing, want_logprobs=params.logprobs is not None,
+                                      final_only=params.output_kind == "final_only")
         self._resolve(fut, None)
 
     def _do_tokenizer(self, fn, fut) -> None:
@@ -262,10 +264,11 @@ class AsyncEngine(LoopCrossing):
         if new_ids:
             if timing.first_token is None:
                 timing.take_engine_times(out.metrics)  # the same process: the same clock
-                # A request's first output that is also its last (a final-only request's only
-                # one): its first token came earlier, at the engine's first_token_time.
-                first = timing.engine_first_token if out.finished else None
-                timing.first_token = first or now
+                # A final-only request's one output: its first token came earlier, at the
+                # engine's first_token_time (a streamed one's reaches its client now).
+                first = timing.engine_first_token if out.finished and tracked.final_only \
+                    else None
+                timing.first_token = first if first is not None else now
             timing.last_token = now
         timing.num_prompt_tokens = len(out.prompt_token_ids)
         timing.num_output_tokens = n

@@ -73,6 +73,7 @@ class _State:
     timing: RequestTiming
     detok: IncrementalDetokenizer
     want_logprobs: bool
+    final_only: bool  # the request's one output comes at its end (not streamed)
     num_tokens: int = 0
 
 
@@ -92,7 +93,8 @@ class OutputProcessor:
         detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens,
                                        params.stop, params.include_stop_str_in_output)
         self._states[request_id] = _State(stream, timing, detok,
-                                          want_logprobs=params.logprobs is not None)
+                                          want_logprobs=params.logprobs is not None,
+                                          final_only=params.output_kind == "final_only")
 
     def pop(self, request_id: str) -> Optional[_State]:
         """Forget a request (aborted, failed, refused); its state, or None if unknown."""
@@ -148,9 +150,10 @@ class OutputProcessor:
             if timing.first_token is None:
                 if out.engine_times is not None:  # time.time() -> this process's monotonic
                     timing.take_engine_times(out.engine_times, time.time() - time.monotonic())
-                # A request's first output that is also its last (a final-only request's only
-                # one): its first token came earlier, at the core's first token.
-                timing.first_token = (timing.engine_first_token if done else None) or now
+                # A final-only request's one output: its first token came earlier, at the
+                # core's first token (a streamed one's reaches its client now, last or not).
+                first = timing.engine_first_token if done and state.final_only else None
+                timing.first_token = min(first, now) if first is not None else now
             timing.last_token = now
         timing.num_prompt_tokens = out.num_prompt_tokens
         timing.num_output_tokens = n

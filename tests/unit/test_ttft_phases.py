@@ -54,3 +54,43 @@ def test_the_wait_before_the_handler_is_recorded_where_the_protocol_stamped_it()
     m.on_handler_start(4.998, 5.0)
     assert PHASES[0][0] == "http_wait"
     assert _totals(m)[PHASES[0][1]] == [pytest.approx(0.002), 1.0]
+
+
+class _Tok:  # what the detokenizer reads of a tokenizer: one character a token
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(97 + i % 26) for i in ids)
+
+
+@pytest.mark.parametrize("kind", ["cumulative", "final_only"])
+def test_the_engine_processs_stamps_are_mapped_and_a_streamed_first_token_is_the_front_ends(
+        kind):
+    """The engine process's stamps (time.time()) land on this process's monotonic clock; a
+    request whose first output is also its last keeps the engine's first token as its TTFT's
+    end only when it is final-only (its client sees nothing earlier), a streamed one the time
+    the front end got it."""
+    import time
+
+    from outpace.engine.output_processor import CoreOutput, OutputProcessor
+    from outpace.engine.request_stream import RequestStream
+    from outpace.types import SamplingParams
+
+    class _Owner:
+        def abort(self, rid):
+            pass
+
+    proc = OutputProcessor(_Tok())
+    now = time.monotonic()
+    timing = RequestTiming("r", arrival=now - 1.0)
+    proc.add("r", [1, 2], SamplingParams(max_tokens=1, output_kind=kind),
+             RequestStream("r", _Owner()), timing)
+    wall = time.time()
+    engine_times = {"arrival_time": wall - 0.9, "scheduled_time": wall - 0.8,
+                    "first_token_time": wall - 0.5}
+    out = CoreOutput("r", [5], "length", None, None, 2, 0, engine_times)
+    _, finished, _ = proc.process([out], now)
+    assert finished == [timing]
+    assert timing.engine_queued == pytest.approx(now - 0.9, abs=0.05)
+    assert timing.scheduled == pytest.approx(now - 0.8, abs=0.05)
+    assert timing.engine_first_token == pytest.approx(now - 0.5, abs=0.05)
+    want = timing.engine_first_token if kind == "final_only" else now
+    assert timing.first_token == want
