@@ -74,18 +74,23 @@ def replay_matches_ngram_drafter(min_n, max_n, k, periodic, kernel):
         assert not drafts[torch.arange(k, device="cuda") >= counts[:, None]].any()
 
 
-def test_no_host_sync():
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "reference"])
+def test_no_host_sync(kernel):
+    options = KernelOptions() if kernel else KernelOptions().ablate("ngram_lookup_kernel")
     rng = random.Random(5)
     rows = random_rows(rng, 256, 64, 3)
     h, n = batch(rows, 64, rng, 3)
     hist, lengths = h.cuda(), n.cuda()
-    ngram_propose(hist, lengths, 4, 1, 4)  # first call outside the check (lazy CUDA init)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        drafts, counts = ngram_propose(hist, lengths, 4, 1, 4, periodic=True)
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
+    with use_kernel_options(options):
+        assert use_ngram_kernel(hist) == kernel
+        # the same call first, outside the check: lazy CUDA init, the kernel's compile
+        ngram_propose(hist, lengths, 4, 1, 4, periodic=True)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            drafts, counts = ngram_propose(hist, lengths, 4, 1, 4, periodic=True)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
     have = [d[:c] for d, c in zip(drafts.tolist(), counts.tolist())]
     assert have == expected(rows, 4, 1, 4, periodic=True)
 
