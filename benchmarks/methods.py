@@ -38,7 +38,10 @@ COPY_INSTRUCTION = ("Rewrite this Python code with type hints and a docstring. K
                     "and its comments as they are.\n\n```python\n{code}```")
 
 
-def configs(k: int, heads: dict, depths_head=None, copy_ks=()) -> list:
+NGRAM_REF = "ngram-device-ref"  # built with KernelOptions' ngram_lookup_kernel off
+
+
+def configs(k: int, heads: dict, depths_head=None, copy_ks=(), ngram_ref=False) -> list:
     """(name, speculative_config or None, prompt sets) of the run. depths_head: a random
     3-module MTP head, for the depths-mode rows (synthetic: force-accept 3, chat batch 1).
     copy_ks: longer drafts for the model-free drafters on the copy-heavy set (`-kN` rows): a
@@ -65,11 +68,21 @@ def configs(k: int, heads: dict, depths_head=None, copy_ks=()) -> list:
         out.append((f"{method}-cost", {**base, "adaptive": "cost"}, ("chat",)))
         if method == "ngram":  # the lookup inside the graphs: its steps chain
             out.append(("ngram-device", {**base, "ngram_device": True}, ("chat", "copy")))
+            if ngram_ref:  # the same with the lookup's tensor-op reference, not its kernel
+                out.append((NGRAM_REF, {**base, "ngram_device": True}, ("chat", "copy")))
     if "eagle3" in heads:  # the suffix enhancer over the head's drafts
         out.append(("eagle3-enhancer", {"method": "eagle3", "model": str(heads["eagle3"]),
                                         "num_speculative_tokens": k, "enhancer_min_match": 4},
                     ("copy",)))
     return out
+
+
+def engine_options(name: str) -> dict:
+    """A config's engine arguments beside its speculative_config."""
+    if name == NGRAM_REF:
+        from outpace.runner_config import KernelOptions
+        return {"kernel_options": KernelOptions().ablate("ngram_lookup_kernel")}
+    return {}
 
 
 def prompt_sets(tok, batches) -> dict:
@@ -97,6 +110,9 @@ def main():
                     "force-accept 3 at batch 1 (synthetic rows)")
     ap.add_argument("--copy-k", type=int, nargs="*", default=[],
                     help="also n-gram on the device and suffix at these k on the copy-heavy set")
+    ap.add_argument("--ngram-ref", action="store_true",
+                    help=f"also {NGRAM_REF}: n-gram on the device with the lookup's tensor-op "
+                    "reference instead of its Triton kernel")
     ap.add_argument("--deadline-s", type=float, default=540,
                     help="no round starts later than this after the start")
     args = ap.parse_args()
@@ -115,7 +131,7 @@ def main():
         from outpace.training.init_draft import init_draft
         depths_head = init_draft("mtp", args.gguf, Path(tempfile.mkdtemp()) / "mtp3",
                                  num_layers=3, quiet=True)
-    todo = configs(args.k, heads, depths_head, args.copy_k)
+    todo = configs(args.k, heads, depths_head, args.copy_k, args.ngram_ref)
     if args.configs:
         todo = [c for c in todo if c[0] in args.configs.split(",")]
     out_path = Path(args.out)
@@ -131,7 +147,7 @@ def main():
                                   dtype=str(dtype).removeprefix("torch."),
                                   speculative_config=spec, max_num_seqs=max(args.batches),
                                   num_kv_blocks=args.kv_blocks, enable_prefix_caching=False,
-                                  quiet=True)
+                                  quiet=True, **engine_options(name))
         for s in wanted:  # warm-up: a full-length wave at every batch size, so that most
             # graphs captured on first launch (a batch draining through smaller buckets, the
             # cost model's other lengths: they depend on its state) are captured before timing
