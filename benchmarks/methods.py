@@ -5,7 +5,7 @@
 Each method runs at its defaults (k = 3, the heads shipped for the default model) and with the
 draft-length cost model (`"adaptive": "cost"`), n-gram also with its lookup in the graphs
 (`"ngram_device": true`), greedy, 128 new tokens (EOS ignored), bf16 on
-CUDA (--device cpu: fp32, a smoke run). Two prompt sets:
+CUDA (--device cpu: fp32, a smoke run). Three prompt sets:
   chat  MT-bench first turns (batch 1: the first 16 one at a time; batch 8: the 80 in waves of
         8; batch 32: the 80 x 4; batch 128: the 80 x 5)
   chat1 the chat set's batch 1 alone (--depths: MTP with a random 3-module head, eagle and
