@@ -59,9 +59,11 @@ VARLEN_TOKENS = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 class GraphRunner:
     def __init__(self, model, backend, inputs, capture_layers: tuple, max_num_seqs: int,
-                 q_lens: tuple, max_tokens: int, max_model_len: int, capture=None):
+                 q_lens: tuple, max_tokens: int, max_model_len: int, capture=None,
+                 prime=None):
         self.model = model
         self._capture = capture  # capture's stand-in (None: CUDA graphs; tests pass one)
+        self._prime = pdl.prime if prime is None else prime  # replay's primer (pdl.prime)
         self.max_model_len = max_model_len  # positions stay below it (the rope tables)
         self.backend = backend
         self.inputs = inputs
@@ -96,7 +98,7 @@ class GraphRunner:
         have run before it, so PDL is primed first where that pays (kernels/pdl.prime: after a
         torch kernel a graph of PDL kernels replays slower). site: which kind of graph
         (KernelOptions.pdl_prime_skip: the kinds not primed)."""
-        pdl.prime(self.inputs.device, site)
+        self._prime(self.inputs.device, site)
         graph.replay()
 
     def bucket_for(self, num_seqs: int):
