@@ -89,8 +89,12 @@ class Segment:
 
 
 class InputBuffers:
-    def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int, device: torch.device):
+    def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int, device: torch.device,
+                 segment: type = Segment):
+        """segment: the class buffers are carved from (Segment; tests pass a subclass that
+        records its copies)."""
         self.device = device
+        self._segment = segment
         self.max_tokens, self.max_seqs, self.max_blocks = max_tokens, max_seqs, max_blocks
         pin = device.type == "cuda"
         self._pin = pin
@@ -110,7 +114,7 @@ class InputBuffers:
     def add_buffers(self, specs: list) -> list:
         """New zeroed device buffers, one per (shape, dtype) of specs, that put / load can stage
         (copied with the batch when passed to load as extra)."""
-        seg = Segment(specs, self.device, self._pin)
+        seg = self._segment(specs, self.device, self._pin)
         for i, t in enumerate(seg.tensors):
             if t.dim() not in (1, 2):
                 raise ValueError(f"staged buffers are 1-D or 2-D, got shape {tuple(t.shape)}")

@@ -156,7 +156,7 @@ def prefetches(max_query_len: int, num_seqs: int, head_dim: int) -> bool:
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, meta: AttentionMetadata,
                     scale: float, num_splits: int = 1, min_split_tokens: int = 64,
                     split_counters: torch.Tensor | None = None,
-                    prefetch: bool | None = None) -> torch.Tensor:
+                    prefetch: bool | None = None, fill: float | None = None) -> torch.Tensor:
     """q [T, Hq, D] (last dim contiguous) -> out [T, Hq, D]; K/V are read from the pool only.
 
     Uses meta.query_start_loc / seq_lens / block_tables (device) and meta.max_query_len (a bound
@@ -164,11 +164,15 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, meta: A
     split_counters: int32 zeros, one per tile at least (left zero after the launch); with them
     the last split of each tile merges the partials itself, without the merge kernel.
     prefetch: the kernel variant (None: `prefetches` picks it from the shapes; tests force it).
+    fill: a value the output and the split workspace are filled with before the launch (None:
+    left uninitialised; tests pass NaN, so a row read before any program wrote it shows).
     """
     t, hq, d = q.shape
     kc, vc = kv_cache[layer, 0], kv_cache[layer, 1]  # [blocks, block_size, Hkv, D]
     hkv = kc.shape[2]
     out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
+    if fill is not None:
+        out.fill_(fill)
     num_seqs = meta.seq_lens.shape[0]
     if t == 0 or num_seqs == 0:
         return out
@@ -184,6 +188,9 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, meta: A
         ws_acc = torch.empty((num_splits, t, hq, d), dtype=torch.float32, device=q.device)
         ws_m = torch.empty((num_splits, t, hq), dtype=torch.float32, device=q.device)
         ws_l = torch.empty_like(ws_m)
+        if fill is not None:
+            for ws in (ws_acc, ws_m, ws_l):
+                ws.fill_(fill)
     else:
         ws_acc = ws_m = ws_l = out  # unused by the kernel; any pointer will do
     if tiles is not None:  # (sequence, query block) pairs: see tile_map_for

@@ -54,11 +54,14 @@ def default_prefill_with_decodes(device: torch.device) -> int:
     return _CPU_PREFILL_WITH_DECODES if device.type == "cpu" else 0
 
 
-def default_token_budget(device: torch.device) -> int:
-    if device.type == "cuda" and \
-            torch.cuda.get_device_properties(device).total_memory >= _BIG_GPU_BYTES:
-        return 8192
-    return 2048
+def default_token_budget(device: torch.device, total_memory: int | None = None) -> int:
+    """The step token budget an engine on `device` gets unless given one: 8192 on a GPU of
+    _BIG_GPU_BYTES or more, else 2048. total_memory: the GPU's bytes (None: queried)."""
+    if device.type != "cuda":
+        return 2048
+    if total_memory is None:
+        total_memory = torch.cuda.get_device_properties(device).total_memory
+    return 8192 if total_memory >= _BIG_GPU_BYTES else 2048
 
 
 def pool_tokens_at_most(cache_cfg: CacheConfig, model_cfg, kv_dtype, device) -> int:

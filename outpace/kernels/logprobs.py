@@ -66,14 +66,16 @@ def row_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top: int,
 
 
 def row_logprobs_triton(logits: torch.Tensor, tokens: torch.Tensor, top: int,
-                        count: Optional[torch.Tensor] = None) -> torch.Tensor:
+                        count: Optional[torch.Tensor] = None, chunk: int = CHUNK) -> torch.Tensor:
+    """row_logprobs on the device; chunk: the widest piece (columns a pass-1 program; a power
+    of two)."""
     n, vocab = logits.shape
     out = torch.empty(n, 1 + 2 * top, dtype=torch.float32, device=logits.device)
     if n == 0:
         return out
     if logits.stride(1) != 1:
         logits = logits.contiguous()
-    chunk = min(CHUNK, max(16, next_pow2(vocab)))
+    chunk = min(chunk, max(16, next_pow2(vocab)))
     chunks = triton.cdiv(vocab, chunk)
     maxes = torch.empty(n, chunks, dtype=torch.float32, device=logits.device)
     sums = torch.empty_like(maxes)

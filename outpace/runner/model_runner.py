@@ -134,14 +134,18 @@ class ModelRunner:
             self.proposer.finish(request_id)
 
     @_under_kernel_options
-    def enable_cuda_graphs(self, q_lens: tuple, capture_fused: bool = False) -> None:
+    def enable_cuda_graphs(self, q_lens: tuple, capture_fused: bool = False,
+                           capture=None, prime=None) -> None:
         """Capture the target forward for decode/verify batches (CUDA only); capture_fused:
-        also capture the fused greedy steps steady decoding uses now, not when first seen."""
+        also capture the fused greedy steps steady decoding uses now, not when first seen.
+        capture: GraphRunner's stand-in for a CUDA graph capture (None: the real one; tests
+        pass one that runs on CPU); prime: what GraphRunner.replay calls before a graph
+        launched from the host (None: pdl.prime; tests pass a recorder)."""
         from outpace.runner.cuda_graph import GraphRunner
-        capture = self.proposer.capture_layers if self.proposer is not None else ()
-        self.graphs = GraphRunner(self.model, self.backend, self.inputs, capture,
+        layers = self.proposer.capture_layers if self.proposer is not None else ()
+        self.graphs = GraphRunner(self.model, self.backend, self.inputs, layers,
                                   self.max_num_seqs, q_lens, self.inputs.max_tokens,
-                                  self.max_model_len)
+                                  self.max_model_len, capture=capture, prime=prime)
         self.graphs.capture_all()
         from outpace.runner.fused_step import FusedStep
         self.fused = FusedStep(self)

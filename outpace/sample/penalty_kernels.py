@@ -60,13 +60,15 @@ def penalize_rows(logits, prompt, counts, ids, rep, freq, pres, bucket: int, q: 
     return penalize_rows_triton(logits, prompt, counts, ids, rep, freq, pres, bucket, q)
 
 
-def penalize_rows_triton(logits, prompt, counts, ids, rep, freq, pres, bucket: int, q: int):
+def penalize_rows_triton(logits, prompt, counts, ids, rep, freq, pres, bucket: int, q: int,
+                         block: int = BLOCK):
+    """penalize_rows on the device; block: columns a program (a power of two)."""
     n, vocab = bucket * q, counts.shape[1]
     assert logits.shape == (n, vocab) and logits.dtype == torch.float32 \
         and logits.is_contiguous() and counts.is_contiguous() and prompt.is_contiguous()
-    _penalize_kernel[(n, triton.cdiv(vocab, BLOCK))](
+    _penalize_kernel[(n, triton.cdiv(vocab, block))](
         logits, prompt.view(torch.uint8), counts, ids, rep, freq, pres, vocab, Q=q,
-        Q_POW2=next_pow2(q), BLOCK=BLOCK, num_warps=4, enable_fp_fusion=False,
+        Q_POW2=next_pow2(q), BLOCK=block, num_warps=4, enable_fp_fusion=False,
         **pdl.launch_options(logits))
     return logits
 

@@ -178,7 +178,7 @@ class HeadProposer(Proposer):
                 active = [active[n] for n in keep]
             loop_rows = [([0], len(batch.committed[i]) - 2 + j, batch.block_ids[i], [0])
                          for i in active]
-            _, pos, _, meta = self.loop_inputs.load(build_host_batch(loop_rows, self.block_size))
+            _, pos, _, meta = self.loop_inputs.load(self.host_batch(loop_rows))
             h = self.step(h, tok, pos, ForwardContext(self.runner.backend, meta))
             self.work.loop_rows += len(active)
             tok = self.draft_ids(h)
@@ -190,6 +190,11 @@ class HeadProposer(Proposer):
                 drafts[i].append(flat[at])
                 at += 1
         return self._enhance(batch, drafts, k)
+
+    def host_batch(self, rows: list):
+        """build_host_batch of these rows at the head's block size: the draft loop's and a
+        gathered first pass's metadata (tests wrap it on an instance to misplace writes)."""
+        return build_host_batch(rows, self.block_size)
 
     def _first_pass(self, batch: DraftBatch) -> tuple:
         """The head over the rows of the requests whose first pass runs (batch.first_pass) ->
@@ -224,7 +229,7 @@ class HeadProposer(Proposer):
         self.work.first_pass_rows += at
         dev = batch.next_token_ids.device
         idx = torch.tensor(rows, dtype=torch.long, device=dev)
-        _, pos, _, meta = self.pass_inputs.load(build_host_batch(host_rows, self.block_size))
+        _, pos, _, meta = self.pass_inputs.load(self.host_batch(host_rows))
         sub = DraftBatch(requests=[], committed=[], row_start=[], row_end=[], last_row=[],
                          hidden=None if batch.hidden is None else batch.hidden[idx],
                          aux_hidden=[a[idx] for a in batch.aux_hidden])

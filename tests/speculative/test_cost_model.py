@@ -23,6 +23,7 @@ from outpace.speculative.cost_model import CostModel
 from outpace.speculative.draft_length import DraftLengthPolicy
 from outpace.speculative.step_times import StepTimes
 from outpace.speculative_config import SpecConfig
+from tests.speculative.conftest import rerun_capture
 from tests.speculative.spec_helpers import TINY_BLOCK, repetitive_prompts, run_waves
 from tests.speculative.test_spec_engine import StepLog
 
@@ -365,7 +366,7 @@ def test_output_identical_to_no_speculation(tiny_loaded, tiny_heads, method):
 
 
 @pytest.mark.parametrize("method", ["ngram", "eagle3"])
-def test_fused_graph_steps_with_the_cost_model(tiny_loaded, tiny_heads, fake_graph_capture,
+def test_fused_graph_steps_with_the_cost_model(tiny_loaded, tiny_heads,
                                                method):
     """The fused step (CPU stand-in of its graphs): the table measured from the graphs covers
     every bucket and verify length; output identical to no speculation; the random head's
@@ -376,7 +377,8 @@ def test_fused_graph_steps_with_the_cost_model(tiny_loaded, tiny_heads, fake_gra
     tables, logs = [], []
 
     def on_engine(engine):
-        engine.runner.enable_cuda_graphs(tuple(range(1, k + 2)), capture_fused=True)
+        engine.runner.enable_cuda_graphs(tuple(range(1, k + 2)), capture_fused=True,
+                                         capture=rerun_capture)
         engine.measure_step_times()
         tables.append(engine.runner.proposer.policy.cost_model.table)
         engine.runner.proposer.policy.set_step_times(eager_table(k, token_s=0.05), measure=False)
@@ -478,8 +480,7 @@ def graph_run(tiny_loaded, tiny_heads, prompts, params, table, k=3, after_step=N
     return run, rec["steps"]
 
 
-def test_graph_runs_no_head_where_drafting_does_not_pay(tiny_loaded, tiny_heads,
-                                                        fake_graph_capture):
+def test_graph_runs_no_head_where_drafting_does_not_pay(tiny_loaded, tiny_heads):
     """Every extra verify row costs ten steps: the cost model chooses 0 for every step, and
     the fused steps run kd = 0 graphs (no head rows computed in them), chained; output
     identical to no speculation."""
@@ -497,8 +498,7 @@ def test_graph_runs_no_head_where_drafting_does_not_pay(tiny_loaded, tiny_heads,
     assert run.stats["spec"]["num_drafts"] == 0
 
 
-def test_graph_drafts_the_full_k_where_drafting_pays(tiny_loaded, tiny_heads,
-                                                     fake_graph_capture):
+def test_graph_drafts_the_full_k_where_drafting_pays(tiny_loaded, tiny_heads):
     """Verify rows nearly free and every draft accepted (force-accept): every fused step's
     graph drafts the full k, its head computing rows, and the steps chain."""
     k = 3
@@ -514,7 +514,7 @@ def test_graph_drafts_the_full_k_where_drafting_pays(tiny_loaded, tiny_heads,
 
 
 def test_graph_follows_falling_acceptance_and_repairs_when_drafting_resumes(
-        tiny_loaded, tiny_heads, fake_graph_capture):
+        tiny_loaded, tiny_heads):
     """The random head's drafts are all rejected: the prior's full k falls to kd = 0 within a
     few steps; a probe later drafts again, which first recomputes the requests from their
     draft-plane marks (the kd = 0 graphs skipped their entries), then verifies k drafts in a
@@ -557,7 +557,7 @@ def test_graph_follows_falling_acceptance_and_repairs_when_drafting_resumes(
     assert run.engine.runner.fused.chained > 10
 
 
-def test_graph_switches_with_forced_acceptance(tiny_loaded, tiny_heads, fake_graph_capture):
+def test_graph_switches_with_forced_acceptance(tiny_loaded, tiny_heads):
     """Force-accept on, off, on again: the graphs draft k, fall to kd = 0 and come back to
     k, with every write of a launched or chained step inside the blocks reserved for it."""
     from tests.speculative.test_draft_skip import drafting_plane_exact
@@ -623,7 +623,7 @@ def test_a_chained_step_keeps_one_length_and_never_drafts_after_a_skip():
 @pytest.mark.parametrize("verify_row,chains", [(10.0, True), (0.02, False)],
                          ids=["drafting-never-pays", "drafting-pays"])
 def test_host_drafter_steps_chain_where_the_cost_model_drafts_nothing(
-        tiny_loaded, tiny_heads, fake_graph_capture, verify_row, chains):
+        tiny_loaded, tiny_heads, verify_row, chains):
     """A host drafter (suffix) under the cost model, overlap on: where every extra verify row
     costs ten steps the choice is 0 for everyone, so each step chains from the last on the
     device like a plain one (no wait for the host's proposals) and nothing is drafted; where

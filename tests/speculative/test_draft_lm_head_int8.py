@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-import outpace.speculative.head_proposer as head_proposer
 from outpace import SamplingParams
 from outpace.errors import ConfigError
 from tests.engine_helpers import make_engine
@@ -27,22 +26,26 @@ def dequantized_lm_head(weight: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("method", ["eagle3", "mtp"])
 def test_int8_draft_lm_head_keeps_the_output_and_drafts_from_the_dequantized_head(
-        tiny_loaded, tiny_heads, monkeypatch, method):
-    calls = []
-    inner = head_proposer.int8_linear
+        tiny_loaded, tiny_heads, method):
+    calls = []  # the draft_ids_normed calls that read the int8 copy
 
-    def counting(*args, **kwargs):
-        calls.append(1)
-        return inner(*args, **kwargs)
-    monkeypatch.setattr(head_proposer, "int8_linear", counting)
+    def count_int8_drafts(proposer):  # wraps this proposer's draft_ids_normed (an instance's)
+        inner = proposer.draft_ids_normed
+
+        def counting(normed, also=()):
+            if proposer.int8_lm_head_for(normed.shape[0]):
+                calls.append(1)
+            return inner(normed, also)
+        proposer.draft_ids_normed = counting
+        return ChainRecorder(proposer)
     prompts = repetitive_prompts(6, seed=11)
     plain = run_waves(tiny_loaded, [prompts], GREEDY, **KW)
     rec = {}
     spec = run_waves(tiny_loaded, [prompts], GREEDY,
                      speculative_config=head_spec(tiny_heads, method, 3,
                                                   draft_lm_head_dtype="int8"),
-                     on_engine=lambda e: rec.setdefault("chains",
-                                                        ChainRecorder(e.runner.proposer)), **KW)
+                     on_engine=lambda e: rec.setdefault(
+                         "chains", count_int8_drafts(e.runner.proposer)), **KW)
     assert spec.outputs == plain.outputs  # the target verifies every draft
     assert spec.stats["spec"]["num_drafts"] > 50 and calls, "the int8 head never drafted"
 

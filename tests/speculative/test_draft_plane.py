@@ -129,15 +129,14 @@ def test_draft_plane_matches_dense_oracle(tiny_loaded, tiny_heads, method, k, op
     assert chains >= 30
 
 
-def test_oracles_catch_a_misplaced_draft_write(tiny_loaded, tiny_heads, monkeypatch):
+def test_oracles_catch_a_misplaced_draft_write(tiny_loaded, tiny_heads):
     """Negative control: a draft loop that writes one position too low overwrites the exact
     entry at f-2 with a chained draft value; both oracles must notice."""
-    from outpace.speculative import head_proposer
-    inner = head_proposer.build_host_batch
-    monkeypatch.setattr(head_proposer, "build_host_batch", lambda rows, bs: inner(
-        [(t, start - 1, blocks, offs) for t, start, blocks, offs in rows], bs))
     eng = make_engine(tiny_loaded, speculative_config=head_spec(tiny_heads, "eagle3", 3),
                       block_size=TINY_BLOCK)
+    inner = eng.runner.proposer.host_batch  # this engine's proposer only
+    eng.runner.proposer.host_batch = lambda rows: inner(
+        [(t, start - 1, blocks, offs) for t, start, blocks, offs in rows])
     chains = ChainRecorder(eng.runner.proposer)
     checker = PlaneChecker(tiny_loaded)
     for i, p in enumerate(repetitive_prompts(2, 3)):

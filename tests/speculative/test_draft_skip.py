@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from outpace.speculative.draft_length import DraftLengthPolicy
+from tests.speculative.conftest import rerun_capture
 from tests.speculative.spec_helpers import (ChainRecorder, dense_chain, dense_draft_plane,
                                             engine_draft_plane, run_waves)
 from tests.speculative.test_draft_plane import GREEDY, SMALL, PlaneChecker, head_spec, waves
@@ -169,8 +170,7 @@ def test_k0_skips_the_mtp_window(tiny_loaded, tiny_heads):
     assert run.stats["spec"]["num_accepted_tokens"] > 0
 
 
-def test_k_schedule_at_zero_runs_no_head_in_the_fused_graph(tiny_loaded, tiny_heads,
-                                                           fake_graph_capture):
+def test_k_schedule_at_zero_runs_no_head_in_the_fused_graph(tiny_loaded, tiny_heads):
     """The fused step (CPU stand-in of its graphs) under a batch-size schedule that drafts only
     at batch <= 2: the steps of larger batches run graphs without the head (their rows counted
     as skipped); once the batch shrinks, the requests recompute from their marks on the general
@@ -183,7 +183,8 @@ def test_k_schedule_at_zero_runs_no_head_in_the_fused_graph(tiny_loaded, tiny_he
     spec = head_spec(tiny_heads, "eagle3", k, k_schedule=[[2, k]])
 
     def on_engine(engine):
-        engine.runner.enable_cuda_graphs(tuple(range(1, k + 2)), capture_fused=True)
+        engine.runner.enable_cuda_graphs(tuple(range(1, k + 2)), capture_fused=True,
+                                         capture=rerun_capture)
 
     run = run_waves(tiny_loaded, waves(), GREEDY, on_engine=on_engine,
                     after_step=lambda e: (drafting(e), at_mark(e), published(e)),

@@ -26,7 +26,7 @@ class _InertGraph:
                                          ("eagle3", {}), ("mtp", {}),
                                          ("mtp", {"mtp_mode": "depths"})])
 @pytest.mark.parametrize("with_fused_step", [False, True])
-def test_deleting_a_frozen_engine_frees_its_kv_pool(tiny_loaded, tiny_heads, monkeypatch,
+def test_deleting_a_frozen_engine_frees_its_kv_pool(tiny_loaded, tiny_heads,
                                                      method, opts, with_fused_step):
     if method in ("eagle3", "mtp"):
         k = 1 if opts else 2  # depths mode drafts one token per module (the tiny head has 1)
@@ -38,9 +38,8 @@ def test_deleting_a_frozen_engine_frees_its_kv_pool(tiny_loaded, tiny_heads, mon
     run_batch(eng, repetitive_prompts(2, 10),
               SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
     if with_fused_step:
-        from outpace.runner.cuda_graph import GraphRunner
-        monkeypatch.setattr(GraphRunner, "capture", lambda self, fn: (_InertGraph(), fn()))
-        eng.runner.enable_cuda_graphs((1, 2, 3), capture_fused=True)
+        eng.runner.enable_cuda_graphs((1, 2, 3), capture_fused=True,
+                                      capture=lambda fn: (_InertGraph(), fn()))
         assert eng.runner.fused is not None
     from tests.engine_helpers import engines_made
     engines_made().remove(eng)  # the helpers' registry would keep it alive

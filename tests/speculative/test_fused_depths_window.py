@@ -1,5 +1,5 @@
 """MTP depths mode in the fused graph (outpace/runner/fused_depths_window.py), on the CPU
-stand-in of CUDA graphs (fake_graph_capture): the window with its geometry computed on the
+stand-in of CUDA graphs (): the window with its geometry computed on the
 device from the accepted counts, R = K + 1 rows a request, the stash in device buffers.
 
 Against the eager window (speculative/mtp_window.py, the reference) over the scenario of
@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from outpace import SamplingParams
+from tests.speculative.conftest import rerun_capture
 from tests.speculative.spec_helpers import dense_target, repetitive_prompts, run_waves
 from tests.speculative.test_mtp_window import (ENGINE, GREEDY, TOL, PlaneOracle, bigram_head_tensors,
                                                spec_config, waves)
@@ -126,7 +127,8 @@ def run_case(setups, kind, D, k, graphs: bool, overlap: bool = False, window=Non
         if window is not None:
             engine.runner.proposer.window = window
         if graphs:
-            engine.runner.enable_cuda_graphs(tuple(range(1, k + 2)), capture_fused=True)
+            engine.runner.enable_cuda_graphs(tuple(range(1, k + 2)), capture_fused=True,
+                                             capture=rerun_capture)
         rec.attach(engine)
 
     def step(engine):
@@ -168,7 +170,7 @@ def assert_same_steps(eager, fused, min_states: int, min_drafts: int) -> None:
 
 
 @pytest.mark.parametrize("kind,D,k", K_CASES, ids=lambda c: str(c))
-def test_fused_window_equals_the_eager_window(setups, references, fake_graph_capture, kind, D,
+def test_fused_window_equals_the_eager_window(setups, references, kind, D,
                                              k):
     eager = run_case(setups, kind, D, k, graphs=False)
     fused = run_case(setups, kind, D, k, graphs=True)
@@ -192,7 +194,7 @@ def test_fused_window_equals_the_eager_window(setups, references, fake_graph_cap
     assert fused.stats["spec"]["num_accepted_tokens"] > 0
 
 
-def test_fused_window_chains_with_overlap(setups, references, fake_graph_capture):
+def test_fused_window_chains_with_overlap(setups, references):
     """With overlap the window's steps chain (the stash stays on the device between them);
     the output is the target's and the drafts the eager window's."""
     eager = run_case(setups, "bigram", 3, 3, graphs=False)
@@ -205,7 +207,7 @@ def test_fused_window_chains_with_overlap(setups, references, fake_graph_capture
     assert all(eager.rec.drafts[key] == fused.rec.drafts[key] for key in shared)
 
 
-def test_fused_window_narrower_than_k_leaves_stale_entries(setups, fake_graph_capture):
+def test_fused_window_narrower_than_k_leaves_stale_entries(setups):
     """Negative control: the graph's window with K - 1 rows of width leaves a rejected
     draft's entry at the deepest module, and the dense oracle sees it in the fused steps."""
     run = run_case(setups, "random", 3, 3, graphs=True, window=2)
@@ -214,7 +216,7 @@ def test_fused_window_narrower_than_k_leaves_stale_entries(setups, fake_graph_ca
     assert all("module 2" in e for e in run.rec.errors if "module" in e), run.rec.errors[:3]
 
 
-def test_fused_window_after_a_window_without_a_stash(setups, fake_graph_capture):
+def test_fused_window_after_a_window_without_a_stash(setups):
     """The stash's start where the window's start lo, not e - W, sets it. W = K = 3: a
     decode window with no stash (lo = s) that accepts nothing keeps a stash of position s
     only, and the next step, accepting nothing again, starts at that stash's start (lo = s >

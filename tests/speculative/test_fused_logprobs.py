@@ -1,5 +1,5 @@
 """Logprobs in the fused graphs (runner/fused_step.py's +logprobs modes) on CPU, with the
-fake_graph_capture stand-in: requests asking for logprobs (only the chosen token's, a few, the
+rerun_capture stand-in: requests asking for logprobs (only the chosen token's, a few, the
 most there are), greedy, sampled, masked and penalized, beside requests without them, run in
 the logprobs graphs and get what the general path gives them, token for token and logprob for
 logprob, without speculation and with n-gram, EAGLE-3 and MTP drafting, chained, relaunched or
@@ -52,7 +52,7 @@ def params_for(n: int) -> list:
 
 @pytest.mark.parametrize("method,k,overlap", CASES,
                          ids=[f"{m}-{'overlap' if o else 'sync'}" for m, _, o in CASES])
-def test_logprobs_fused_step_equals_eager(tiny_loaded, tiny_heads, fake_graph_capture, method,
+def test_logprobs_fused_step_equals_eager(tiny_loaded, tiny_heads, method,
                                           k, overlap):
     spec = spec_for(tiny_heads, method, k)
     params = params_for(sum(len(w) for w in waves()))
@@ -78,8 +78,7 @@ def test_logprobs_fused_step_equals_eager(tiny_loaded, tiny_heads, fake_graph_ca
 
 
 @pytest.mark.parametrize("method,k", [(None, 0), ("eagle3", 2)])
-def test_logprobs_prefill_launched_like_a_decode_step(tiny_loaded, tiny_heads,
-                                                      fake_graph_capture, method, k):
+def test_logprobs_prefill_launched_like_a_decode_step(tiny_loaded, tiny_heads, method, k):
     """A logprobs request's prefill (one chunk) runs its family's prefill tail, which leaves
     the first token's logprobs beside it; its decode steps chain from it. Tokens and logprobs
     are the eager engine's."""

@@ -1,5 +1,5 @@
 """Penalties in the fused graphs (outpace/runner/fused_penalties.py) on CPU, with the
-fake_graph_capture stand-in:
+rerun_capture stand-in:
 
 * requests with repetition, frequency and presence penalties (greedy and sampled, with and
   without masks, beside requests without any) run in the penalized graphs and emit what the
@@ -78,7 +78,7 @@ EQUAL_CASES = [(None, 0, False, SAMPLE_PENALIZED), (None, 0, True, MASKED_PENALI
 @pytest.mark.parametrize("method,k,overlap,mode", EQUAL_CASES,
                          ids=[f"{m}-{'overlap' if o else 'sync'}-{md}"
                               for m, _, o, md in EQUAL_CASES])
-def test_penalized_fused_step_equals_eager(tiny_loaded, tiny_heads, fake_graph_capture, method,
+def test_penalized_fused_step_equals_eager(tiny_loaded, tiny_heads, method,
                                            k, overlap, mode):
     spec = spec_for(tiny_heads, method, k)
     params = params_for(mode)
@@ -106,7 +106,7 @@ def test_penalized_fused_step_equals_eager(tiny_loaded, tiny_heads, fake_graph_c
 @pytest.mark.parametrize("method,k,mode", [("ngram", 3, SAMPLE_PENALIZED),
                                            ("suffix", 3, MASKED_PENALIZED)], ids=mode_id)
 def test_penalized_output_is_the_same_with_and_without_speculation(
-        tiny_loaded, tiny_heads, fake_graph_capture, method, k, mode):
+        tiny_loaded, tiny_heads, method, k, mode):
     """Row j of a verify step counts the drafts in rows 1 .. j as output tokens: on repetitive
     prompts the model-free drafters' drafts are accepted, and a row that left its earlier
     drafts out would choose another token than plain decoding. (A random head's drafts are
@@ -125,8 +125,7 @@ def test_penalized_output_is_the_same_with_and_without_speculation(
     assert eng.runner.fused.mode_steps[mode] > 10
 
 
-def test_tables_refilled_after_steps_off_the_graphs(tiny_loaded, tiny_heads,
-                                                    fake_graph_capture):
+def test_tables_refilled_after_steps_off_the_graphs(tiny_loaded, tiny_heads):
     """A request that arrives while penalized ones decode is prefilled in chunks beside their
     decode rows, steps the general path serves; the graphs count none of the tokens those
     steps emit, so the next step launched from the host refills every penalized row's tables
@@ -160,8 +159,7 @@ def test_tables_refilled_after_steps_off_the_graphs(tiny_loaded, tiny_heads,
                                            (None, 0, SAMPLE_PENALIZED),
                                            ("eagle3", 2, SAMPLE_PENALIZED),
                                            ("mtp", 2, MASKED_PENALIZED)], ids=mode_id)
-def test_penalized_prefill_launched_like_a_decode_step(tiny_loaded, tiny_heads,
-                                                       fake_graph_capture, method, k, mode):
+def test_penalized_prefill_launched_like_a_decode_step(tiny_loaded, tiny_heads, method, k, mode):
     """A penalized request's prefill is launched like a decode step too: its family's prefill
     tail fills the request's tables, draws the first token over the prompt's repetition
     penalty and counts it; its decode steps chain from it. Token for token the eager

@@ -1,5 +1,5 @@
 """Relaxed acceptance inside thinking spans in the fused step's graphs (runner/fused_relaxed.py),
-on CPU with the fake_graph_capture stand-in: outputs and acceptance statistics equal the general
+on CPU with the rerun_capture stand-in: outputs and acceptance statistics equal the general
 path's, with a head (steps chained from the device) and a host drafter (steps relaunched from the
 carry), launched from the host or overlapped; the span state the graphs advance on the device
 is the one the host's trackers reach."""
@@ -21,8 +21,7 @@ def _prompts():
 
 @pytest.mark.parametrize("method", ["ngram", "eagle3"])
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
-def test_relaxed_acceptance_in_the_fused_step_equals_eager(tiny_loaded, tiny_heads,
-                                                           fake_graph_capture, method, overlap):
+def test_relaxed_acceptance_in_the_fused_step_equals_eager(tiny_loaded, tiny_heads, method, overlap):
     spec = {**spec_for(tiny_heads, method, 3), **RELAXED}
     kw = dict(block_size=TINY_BLOCK, max_num_batched_tokens=32, max_num_seqs=8)
     prompts = _prompts()
@@ -42,7 +41,7 @@ def test_relaxed_acceptance_in_the_fused_step_equals_eager(tiny_loaded, tiny_hea
 
 
 def test_sampled_requests_under_relaxed_acceptance_take_the_general_path(
-        tiny_loaded, tiny_heads, fake_graph_capture):
+        tiny_loaded, tiny_heads):
     from outpace import SamplingParams
     spec = {**spec_for(tiny_heads, "eagle3", 3), **RELAXED}
     kw = dict(block_size=TINY_BLOCK, max_num_batched_tokens=32, max_num_seqs=8)

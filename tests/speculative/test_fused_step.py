@@ -1,4 +1,4 @@
-"""The fused graph step (outpace/runner/fused_step.py) on CPU, with the fake_graph_capture
+"""The fused graph step (outpace/runner/fused_step.py) on CPU, with the rerun_capture
 stand-in: greedy decode/verify steps run target forward, verify/accept and the head's draft loop
 as one captured function over fixed buffers.
 
@@ -20,7 +20,7 @@ import pytest
 from outpace import SamplingParams
 from outpace.runner import graph_mode
 from tests.engine_helpers import make_engine, run_batch
-from tests.speculative.conftest import RerunGraph
+from tests.speculative.conftest import RerunGraph, rerun_capture
 from tests.speculative.spec_helpers import TINY_BLOCK, repetitive_prompts, run_waves
 from tests.speculative.test_draft_plane import PlaneChecker, head_spec, waves
 
@@ -32,8 +32,11 @@ FEW_SEQS = dict(max_num_seqs=8)
 SMALL = dict(block_size=TINY_BLOCK, max_num_batched_tokens=16, num_kv_blocks=30, **FEW_SEQS)
 
 
-def enable_graphs(engine, k: int):
-    engine.runner.enable_cuda_graphs(tuple(range(1, k + 2)), capture_fused=True)
+def enable_graphs(engine, k: int, capture=rerun_capture, prime=None):
+    """Graphs for every verify length up to k + 1 and the fused steps, captured by `capture`
+    (the CPU stand-in); prime: enable_cuda_graphs' (None: pdl.prime)."""
+    engine.runner.enable_cuda_graphs(tuple(range(1, k + 2)), capture_fused=True,
+                                     capture=capture, prime=prime)
     assert engine.runner.fused is not None
 
 
@@ -98,7 +101,7 @@ def record_drafts(engine, into: list, graphs_k=None):
 
 @pytest.mark.parametrize("method,k,opts,overlap", [c[1:] for c in EQUAL_CASES],
                          ids=[c[0] for c in EQUAL_CASES])
-def test_fused_step_equals_eager(tiny_loaded, tiny_heads, fake_graph_capture, method, k, opts,
+def test_fused_step_equals_eager(tiny_loaded, tiny_heads, method, k, opts,
                                  overlap):
     spec = spec_for(tiny_heads, method, k, **opts)
     want_drafts, got_drafts = [], []
@@ -144,7 +147,7 @@ def test_fused_step_equals_eager(tiny_loaded, tiny_heads, fake_graph_capture, me
 
 @pytest.mark.parametrize("method,overlap", [("ngram", False), ("ngram", True),
                                             ("suffix", True)])
-def test_host_drafter_failures_in_the_fused_step(tiny_loaded, fake_graph_capture, method,
+def test_host_drafter_failures_in_the_fused_step(tiny_loaded, method,
                                                  overlap):
     """A host drafter that raises (injected) inside the fused step's output: no drafts for
     that step (with overlap its successor relaunched without drafts), every failure counted,
@@ -164,7 +167,7 @@ def test_host_drafter_failures_in_the_fused_step(tiny_loaded, fake_graph_capture
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
-def test_enhancer_failures_in_the_fused_step(tiny_loaded, tiny_heads, fake_graph_capture,
+def test_enhancer_failures_in_the_fused_step(tiny_loaded, tiny_heads,
                                              overlap):
     """The suffix enhancer raising after a fused graph drafted (every third match): no drafts
     for that step, every failure counted, the step after it not relaunched (the scheduler
@@ -199,8 +202,7 @@ def test_enhancer_failures_in_the_fused_step(tiny_loaded, tiny_heads, fake_graph
     # the enhancer's drafts replace the loop's: the next step's first pass rewrites the
     # entries the loop wrote for the head's own drafts
     ("eagle3", 3, {"enhancer_min_match": 2})], ids=["eagle3", "mtp", "eagle3-enhancer"])
-def test_device_draft_loop_writes_an_exact_draft_plane(tiny_loaded, tiny_heads,
-                                                       fake_graph_capture, method, k, opts):
+def test_device_draft_loop_writes_an_exact_draft_plane(tiny_loaded, tiny_heads, method, k, opts):
     checker = PlaneChecker(tiny_loaded)
     # overlap off: the checker reads the plane between steps, which with a step in flight
     # holds that step's writes past the committed tokens (drafts equal the eager path's with
@@ -216,7 +218,7 @@ def test_device_draft_loop_writes_an_exact_draft_plane(tiny_loaded, tiny_heads,
 
 
 @pytest.mark.parametrize("method", ["eagle3", "mtp"])
-def test_prefill_head_graph_equals_eager(tiny_loaded, tiny_heads, fake_graph_capture, method):
+def test_prefill_head_graph_equals_eager(tiny_loaded, tiny_heads, method):
     """One request at a time: its prefill chunks run in prefill graphs, and the head's pass
     over each chunk (alone for a chunk that samples nothing, with the draft loop for the last)
     replays the fused step's prefill-head graph. Drafts, outputs and the draft plane equal the
@@ -242,7 +244,7 @@ def test_prefill_head_graph_equals_eager(tiny_loaded, tiny_heads, fake_graph_cap
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
-def test_fused_draft_loop_at_the_context_end(tiny_loaded, tiny_heads, fake_graph_capture,
+def test_fused_draft_loop_at_the_context_end(tiny_loaded, tiny_heads,
                                              overlap):
     """A request that runs into max_model_len = max_position_embeddings: the graph's draft loop
     runs its k steps for it although the host trims its drafts, so the discarded steps reach
@@ -264,11 +266,12 @@ def test_fused_draft_loop_at_the_context_end(tiny_loaded, tiny_heads, fake_graph
     assert eng.runner.fused.replays > 3
 
 
-def test_force_accept_mean_on_the_fused_path(tiny_loaded, tiny_heads, fake_graph_capture):
+def test_force_accept_mean_on_the_fused_path(tiny_loaded, tiny_heads):
     k, mean = 4, 3.0
     eng = make_engine(tiny_loaded, max_num_seqs=8, speculative_config=head_spec(
         tiny_heads, "eagle3", k, force_accept_mean=mean))
-    eng.runner.enable_cuda_graphs(tuple(range(1, k + 2)), capture_fused=True)
+    eng.runner.enable_cuda_graphs(tuple(range(1, k + 2)), capture_fused=True,
+                                  capture=rerun_capture)
     captured = set(eng.runner.fused.table.greedy)
     # buckets 1 2 4 8 (max_num_seqs 8) x q 1..k+1, and each bucket's chained step (q = k+1)
     assert sum(not key[3] for key in captured) == 4 * (k + 1)
@@ -315,7 +318,7 @@ def sampled_params(mode: graph_mode.GraphMode = graph_mode.MASKED) -> list:
 @pytest.mark.parametrize("method,k,overlap,mode", SAMPLED_EQUAL,
                          ids=[f"{m}-{'overlap' if o else 'sync'}-{md}"
                               for m, _, o, md in SAMPLED_EQUAL])
-def test_sampled_fused_step_equals_eager(tiny_loaded, tiny_heads, fake_graph_capture, method,
+def test_sampled_fused_step_equals_eager(tiny_loaded, tiny_heads, method,
                                          k, overlap, mode):
     spec = spec_for(tiny_heads, method, k)
     eager = run_waves(tiny_loaded, waves(), sampled_params(mode), speculative_config=spec,
@@ -337,7 +340,7 @@ def test_sampled_fused_step_equals_eager(tiny_loaded, tiny_heads, fake_graph_cap
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
 @pytest.mark.parametrize("method,k", SAMPLED_CASES[1:], ids=[m for m, _ in SAMPLED_CASES[1:]])
 def test_sampled_output_is_the_same_with_and_without_speculation(
-        tiny_loaded, tiny_heads, fake_graph_capture, method, k, graphs):
+        tiny_loaded, tiny_heads, method, k, graphs):
     """The race keys each token by (seed, position): verifying drafts against it emits what
     plain decoding would have drawn, for seeded and unseeded requests (the engine seed)."""
     plain = run_waves(tiny_loaded, waves(), sampled_params(), **SMALL)
@@ -352,8 +355,7 @@ def test_sampled_output_is_the_same_with_and_without_speculation(
 
 @pytest.mark.parametrize("mode", [graph_mode.MASKED, graph_mode.SAMPLE], ids=str)
 @pytest.mark.parametrize("method,k", [(None, 0), ("eagle3", 2), ("mtp", 2)])
-def test_sampled_prefill_launched_like_a_decode_step(tiny_loaded, tiny_heads,
-                                                     fake_graph_capture, method, k, mode):
+def test_sampled_prefill_launched_like_a_decode_step(tiny_loaded, tiny_heads, method, k, mode):
     """A sampled request's prefill is launched like a decode step too (its family's prefill
     tail draws the token on the device, the race with the request's seed and position), and
     its decode steps chain from it in that family's graphs: token for token the eager
@@ -398,7 +400,7 @@ def test_warm_up_leaves_nothing_behind(tiny_loaded, tiny_heads):
 
 
 @pytest.mark.parametrize("method,k", [(None, 0), ("eagle3", 3), ("mtp", 2), ("ngram", 3)])
-def test_overlap_with_arrivals_aborts_and_stops(tiny_loaded, tiny_heads, fake_graph_capture,
+def test_overlap_with_arrivals_aborts_and_stops(tiny_loaded, tiny_heads,
                                                 method, k):
     """Overlapped steps while requests arrive, get aborted and stop (stop token, stop string,
     max_tokens) mid-chain: every output equals the eager engine's for that request. (n-gram:
@@ -454,7 +456,7 @@ def test_overlap_with_arrivals_aborts_and_stops(tiny_loaded, tiny_heads, fake_gr
 
 @pytest.mark.parametrize("method,k", [(None, 0), ("eagle3", 2), ("mtp", 3)])
 @pytest.mark.parametrize("force", [False, True], ids=["greedy", "force-accept"])
-def test_steps_chain_up_to_max_tokens(tiny_loaded, tiny_heads, fake_graph_capture, method, k,
+def test_steps_chain_up_to_max_tokens(tiny_loaded, tiny_heads, method, k,
                                       force):
     """A step is chained from its predecessor's device outputs whenever that predecessor
     can't finish the request (LLMEngine._chain), also when the new step may pass max_tokens
@@ -492,7 +494,7 @@ def test_steps_chain_up_to_max_tokens(tiny_loaded, tiny_heads, fake_graph_captur
 
 
 @pytest.mark.parametrize("method,k", [(None, 0), ("eagle3", 2), ("mtp", 2)])
-def test_prefill_launched_like_a_decode_step(tiny_loaded, tiny_heads, fake_graph_capture,
+def test_prefill_launched_like_a_decode_step(tiny_loaded, tiny_heads,
                                              method, k):
     """A greedy single-request prefill is launched like a decode step (FusedStep's
     PrefillGraphs.launch) and the first decode step chains from it: it is in flight when the step
@@ -531,39 +533,47 @@ def test_prefill_launched_like_a_decode_step(tiny_loaded, tiny_heads, fake_graph
 
 
 @pytest.mark.parametrize("method,k", [(None, 0), ("ngram", 3), ("eagle3", 3)])
-def test_host_launched_graphs_prime_pdl_and_chained_steps_do_not(tiny_loaded, tiny_heads,
-                                                                 fake_graph_capture, method, k,
-                                                                 monkeypatch):
+def test_host_launched_graphs_prime_pdl_and_chained_steps_do_not(tiny_loaded, tiny_heads, method,
+                                                                 k):
     """Every graph replayed from the host (a step's launch, a host drafter's relaunch, a
     prefill graph and the tail after it, a varlen step and the head's graph after it) is
     preceded by kernels/pdl.prime, since eager kernels may have run before it; a chained step
     follows a graph and is not (the prime costs a launch). (pdl.prime itself launches nothing
     on CPU; tests/gpu/test_pdl.py runs it.)"""
-    from outpace.kernels import pdl
+    events, devices, sites = [], [], []  # events: "prime", "chained" (a chained step's
+    # replay next), "replay"
+    recording = [False]  # events count from the first batch on (not during capture)
+
+    def prime(device, site="step"):  # the runner's primer (pdl.prime's stand-in)
+        if recording[0]:
+            events.append("prime")
+            devices.append(device)
+            sites.append(site)
+
+    class TaggedRerun(RerunGraph):
+        def replay(self):
+            if recording[0]:
+                events.append("replay")
+            super().replay()
+
+    def capture(fn):
+        g = TaggedRerun(fn)
+        return g, g.outs
+
     eng = make_engine(tiny_loaded, speculative_config=spec_for(tiny_heads, method, k),
                       overlap=True, **FEW_SEQS)
-    enable_graphs(eng, k)
+    enable_graphs(eng, k, capture=capture, prime=prime)
     fused, graphs = eng.runner.fused, eng.runner.graphs
     before = (fused.prefill.launches, graphs.varlen_replays,
               fused.prefill.replays + fused.prefill.varlen_head_replays)
-    events, devices, sites = [], [], []  # events: "prime", "chained" (a chained step's
-    # replay next), "replay"
-
-    def prime(device, site="step"):
-        events.append("prime")
-        devices.append(device)
-        sites.append(site)
-    monkeypatch.setattr(pdl, "prime", prime)
     fused_replay = fused._replay
 
     def tagging(*args, chained=False, **kw):
         if chained:
             events.append("chained")
         return fused_replay(*args, chained=chained, **kw)
-    monkeypatch.setattr(fused, "_replay", tagging)
-    graph_replay = RerunGraph.replay
-    monkeypatch.setattr(RerunGraph, "replay",
-                        lambda graph: (events.append("replay"), graph_replay(graph)))
+    fused._replay = tagging  # this engine's fused step only (an instance attribute)
+    recording[0] = True
     run_batch(eng, repetitive_prompts(3, 11), GREEDY)  # its first step: a varlen graph
     run_batch(eng, repetitive_prompts(1, 11), GREEDY)  # a batch-1 prefill
     # every replay follows a prime, or is a chained step's

@@ -15,7 +15,7 @@ from tests.speculative.test_fused_step import enable_graphs
 
 
 @pytest.mark.parametrize("method,k", [("eagle3", 2), ("eagle3", 4), ("mtp", 3)])
-def test_chained_steps_write_inside_reserved_blocks(tiny_loaded, tiny_heads, fake_graph_capture,
+def test_chained_steps_write_inside_reserved_blocks(tiny_loaded, tiny_heads,
                                                    method, k):
     spec = head_spec(tiny_heads, method, k, force_accept_mean=k + 0.9, check_fused_writes=True)
     run = run_waves(tiny_loaded, waves(), GREEDY, overlap=True,
@@ -30,7 +30,7 @@ def test_chained_steps_write_inside_reserved_blocks(tiny_loaded, tiny_heads, fak
     assert spec_stats["num_accepted_tokens"] > 0.8 * spec_stats["num_draft_tokens"]
 
 
-def test_write_check_is_off_by_default(tiny_loaded, tiny_heads, fake_graph_capture):
+def test_write_check_is_off_by_default(tiny_loaded, tiny_heads):
     run = run_waves(tiny_loaded, [waves()[0][:2]], GREEDY, overlap=True,
                     on_engine=lambda e: enable_graphs(e, 2),
                     speculative_config=head_spec(tiny_heads, "eagle3", 2),
@@ -38,7 +38,7 @@ def test_write_check_is_off_by_default(tiny_loaded, tiny_heads, fake_graph_captu
     assert run.engine.runner.fused.write_check is None
 
 
-def test_chains_under_a_k_schedule_at_zero(tiny_loaded, tiny_heads, fake_graph_capture):
+def test_chains_under_a_k_schedule_at_zero(tiny_loaded, tiny_heads):
     """A batch-size schedule that drafts only at batch <= 2, with overlap: chains of kd = 0
     steps (no head) and of drafting ones, requests finishing while their chain goes on (their
     rows write only the null block) and recomputes from the mark before drafting again; every

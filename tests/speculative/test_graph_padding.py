@@ -1,23 +1,24 @@
 """GraphRunner's bucketing and padding, on CPU: a stand-in "graph" re-runs the captured function
 on replay and copies into the captured outputs, exactly as a CUDA graph re-reads the fixed
-input buffers (the fake_graph_capture fixture). Greedy output with graphs must equal eager
+input buffers (the rerun_capture stand-in). Greedy output with graphs must equal eager
 output token for token."""
 
 import pytest
 
 from outpace import SamplingParams
 from tests.engine_helpers import make_engine, run_batch
+from tests.speculative.conftest import rerun_capture
 
 
 @pytest.mark.parametrize("spec", [None, {"method": "ngram", "num_speculative_tokens": 3}])
-def test_graph_padding_matches_eager(tiny_loaded, fake_graph_capture, spec):
+def test_graph_padding_matches_eager(tiny_loaded, spec):
     prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [9, 10, 11], [12, 13, 14, 15, 16, 12, 13, 14]]
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     eager = make_engine(tiny_loaded, speculative_config=spec, max_num_seqs=8)
     want = run_batch(eager, prompts, params)
     graphed = make_engine(tiny_loaded, speculative_config=spec, max_num_seqs=8)
     k = spec["num_speculative_tokens"] if spec else 0
-    graphed.runner.enable_cuda_graphs(tuple(range(1, k + 2)))
+    graphed.runner.enable_cuda_graphs(tuple(range(1, k + 2)), capture=rerun_capture)
     graphed.runner.fused = None  # the target-only graphs (sampling steps); fused: its own test
     replays = []
     inner = graphed.runner.graphs.run
@@ -44,7 +45,7 @@ def _count_prefill_replays(engine) -> list:
 
 @pytest.mark.parametrize("spec", [None, {"method": "ngram", "num_speculative_tokens": 3},
                                   "eagle3", "mtp"])
-def test_prefill_graphs_match_eager(tiny_loaded, tiny_heads, fake_graph_capture, spec):
+def test_prefill_graphs_match_eager(tiny_loaded, tiny_heads, spec):
     """Single-request prefills (whole, and chunked by a small token budget) replay from prefill
     graphs padded to 16 .. 512 tokens; outputs (and with a head, its drafts from the prefill's
     hidden states) equal the eager engine's token for token. Prompts near the context end and
@@ -62,7 +63,7 @@ def test_prefill_graphs_match_eager(tiny_loaded, tiny_heads, fake_graph_capture,
     eager = make_engine(tiny_loaded, **kw)
     graphed = make_engine(tiny_loaded, **kw)
     k = spec["num_speculative_tokens"] if spec else 0
-    graphed.runner.enable_cuda_graphs(tuple(range(1, k + 2)))
+    graphed.runner.enable_cuda_graphs(tuple(range(1, k + 2)), capture=rerun_capture)
     graphed.runner.fused = None
     sizes = _count_prefill_replays(graphed)
     for p in prompts:  # one at a time: batch-1 prefills
@@ -75,17 +76,17 @@ def test_prefill_graphs_match_eager(tiny_loaded, tiny_heads, fake_graph_capture,
     assert sizes == [16, 16, 32, 64, 192]
     # A small token budget chunks a prompt: its chunks replay too, only the last one samples.
     chunked = make_engine(tiny_loaded, max_num_batched_tokens=48, **kw)
-    chunked.runner.enable_cuda_graphs(tuple(range(1, k + 2)))
+    chunked.runner.enable_cuda_graphs(tuple(range(1, k + 2)), capture=rerun_capture)
     chunked.runner.fused = None
     sizes = _count_prefill_replays(chunked)
     assert run_batch(chunked, [prompts[5]], params) == run_batch(eager, [prompts[5]], params)
     assert sizes[:3] == [48, 48, 48], sizes  # 130 = 48 + 48 + 34
 
 
-def test_prefill_graph_rejects_what_it_cannot_replay(tiny_loaded, fake_graph_capture):
+def test_prefill_graph_rejects_what_it_cannot_replay(tiny_loaded):
     from outpace.attention.inputs import build_host_batch
     engine = make_engine(tiny_loaded, max_num_seqs=4)
-    engine.runner.enable_cuda_graphs((1,))
+    engine.runner.enable_cuda_graphs((1,), capture=rerun_capture)
     graphs = engine.runner.graphs
     assert graphs.prefill_q[0] == 16 and graphs.prefill_q[-1] == 512
     assert graphs.prefill_q_for(513) is None and graphs.prefill_q_for(0) == 16
@@ -97,13 +98,13 @@ def test_prefill_graph_rejects_what_it_cannot_replay(tiny_loaded, fake_graph_cap
         graphs.run_prefill(odd)
 
 
-def test_graph_dummy_batches_forget_the_tables(tiny_loaded, fake_graph_capture):
+def test_graph_dummy_batches_forget_the_tables(tiny_loaded):
     """fill_dummy zeroes the block tables directly: put_if_changed must upload again after it
     (attention/inputs.py)."""
     import numpy as np
     import torch
     engine = make_engine(tiny_loaded, max_num_seqs=4)
-    engine.runner.enable_cuda_graphs((1,))
+    engine.runner.enable_cuda_graphs((1,), capture=rerun_capture)
     buf, graphs = engine.runner.inputs, engine.runner.graphs
     a = np.full((1, buf.max_blocks), 3, dtype=np.int32)
     buf.put_if_changed(buf.block_tables, a)

@@ -161,7 +161,7 @@ class ScriptedClock(StepClock):
 @pytest.mark.parametrize("wait,drafts", [(9.0, False), (0.0, True)],
                          ids=["host-wait-9-steps", "no-host-wait"])
 def test_host_drafter_stops_drafting_once_its_wait_is_measured(
-        tiny_loaded, tiny_heads, fake_graph_capture, wait, drafts):
+        tiny_loaded, tiny_heads, wait, drafts):
     """A suffix drafter under the cost model on the fused graphs, overlap on, with a table
     where drafting pays: where its drafting steps are measured to cost ten steps, it drafts
     only until that is measured and then chains plain steps; measured at the table's cost it

@@ -124,7 +124,7 @@ def test_drafts_read_each_modules_own_norm(tiny_loaded, shared_norm_head, mode, 
     assert [done[f"r{i}"] for i in range(len(prompts))] == want  # lossless
 
 
-def test_fused_step_reads_the_modules_norm(tiny_loaded, shared_norm_head, fake_graph_capture):
+def test_fused_step_reads_the_modules_norm(tiny_loaded, shared_norm_head):
     """The fused step's device draft loop (its gather + norm before the LM head, on CPU through
     the graph stand-in) proposes the eager path's drafts, which read module 0's own norm
     (above)."""

@@ -332,12 +332,11 @@ def test_k_larger_than_block_size_is_refused(tiny_loaded, head_dirs):
                     speculative_config=spec_config(head_dirs["random", 3], 3, False))
 
 
-def test_padded_graph_steps(targets, head_dirs, monkeypatch):
+def test_padded_graph_steps(targets, head_dirs):
     """Decode/verify steps padded to a captured query length and batch bucket (CUDA graphs;
     on CPU a stand-in re-runs the captured function on replay), which run the fused step's
     window (runner/fused_depths_window.py): padding rows must not shift a request's window.
     Output and draft plane as in eager mode."""
-    from outpace.runner.cuda_graph import GraphRunner
     from tests.engine_helpers import make_engine, run_batch
 
     class Rerun:  # what a CUDA graph does on replay: recompute from the fixed input buffers
@@ -352,17 +351,16 @@ def test_padded_graph_steps(targets, head_dirs, monkeypatch):
                 else:
                     dst.copy_(src)
 
-    def capture(self, fn):
+    def capture(fn):
         graph = Rerun(fn)
         return graph, graph.outs
 
-    monkeypatch.setattr(GraphRunner, "capture", capture)
     loaded = targets["bigram"]
     prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [9, 10, 11], [12, 13, 14, 15, 16, 12, 13, 14]]
     want = run_batch(make_engine(loaded, max_num_seqs=8), prompts, GREEDY)
     eng = make_engine(loaded, max_num_seqs=8, block_size=TINY_BLOCK,
                       speculative_config=spec_config(head_dirs["bigram", 3], 3, False))
-    eng.runner.enable_cuda_graphs((1, 2, 3, 4))
+    eng.runner.enable_cuda_graphs((1, 2, 3, 4), capture=capture)
     oracle = PlaneOracle(eng, loaded)
     padded = []  # (requests, bucket) of each fused step launched from the host
     inner = eng.runner.fused.launch

@@ -1,5 +1,5 @@
 """The n-gram lookup inside the fused graphs (`"ngram_device": true`, runner/fused_ngram.py) on
-CPU, with the fake_graph_capture stand-in, over several waves of requests (padding to buckets,
+CPU, with the rerun_capture stand-in, over several waves of requests (padding to buckets,
 chunked prefill, prefix hits, preemption):
 
 * outputs equal no speculation's, and the host n-gram drafter's (eager and fused, relaunched):
@@ -160,7 +160,7 @@ IDS = ["k3", "k2-min2", "k3-schedule"]
 
 
 @pytest.mark.parametrize("k,opts", CASES, ids=IDS)
-def test_device_ngram_chains_with_preemption(tiny_loaded, fake_graph_capture, k, opts):
+def test_device_ngram_chains_with_preemption(tiny_loaded, k, opts):
     """A small pool: requests are preempted (with overlap one step earlier than on the host's
     schedule, so the steps differ); each step's drafts are the lookup's, the output and the
     counted drafts the host drafter's. (Under a k_schedule a chained graph's draft length
@@ -197,7 +197,7 @@ def test_device_ngram_chains_with_preemption(tiny_loaded, fake_graph_capture, k,
 
 
 @pytest.mark.parametrize("k,opts", CASES[:2], ids=IDS[:2])
-def test_device_ngram_equals_host_ngram_step_by_step(tiny_loaded, fake_graph_capture, k,
+def test_device_ngram_equals_host_ngram_step_by_step(tiny_loaded, k,
                                                      opts):
     """A pool that preempts nobody: the same steps as the host drafter's, eager or relaunched,
     with the same drafts in each."""
@@ -226,7 +226,7 @@ def test_device_ngram_equals_host_ngram_step_by_step(tiny_loaded, fake_graph_cap
     checks[0].check_uploads(exact=True)
 
 
-def test_device_ngram_without_overlap_equals_host(tiny_loaded, fake_graph_capture):
+def test_device_ngram_without_overlap_equals_host(tiny_loaded):
     """Every step launched from the host (its history filled from the committed tokens)."""
     want_drafts, got_drafts, checks = [], [], []
     host = run_waves(tiny_loaded, waves(), GREEDY, speculative_config=ngram(3, False),
@@ -245,7 +245,7 @@ def test_device_ngram_without_overlap_equals_host(tiny_loaded, fake_graph_captur
     checks[0].check_uploads(exact=device.stats["num_preemptions_total"] == 0)
 
 
-def test_a_step_chained_after_a_kd_0_graph_verifies_no_drafts(tiny_loaded, fake_graph_capture):
+def test_a_step_chained_after_a_kd_0_graph_verifies_no_drafts(tiny_loaded):
     """Under a k_schedule that turns drafting off above 2 requests, a kd = 0 graph drafts
     nothing, so the q = 1 step chained from it must verify no drafts: its num_drafts come from
     the device n-gram's counts, which the kd = 0 graph sets to 0 (they held an earlier step's).

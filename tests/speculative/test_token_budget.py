@@ -1,20 +1,16 @@
 """The step token budget's default (builder.default_token_budget): 8192 on GPUs of 70 GiB or
 more, else 2048; an engine built without one gets it, and an explicit one wins."""
 
-from types import SimpleNamespace
-
 import torch
 
 from outpace.engine import builder
 from tests.engine_helpers import make_engine
 
 
-def test_default_budget_by_device(monkeypatch):
+def test_default_budget_by_device():
     assert builder.default_token_budget(torch.device("cpu")) == 2048
     for gib, want in ((141, 8192), (80, 8192), (70, 8192), (48, 2048), (24, 2048)):
-        monkeypatch.setattr(torch.cuda, "get_device_properties",
-                            lambda d, gib=gib: SimpleNamespace(total_memory=gib * 2**30))
-        assert builder.default_token_budget(torch.device("cuda")) == want, gib
+        assert builder.default_token_budget(torch.device("cuda"), gib * 2**30) == want, gib
 
 
 def test_engine_takes_the_default_unless_given(tiny_loaded):

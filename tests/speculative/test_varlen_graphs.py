@@ -1,7 +1,7 @@
 """Varlen graphs (runner/cuda_graph.py): every step that neither a decode bucket's graph nor a
 single request's prefill graph serves (several prefill chunks, chunks beside decodes) replays
 a graph of T tokens over every sequence slot, padded with sequences of its own. On CPU with the
-fake_graph_capture stand-in: outputs, statistics and the draft plane equal the eager engine's,
+rerun_capture stand-in: outputs, statistics and the draft plane equal the eager engine's,
 with and without drafters, chunked prefill, prefix hits and preemption (the statistics up to
 the preemptions a chained step's reserved blocks add: check_draft_stats)."""
 
@@ -12,6 +12,7 @@ import pytest
 
 from outpace import SamplingParams
 from outpace.runner.cuda_graph import VARLEN_TOKENS
+from tests.speculative.conftest import rerun_capture
 from tests.speculative.spec_helpers import TINY_BLOCK, run_waves
 from tests.speculative.test_draft_plane import PlaneChecker, head_spec, waves
 
@@ -32,7 +33,8 @@ def spec_for(tiny_heads, method, k):
 
 
 def with_graphs(engine, k: int):
-    engine.runner.enable_cuda_graphs(tuple(range(1, k + 2)), capture_fused=True)
+    engine.runner.enable_cuda_graphs(tuple(range(1, k + 2)), capture_fused=True,
+                                     capture=rerun_capture)
 
 
 def check_draft_stats(graphed: dict, eager: dict, k: int, overlap: bool) -> None:
@@ -57,7 +59,7 @@ def check_draft_stats(graphed: dict, eager: dict, k: int, overlap: bool) -> None
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
 @pytest.mark.parametrize("method,k", [(None, 0), ("ngram", 3), ("eagle3", 3), ("mtp", 2)])
-def test_varlen_graphs_equal_eager(tiny_loaded, tiny_heads, fake_graph_capture, method, k,
+def test_varlen_graphs_equal_eager(tiny_loaded, tiny_heads, method, k,
                                    overlap):
     spec = spec_for(tiny_heads, method, k)
     eager = run_waves(tiny_loaded, waves(), GREEDY, speculative_config=spec, **KW)
@@ -84,8 +86,7 @@ def test_varlen_graphs_equal_eager(tiny_loaded, tiny_heads, fake_graph_capture, 
 
 
 @pytest.mark.parametrize("method,k", [(None, 0), ("eagle3", 2)])
-def test_prompts_filling_every_slot_still_take_a_varlen_graph(tiny_loaded, tiny_heads,
-                                                               fake_graph_capture, method, k):
+def test_prompts_filling_every_slot_still_take_a_varlen_graph(tiny_loaded, tiny_heads, method, k):
     """As many prompts as the engine has sequence slots, admitted together: their first step
     pads into a varlen graph (the padding's own sequence takes the input buffers' spare slot;
     without it that step ran eagerly, batch-8 TTFT 21.5 ms against 3), with the eager engine's
@@ -118,7 +119,7 @@ def test_prompts_filling_every_slot_still_take_a_varlen_graph(tiny_loaded, tiny_
         assert {outs[0].shape[0] for _, outs in fused.prefill.varlen_heads.values() if outs} == {4}
 
 
-def test_varlen_padding_is_sequences_of_its_own(tiny_loaded, fake_graph_capture):
+def test_varlen_padding_is_sequences_of_its_own(tiny_loaded):
     """The staged batch: real sequences first, as the host built them; the padding rows as
     sequences of at most max_model_len tokens reading the null block, writing nowhere; the rest
     empty; a tile map covering each sequence's queries once."""

@@ -9,11 +9,13 @@ from outpace.attention.inputs import InputBuffers, build_host_batch
 
 
 def _buffers_counting_copies():
-    buf = InputBuffers(max_tokens=32, max_seqs=4, max_blocks=8, device=torch.device("cpu"))
     staged = []
-    inner = buf._stage
-    buf._stage = lambda pairs, *a: (staged.extend(d.data_ptr() for d, _ in pairs),
-                                    inner(pairs, *a))[1]
+
+    class CountingBuffers(InputBuffers):  # records each buffer it stages
+        def _stage(self, pairs, *a):
+            staged.extend(d.data_ptr() for d, _ in pairs)
+            return super()._stage(pairs, *a)
+    buf = CountingBuffers(max_tokens=32, max_seqs=4, max_blocks=8, device=torch.device("cpu"))
     return buf, staged
 
 
@@ -51,24 +53,25 @@ def test_other_writes_drop_the_memo():
 
 
 
-def _counting_segment_copies(monkeypatch):
+def _counting_segment_copies():
+    """A Segment that records each copy's byte range, and that record."""
     from outpace.attention.inputs import Segment
     copies = []
-    inner = Segment._copy
 
-    def counted(self, start, end):
-        copies.append((start, end))
-        inner(self, start, end)
-    monkeypatch.setattr(Segment, "_copy", counted)
-    return copies
+    class CountingSegment(Segment):
+        def _copy(self, start, end):
+            copies.append((start, end))
+            super()._copy(start, end)
+    return CountingSegment, copies
 
 
-def test_a_load_is_one_copy_and_lands_every_array(monkeypatch):
+def test_a_load_is_one_copy_and_lands_every_array():
     """A batch and extra buffers of another segment: one copy per segment; each array in its
     buffer's leading part (block tables: the first rows and columns), what lies past it
     untouched."""
-    copies = _counting_segment_copies(monkeypatch)
-    buf = InputBuffers(max_tokens=32, max_seqs=4, max_blocks=8, device=torch.device("cpu"))
+    segment, copies = _counting_segment_copies()
+    buf = InputBuffers(max_tokens=32, max_seqs=4, max_blocks=8, device=torch.device("cpu"),
+                       segment=segment)
     nd, real = buf.add_buffers([((4,), torch.long), ((4,), torch.bool)])
     buf.block_tables.fill_(-5)  # written on the device outside put / load
     buf.forget(buf.block_tables)
@@ -86,10 +89,11 @@ def test_a_load_is_one_copy_and_lands_every_array(monkeypatch):
     assert nd.tolist() == [0, 2, 0, 0] and real.tolist() == [True, False, True, False]
 
 
-def test_parts_far_apart_go_over_in_two_copies(monkeypatch):
+def test_parts_far_apart_go_over_in_two_copies():
     from outpace.attention.inputs import Segment
-    copies = _counting_segment_copies(monkeypatch)
-    buf = InputBuffers(max_tokens=32, max_seqs=4, max_blocks=8, device=torch.device("cpu"))
+    segment, copies = _counting_segment_copies()
+    buf = InputBuffers(max_tokens=32, max_seqs=4, max_blocks=8, device=torch.device("cpu"),
+                       segment=segment)
     far, near = buf.add_buffers([((2 * Segment.GAP,), torch.uint8), ((4,), torch.long)])
     buf.put_all([(far, np.ones(3, np.uint8)), (near, np.array([7, 8]))])
     assert len(copies) == 2

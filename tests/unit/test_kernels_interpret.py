@@ -414,7 +414,7 @@ PREFETCH_CASES = [ATTN_CASES[i] for i in (0, 3, 6, 9, 12, 14, 16)]
                          ids=lambda c: ("prefetch" if c else "wait-first")
                          if isinstance(c, bool) else f"{c[0]}-{str(c[1])[6:]}-"
                          f"h{c[2]}g{c[3]}d{c[4]}s{c[5]}b{c[6]}")
-def check_paged_attention(case, prefetch, monkeypatch):
+def check_paged_attention(case, prefetch):
     """Both kernel variants (PREFETCH: the first KV tile loaded before the PDL wait, then the
     step's own tokens added in) at every composition: the first tile is each split's whole
     range, part of it, or empty, and holds old columns, new ones or both. With per-tile
@@ -431,16 +431,10 @@ def check_paged_attention(case, prefetch, monkeypatch):
     verify_attention(b, out, scale)
     if splits > 1:  # the last split of each tile merges (per-tile counters), twice in a row
         counters = torch.zeros(64, dtype=torch.int32)
-        real_empty = torch.empty
-
-        def nan_empty(*args, **kwargs):
-            t = real_empty(*args, **kwargs)
-            return t.fill_(float("nan")) if t.is_floating_point() else t
-        monkeypatch.setattr(torch, "empty", nan_empty)
         for _ in range(2):
             out = paged_attention(b.q, b.kv_cache, b.layer, _no_host_mirrors(b.meta), scale,
                                   num_splits=splits, min_split_tokens=16,
-                                  split_counters=counters, prefetch=prefetch)
+                                  split_counters=counters, prefetch=prefetch, fill=float("nan"))
             verify_attention(b, out, scale)
             assert not counters.any(), "the counters must be left at zero"
 
@@ -794,20 +788,18 @@ def check_argmax_race(dtype, rows, vocab, with_temp):
 # 18 rows: every row kind of masked_gumbel_cases.PARAMS in one case, over five chunks; 14 rows
 # in one chunk; a vocabulary of two chunks
 @pytest.mark.parametrize("rows,vocab,chunk", [(14, 300, 2048), (18, 300, 64), (6, 2500, 2048)])
-def check_masked_race(dtype, rows, vocab, chunk, monkeypatch):
+def check_masked_race(dtype, rows, vocab, chunk):
     """kernels/masked_gumbel.py against race_tokens over apply_sampling_params' masks: top-k,
     top-p, min-p and their combinations, greedy rows, ties, -inf entries, one chunk or many
     (the passes skip chunks below the current token; tests/unit/masked_gumbel_cases.py); the
     masks changed the draw in some rows."""
-    from outpace.kernels import masked_gumbel as masked_race
     from outpace.kernels.masked_gumbel import masked_race_triton
     from outpace.sample.gumbel import race_tokens
     from tests.unit.masked_gumbel_cases import assert_matches_reference, make_case
-    monkeypatch.setattr(masked_race, "CHUNK", chunk)
     changed = 0
     for seed in range(2):  # (the seed also shifts which row kinds the rows get)
         case = make_case(rows, vocab, seed + rows, dtype)
-        got = masked_race_triton(*case, pos_offset=1)
+        got = masked_race_triton(*case, pos_offset=1, chunk=chunk)
         assert_matches_reference(got, case, pos_offset=1)
         logits, words, positions, temp = case[:4]
         changed += int((got != race_tokens(logits.float(), words, positions, temperature=temp,
@@ -1091,11 +1083,9 @@ def check_loop_inputs(bucket, steps):
 
 
 @pytest.mark.parametrize("bucket,q,vocab", [(1, 1, 300), (2, 3, 5000), (3, 4, 97), (5, 2, 2048)])
-def check_penalize_rows(bucket, q, vocab, monkeypatch):
+def check_penalize_rows(bucket, q, vocab):
     """Every row's penalties over its request's tables plus the drafts before it, bit for bit
     torch's; rows of 1, 0, 0 untouched. Small vocabularies make drafts repeat table tokens."""
-    import outpace.sample.penalty_kernels as penalties
-    monkeypatch.setattr(penalties, "BLOCK", 256)  # several programs a row
     g = torch.Generator().manual_seed(bucket * 7 + q)
     m = bucket + 2  # tables have rows past the bucket
     logits = torch.randn(bucket * q, vocab, generator=g) * 4
@@ -1111,7 +1101,8 @@ def check_penalize_rows(bucket, q, vocab, monkeypatch):
     if bucket > 1:
         rep[last], freq[last], pres[last] = 1.0, 0.0, 0.0
     want = penalize_rows_ref(logits.clone(), prompt, counts, ids, rep, freq, pres, bucket, q)
-    got = penalize_rows_triton(logits.clone(), prompt, counts, ids, rep, freq, pres, bucket, q)
+    got = penalize_rows_triton(logits.clone(), prompt, counts, ids, rep, freq, pres, bucket, q,
+                               block=256)  # several programs a row
     assert torch.equal(got, want), (got - want).abs().max()
     assert not torch.equal(got[:q], logits[:q])
     if bucket > 1:
@@ -1140,24 +1131,22 @@ def check_count_emitted(bucket, q):
 @pytest.mark.parametrize("rows,vocab,top,chunk", [(5, 300, 20, 64), (2, 3000, 20, 2048),
                                                   (6, 97, 5, 32), (1, 20, 20, 16),
                                                   (5, 1000, 0, 256)])
-def check_row_logprobs(rows, vocab, top, chunk, monkeypatch):
+def check_row_logprobs(rows, vocab, top, chunk):
     """Each row's token logprob and its top `top` (ties to the lower id) against the stable
     reference, the pieces (several a row: chunk) merged, and the first of them when a count
     asks for fewer; a garbage row (NaN) still yields ids in range."""
-    import outpace.kernels.logprobs as logprobs
-    monkeypatch.setattr(logprobs, "CHUNK", chunk)
     logits, tokens = logprobs_cases.make_case(rows, vocab, seed=rows * vocab + top)
     want = logprobs_cases.stable_ref(logits, tokens, top)
-    logprobs_cases.check(row_logprobs_triton(logits, tokens, top), want, top)
+    logprobs_cases.check(row_logprobs_triton(logits, tokens, top, chunk=chunk), want, top)
     for count in {0, min(3, top)}:  # a graph's count: the first `count` of the top
         cols = [0, *range(1, 1 + count), *range(1 + top, 1 + top + count)]
         # (logits far below 0 too: a slot past the count that were read would win then)
         for shift in (0.0, -100.0):
             got = row_logprobs_triton(logits + shift, tokens, top,
-                                      torch.tensor([count], dtype=torch.int32))
+                                      torch.tensor([count], dtype=torch.int32), chunk=chunk)
             logprobs_cases.check(got[:, cols], want[:, cols], count, tol=1e-6 - shift * 1e-6)
     logits[0, ::3] = float("nan")
-    ids = row_logprobs_triton(logits, tokens, top)[:, 1 + top:]
+    ids = row_logprobs_triton(logits, tokens, top, chunk=chunk)[:, 1 + top:]
     assert bool(((ids >= 0) & (ids < vocab)).all())
 
 

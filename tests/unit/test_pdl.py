@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import inspect
 import re
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -27,20 +28,16 @@ def test_never_on_cpu_tensors():
     ((9, 0), None, False, False),      # a triton without launch_pdl
     ((9, 4), "6.2", True, False),      # ROCm (MI300 reports 9.4)
 ])
-def test_supported_only_on_hopper_and_later_nvidia(monkeypatch, capability, hip, triton_ok, want):
-    monkeypatch.setattr(pdl, "_by_device", {})
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda idx=None: capability)
-    monkeypatch.setattr(torch.version, "hip", hip)
-    monkeypatch.setattr(pdl, "_triton_has_launch_pdl", lambda: triton_ok)
-    assert pdl.supported(torch.device("cuda", 0)) is want
-    t = torch.empty(1)
-    monkeypatch.setattr(type(t), "device", property(lambda self: torch.device("cuda", 0)))
-    opts = pdl.launch_options(t)
+def test_supported_only_on_hopper_and_later_nvidia(capability, hip, triton_ok, want):
+    facts = (capability, hip, triton_ok)  # what the device query would return
+    assert pdl.supported(torch.device("cuda", 0), facts) is want
+    t = SimpleNamespace(device=torch.device("cuda", 0))  # launch_options reads only t.device
+    opts = pdl.launch_options(t, facts)
     assert opts == ({"USE_PDL": True, "launch_pdl": True} if want else {"USE_PDL": False})
     from outpace.kernels.options import use_kernel_options
     from outpace.runner_config import KernelOptions
     with use_kernel_options(KernelOptions(pdl=False)):
-        assert pdl.launch_options(t) == {"USE_PDL": False}
+        assert pdl.launch_options(t, facts) == {"USE_PDL": False}
 
 
 def _pdl_kernels():

@@ -286,15 +286,14 @@ def test_prefill_rows_take_row_blocks_of_tl_dot(m):
     assert choose_blocks(16, 576, 576, use_dot=True).block_m == 16  # one block up to 16 rows
 
 
-def test_mid_rows_ok_takes_narrow_16_bit_projections_of_17_to_128_rows(monkeypatch):
-    """The shape rule only (use_triton is CUDA's; patched here): bf16 / fp16 x of its weight's
-    dtype, 17..MID_M_MAX rows, K <= 2048, at most 4096 columns split."""
+def test_mid_rows_ok_takes_narrow_16_bit_projections_of_17_to_128_rows():
+    """The shape rule only (use_triton is CUDA's; triton_ok stands in for it here): bf16 / fp16
+    x of its weight's dtype, 17..MID_M_MAX rows, K <= 2048, at most 4096 columns split."""
     from outpace.kernels import skinny_gemm as sl
-    monkeypatch.setattr(sl, "use_triton", lambda t: True)
 
-    def ok(m, n, k, dtype=torch.bfloat16, w_dtype=None, n_cols=None):
+    def ok(m, n, k, dtype=torch.bfloat16, w_dtype=None, n_cols=None, triton_ok=True):
         x, w = torch.zeros(m, k, dtype=dtype), torch.zeros(n, k, dtype=w_dtype or dtype)
-        return sl.mid_rows_ok(x, w, n_cols)
+        return sl.mid_rows_ok(x, w, n_cols, triton_ok=triton_ok)
 
     assert ok(17, 960, 576) and ok(sl.MID_M_MAX, 3072, 576, n_cols=1536)
     assert ok(40, 960, 1152, torch.float16)
@@ -304,5 +303,5 @@ def test_mid_rows_ok_takes_narrow_16_bit_projections_of_17_to_128_rows(monkeypat
     assert not ok(64, 960, 576, torch.float32, torch.bfloat16)  # the faithful mode
     assert not ok(64, 6144, 4096)  # 8B-wide: not measured
     assert not ok(64, 28672, 4096, n_cols=14336)
-    monkeypatch.setattr(sl, "use_triton", lambda t: False)
-    assert not ok(64, 960, 576)  # CPU
+    assert not ok(64, 960, 576, triton_ok=False)  # CPU
+    assert not ok(64, 960, 576, triton_ok=None)  # use_triton's own answer on a CPU tensor

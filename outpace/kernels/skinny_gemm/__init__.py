@@ -285,17 +285,19 @@ def _fast(x: torch.Tensor, w: torch.Tensor) -> bool:
             and use_triton(x))
 
 
-def mid_rows_ok(x: torch.Tensor, w: torch.Tensor, n_cols: Optional[int] = None) -> bool:
+def mid_rows_ok(x: torch.Tensor, w: torch.Tensor, n_cols: Optional[int] = None,
+                triton_ok: Optional[bool] = None) -> bool:
     """Whether a projection of x [M, K] by w [N, K] with SMALL_M_MAX < M <= MID_M_MAX may run
     the Triton kernel (small_linear_triton, small_linear_silu_mul_triton, or
     norm_qkv_rope_store_triton without a norm): CUDA with triton, x and w of one 16-bit dtype
     (the faithful mode's fp32 rows keep split_mm), a row-major w, and a narrow weight (K <=
     2048, at most 4096 output columns, n_cols: the columns the programs split), the shapes
-    measured."""
+    measured. triton_ok: whether Triton may run on x (None: use_triton(x))."""
     return (x.dim() == 2 and SMALL_M_MAX < x.shape[0] <= MID_M_MAX and w.dim() == 2
             and w.is_contiguous() and x.shape[1] == w.shape[1] <= 2048
             and (n_cols or w.shape[0]) <= 4096 and w.dtype == x.dtype
-            and x.dtype in (torch.bfloat16, torch.float16) and use_triton(x))
+            and x.dtype in (torch.bfloat16, torch.float16)
+            and (use_triton(x) if triton_ok is None else triton_ok))
 
 
 def _copy_to(out: Optional[torch.Tensor], y: torch.Tensor) -> torch.Tensor:
