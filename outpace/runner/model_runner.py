@@ -138,9 +138,8 @@ class ModelRunner:
                            capture=None, prime=None) -> None:
         """Capture the target forward for decode/verify batches (CUDA only); capture_fused:
         also capture the fused greedy steps steady decoding uses now, not when first seen.
-        capture: GraphRunner's stand-in for a CUDA graph capture (None: the real one; tests
-        pass one that runs on CPU); prime: what GraphRunner.replay calls before a graph
-        launched from the host (None: pdl.prime; tests pass a recorder)."""
+        capture, prime: GraphRunner's (None: a CUDA graph capture, pdl.prime; tests pass
+        stand-ins that run on the CPU)."""
         from outpace.runner.cuda_graph import GraphRunner
         layers = self.proposer.capture_layers if self.proposer is not None else ()
         self.graphs = GraphRunner(self.model, self.backend, self.inputs, layers,
