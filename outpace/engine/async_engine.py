@@ -264,11 +264,7 @@ class AsyncEngine(LoopCrossing):
         if new_ids:
             if timing.first_token is None:
                 timing.take_engine_times(out.metrics)  # the same process: the same clock
-                # A final-only request's one output: its first token came earlier, at the
-                # engine's first_token_time (a streamed one's reaches its client now).
-                first = timing.engine_first_token if out.finished and tracked.final_only \
-                    else None
-                timing.first_token = first if first is not None else now
+                timing.take_first_token(now, final=out.finished and tracked.final_only)
             timing.last_token = now
         timing.num_prompt_tokens = len(out.prompt_token_ids)
         timing.num_output_tokens = n

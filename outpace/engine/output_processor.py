@@ -150,10 +150,7 @@ class OutputProcessor:
             if timing.first_token is None:
                 if out.engine_times is not None:  # time.time() -> this process's monotonic
                     timing.take_engine_times(out.engine_times, time.time() - time.monotonic())
-                # A final-only request's one output: its first token came earlier, at the
-                # core's first token (a streamed one's reaches its client now, last or not).
-                first = timing.engine_first_token if done and state.final_only else None
-                timing.first_token = min(first, now) if first is not None else now
+                timing.take_first_token(now, final=done and state.final_only)
             timing.last_token = now
         timing.num_prompt_tokens = out.num_prompt_tokens
         timing.num_output_tokens = n

@@ -91,6 +91,14 @@ class RequestTiming:
         a, b = getattr(self, start), getattr(self, end)
         return None if a is None or b is None else b - a
 
+    def take_first_token(self, now: float, final: bool) -> None:
+        """The front end has the request's first token at `now`. `final`: it comes in a
+        final-only request's one output, whose first token came earlier, at the engine's
+        (engine_first_token, if known); a streamed request's reaches its client now, even when
+        its first output is also its last."""
+        first = self.engine_first_token if final else None
+        self.first_token = min(first, now) if first is not None else now
+
     def take_engine_times(self, metrics: dict, offset: float = 0.0) -> None:
         """The engine's stamps of this request, from its RequestOutput.metrics (times on a
         clock `offset` seconds ahead of this one: 0 in the engine's own process)."""
