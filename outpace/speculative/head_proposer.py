@@ -192,8 +192,9 @@ class HeadProposer(Proposer):
         return self._enhance(batch, drafts, k)
 
     def host_batch(self, rows: list):
-        """build_host_batch of these rows at the head's block size: the draft loop's and a
-        gathered first pass's metadata (tests wrap it on an instance to misplace writes)."""
+        """build_host_batch of these rows at the head's block size: the metadata of the draft
+        loop, a gathered first pass and the MTP window (mtp_window.py) (tests wrap it on an
+        instance to misplace writes)."""
         return build_host_batch(rows, self.block_size)
 
     def _first_pass(self, batch: DraftBatch) -> tuple:

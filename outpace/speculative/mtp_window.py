@@ -54,7 +54,7 @@ import torch
 
 from outpace.attention.base import ForwardContext
 from outpace.errors import ConfigError
-from outpace.attention.inputs import InputBuffers, build_host_batch
+from outpace.attention.inputs import InputBuffers
 from outpace.speculative.base import DraftBatch
 from outpace.speculative.head_proposer import HeadProposer
 
@@ -219,7 +219,7 @@ class MTPWindowProposer(HeadProposer):
         win = self._geometry(batch)
         if not win.which:
             return drafts
-        _, pos, _, meta = self.win_inputs.load(build_host_batch(win.host_rows, self.block_size))
+        _, pos, _, meta = self.win_inputs.load(self.host_batch(win.host_rows))
         ctx = ForwardContext(self.runner.backend, meta)
 
         def put(parts, dtype):  # per-request [K, w] arrays -> one [K, R] device tensor
