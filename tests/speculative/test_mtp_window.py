@@ -338,29 +338,13 @@ def test_padded_graph_steps(targets, head_dirs):
     window (runner/fused_depths_window.py): padding rows must not shift a request's window.
     Output and draft plane as in eager mode."""
     from tests.engine_helpers import make_engine, run_batch
-
-    class Rerun:  # what a CUDA graph does on replay: recompute from the fixed input buffers
-        def __init__(self, fn):
-            self.fn, self.outs = fn, fn()
-
-        def replay(self):  # (hidden, aux[, logits]): varlen graphs stop at the hidden states
-            for dst, src in zip(self.outs, self.fn()):
-                if isinstance(dst, (list, tuple)):
-                    for a, b in zip(dst, src):
-                        a.copy_(b)
-                else:
-                    dst.copy_(src)
-
-    def capture(fn):
-        graph = Rerun(fn)
-        return graph, graph.outs
-
+    from tests.speculative.conftest import rerun_capture
     loaded = targets["bigram"]
     prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [9, 10, 11], [12, 13, 14, 15, 16, 12, 13, 14]]
     want = run_batch(make_engine(loaded, max_num_seqs=8), prompts, GREEDY)
     eng = make_engine(loaded, max_num_seqs=8, block_size=TINY_BLOCK,
                       speculative_config=spec_config(head_dirs["bigram", 3], 3, False))
-    eng.runner.enable_cuda_graphs((1, 2, 3, 4), capture=capture)
+    eng.runner.enable_cuda_graphs((1, 2, 3, 4), capture=rerun_capture)
     oracle = PlaneOracle(eng, loaded)
     padded = []  # (requests, bucket) of each fused step launched from the host
     inner = eng.runner.fused.launch
