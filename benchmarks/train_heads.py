@@ -77,13 +77,18 @@ def phase_train(args, loaded) -> dict:
                    temperature=args.temperature)
         samples = args.samples
         log(f"sampled answers: {time.monotonic() - t:.0f} s")
+    elif args.samples:
+        log(f"sampled answers SKIPPED: the greedy ones took {greedy_s:.0f} s, over "
+            f"--max-regen-s / (1 + --samples) = {args.max_regen_s / (1 + args.samples):.0f} s; "
+            f"pass a larger --max-regen-s to have them")
     if args.keep_answers:  # the answers come back too (gzip), to study or to carry later
         import gzip
         with open(cache, "rb") as src, gzip.open(Path(args.out) / "selfdistill.jsonl.gz",
                                                  "wb") as dst:
             shutil.copyfileobj(src, dst)
     empty_cache()
-    report = {"greedy_s": round(greedy_s, 1), "samples": samples}
+    report = {"greedy_s": round(greedy_s, 1), "samples": samples,
+              "samples_skipped": bool(args.samples) and not samples}
     plans = {"eagle3": (args.eagle_minutes, dict(draft_vocab=args.draft_vocab, lr=args.lr_eagle,
                                                  batch_tokens=args.batch_tokens)),
              "mtp": (args.mtp_minutes, dict(lr=args.lr_mtp,

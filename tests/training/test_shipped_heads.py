@@ -22,7 +22,7 @@ PROMPTS = Path(__file__).resolve().parents[2] / "benchmarks" / "prompts" / "mtbe
 # The shipped heads' mean acceptance lengths, on 80 MT-bench prompts and on this test's eight
 # (the first of each MT-bench category, CPU fp32), are in docs/performance.md. Random heads
 # reach ~1.0, so a broken head fails here; the EAGLE-3 floor is issue 33's.
-FLOOR = {"eagle3": 2.5, "mtp": 1.6}
+FLOOR = {"eagle3": 2.5, "mtp": 1.8}
 
 
 def test_every_shipped_head_is_in_the_package_and_small():
