@@ -79,8 +79,11 @@ class ServerConfig:
     # in a byte at a time would otherwise hold a connection and a task forever)
     body_timeout: float = 30.0
     # the engine loop in a process of its own (engine/core_process.py), apart from the HTTP
-    # front end; False: in a thread of the server's process (engine/async_engine.py)
-    engine_process: bool = False
+    # front end; False: in a thread of the server's process (engine/async_engine.py); None:
+    # a process on a GPU, where the front end's per-token work bounds the server beside an
+    # engine that steps in about a millisecond, and a thread on the CPU, where one process
+    # starts sooner and leaves the few cores to the engine (`runs_engine_process`)
+    engine_process: Optional[bool] = None
     # HTTP front-end processes over the one engine core (vLLM's --api-server-count): more than
     # one spreads the front end's work over processes, and implies engine_process
     api_server_count: int = 1
@@ -88,9 +91,14 @@ class ServerConfig:
     def __post_init__(self):
         check_int("port", self.port, 0, 65535)
         check_int("api_server_count", self.api_server_count, 1, 64)
-        if not isinstance(self.engine_process, bool):
-            raise ConfigError(f"engine_process must be true or false, got "
-                              f"{self.engine_process!r}", option="engine_process")
+        if self.engine_process is not None and not isinstance(self.engine_process, bool):
+            raise ConfigError(f"engine_process must be true, false or unset (a process on a "
+                              f"GPU, a thread on the CPU), got {self.engine_process!r}",
+                              option="engine_process")
+        if self.engine_process is False and self.api_server_count > 1:
+            raise ConfigError("api_server_count above 1 runs the engine in a process of its "
+                              "own; leave engine_process unset, or set api_server_count to 1",
+                              option="api_server_count")
         b = self.body_timeout
         if isinstance(b, bool) or not isinstance(b, (int, float)) or not 0 < b <= 3600:
             raise ConfigError(f"body_timeout must be a number of seconds in (0, 3600], got "
@@ -100,6 +108,15 @@ class ServerConfig:
             raise ConfigError(f"timeout_keep_alive must be a number of seconds in (0, 3600], "
                               f"got {t!r}", option="timeout_keep_alive")
 
+
+    def runs_engine_process(self, device: str) -> bool:
+        """Whether the engine loop runs in a process of its own beside an engine on `device`
+        (a resolved device: cpu, cuda or cuda:N)."""
+        if self.api_server_count > 1:
+            return True
+        if self.engine_process is not None:
+            return self.engine_process
+        return device.startswith("cuda")
 
 @dataclass(frozen=True)
 class EngineConfig:

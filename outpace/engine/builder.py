@@ -12,7 +12,7 @@ import torch
 from outpace.config import CacheConfig, EngineConfig, SchedulerConfig
 from outpace.engine.args import EngineArgs
 from outpace.errors import ConfigError, OutpaceError
-from outpace.runner_config import KernelOptions, RunnerConfig
+from outpace.runner_config import KernelOptions, RunnerConfig, resolve_device
 
 log = logging.getLogger(__name__)
 
@@ -175,8 +175,7 @@ def assemble(args: EngineArgs, checked, tp) -> Assembled:
     from outpace.scheduler.scheduler import Scheduler
     from outpace.speculative.factory import build_proposer
 
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = resolve_device(device)
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ConfigError("device 'cuda' was asked for but CUDA is not available; use --device "
                           "cpu", option="device")

@@ -178,7 +178,8 @@ def build_parser() -> argparse.ArgumentParser:
                    default=None,
                    help="run the engine loop in a process of its own, apart from the HTTP "
                    "front end (tokenization, detokenization, streaming); "
-                   "--no-engine-process: in a thread of the server's process (default: off)")
+                   "--no-engine-process: in a thread of the server's process (default: a process "
+                   "on a GPU, a thread on the CPU)")
     s.add_argument("--api-server-count", type=int, default=1, metavar="N",
                    help="HTTP front-end processes sharing the port over the one engine "
                    "process (more than 1 implies --engine-process; default: 1)")

@@ -147,8 +147,7 @@ def cmd_serve(a) -> int:
                                   served_model_name=a.served_model_name,
                                   timeout_keep_alive=a.timeout_keep_alive,
                                   api_server_count=a.api_server_count,
-                                  **({} if a.engine_process is None
-                                     else {"engine_process": a.engine_process}))
+                                  engine_process=a.engine_process)
     except OutpaceError as e:
         raise spelled(e, SERVER_FLAGS) from None
     args = engine_args(a, max_waiting_requests=a.max_waiting)

@@ -295,3 +295,11 @@ def test_no_engine_process_outlives_its_server(tiny_model_dir, tmp_path, when):
         for pid in under:  # a failed test's leftovers
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_a_cpu_servers_engine_runs_in_a_thread_unless_asked(server, server_mode_args):
+    """Unset, the engine loop of a server on the CPU stays in a thread of the server's process
+    (ServerConfig.runs_engine_process; on a GPU it gets a process of its own)."""
+    wait_for(lambda: "serving" in server.log_tail(100_000))
+    in_process = "the engine runs in process" in server.log_tail(100_000)
+    assert in_process == ("--engine-process" in server_mode_args)

@@ -286,13 +286,14 @@ def _run_server(engine_args: EngineArgs, server_cfg: ServerConfig, log_level: st
 
     from outpace.engine.engine import LLMEngine
     from outpace.entrypoints.openai.frontends import remove_metrics_dir
+    from outpace.runner_config import resolve_device
     from outpace.entrypoints.openai.http_protocol import header_deadline_protocol
 
     n_front = server_cfg.api_server_count
     if n_front > 1 and sock is None:
         from outpace.entrypoints.openai.listen import bind_socket
         sock = bind_socket(server_cfg.host, server_cfg.port)
-    if server_cfg.engine_process or n_front > 1:
+    if server_cfg.runs_engine_process(resolve_device(engine_args.device)):
         from outpace.engine.core_client import EngineCoreClient
         engine = EngineCoreClient(engine_args, frontends=n_front)
         log.info("outpace: the engine runs in process %d", engine.pid)
