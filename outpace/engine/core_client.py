@@ -36,7 +36,7 @@ from typing import Callable, Optional, Union
 from outpace.chat_template import ChatPrompt
 from outpace.engine.async_engine import EngineDeadError
 from outpace.engine.engine import check_text_length
-from outpace.engine.output_processor import OutputProcessor, core_params
+from outpace.engine.output_processor import OutputProcessor, coalesce_messages, core_params
 from outpace.engine.request_stream import (LoopCrossing, RequestStream, RequestTiming,
                                            error_item)
 from outpace.engine.args import EngineArgs
@@ -117,6 +117,11 @@ class EngineCoreClient(LoopCrossing):
         self._outbox: queue.Queue = queue.Queue()
         self._threads: list = []
         self._pending: dict = {}  # request_id -> add_request's future; tokenizer thread only
+        # the core's messages not yet processed: the reader appends, one queued drain job
+        # (at most) takes them all (coalesce_messages)
+        self._inbox: list = []
+        self._inbox_lock = threading.Lock()
+        self._drain_queued = False
 
     def _take_ready(self, info: dict) -> None:
         self.tokenizer = info["tokenizer"]  # the core's own: same ids, eos, chat template
@@ -396,6 +401,24 @@ class EngineCoreClient(LoopCrossing):
                 msg = self._conn.recv()
             except (EOFError, OSError):
                 break
-            self._submit(self._on_message, msg)
+            with self._inbox_lock:
+                self._inbox.append(msg)
+                if self._drain_queued:
+                    continue
+                self._drain_queued = True
+            self._submit(self._drain_inbox)
         self._submit(self._on_exit)
+
+    def _drain_inbox(self) -> None:
+        """(tokenizer thread) Every message the reader has queued, runs of step messages
+        taken as one: behind the core, the front end does a request's work once for all the
+        steps it missed rather than once a step."""
+        with self._inbox_lock:
+            msgs, self._inbox = self._inbox, []
+            self._drain_queued = False
+        for msg in coalesce_messages(msgs):
+            try:
+                self._on_message(msg)
+            except Exception:  # noqa: BLE001 -- the later messages must still be processed
+                log.exception("front-end job _on_message failed")
 

@@ -39,6 +39,54 @@ class CoreOutput(NamedTuple):
     engine_times: Optional[dict]
 
 
+
+def merge_outputs(earlier: CoreOutput, later: CoreOutput) -> CoreOutput:
+    """One request's outputs of two steps in a row as one: the tokens (and logprobs) of both,
+    the later's end and counts, the earlier's engine stamps (its first token's, if any). An
+    output after a finished one (none comes) is dropped."""
+    if earlier.finish_reason is not None:
+        return earlier
+    lps = earlier.new_logprobs
+    if lps is not None or later.new_logprobs is not None:
+        lps = list(lps or []) + list(later.new_logprobs or [])
+    return later._replace(new_token_ids=list(earlier.new_token_ids) + list(later.new_token_ids),
+                          new_logprobs=lps,
+                          engine_times=earlier.engine_times or later.engine_times)
+
+
+def coalesce_messages(msgs: list) -> list:
+    """The engine core's messages as they queued up at a front end behind it, with each run of
+    consecutive step messages ("out", acks, outputs, failed, stats) made one: its acks, each
+    request's outputs merged in the order the requests first appear, its failures, its last
+    stats. Processed as one, a run costs each request one item (one streamed chunk) instead
+    of one a step, so a front end that fell behind catches up instead of falling further.
+    Any other message ends a run and keeps its place."""
+    result, run = [], []
+
+    def flush():
+        if len(run) == 1:
+            result.append(run[0])
+        elif run:
+            acks, failed, stats, merged = [], [], None, {}
+            for _, a, outputs, f, st in run:
+                acks.extend(a)
+                failed.extend(f)
+                stats = st if st is not None else stats
+                for out in outputs:
+                    prev = merged.get(out.request_id)
+                    merged[out.request_id] = out if prev is None else merge_outputs(prev, out)
+            result.append(("out", acks, list(merged.values()), failed, stats))
+        run.clear()
+
+    for msg in msgs:
+        if msg[0] == "out":
+            run.append(msg)
+        else:
+            flush()
+            result.append(msg)
+    flush()
+    return result
+
 ENGINE_TIME_KEYS = ("arrival_time", "scheduled_time", "first_token_time")
 
 
