@@ -5,7 +5,7 @@
 
 Phases (run in the background on the device machine and polled by benchmarks/poll_gpu.sh,
 so that they may outlast one device call of 10 minutes):
-  train   the target answers data/sharegpt_prompts.jsonl (greedy, then --samples sampled answers
+  train   the target answers --prompts (data/sharegpt_prompts.jsonl; greedy, then --samples sampled answers
           each when the greedy ones were quick enough; cached in WORK), then `train_draft` for
           EAGLE-3 and for MTP (one module), each under its time budget, on answers cut
           --loop-tokens tokens after they start to loop. The heads (with their
@@ -62,7 +62,7 @@ def phase_train(args, loaded) -> dict:
     from outpace.training.trainer import Trainer
     work = Path(args.work)
     cache = work / "selfdistill.jsonl"
-    prompts = read_prompts(DATA, limit=args.max_prompts)
+    prompts = read_prompts(args.prompts, limit=args.max_prompts)
     t = time.monotonic()
     regenerate(args.gguf, prompts, cache, loaded=loaded, device=args.device,
                max_tokens=args.answer_tokens, samples=0, seed=args.seed,
@@ -108,7 +108,7 @@ def phase_train(args, loaded) -> dict:
         t = time.monotonic()
         trainer = None
         try:
-            cfg = TrainConfig(method=method, target=args.gguf, data=str(DATA),
+            cfg = TrainConfig(method=method, target=args.gguf, data=str(args.prompts),
                               out=str(work / name), data_cache=str(cache), samples=samples,
                               answer_tokens=args.answer_tokens, holdout=args.holdout,
                               temperature=args.temperature, loop_tokens=args.loop_tokens,
@@ -199,14 +199,14 @@ def phase_profile(args, loaded) -> dict:
     work = Path(args.work) / "profile"
     work.mkdir(parents=True, exist_ok=True)
     cache = work / "answers.jsonl"
-    prompts = read_prompts(DATA, limit=args.profile_prompts)
+    prompts = read_prompts(args.prompts, limit=args.profile_prompts)
     regenerate(args.gguf, prompts, cache, loaded=loaded, device=args.device,
                max_tokens=args.answer_tokens, samples=0, seed=0, temperature=args.temperature)
     n = args.profile_steps
     report, tables = {}, []
     for compiled in (False, True):
         name = "compiled" if compiled else "eager"
-        cfg = TrainConfig(method="eagle3", target=args.gguf, data=str(DATA),
+        cfg = TrainConfig(method="eagle3", target=args.gguf, data=str(args.prompts),
                           out=str(work / name), data_cache=str(cache), samples=0,
                           answer_tokens=args.answer_tokens, holdout=0,
                           temperature=args.temperature, loop_tokens=args.loop_tokens, epochs=1,
@@ -388,7 +388,11 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--phases", default="train")
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--max-prompts", type=int, default=None, help="(CPU smoke runs)")
+    ap.add_argument("--prompts", type=Path, default=DATA,
+                    help="the training prompts (JSONL; default data/sharegpt_prompts.jsonl; "
+                    "benchmarks/sharegpt_prompts.py makes a larger one)")
+    ap.add_argument("--max-prompts", type=int, default=None,
+                    help="the first N of --prompts (CPU smoke runs, or a share of a large file)")
     ap.add_argument("--heads", default="eagle3,mtp")
     ap.add_argument("--deadline-s", type=float, default=1000,
                     help="the bench phase stops starting configurations this late")
