@@ -32,12 +32,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import (  # noqa: E402
     HERE, device_name, drop_script_folder, out_file, print_table, write_result)
 
-MODEL = "smollm2-135m"  # its tokenizer only: the stand-in computes nothing
+MODEL = "smollm2-135m"  # its tokenizer only (--model): the stand-in computes nothing
 
 
-def stub_engine(step_ms: float, engine_args=None):
-    """A StubEngine over the default model's tokenizer (engine_args: EngineCoreClient's, not
-    read): module-level, so that a spawned engine-core process can build it."""
+def stub_engine(step_ms: float, model: str = MODEL, engine_args=None):
+    """A StubEngine over `model`'s tokenizer (a catalog name, a .gguf file or a Hugging Face
+    folder; engine_args: EngineCoreClient's, not read): module-level, so that a spawned
+    engine-core process can build it."""
     from outpace.engine.engine import LLMEngine
     from outpace.models.catalog import resolve_model
     from outpace.models.loader.gguf import GGUFFile, config_from_gguf
@@ -103,14 +104,17 @@ def stub_engine(step_ms: float, engine_args=None):
         def shutdown(self):
             pass
 
-    path = str(resolve_model(MODEL, quiet=True))
+    if Path(model).is_dir():
+        from outpace.models.loader.safetensors import read_hf_config
+        return StubEngine(Tokenizer.from_folder(model, read_hf_config(model).eos_token_ids))
+    path = str(resolve_model(model, quiet=True))
     g = GGUFFile(path)
     tok = Tokenizer.from_gguf(path, config_from_gguf(g).eos_token_ids,
                               cache_key=g.metadata_sha256(), quiet=True)
     return StubEngine(tok)
 
 
-def serve(mode: str, port: int, step_ms: float) -> None:
+def serve(mode: str, port: int, step_ms: float, model: str = MODEL) -> None:
     """`--serve`: one mode's server on 127.0.0.1:port until killed."""
     import uvicorn
 
@@ -121,11 +125,13 @@ def serve(mode: str, port: int, step_ms: float) -> None:
     from outpace.models.catalog import resolve_model
     if mode == "thread":
         from outpace.engine.async_engine import AsyncEngine
-        engine = AsyncEngine(stub_engine(step_ms))
+        engine = AsyncEngine(stub_engine(step_ms, model))
     else:
         from outpace.engine.core_client import EngineCoreClient
-        args = EngineArgs.from_kwargs(str(resolve_model(MODEL, quiet=True)), device="cpu")
-        engine = EngineCoreClient(args, build_engine=functools.partial(stub_engine, step_ms))
+        where = model if Path(model).is_dir() else str(resolve_model(model, quiet=True))
+        args = EngineArgs.from_kwargs(where, device="cpu")
+        engine = EngineCoreClient(args, build_engine=functools.partial(stub_engine, step_ms,
+                                                                       model))
     app = build_app(engine, ServerConfig(port=port))
     try:
         uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
@@ -160,7 +166,8 @@ def one_run(a, mode: str) -> dict:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     srv = subprocess.Popen([sys.executable, __file__, "--serve", mode, "--port", str(port),
-                            "--step-ms", str(a.step_ms)], stderr=subprocess.PIPE)
+                            "--step-ms", str(a.step_ms), "--model", a.model],
+                           stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 120
         while True:
@@ -207,11 +214,14 @@ def main():
     ap.add_argument("--client-processes", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=2, help="the modes in turns, this often")
     ap.add_argument("--out", default=str(HERE / "results" / "latest"))
+    ap.add_argument("--model", default=MODEL,
+                    help="whose tokenizer the front end runs: a catalog name, a .gguf file or a "
+                    "Hugging Face folder (default: %(default)s)")
     ap.add_argument("--serve", choices=["thread", "process"], help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.serve:
-        serve(a.serve, a.port, a.step_ms)
+        serve(a.serve, a.port, a.step_ms, a.model)
         return
     if not Path("/proc/self/stat").exists():
         ap.error("the CPU times come from /proc: run it on Linux")
