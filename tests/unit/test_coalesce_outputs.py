@@ -10,7 +10,7 @@ import random
 import pytest
 
 from outpace.engine.output_processor import (CoreOutput, OutputProcessor, coalesce_messages,
-                                             merge_outputs)
+                                             merge_outputs, merge_run)
 from outpace.engine.request_stream import RequestStream, RequestTiming
 from outpace.types import SamplingParams
 
@@ -135,3 +135,16 @@ def test_a_run_keeps_every_failure_the_core_s_stop_reason_and_its_last_stats():
     assert stats is s2  # the last stats sent, not the first
     a = next(o for o in outputs if o.request_id == "a")
     assert (a.new_token_ids, a.finish_reason, a.stop_reason) == ([1, 2], "stop", 2)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_merge_run_is_merge_outputs_folded_from_the_left(seed):
+    import functools
+    rng = random.Random(seed)
+    outs = []
+    for i in range(rng.randrange(2, 8)):
+        ids = [rng.randrange(26) for _ in range(rng.randrange(0, 3))]
+        outs.append(out("r", ids, finish=rng.choice([None, None, None, "length", "stop"]),
+                        lps=rng.choice([None, [{t: -0.5} for t in ids]]),
+                        times=rng.choice([None, {"first_token_time": float(i)}])))
+    assert merge_run(outs) == functools.reduce(merge_outputs, outs)
