@@ -109,14 +109,16 @@ class ServerConfig:
                               f"got {t!r}", option="timeout_keep_alive")
 
 
-    def runs_engine_process(self, device: str) -> bool:
+    def runs_engine_process(self, device: str, lent_model: bool = False) -> bool:
         """Whether the engine loop runs in a process of its own beside an engine on `device`
-        (a resolved device: cpu, cuda or cuda:N)."""
+        (a resolved device: cpu, cuda or cuda:N). lent_model: the engine serves a model lent
+        in this process (EngineArgs.loaded), which an engine process cannot take: unset, it
+        stays in a thread."""
         if self.api_server_count > 1:
             return True
         if self.engine_process is not None:
             return self.engine_process
-        return device.startswith("cuda")
+        return device.startswith("cuda") and not lent_model
 
 @dataclass(frozen=True)
 class EngineConfig:

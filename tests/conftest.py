@@ -17,7 +17,7 @@ import pytest  # noqa: E402
 def pytest_addoption(parser):
     parser.addoption("--engine-process", action="store_true",
                      help="the e2e tests' `outpace serve` processes run with --engine-process "
-                     "(the engine loop in a process of its own, not the default thread)")
+                     "(the engine loop in a process of its own, not the CPU's default thread)")
 
 
 @pytest.fixture(scope="session")

@@ -10,7 +10,7 @@ import random
 import pytest
 
 from outpace.engine.output_processor import (CoreOutput, OutputProcessor, coalesce_messages,
-                                             merge_outputs)
+                                             merge_outputs, merge_run)
 from outpace.engine.request_stream import RequestStream, RequestTiming
 from outpace.types import SamplingParams
 
@@ -123,3 +123,28 @@ def test_coalesced_messages_give_every_stream_what_one_at_a_time_gives(seed):
     ended_in_core = {o.request_id for m in messages for o in m[2] if o.finish_reason}
     assert set(stopped) <= set(stopped1)
     assert set(stopped1) - set(stopped) <= ended_in_core
+
+
+def test_a_run_keeps_every_failure_the_core_s_stop_reason_and_its_last_stats():
+    s1, s2 = {"num_running": 1}, {"num_running": 2}
+    m1 = ("out", [], [out("a", [1]), out("b", [4])], [("c", "boom")], s1)
+    m2 = ("out", [], [out("a", [2], finish="stop", stop=2)], [("d", "bang")], s2)
+    m3 = ("out", [], [out("b", [5])], [], None)
+    [(_, _, outputs, failed, stats)] = coalesce_messages([m1, m2, m3])
+    assert failed == [("c", "boom"), ("d", "bang")]
+    assert stats is s2  # the last stats sent, not the first
+    a = next(o for o in outputs if o.request_id == "a")
+    assert (a.new_token_ids, a.finish_reason, a.stop_reason) == ([1, 2], "stop", 2)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_merge_run_is_merge_outputs_folded_from_the_left(seed):
+    import functools
+    rng = random.Random(seed)
+    outs = []
+    for i in range(rng.randrange(2, 8)):
+        ids = [rng.randrange(26) for _ in range(rng.randrange(0, 3))]
+        outs.append(out("r", ids, finish=rng.choice([None, None, None, "length", "stop"]),
+                        lps=rng.choice([None, [{t: -0.5} for t in ids]]),
+                        times=rng.choice([None, {"first_token_time": float(i)}])))
+    assert merge_run(outs) == functools.reduce(merge_outputs, outs)

@@ -24,6 +24,13 @@ def test_set_it_is_as_set_on_any_device(device):
     assert ServerConfig(engine_process=False).runs_engine_process(device) is False
 
 
+def test_unset_a_lent_model_keeps_the_engine_in_a_thread_even_on_a_gpu():
+    """EngineArgs.loaded (a model lent in the server's process) cannot go to an engine process
+    (EngineCoreClient refuses it): unset, the GPU's default must not pick one."""
+    assert ServerConfig().runs_engine_process("cuda", lent_model=True) is False
+    assert ServerConfig(engine_process=True).runs_engine_process("cuda", lent_model=True)
+
+
 def test_several_front_ends_always_run_over_an_engine_process():
     assert ServerConfig(api_server_count=2).runs_engine_process("cpu") is True
     assert ServerConfig(api_server_count=2, engine_process=True).runs_engine_process("cpu")
@@ -44,3 +51,31 @@ def test_resolve_device():
     assert resolve_device("auto") == ("cuda" if torch.cuda.is_available() else "cpu")
     for device in ("cpu", "cuda", "cuda:1"):
         assert resolve_device(device) == device
+
+
+class _Picked(Exception):
+    pass
+
+
+@pytest.mark.parametrize("loaded,expected", [(None, "process"), (("model", "cfg", "tok"), "thread")])
+def test_run_server_on_a_gpu_serves_a_lent_model_in_a_thread(monkeypatch, loaded, expected):
+    """_run_server's choice as a GPU machine makes it (resolve_device -> cuda): unset, a process,
+    except for a lent model, which only a thread can serve."""
+    import outpace.engine.core_client as core_client
+    import outpace.runner_config as runner_config
+    from outpace.engine.args import EngineArgs
+    from outpace.engine.engine import LLMEngine
+    from outpace.entrypoints.openai.server import _run_server
+
+    def pick(kind):
+        def raise_it(*a, **k):
+            raise _Picked(kind)
+        return raise_it
+
+    monkeypatch.setattr(runner_config, "resolve_device", lambda d: "cuda")
+    monkeypatch.setattr(core_client, "EngineCoreClient", pick("process"))
+    monkeypatch.setattr(LLMEngine, "from_engine_args", classmethod(pick("thread")))
+    args = EngineArgs(model="tiny", loaded=loaded)
+    with pytest.raises(_Picked) as e:
+        _run_server(args, ServerConfig(), "warning", None, None)
+    assert e.value.args[0] == expected

@@ -293,7 +293,8 @@ def _run_server(engine_args: EngineArgs, server_cfg: ServerConfig, log_level: st
     if n_front > 1 and sock is None:
         from outpace.entrypoints.openai.listen import bind_socket
         sock = bind_socket(server_cfg.host, server_cfg.port)
-    if server_cfg.runs_engine_process(resolve_device(engine_args.device)):
+    if server_cfg.runs_engine_process(resolve_device(engine_args.device),
+                                      lent_model=engine_args.loaded is not None):
         from outpace.engine.core_client import EngineCoreClient
         engine = EngineCoreClient(engine_args, frontends=n_front)
         log.info("outpace: the engine runs in process %d", engine.pid)
