@@ -120,6 +120,7 @@ class ServerConfig:
             return self.engine_process
         return device.startswith("cuda") and not lent_model
 
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str  # catalog name, HF folder or .gguf path, as the user gave it

@@ -53,8 +53,8 @@ class _Tracked:
 
 
 class AsyncEngine(LoopCrossing):
-    """The engine loop in a thread of the server process (ServerConfig.engine_process off);
-    engine/core_client.py runs it in a process of its own."""
+    """The engine loop in a thread of the server process (ServerConfig.engine_process off, or
+    unset beside a CPU engine); engine/core_client.py runs it in a process of its own."""
 
     def __init__(self, engine, on_finished: Optional[Callable[[RequestTiming], None]] = None,
                  max_consecutive_step_failures: int = 3):

@@ -53,29 +53,13 @@ def test_resolve_device():
         assert resolve_device(device) == device
 
 
-class _Picked(Exception):
-    pass
-
-
-@pytest.mark.parametrize("loaded,expected", [(None, "process"), (("model", "cfg", "tok"), "thread")])
-def test_run_server_on_a_gpu_serves_a_lent_model_in_a_thread(monkeypatch, loaded, expected):
-    """_run_server's choice as a GPU machine makes it (resolve_device -> cuda): unset, a process,
-    except for a lent model, which only a thread can serve."""
-    import outpace.engine.core_client as core_client
-    import outpace.runner_config as runner_config
+@pytest.mark.parametrize("loaded,expected", [(None, True), (("model", "cfg", "tok"), False)])
+def test_the_server_on_a_gpu_serves_a_lent_model_in_a_thread(loaded, expected):
+    """The server's choice (server.engine_in_process, what _run_server asks) as a GPU machine
+    makes it: unset, a process, except for a lent model, which only a thread can serve."""
     from outpace.engine.args import EngineArgs
-    from outpace.engine.engine import LLMEngine
-    from outpace.entrypoints.openai.server import _run_server
-
-    def pick(kind):
-        def raise_it(*a, **k):
-            raise _Picked(kind)
-        return raise_it
-
-    monkeypatch.setattr(runner_config, "resolve_device", lambda d: "cuda")
-    monkeypatch.setattr(core_client, "EngineCoreClient", pick("process"))
-    monkeypatch.setattr(LLMEngine, "from_engine_args", classmethod(pick("thread")))
+    from outpace.entrypoints.openai.server import engine_in_process
     args = EngineArgs(model="tiny", loaded=loaded)
-    with pytest.raises(_Picked) as e:
-        _run_server(args, ServerConfig(), "warning", None, None)
-    assert e.value.args[0] == expected
+    assert engine_in_process(args, ServerConfig(), device="cuda") is expected
+    assert engine_in_process(args, ServerConfig(), device="cpu") is False
+    assert engine_in_process(EngineArgs(model="tiny", device="cpu"), ServerConfig()) is False

@@ -280,21 +280,28 @@ def run_server(engine_args: EngineArgs, server_cfg: ServerConfig,
         _run_server(engine_args, server_cfg, log_level, sock, mdir)
 
 
+def engine_in_process(engine_args: EngineArgs, server_cfg: ServerConfig,
+                      device: Optional[str] = None) -> bool:
+    """Whether the server runs its engine in an engine-core process (else in a thread): for
+    an engine on `device` (default: engine_args.device resolved, 'auto' as the engine does)."""
+    from outpace.runner_config import resolve_device
+    return server_cfg.runs_engine_process(device or resolve_device(engine_args.device),
+                                          lent_model=engine_args.loaded is not None)
+
+
 def _run_server(engine_args: EngineArgs, server_cfg: ServerConfig, log_level: str, sock,
                 mdir: Optional[str]) -> None:
     import uvicorn
 
     from outpace.engine.engine import LLMEngine
     from outpace.entrypoints.openai.frontends import remove_metrics_dir
-    from outpace.runner_config import resolve_device
     from outpace.entrypoints.openai.http_protocol import header_deadline_protocol
 
     n_front = server_cfg.api_server_count
     if n_front > 1 and sock is None:
         from outpace.entrypoints.openai.listen import bind_socket
         sock = bind_socket(server_cfg.host, server_cfg.port)
-    if server_cfg.runs_engine_process(resolve_device(engine_args.device),
-                                      lent_model=engine_args.loaded is not None):
+    if engine_in_process(engine_args, server_cfg):
         from outpace.engine.core_client import EngineCoreClient
         engine = EngineCoreClient(engine_args, frontends=n_front)
         log.info("outpace: the engine runs in process %d", engine.pid)
