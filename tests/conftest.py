@@ -46,6 +46,17 @@ def default_gguf(default_model_path):
     return default_model_path
 
 
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, default_model_path):
+    """A tiny random Llama HF folder with the default model's tokenizer (the server tests'
+    model, and a target for the draft-head CLI): built once, read-only to the tests that use
+    it (building it loads the tokenizer from the GGUF, seconds each time)."""
+    from pathlib import Path
+
+    from tests.e2e.server_helpers import build_tiny_llama
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny_llama"), Path(default_model_path))
+
+
 @pytest.fixture(autouse=True)
 def one_thread_for_the_tiny_model(request):
     """Tests on the tiny random target (tiny_loaded) run torch's CPU ops on one thread, as the

@@ -1,25 +1,18 @@
-"""Fixtures of the server tests: a tiny random Llama HF folder and real `outpace serve` processes.
+"""Fixtures of the server tests: real `outpace serve` processes over the tiny random Llama HF
+folder (tiny_model_dir, tests/conftest.py: config.json + model.safetensors + the SmolLM2
+tokenizer with its chat template, taken from the default GGUF, built once per session).
 
-The model folder is built once per session (config.json + model.safetensors + the SmolLM2
-tokenizer with its chat template, taken from the default GGUF). Each server is a subprocess of
-`python -m outpace.entrypoints.cli serve` on a free loopback port, started on first use and kept
-until the last test of this folder (tests read metric *deltas*, so sharing one is safe when tests
-run serially), then stopped, whether tests failed or not; a server also dies with the pytest
-process (server_helpers._die_with_parent).
+Each server is a subprocess of `python -m outpace.entrypoints.cli serve` on a free loopback
+port, started on first use and kept until the last test of this folder (tests read metric
+*deltas*, so sharing one is safe when tests run serially), then stopped, whether tests failed
+or not; a server also dies with the pytest process (server_helpers._die_with_parent).
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
-from tests.e2e.server_helpers import API_KEY, ServerProcess, build_tiny_llama
-
-
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory, default_model_path) -> Path:
-    return build_tiny_llama(tmp_path_factory.mktemp("tiny_llama"), Path(default_model_path))
+from tests.e2e.server_helpers import API_KEY, ServerProcess
 
 
 @pytest.fixture(scope="session")

@@ -11,6 +11,7 @@ no speculation; the skipped rows counted (HeadProposer.work).
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from outpace.speculative.draft_length import DraftLengthPolicy
@@ -106,9 +107,15 @@ def drafting_plane_exact(loaded):
     return check, seen
 
 
-def test_k0_skips_draft_work_and_the_plane_is_repaired(tiny_loaded, tiny_heads):
+@pytest.fixture(scope="module")
+def reference(tiny_loaded) -> list:
+    """The scenario's output without speculation, which every run here must give."""
+    return run_waves(tiny_loaded, waves(), GREEDY, **SMALL).outputs
+
+
+def test_k0_skips_draft_work_and_the_plane_is_repaired(tiny_loaded, tiny_heads, reference):
     for method in ("eagle3", "mtp"):
-        want = run_waves(tiny_loaded, waves(), GREEDY, **SMALL).outputs
+        want = reference
         at_mark = PlaneChecker(tiny_loaded, upto="mark")
         published = PlaneChecker(tiny_loaded, upto="published")
         drafting, seen = drafting_plane_exact(tiny_loaded)
@@ -149,11 +156,11 @@ def test_k0_skips_draft_work_and_the_plane_is_repaired(tiny_loaded, tiny_heads):
         assert chains >= 20, chains
 
 
-def test_k0_skips_the_mtp_window(tiny_loaded, tiny_heads):
+def test_k0_skips_the_mtp_window(tiny_loaded, tiny_heads, reference):
     """MTP depths mode: a request with k = 0 gets no window (its rows counted as skipped) and
     keeps its stash; the output is the target's and the plane below the mark stays exact
     (depth 0's entries, the ones the dense oracle covers)."""
-    want = run_waves(tiny_loaded, waves(), GREEDY, **SMALL).outputs
+    want = reference
 
     def on_engine(engine):
         proposer = engine.runner.proposer
@@ -170,12 +177,12 @@ def test_k0_skips_the_mtp_window(tiny_loaded, tiny_heads):
     assert run.stats["spec"]["num_accepted_tokens"] > 0
 
 
-def test_k_schedule_at_zero_runs_no_head_in_the_fused_graph(tiny_loaded, tiny_heads):
+def test_k_schedule_at_zero_runs_no_head_in_the_fused_graph(tiny_loaded, tiny_heads, reference):
     """The fused step (CPU stand-in of its graphs) under a batch-size schedule that drafts only
     at batch <= 2: the steps of larger batches run graphs without the head (their rows counted
     as skipped); once the batch shrinks, the requests recompute from their marks on the general
     path before drafting; output identical, plane exact wherever a request holds drafts."""
-    want = run_waves(tiny_loaded, waves(), GREEDY, **SMALL).outputs
+    want = reference
     drafting, seen = drafting_plane_exact(tiny_loaded)
     at_mark = PlaneChecker(tiny_loaded, upto="mark")
     published = PlaneChecker(tiny_loaded, upto="published")

@@ -145,6 +145,20 @@ def run_case(setups, kind, D, k, graphs: bool, overlap: bool = False, window=Non
 
 
 @pytest.fixture(scope="module")
+def eager_runs(setups):
+    """eager_runs(kind, D, k) -> run_case's eager run of that case, run once for the module:
+    the tests here only read a finished run."""
+    runs: dict = {}
+
+    def run(kind, D, k):
+        if (kind, D, k) not in runs:
+            runs[(kind, D, k)] = run_case(setups, kind, D, k, graphs=False)
+        return runs[(kind, D, k)]
+
+    return run
+
+
+@pytest.fixture(scope="module")
 def references(setups):
     return {kind: run_waves(setups[kind][0], waves(), GREEDY, **ENGINE_G).outputs
             for kind in setups}
@@ -170,9 +184,8 @@ def assert_same_steps(eager, fused, min_states: int, min_drafts: int) -> None:
 
 
 @pytest.mark.parametrize("kind,D,k", K_CASES, ids=lambda c: str(c))
-def test_fused_window_equals_the_eager_window(setups, references, kind, D,
-                                             k):
-    eager = run_case(setups, kind, D, k, graphs=False)
+def test_fused_window_equals_the_eager_window(setups, references, eager_runs, kind, D, k):
+    eager = eager_runs(kind, D, k)
     fused = run_case(setups, kind, D, k, graphs=True)
     for run in (eager, fused):
         assert run.outputs == references[kind]
@@ -194,10 +207,10 @@ def test_fused_window_equals_the_eager_window(setups, references, kind, D,
     assert fused.stats["spec"]["num_accepted_tokens"] > 0
 
 
-def test_fused_window_chains_with_overlap(setups, references):
+def test_fused_window_chains_with_overlap(setups, references, eager_runs):
     """With overlap the window's steps chain (the stash stays on the device between them);
     the output is the target's and the drafts the eager window's."""
-    eager = run_case(setups, "bigram", 3, 3, graphs=False)
+    eager = eager_runs("bigram", 3, 3)
     fused = run_case(setups, "bigram", 3, 3, graphs=True, overlap=True)
     assert fused.outputs == references["bigram"]
     steps = fused.engine.runner.fused

@@ -11,7 +11,7 @@ import pytest
 
 from tests.speculative.spec_helpers import TINY_BLOCK, run_waves
 from tests.speculative.test_draft_plane import GREEDY, head_spec, waves
-from tests.speculative.test_fused_step import enable_graphs
+from tests.speculative.test_fused_step import FEW_SEQS, enable_graphs
 
 
 @pytest.mark.parametrize("method,k", [("eagle3", 2), ("eagle3", 4), ("mtp", 3)])
@@ -20,7 +20,8 @@ def test_chained_steps_write_inside_reserved_blocks(tiny_loaded, tiny_heads,
     spec = head_spec(tiny_heads, method, k, force_accept_mean=k + 0.9, check_fused_writes=True)
     run = run_waves(tiny_loaded, waves(), GREEDY, overlap=True,
                     on_engine=lambda e: enable_graphs(e, k), speculative_config=spec,
-                    block_size=TINY_BLOCK, max_num_batched_tokens=16, num_kv_blocks=26)
+                    block_size=TINY_BLOCK, max_num_batched_tokens=16, num_kv_blocks=26,
+                    **FEW_SEQS)
     fused = run.engine.runner.fused
     check = fused.write_check
     assert fused.chained > 5 and check.chained_steps == fused.chained
@@ -34,7 +35,7 @@ def test_write_check_is_off_by_default(tiny_loaded, tiny_heads):
     run = run_waves(tiny_loaded, [waves()[0][:2]], GREEDY, overlap=True,
                     on_engine=lambda e: enable_graphs(e, 2),
                     speculative_config=head_spec(tiny_heads, "eagle3", 2),
-                    block_size=TINY_BLOCK)
+                    block_size=TINY_BLOCK, **FEW_SEQS)
     assert run.engine.runner.fused.write_check is None
 
 

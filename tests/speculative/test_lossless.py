@@ -120,16 +120,28 @@ PENALISED = [
 ]
 
 
-@pytest.mark.parametrize("method", ["ngram", "eagle3"])
-def test_penalties_and_filters_with_greedy_are_lossless(tiny_loaded, tiny_heads, method):
+PENALISED_ENGINE = dict(block_size=TINY_BLOCK, max_num_batched_tokens=32)
+
+
+@pytest.fixture(scope="module")
+def penalised_reference(tiny_loaded):
+    """(prompts, their PENALISED output without speculation), checked to be a reference that
+    tests the penalties and filters."""
     prompts = repetitive_prompts(6, 5)
-    kw = dict(block_size=TINY_BLOCK, max_num_batched_tokens=32)
-    plain = run_waves(tiny_loaded, [prompts], GREEDY, **kw).outputs
-    want = run_waves(tiny_loaded, [prompts], PENALISED, **kw).outputs
+    plain = run_waves(tiny_loaded, [prompts], GREEDY, **PENALISED_ENGINE).outputs
+    want = run_waves(tiny_loaded, [prompts], PENALISED, **PENALISED_ENGINE).outputs
     # the penalties really act (else the test proves nothing about them) ...
     assert all(w != p for w, p in zip(want[:4], plain[:4]))
     # ... and top-k/top-p/min-p are no-ops for greedy rows
     assert want[4] == plain[4] and want[5] == plain[5]
+    return prompts, want
+
+
+@pytest.mark.parametrize("method", ["ngram", "eagle3"])
+def test_penalties_and_filters_with_greedy_are_lossless(tiny_loaded, tiny_heads,
+                                                        penalised_reference, method):
+    prompts, want = penalised_reference
+    kw = PENALISED_ENGINE
     run = run_waves(tiny_loaded, [prompts], PENALISED,
                     speculative_config=spec_config(method, 3, tiny_heads), **kw)
     assert_same(tiny_loaded, prompts, want, run.outputs)

@@ -128,16 +128,17 @@ def test_fused_step_reads_the_modules_norm(tiny_loaded, shared_norm_head):
     """The fused step's device draft loop (its gather + norm before the LM head, on CPU through
     the graph stand-in) proposes the eager path's drafts, which read module 0's own norm
     (above)."""
-    from tests.speculative.test_fused_step import record_drafts
+    from tests.speculative.test_fused_step import FEW_SEQS, record_drafts
     spec = {"method": "mtp", "model": str(shared_norm_head), "num_speculative_tokens": 3,
             "mtp_mode": "eagle"}
     prompts = [repetitive_prompts(4, 13)]
     want, got = [], []
     eager = run_waves(tiny_loaded, prompts, GREEDY, speculative_config=spec,
-                      on_engine=lambda e: record_drafts(e, want), block_size=TINY_BLOCK)
+                      on_engine=lambda e: record_drafts(e, want), block_size=TINY_BLOCK,
+                      **FEW_SEQS)
     fused = run_waves(tiny_loaded, prompts, GREEDY, speculative_config=spec, overlap=False,
                       on_engine=lambda e: record_drafts(e, got, graphs_k=3),
-                      block_size=TINY_BLOCK)
+                      block_size=TINY_BLOCK, **FEW_SEQS)
     assert fused.engine.runner.fused.replays > 10
     assert sum(len(d) for step in got for d in step.values()) > 30
     assert got == want and fused.outputs == eager.outputs

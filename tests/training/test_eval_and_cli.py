@@ -31,14 +31,11 @@ def test_eval_draft_reports_chain_acceptance_per_k(tiny_loaded, tiny_prompts, tm
     assert (tmp_path / "e.png").stat().st_size > 1000
 
 
-def test_eval_draft_cli_prints_its_result_with_quiet_too(default_model_path, tiny_prompts,
+def test_eval_draft_cli_prints_its_result_with_quiet_too(tiny_model_dir, tiny_prompts,
                                                          tmp_path, capsys):
     """`outpace eval-draft` prints the mean acceptance length per k and where the JSON went on
     stdout; --quiet drops the progress lines on stderr, not the result."""
-    from pathlib import Path
-
-    from tests.e2e.server_helpers import build_tiny_llama
-    target = str(build_tiny_llama(tmp_path / "target", Path(default_model_path)))
+    target = str(tiny_model_dir)
     assert main(["init-draft", "--method", "eagle3", "--target", target, "--out",
                  str(tmp_path / "head"), "--quiet"]) == 0
     capsys.readouterr()
