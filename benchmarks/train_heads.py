@@ -5,8 +5,9 @@
 
 Phases (run in the background on the device machine and polled by benchmarks/poll_gpu.sh,
 so that they may outlast one device call of 10 minutes):
-  train   the target answers --prompts (data/sharegpt_prompts.jsonl; greedy, then --samples sampled answers
-          each when the greedy ones were quick enough; cached in WORK), then `train_draft` for
+  train   the target answers --prompts (default data/sharegpt_prompts.jsonl): greedy, then
+          --samples sampled answers each when the greedy ones were quick enough (a skip is
+          logged); cached in WORK; then `train_draft` for
           EAGLE-3 and for MTP (one module), each under its time budget, on answers cut
           --loop-tokens tokens after they start to loop. The heads (with their
           checkpoints and training.json) stay in WORK.

@@ -108,7 +108,6 @@ class ServerConfig:
             raise ConfigError(f"timeout_keep_alive must be a number of seconds in (0, 3600], "
                               f"got {t!r}", option="timeout_keep_alive")
 
-
     def runs_engine_process(self, device: str, lent_model: bool = False) -> bool:
         """Whether the engine loop runs in a process of its own beside an engine on `device`
         (a resolved device: cpu, cuda or cuda:N). lent_model: the engine serves a model lent

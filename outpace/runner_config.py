@@ -11,13 +11,13 @@ from outpace.errors import ConfigError
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 
 
-
 def resolve_device(device: str) -> str:
     """'auto' -> 'cuda' where CUDA is available, else 'cpu'; any other device as given."""
     if device != "auto":
         return device
     import torch
     return "cuda" if torch.cuda.is_available() else "cpu"
+
 
 GRAPH_KINDS = frozenset({"step", "prefill", "varlen", "head", "plain"})
 

@@ -39,25 +39,11 @@ class CoreOutput(NamedTuple):
     engine_times: Optional[dict]
 
 
-
-def merge_outputs(earlier: CoreOutput, later: CoreOutput) -> CoreOutput:
-    """One request's outputs of two steps in a row as one: the tokens (and logprobs) of both,
-    the later's end and counts, the earlier's engine stamps (its first token's, if any). An
-    output after a finished one (none comes) is dropped."""
-    if earlier.finish_reason is not None:
-        return earlier
-    lps = earlier.new_logprobs
-    if lps is not None or later.new_logprobs is not None:
-        lps = list(lps or []) + list(later.new_logprobs or [])
-    return later._replace(new_token_ids=list(earlier.new_token_ids) + list(later.new_token_ids),
-                          new_logprobs=lps,
-                          engine_times=earlier.engine_times or later.engine_times)
-
-
 def merge_run(outs: list) -> CoreOutput:
-    """One request's outputs of several steps in a row as one: merge_outputs over them from
-    the left, in time linear in their tokens (a front end far behind merges hundreds of steps;
-    pairwise joins would copy a request's tokens once a step)."""
+    """One request's outputs of several steps in a row as one: the tokens (and logprobs) of all,
+    the last one's end and counts, the first engine stamps (its first token's); an output after
+    a finished one (none comes) is dropped. Linear in their tokens: a front end far behind
+    merges hundreds of steps, and pairwise joins would copy a request's tokens once a step."""
     ids, lps, any_lps, times, last = [], [], False, None, outs[0]
     for o in outs:
         last = o
@@ -104,6 +90,7 @@ def coalesce_messages(msgs: list) -> list:
             result.append(msg)
     flush()
     return result
+
 
 ENGINE_TIME_KEYS = ("arrival_time", "scheduled_time", "first_token_time")
 

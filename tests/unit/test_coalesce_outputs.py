@@ -10,7 +10,7 @@ import random
 import pytest
 
 from outpace.engine.output_processor import (CoreOutput, OutputProcessor, coalesce_messages,
-                                             merge_outputs, merge_run)
+                                             merge_run)
 from outpace.engine.request_stream import RequestStream, RequestTiming
 from outpace.types import SamplingParams
 
@@ -32,16 +32,27 @@ def out(rid, ids, finish=None, lps=None, times=None, stop=None):
     return CoreOutput(rid, list(ids), finish, stop, lps, 3, 0, times)
 
 
-def test_merge_outputs_joins_tokens_and_logprobs_and_keeps_the_first_stamps():
+def merge_outputs(earlier: CoreOutput, later: CoreOutput) -> CoreOutput:
+    """The oracle: two steps' outputs of one request joined, pairwise."""
+    if earlier.finish_reason is not None:
+        return earlier
+    lps = earlier.new_logprobs
+    if lps is not None or later.new_logprobs is not None:
+        lps = list(lps or []) + list(later.new_logprobs or [])
+    return later._replace(new_token_ids=list(earlier.new_token_ids) + list(later.new_token_ids),
+                          new_logprobs=lps, engine_times=earlier.engine_times or later.engine_times)
+
+
+def test_merge_run_joins_tokens_and_logprobs_and_keeps_the_first_stamps():
     a = out("r", [1, 2], lps=[{1: -0.1}, {2: -0.2}], times={"first_token_time": 5.0})
     b = out("r", [3], finish="length", lps=[{3: -0.3}])
-    m = merge_outputs(a, b)
+    m = merge_run([a, b])
     assert m.new_token_ids == [1, 2, 3]
     assert m.new_logprobs == [{1: -0.1}, {2: -0.2}, {3: -0.3}]
     assert m.finish_reason == "length" and m.engine_times == {"first_token_time": 5.0}
-    assert merge_outputs(out("r", [1]), out("r", [2])).new_logprobs is None
+    assert merge_run([out("r", [1]), out("r", [2])]).new_logprobs is None
     done = out("r", [1], finish="stop")
-    assert merge_outputs(done, out("r", [9])) is done  # nothing comes after the end
+    assert merge_run([done, out("r", [9])]) == done  # nothing comes after the end
 
 
 def test_runs_of_step_messages_become_one_and_other_messages_keep_their_place():
