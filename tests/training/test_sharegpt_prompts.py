@@ -22,7 +22,8 @@ def test_base_first_then_new_first_turns_then_later_turns_filtered_and_once(tmp_
     mt_turn = next(iter(t for t in eval_texts() if len(t) > 40))
     long_ok = "Explain how a hash map handles collisions, with an example in Python."
     convs = [conv("new1_0", "Write a haiku about the sea, please.", long_ok, "continue"),
-             conv(base[0]["id"], base[0]["prompt"], "Now make it shorter and funnier for my kids, please."),
+             conv(base[0]["id"], base[0]["prompt"],
+                  "Now make it shorter and funnier for my kids, please."),
              conv("new2_0", "short", mt_turn, long_ok),          # too short, eval, repeat
              conv("new3_0", "\u4f60\u597d" * 30),                 # not ASCII
              conv("new4_0", "x" * 2001)]                          # too long
