@@ -23,6 +23,7 @@ from typing import Optional
 import torch
 
 from outpace.errors import ConfigError
+from outpace.runner_config import resolve_device
 from outpace.training.selfdistill import prompt_ids, read_prompts
 
 
@@ -50,8 +51,7 @@ def eval_draft(method: str, draft: Optional[str], target: str, prompt_sets: dict
     ks = sorted({int(k) for k in ks})
     if not ks or ks[0] < 1 or ks[-1] > 16:
         raise ConfigError(f"--k values must be in 1..16, got {ks}")
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = resolve_device(device)
     sets = {name: read_prompts(path, limit=max_prompts) for name, path in prompt_sets.items()}
     if loaded is None:
         from outpace.runner_config import RunnerConfig

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Optional
 
 from outpace.errors import ConfigError
+from outpace.runner_config import resolve_device
 
 log = logging.getLogger(__name__)
 
@@ -205,8 +206,7 @@ def regenerate(target: str, prompts: list, cache: Path, *, loaded=None, device: 
         raise ConfigError(f"answer max_tokens must be >= 1, got {max_tokens}")
     if samples < 0:
         raise ConfigError(f"sampled answers per prompt must be >= 0, got {samples}")
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = resolve_device(device)
     if loaded is None:
         loaded = load_model(target, dtype=torch.bfloat16 if device.startswith("cuda")
                             else torch.float32, device=torch.device(device), quiet=quiet)

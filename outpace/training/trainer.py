@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from outpace.errors import ConfigError
+from outpace.runner_config import resolve_device
 from outpace.training.batches import collate, epoch_order, plan_batches, sequences_from_records
 from outpace.training.checkpoint import load_checkpoint, save_checkpoint
 from outpace.training.config import TrainConfig
@@ -445,7 +446,7 @@ class Trainer:
 
 def _resolve_device(device: str) -> str:
     if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
+        return resolve_device(device)
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ConfigError("--device cuda was asked for but CUDA is not available; use --device "
                           "cpu")
