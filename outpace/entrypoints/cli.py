@@ -8,7 +8,9 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
+import threading
 
 from outpace import __version__
 from outpace.entrypoints.cli_commands import (cmd_chat, cmd_eval_draft, cmd_generate,
@@ -286,6 +288,24 @@ def default_openmp_wait_policy(environ=os.environ) -> None:
     environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
+def _interrupt_outside_torch_import(signum, frame) -> None:
+    """SIGINT's handler while a command runs: KeyboardInterrupt, as Python's own, except while
+    torch's import runs. There a KeyboardInterrupt raised in Python code that torch's native
+    initialisation called cannot unwind through it: pybind11 aborts the process ("terminate
+    called after throwing ...", status -6). So the signal is sent again 50 ms later, until the
+    import is over, and Ctrl-C still ends the command with its one line."""
+    f = frame
+    while f is not None:
+        code = f.f_code
+        if code.co_name == "<module>" and f"{os.sep}torch{os.sep}" in code.co_filename:
+            timer = threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGINT))
+            timer.daemon = True
+            timer.start()
+            return
+        f = f.f_back
+    raise KeyboardInterrupt
+
+
 def main(argv=None) -> int:
     default_openmp_wait_policy()
     parser = build_parser()
@@ -298,6 +318,10 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     logging.getLogger("outpace").setLevel(
         logging.WARNING if getattr(args, "quiet", False) else logging.INFO)
+    guard = (signal.getsignal(signal.SIGINT) is signal.default_int_handler
+             and threading.current_thread() is threading.main_thread())
+    if guard:
+        signal.signal(signal.SIGINT, _interrupt_outside_torch_import)
     try:
         return args.func(args)
     except OutpaceError as e:
@@ -306,6 +330,9 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:  # Ctrl-C while loading or starting: no traceback
         print("\noutpace: interrupted", file=sys.stderr)
         return 130
+    finally:
+        if guard:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 if __name__ == "__main__":
