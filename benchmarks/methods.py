@@ -3,9 +3,10 @@
     python benchmarks/methods.py --gguf MODEL.gguf --out out [--batches 1 8 32 128] [--rounds 3]
 
 Each method runs at its defaults (k = 3, the heads shipped for the default model) and with the
-draft-length cost model (`"adaptive": "cost"`), n-gram also with its lookup in the graphs
-(`"ngram_device": true`), greedy, 128 new tokens (EOS ignored), bf16 on
-CUDA (--device cpu: fp32, a smoke run). Three prompt sets:
+draft-length cost model (`"adaptive": "cost"`), the model-free drafters also under a batch-size
+schedule that stops drafting above 16 requests (`-sched`), n-gram also with its lookup on the
+host (`"ngram_device": false`; its default on CUDA is the lookup in the graphs); greedy, 128 new
+tokens (EOS ignored), bf16 on CUDA (--device cpu: fp32, a smoke run). Three prompt sets:
   chat  MT-bench first turns (batch 1: the first 16 one at a time; batch 8: the 80 in waves of
         8; batch 32: the 80 x 4; batch 128: the 80 x 5)
   chat1 the chat set's batch 1 alone (--depths: MTP with a random 3-module head, eagle and
@@ -66,8 +67,10 @@ def configs(k: int, heads: dict, depths_head=None, copy_ks=(), ngram_ref=False) 
         sets = ("chat", "copy") if method != "mtp" else ("chat",)
         out.append((method, base, sets))
         out.append((f"{method}-cost", {**base, "adaptive": "cost"}, ("chat",)))
-        if method == "ngram":  # the lookup inside the graphs: its steps chain
-            out.append(("ngram-device", {**base, "ngram_device": True}, ("chat", "copy")))
+        if method in ("ngram", "suffix"):  # drafting only up to batch 16 (k = 0 above it)
+            out.append((f"{method}-sched", {**base, "k_schedule": [[16, k]]}, ("chat",)))
+        if method == "ngram":  # the lookup on the host, after each step's copy
+            out.append(("ngram-host", {**base, "ngram_device": False}, ("chat", "copy")))
             if ngram_ref:  # the same with the lookup's tensor-op reference, not its kernel
                 out.append((NGRAM_REF, {**base, "ngram_device": True}, ("chat", "copy")))
     if "eagle3" in heads:  # the suffix enhancer over the head's drafts

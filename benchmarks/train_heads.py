@@ -470,7 +470,8 @@ def main():
         log(f"phase {name}")
         result[name] = phases[name](args, loaded)
         tag = "_".join(args.phases.split(","))
-        (Path(args.out) / f"heads_{tag}.json").write_text(json.dumps(result, indent=1) + "\n")
+        (Path(args.out) / f"heads_{tag}.json").write_text(
+            json.dumps(result, indent=1, default=str) + "\n")  # args' paths as text
     log("done")
 
 

@@ -56,8 +56,10 @@ class SpecConfig:
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
     # the lookup inside the fused CUDA graphs (runner/fused_ngram.py), so n-gram steps chain;
-    # off: on the host after each step's output copy (steps relaunched, not chained)
-    ngram_device: bool = False
+    # off: on the host after each step's output copy (steps relaunched, not chained). None:
+    # on where the graphs run it as the Triton kernel and the other options allow it
+    # (`with_ngram_device`), since a host lookup delays every step it drafts for
+    ngram_device: Optional[bool] = None
     # suffix decoding
     suffix_min_match_len: int = 1
     suffix_max_match_len: int = 64
@@ -120,7 +122,8 @@ class SpecConfig:
         _int("enhancer_min_match", self.enhancer_min_match, 0, optional=True)
         _int("inject_draft_failures", self.inject_draft_failures, 1, optional=True)
         for name in ("suffix_periodic", "adaptive", "ngram_device"):
-            if name == "adaptive" and self.adaptive == "cost":
+            if ((name == "adaptive" and self.adaptive == "cost")
+                    or (name == "ngram_device" and self.ngram_device is None)):
                 continue
             if getattr(self, name) in (0, 1) and not isinstance(getattr(self, name), float):
                 object.__setattr__(self, name, bool(getattr(self, name)))  # 1 / 0 as JSON has them
@@ -185,6 +188,16 @@ class SpecConfig:
     @property
     def relaxed(self) -> bool:
         return self.relaxed_top_k is not None
+
+    def with_ngram_device(self, lookup_kernel: bool) -> "SpecConfig":
+        """This config with `ngram_device` decided (None: on for method ngram where the fused
+        graphs run the lookup as the Triton kernel (`lookup_kernel`), with `adaptive` false and
+        `prompt_lookup_max` within NGRAM_DEVICE_MAX_N; else off). A set value stays."""
+        if self.ngram_device is not None:
+            return self
+        on = (lookup_kernel and self.method == "ngram" and self.adaptive is False
+              and self.prompt_lookup_max <= NGRAM_DEVICE_MAX_N)
+        return dataclasses.replace(self, ngram_device=on)
 
     @staticmethod
     def from_dict(d: Optional[dict]) -> "SpecConfig":

@@ -202,6 +202,13 @@ def assemble(args: EngineArgs, checked, tp) -> Assembled:
                     CacheConfig().cpu_kv_bytes >> 20)
     torch_device = torch.device(device)
     torch.manual_seed(a.seed)
+    graphs = torch_device.type == "cuda" and not a.enforce_eager
+    from outpace.kernels import triton_available
+    # the device n-gram lookup runs as the kernel where kernels/ngram_lookup.use_ngram_kernel
+    # will hold in the runner (a CUDA device, triton, the option on)
+    lookup_kernel = (graphs and runner_cfg.kernel_options.ngram_lookup_kernel
+                     and triton_available())
+    spec_cfg = spec_cfg.with_ngram_device(lookup_kernel)
 
     if a.loaded is not None:
         target, model_cfg, tokenizer = a.loaded
@@ -249,12 +256,6 @@ def assemble(args: EngineArgs, checked, tp) -> Assembled:
     # a step's activations stay out of the pool (on a GPU; a CPU pool has its own size), and
     # the device n-gram's buffers; the context is at most what the rope tables cover (the
     # pool may shorten it below)
-    graphs = torch_device.type == "cuda" and not a.enforce_eager
-    from outpace.kernels import triton_available
-    # the device n-gram lookup runs as the kernel where kernels/ngram_lookup.use_ngram_kernel
-    # will hold in the runner (a CUDA device, triton, the option on)
-    lookup_kernel = (graphs and runner_cfg.kernel_options.ngram_lookup_kernel
-                     and triton_available())
     headroom = kv_headroom(model_cfg, spec_cfg, max_num_tokens, max_num_seqs,
                            min(config.max_model_len, target.rotary.max_positions),
                            runner_cfg.torch_dtype.itemsize, graphs, lookup_kernel)

@@ -30,8 +30,9 @@ GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
 def spec_for(heads, method, k, **opts):
     if method is None:
         return None
-    if method == "ngram":
-        return {"method": "ngram", "num_speculative_tokens": k, **opts}
+    if method == "ngram":  # the host lookup unless opts say otherwise (on CUDA the default
+        # is the device lookup: the ngram-default case)
+        return {"method": "ngram", "num_speculative_tokens": k, "ngram_device": False, **opts}
     spec = {"method": method, "model": str(heads[method]), "num_speculative_tokens": k, **opts}
     if method == "mtp":
         spec["mtp_mode"] = "eagle"
@@ -60,7 +61,13 @@ def record_drafts(engine) -> list:
 
 CASES = [(None, 0), ("ngram", 3), ("eagle3", 3), ("mtp", 2)]
 INT8 = {"draft_lm_head_dtype": "int8"}  # drafts from an int8 copy of the draft LM head
-REPLAY_CASES = [(m, k, {}) for m, k in CASES] + [("eagle3", 3, INT8), ("mtp", 2, INT8)]
+# ngram_device unset: on CUDA the engine runs the lookup in the graphs (its steps chain), the
+# eager engine on the host (the same drafts)
+DEFAULT = {"ngram_device": None}
+REPLAY_CASES = ([(m, k, {}) for m, k in CASES] + [("eagle3", 3, INT8), ("mtp", 2, INT8)]
+                + [("ngram", 3, DEFAULT)])
+REPLAY_IDS = [f"{m}-k{k}" + ("-int8" if o == INT8 else "-default" if o == DEFAULT else "")
+              for m, k, o in REPLAY_CASES]
 
 
 def replayed_as_eager(cuda_loaded, spec, overlap, min_replays: int = 20):
@@ -81,8 +88,7 @@ def replayed_as_eager(cuda_loaded, spec, overlap, min_replays: int = 20):
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
-@pytest.mark.parametrize("method,k,opts", REPLAY_CASES,
-                         ids=[f"{m}-k{k}{'-int8' if o else ''}" for m, k, o in REPLAY_CASES])
+@pytest.mark.parametrize("method,k,opts", REPLAY_CASES, ids=REPLAY_IDS)
 def test_graph_replay_equals_eager(cuda_loaded, cuda_heads, method, k, opts, overlap):
     graphed, eager = replayed_as_eager(cuda_loaded, spec_for(cuda_heads, method, k, **opts),
                                        overlap)
@@ -90,10 +96,13 @@ def test_graph_replay_equals_eager(cuda_loaded, cuda_heads, method, k, opts, ove
     assert graphed.runner.graphs.varlen_replays >= 1
     assert graphed.runner.fused.prefill.varlen_head_replays >= (method in ("eagle3", "mtp"))
     assert graphed.stats()["spec"] == eager.stats()["spec"]
+    host = method == "ngram" and not graphed.config.spec.ngram_device  # drafts after the copy
+    assert graphed.config.spec.ngram_device is (opts == DEFAULT)
+    assert eager.config.spec.ngram_device is False
     chained = graphed.runner.fused.chained
-    assert chained > 10 if overlap and method != "ngram" else chained == 0
+    assert chained > 10 if overlap and not host else chained == 0
     relaunched = graphed.runner.fused.relaunched  # a host drafter's steps, from the carry
-    assert relaunched > 10 if overlap and method == "ngram" else relaunched == 0
+    assert relaunched > 10 if overlap and host else relaunched == 0
 
 
 @pytest.mark.parametrize("fused_qkv", [False, True], ids=["rope-kernel", "qkv-rope-store"])

@@ -245,6 +245,31 @@ def test_device_ngram_without_overlap_equals_host(tiny_loaded):
     checks[0].check_uploads(exact=device.stats["num_preemptions_total"] == 0)
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_device_ngram_sampled_penalized_with_logprobs_equals_host(tiny_loaded, overlap):
+    """The device lookup under the other step modes (it is the default where graphs run):
+    seeded sampling, a presence penalty and logprobs, each request its own seed; the same
+    tokens, logprobs and counts as the host n-gram's eager steps."""
+    params = [SamplingParams(max_tokens=24, temperature=0.8, seed=100 + i, ignore_eos=True,
+                             presence_penalty=0.5, logprobs=2) for i in range(8)]
+    host = run_waves(tiny_loaded, waves(), params, speculative_config=ngram(3, False), **SMALL)
+    device = run_waves(tiny_loaded, waves(), params, overlap=overlap,
+                       speculative_config=ngram(3, True),
+                       on_engine=lambda e: enable_graphs(e, 3), **SMALL)
+    assert sum(len(o) for o in host.outputs) == 8 * 24
+    assert device.outputs == host.outputs
+    # the same top ids; the values as close as fp32 steps of other batch shapes round
+    for got, want in zip(device.outs, host.outs):
+        got, want = got.outputs[0].logprobs, want.outputs[0].logprobs
+        assert len(got) == len(want) == 24
+        for g, w in zip(got, want):
+            assert list(g) == list(w)
+            assert all(abs(g[t] - w[t]) < 1e-4 for t in w)
+    assert device.stats["spec"] == host.stats["spec"]
+    assert device.stats["spec"]["num_accepted_tokens"] > 0
+    assert device.engine.runner.fused.replays > 10
+
+
 def test_a_step_chained_after_a_kd_0_graph_verifies_no_drafts(tiny_loaded):
     """Under a k_schedule that turns drafting off above 2 requests, a kd = 0 graph drafts
     nothing, so the q = 1 step chained from it must verify no drafts: its num_drafts come from

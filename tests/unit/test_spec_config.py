@@ -78,3 +78,24 @@ def test_prompt_lookup_max_is_bounded_with_ngram_device():
     # on the host the lookup keeps an index: no bound there
     assert SpecConfig.from_dict({"method": "ngram", "prompt_lookup_max": 64}).prompt_lookup_max \
         == 64
+
+
+def test_ngram_device_default_follows_the_lookup_kernel():
+    """ngram_device unset (None) is decided by the engine: on for method ngram where the
+    graphs run the lookup as the Triton kernel and the options allow the device lookup, off
+    otherwise; a value the user set is kept either way."""
+    from outpace.speculative_config import NGRAM_DEVICE_MAX_N
+    ngram = SpecConfig(method="ngram")
+    assert ngram.ngram_device is None
+    assert ngram.with_ngram_device(True).ngram_device is True
+    assert ngram.with_ngram_device(False).ngram_device is False
+    # the options the device lookup refuses when set keep it off when unset
+    for other in ({"adaptive": True}, {"adaptive": "cost"},
+                  {"prompt_lookup_max": NGRAM_DEVICE_MAX_N + 1}):
+        assert SpecConfig(method="ngram", **other).with_ngram_device(True).ngram_device is False
+    for method, extra in (("suffix", {}), ("eagle3", {"model": "h"}), (None, {})):
+        assert SpecConfig(method=method, **extra).with_ngram_device(True).ngram_device is False
+    assert SpecConfig(method="ngram", ngram_device=False).with_ngram_device(True).ngram_device \
+        is False
+    assert SpecConfig(method="ngram", ngram_device=True).with_ngram_device(False).ngram_device \
+        is True
