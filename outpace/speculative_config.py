@@ -192,11 +192,13 @@ class SpecConfig:
     def with_ngram_device(self, lookup_kernel: bool) -> "SpecConfig":
         """This config with `ngram_device` decided (None: on for method ngram where the fused
         graphs run the lookup as the Triton kernel (`lookup_kernel`), with `adaptive` false and
-        `prompt_lookup_max` within NGRAM_DEVICE_MAX_N; else off). A set value stays."""
+        `prompt_lookup_max` within NGRAM_DEVICE_MAX_N, and without relaxed acceptance, whose
+        steps leave the fused graphs with the device lookup (FusedStep.accepts); else off).
+        A set value stays."""
         if self.ngram_device is not None:
             return self
         on = (lookup_kernel and self.method == "ngram" and self.adaptive is False
-              and self.prompt_lookup_max <= NGRAM_DEVICE_MAX_N)
+              and self.prompt_lookup_max <= NGRAM_DEVICE_MAX_N and not self.relaxed)
         return dataclasses.replace(self, ngram_device=on)
 
     @staticmethod

@@ -22,7 +22,7 @@ from outpace import SamplingParams  # noqa: E402
 from outpace.runner.graph_mode import MASKED, SAMPLE, GraphMode  # noqa: E402
 from outpace.sample.gumbel import gumbel_noise, race_tokens, race_key, seed_word  # noqa: E402
 from tests.engine_helpers import make_engine, run_batch  # noqa: E402
-from tests.gpu.test_fused_step import (CASES, gpu_engine, spec_for,  # noqa: E402
+from tests.gpu.test_fused_step import (CASES, DEFAULT, gpu_engine, spec_for,  # noqa: E402
                                        steps_without_sync)
 from tests.speculative.spec_helpers import repetitive_prompts, tiny_target  # noqa: E402
 
@@ -115,21 +115,27 @@ def test_sampled_prefill_launched_like_a_decode_step(cuda_loaded, cuda_heads, me
         assert fused.prefill.launches - launches == 1 and fused.chained - chained >= 10
 
 
-@pytest.mark.parametrize("method,k", CASES[1:], ids=[f"{m}-k{k}" for m, k in CASES[1:]])
+SPEC_CASES = [(m, k, {}) for m, k in CASES[1:]] + [("ngram", 3, DEFAULT)]
+
+
+@pytest.mark.parametrize("method,k,opts", SPEC_CASES,
+                         ids=[f"{m}-k{k}" + ("-default" if o else "") for m, k, o in SPEC_CASES])
 def test_sampled_output_is_the_same_with_and_without_speculation(cuda_loaded, cuda_heads,
-                                                                 method, k):
+                                                                 method, k, opts):
     prompts = repetitive_prompts(5, 12)
     params = params_for(prompts)
     plain = run_batch(gpu_engine(cuda_loaded, None, eager=False), prompts, params)
-    eng = gpu_engine(cuda_loaded, spec_for(cuda_heads, method, k), eager=False)
+    eng = gpu_engine(cuda_loaded, spec_for(cuda_heads, method, k, **opts), eager=False)
+    assert eng.config.spec.ngram_device is (opts == DEFAULT)
     assert run_batch(eng, prompts, params) == plain
     assert eng.stats()["spec"]["num_drafts"] > 50 and eng.runner.fused.mode_steps[MASKED] > 20
 
 
 @pytest.mark.parametrize("method,k,opts", [(None, 0, {}), ("ngram", 3, {}),
+                                           ("ngram", 3, DEFAULT),
                                            ("eagle3", 3, {"force_accept_mean": 3.0}),
                                            ("eagle3", 3, {})],
-                         ids=["plain", "ngram", "eagle3-fa3", "eagle3"])
+                         ids=["plain", "ngram", "ngram-default", "eagle3-fa3", "eagle3"])
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
 def test_sampled_decode_steps_do_not_sync_with_host(cuda_loaded, cuda_heads, method, k, opts,
                                                     overlap):

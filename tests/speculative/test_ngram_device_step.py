@@ -15,6 +15,7 @@ chunked prefill, prefix hits, preemption):
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -22,6 +23,7 @@ import torch
 
 from outpace.errors import ConfigError
 from outpace.runner.fused_ngram import StepNgram
+from outpace.runner.graph_mode import GraphMode
 from outpace.speculative.ngram import NgramDrafter
 from outpace.speculative_config import SpecConfig
 from outpace.types import Request, SamplingParams
@@ -267,7 +269,16 @@ def test_device_ngram_sampled_penalized_with_logprobs_equals_host(tiny_loaded, o
             assert all(abs(g[t] - w[t]) < 1e-4 for t in w)
     assert device.stats["spec"] == host.stats["spec"]
     assert device.stats["spec"]["num_accepted_tokens"] > 0
-    assert device.engine.runner.fused.replays > 10
+    fused = device.engine.runner.fused
+    mode = GraphMode(samples=True, penalties=True, logprobs=True)
+    assert fused.replays > 10 and fused.mode_steps[mode] > 10
+    assert fused.chained > 10 if overlap else fused.chained == 0
+    assert fused.relaunched == 0
+    # the penalty is in force: without it the samples differ
+    plain = [dataclasses.replace(p, presence_penalty=0.0) for p in params]
+    unpenalized = run_waves(tiny_loaded, waves(), plain, speculative_config=ngram(3, False),
+                            **SMALL)
+    assert sum(a != b for a, b in zip(unpenalized.outputs, host.outputs)) >= 2
 
 
 def test_a_step_chained_after_a_kd_0_graph_verifies_no_drafts(tiny_loaded):
@@ -374,3 +385,14 @@ def test_fill_uploads_only_what_no_row_holds():
     e = request("e", 40, 500)  # longer than the history's width: its first 32 tokens
     assert fill(ng, [e, d], 2) == 32
     assert fill(ng, [e, d], 2) == 0 and int(ng.lengths[0]) == 32
+
+
+def test_the_engine_decides_an_unset_ngram_device(tiny_loaded):
+    """The built engine's spec (and its proposer's) says where the lookup runs: unset, the host
+    on CPU (no graphs); a set value is kept, even where it changes nothing."""
+    from tests.engine_helpers import make_engine
+    unset = make_engine(tiny_loaded, speculative_config={"method": "ngram"}, **SMALL)
+    assert unset.config.spec.ngram_device is False
+    assert unset.runner.proposer.spec.ngram_device is False
+    kept = make_engine(tiny_loaded, speculative_config=ngram(3, True), **SMALL)
+    assert kept.config.spec.ngram_device is True

@@ -89,9 +89,12 @@ def test_ngram_device_default_follows_the_lookup_kernel():
     assert ngram.ngram_device is None
     assert ngram.with_ngram_device(True).ngram_device is True
     assert ngram.with_ngram_device(False).ngram_device is False
-    # the options the device lookup refuses when set keep it off when unset
+    # the options the device lookup refuses when set keep it off when unset, and relaxed
+    # acceptance, whose steps would leave the fused graphs with it
+    relaxed = {"relaxed_top_k": 3, "relaxed_delta": 0.5, "think_begin_ids": 5,
+               "think_end_ids": 6}
     for other in ({"adaptive": True}, {"adaptive": "cost"},
-                  {"prompt_lookup_max": NGRAM_DEVICE_MAX_N + 1}):
+                  {"prompt_lookup_max": NGRAM_DEVICE_MAX_N + 1}, relaxed):
         assert SpecConfig(method="ngram", **other).with_ngram_device(True).ngram_device is False
     for method, extra in (("suffix", {}), ("eagle3", {"model": "h"}), (None, {})):
         assert SpecConfig(method=method, **extra).with_ngram_device(True).ngram_device is False
