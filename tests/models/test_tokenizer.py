@@ -266,3 +266,58 @@ def test_engine_refuses_a_huge_text_before_tokenizing(loaded_default):
     assert not eng.has_unfinished_requests()
     with pytest.raises(InvalidRequestError, match=r"the prompt has \d+ tokens"):
         eng.add_request("long", "hello " * 1100)  # past the pool's context, not its length
+
+
+class _EncodesOtherwise:
+    """A transformers tokenizer whose encode gives more than its backend's (as one whose
+    Python side adds a token would)."""
+
+    def __init__(self, hf):
+        self._hf, self._tokenizer = hf, hf._tokenizer
+
+    def __getattr__(self, name):
+        return getattr(self._hf, name)
+
+    def __len__(self):
+        return len(self._hf)
+
+    def encode(self, text, **kw):
+        return self._hf.encode(text, **kw) + [0]
+
+
+def test_encode_uses_the_backend_only_where_it_gives_transformers_ids():
+    hf = _punct_tokenizer(False)
+    tok = Tokenizer(hf)
+    assert tok._backend_encode is not None
+    for text in ("hello , world .", "", "it is n't a test !", "unknown words here"):
+        for special in (True, False):
+            assert tok.encode(text, special) == hf.encode(text, add_special_tokens=special)
+    other = Tokenizer(_EncodesOtherwise(hf))
+    assert other._backend_encode is None
+    assert other.encode("hello world") == hf.encode("hello world") + [0]
+
+
+def test_default_tokenizer_encodes_like_transformers(loaded_default):
+    """SmolLM2's BPE tokenizer through the backend's encode: random text of its own pieces,
+    special-token text, spaces, newlines and non-ASCII; and a rendered chat."""
+    import random
+    tok = loaded_default[2]
+    assert tok._backend_encode is not None
+    rng = random.Random(1)
+    alphabet = list("abc XYZ  \n\t.,;'\"!?0123") + ["\u00e9", "\u4e2d", "\U0001f600", "\u0301"]
+    specials = tok._special_token_texts()
+    for _ in range(200):
+        parts = [rng.choice(alphabet) for _ in range(rng.randrange(0, 40))]
+        if rng.random() < 0.3:
+            parts.insert(rng.randrange(len(parts) + 1), rng.choice(specials))
+        if rng.random() < 0.3:  # the vocabulary's own pieces, decoded
+            parts.append(tok.decode([rng.randrange(tok.vocab_size) for _ in range(5)], False))
+        text = "".join(parts)
+        for special in (True, False):
+            assert tok.encode(text, special) == tok.hf.encode(text, add_special_tokens=special)
+    chat = [{"role": "user", "content": "Write a haiku about <|im_start|> tokens."}]
+    prompt = tok.render_chat(chat)
+    want = []
+    for text, is_content in prompt.pieces:
+        want += tok.hf.encode(text, add_special_tokens=False, split_special_tokens=is_content)
+    assert tok.encode_chat(prompt) == want
