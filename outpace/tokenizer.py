@@ -75,7 +75,7 @@ class Tokenizer:
         eos = [] if hf_tokenizer.eos_token_id is None else [hf_tokenizer.eos_token_id]
         self.eos_token_ids: tuple = tuple(dict.fromkeys([*eos, *model_eos_ids]))
         self._backend_decode = self._find_backend_decode()
-        self._backend_encode = self._find_backend_encode(specials)
+        self._backend_encoder = self._find_backend_encoder(specials)
         self._max_token_chars = _max_token_chars(hf_tokenizer)
 
     def _find_backend_decode(self):
@@ -107,28 +107,18 @@ class Tokenizer:
             return None
         return backend.decode
 
-    def _find_backend_encode(self, specials: list):
-        """The `tokenizers` library's encode, `(text, add_special_tokens, split_special_tokens)
-        -> ids`, when it gives transformers' ids on probe texts (special-token text, spaces,
-        newlines, non-ASCII; with and without the special tokens added, special-token text
-        split or not); else None (transformers' encode stays).
+    def _find_backend_encoder(self, specials: list):
+        """The `tokenizers` library's tokenizer when its encode gives transformers' ids on probe
+        texts (special-token text, spaces, newlines, non-ASCII; with and without the special
+        tokens added, special-token text split or not); else None (transformers' encode stays).
 
         Why: every prompt is encoded on the server's tokenizer thread, and transformers' encode
-        wraps the Rust call in Python (argument handling, an Encoding turned into a dict) that
-        costs a third or more of the call for a chat prompt; a wave of requests waits for it
-        in turn before their first token. Splitting special-token text is a flag on the
-        backend (`encode_special_tokens`) that transformers also sets for each call: it is set
-        before every call here too, so it never carries over from another call (encoding
-        stays on one thread at a time, as with transformers)."""
+        adds Python around the Rust call (argument handling, an Encoding turned into a dict);
+        a wave of requests waits for it in turn before their first token."""
         backend = getattr(self.hf, "_tokenizer", None)
         if (backend is None or not callable(getattr(backend, "encode", None))
                 or not hasattr(backend, "encode_special_tokens")):
             return None
-
-        def encode(text: str, add_special_tokens: bool, split_special_tokens: bool = False):
-            backend.encode_special_tokens = split_special_tokens
-            return backend.encode(text, add_special_tokens=add_special_tokens).ids
-
         specials = specials[:4]
         probes = ["", "Hello, world!", "  two  spaces\n\nnew lines\tand a tab ",
                   "caf\u00e9 \u4e2d\u6587 \U0001f600 \u00fcber", "x" * 300,
@@ -139,11 +129,21 @@ class Tokenizer:
                     for split in (False, True):
                         want = self.hf.encode(text, add_special_tokens=special,
                                               split_special_tokens=split)
-                        if encode(text, special, split) != want:
+                        if self._backend_ids(backend, text, special, split) != want:
                             return None
         except Exception:  # an unusual tokenizer: keep transformers' encode
             return None
-        return encode
+        return backend
+
+    @staticmethod
+    def _backend_ids(backend, text: str, add_special_tokens: bool,
+                     split_special_tokens: bool = False) -> list[int]:
+        """Splitting special-token text is a flag on the backend (`encode_special_tokens`) that
+        transformers also sets for each of its calls: set before every call here too, so it
+        never carries over from another call (encoding stays on one thread at a time, as with
+        transformers)."""
+        backend.encode_special_tokens = split_special_tokens
+        return backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def fewest_tokens(self, text: str) -> int:
         """A lower bound of the tokens `text` encodes to, from its length alone: O(1), so a
@@ -238,8 +238,8 @@ class Tokenizer:
         return len(self.hf)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        if self._backend_encode is not None:
-            return self._backend_encode(text, add_special_tokens)
+        if self._backend_encoder is not None:
+            return self._backend_ids(self._backend_encoder, text, add_special_tokens)
         return self.hf.encode(text, add_special_tokens=add_special_tokens)
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
@@ -337,8 +337,8 @@ class Tokenizer:
         only; in message content their text is plain text (a user can't forge a turn)."""
         ids = []
         for text, is_content in prompt.pieces:
-            if self._backend_encode is not None:
-                ids += self._backend_encode(text, False, is_content)
+            if self._backend_encoder is not None:
+                ids += self._backend_ids(self._backend_encoder, text, False, is_content)
             else:
                 ids += self.hf.encode(text, add_special_tokens=False,
                                       split_special_tokens=is_content)

@@ -288,12 +288,12 @@ class _EncodesOtherwise:
 def test_encode_uses_the_backend_only_where_it_gives_transformers_ids():
     hf = _punct_tokenizer(False)
     tok = Tokenizer(hf)
-    assert tok._backend_encode is not None
+    assert tok._backend_encoder is not None
     for text in ("hello , world .", "", "it is n't a test !", "unknown words here"):
         for special in (True, False):
             assert tok.encode(text, special) == hf.encode(text, add_special_tokens=special)
     other = Tokenizer(_EncodesOtherwise(hf))
-    assert other._backend_encode is None
+    assert other._backend_encoder is None
     assert other.encode("hello world") == hf.encode("hello world") + [0]
 
 
@@ -302,7 +302,7 @@ def test_default_tokenizer_encodes_like_transformers(loaded_default):
     special-token text, spaces, newlines and non-ASCII; and a rendered chat."""
     import random
     tok = loaded_default[2]
-    assert tok._backend_encode is not None
+    assert tok._backend_encoder is not None
     rng = random.Random(1)
     alphabet = list("abc XYZ  \n\t.,;'\"!?0123") + ["\u00e9", "\u4e2d", "\U0001f600", "\u0301"]
     specials = tok._special_token_texts()
