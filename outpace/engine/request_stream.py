@@ -165,6 +165,8 @@ class RequestStream:
         if self.finished:
             raise StopAsyncIteration
         while self._pending is None:
+            if self.finished:  # ended while waiting (end_here)
+                raise StopAsyncIteration
             self._waiter = asyncio.get_running_loop().create_future()
             try:
                 await self._waiter
@@ -183,6 +185,13 @@ class RequestStream:
         if not self.finished:
             self.finished = True
             self._owner.abort(self.request_id)
+
+    def end_here(self) -> None:  # event loop thread only
+        """Abort, and end the iteration now: a reader waiting for the next item stops instead
+        of waiting for the engine's abort to come back (which a dead engine never sends)."""
+        self.abort()
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
 
 
 # ---- run in the event loop (through call_soon_threadsafe) by the threads that produce items ----

@@ -91,3 +91,28 @@ def test_abort_tells_the_owner_once():
     stream.abort()
     stream.abort()
     assert owner.aborted == ["r"] and read_all(stream) == []
+
+
+def test_end_here_stops_a_reader_waiting_for_the_next_item():
+    """A client gone: the reader waiting for an item the engine may never send (a dead engine)
+    stops at once, the request aborted once; an abort item arriving later is not read."""
+    owner = Owner()
+    stream = RequestStream("r", owner)
+
+    async def go():
+        got = []
+
+        async def read():
+            async for item in stream:
+                got.append(item.num_tokens)
+        reader = asyncio.create_task(read())
+        stream._put(step_item(0, 3))
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)  # the reader took it and waits again
+        stream.end_here()
+        await asyncio.wait_for(reader, 1.0)
+        stream._put(StreamItem(finished=True, finish_reason="abort"))
+        stream.end_here()  # again: nothing more
+        return got
+    assert asyncio.run(go()) == [1]
+    assert owner.aborted == ["r"]
