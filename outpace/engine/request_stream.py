@@ -140,6 +140,7 @@ class RequestStream:
         self._folded = False  # whether _pending's lists are copies of its own already
         self._waiter: Optional[asyncio.Future] = None
         self.finished = False
+        self._ended = False  # end_here: nothing more is read, whatever arrives
 
     def _put(self, item: StreamItem) -> None:  # event loop thread only
         pending = self._pending
@@ -165,13 +166,13 @@ class RequestStream:
         if self.finished:
             raise StopAsyncIteration
         while self._pending is None:
-            if self.finished:  # ended while waiting (end_here)
-                raise StopAsyncIteration
             self._waiter = asyncio.get_running_loop().create_future()
             try:
                 await self._waiter
             finally:
                 self._waiter = None
+            if self._ended:  # ended while waiting, even if an item came in meanwhile
+                raise StopAsyncIteration
         item, self._pending = self._pending, None
         if item.finished:
             self.finished = True
@@ -189,6 +190,7 @@ class RequestStream:
     def end_here(self) -> None:  # event loop thread only
         """Abort, and end the iteration now: a reader waiting for the next item stops instead
         of waiting for the engine's abort to come back (which a dead engine never sends)."""
+        self._ended = True
         self.abort()
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)

@@ -95,24 +95,68 @@ def test_abort_tells_the_owner_once():
 
 def test_end_here_stops_a_reader_waiting_for_the_next_item():
     """A client gone: the reader waiting for an item the engine may never send (a dead engine)
-    stops at once, the request aborted once; an abort item arriving later is not read."""
-    owner = Owner()
-    stream = RequestStream("r", owner)
+    stops at once, the request aborted once; an item that arrives before the reader resumes,
+    or later, is not read."""
+    for race in (False, True):
+        owner = Owner()
+        stream = RequestStream("r", owner)
 
-    async def go():
-        got = []
+        async def go():
+            got = []
 
-        async def read():
-            async for item in stream:
-                got.append(item.num_tokens)
-        reader = asyncio.create_task(read())
-        stream._put(step_item(0, 3))
-        await asyncio.sleep(0)
-        await asyncio.sleep(0)  # the reader took it and waits again
-        stream.end_here()
-        await asyncio.wait_for(reader, 1.0)
-        stream._put(StreamItem(finished=True, finish_reason="abort"))
-        stream.end_here()  # again: nothing more
-        return got
-    assert asyncio.run(go()) == [1]
-    assert owner.aborted == ["r"]
+            async def read():
+                async for item in stream:
+                    got.append(item.num_tokens)
+            reader = asyncio.create_task(read())
+            stream._put(step_item(0, 3))
+            for _ in range(3):
+                await asyncio.sleep(0)
+            assert stream._waiter is not None and not reader.done()  # waiting again
+            stream.end_here()
+            if race:  # delivered between the wake-up and the reader's turn
+                stream._put(step_item(1, 3))
+            await asyncio.wait_for(reader, 1.0)
+            stream._put(StreamItem(finished=True, finish_reason="abort"))
+            stream.end_here()  # again: nothing more
+            with pytest.raises(StopAsyncIteration):
+                await stream.__anext__()
+            return got
+        assert asyncio.run(go()) == [1], race
+        assert owner.aborted == ["r"]
+
+
+def test_an_event_stream_ends_when_its_client_goes_even_if_the_engine_never_answers():
+    """SSEResponse: the client's disconnect ends the response (its body closed) while the body
+    waits for an item that never comes, and while a send is blocked until the disconnect (a
+    client that stopped reading); the request is aborted once."""
+    from outpace.entrypoints.openai.serving_common import SSEResponse
+
+    for blocked_send in (False, True):
+        owner = Owner()
+        stream = RequestStream("r", owner)
+        sent = []
+
+        async def go():
+            gone = asyncio.Event()
+
+            async def body():
+                async for item in stream:
+                    yield f"data: {item.num_tokens}\n\n"
+                yield "data: [DONE]\n\n"
+
+            async def receive():
+                await asyncio.sleep(0.05)
+                gone.set()
+                return {"type": "http.disconnect"}
+
+            async def send(message):
+                if blocked_send and message.get("more_body") and not gone.is_set():
+                    await gone.wait()
+                sent.append(message)
+            stream._put(step_item(0, 3))  # one item, then nothing: the engine never answers
+            await asyncio.wait_for(SSEResponse(body(), stream)({"type": "http"}, receive, send),
+                                   2.0)
+        asyncio.run(go())
+        assert owner.aborted == ["r"], blocked_send
+        assert sent[0]["type"] == "http.response.start"
+        assert sent[-1] == {"type": "http.response.body", "body": b"", "more_body": False}

@@ -194,21 +194,12 @@ async def _end_on_disconnect(receive, stream: RequestStream) -> None:
             return
 
 
-async def _abort_on_disconnect(http_request: Request, stream: RequestStream) -> None:
-    # The body has been read, so the next ASGI message is the disconnect.
-    while True:
-        message = await http_request.receive()
-        if message["type"] == "http.disconnect":
-            stream.abort()
-            return
-
-
 async def collect(stream: RequestStream, http_request: Request) -> tuple:
     """Run a request to the end; returns (last item, all token ids, all logprobs or None).
 
-    A client that disconnects while waiting gets its request aborted (the abort shows up here
-    as a finished item with reason 'abort')."""
-    watcher = asyncio.create_task(_abort_on_disconnect(http_request, stream))
+    A client that disconnects while waiting gets its request aborted and its stream ended
+    (`RequestStream.end_here`): a 499 nobody reads."""
+    watcher = asyncio.create_task(_end_on_disconnect(http_request.receive, stream))
     token_ids, lps, last = [], None, None
     try:
         async for item in stream:
