@@ -237,10 +237,14 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return len(self.hf)
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True,
+               split_special_tokens: bool = False) -> list[int]:
+        """split_special_tokens: special-token text in `text` is plain text (message content)."""
         if self._backend_encoder is not None:
-            return self._backend_ids(self._backend_encoder, text, add_special_tokens)
-        return self.hf.encode(text, add_special_tokens=add_special_tokens)
+            return self._backend_ids(self._backend_encoder, text, add_special_tokens,
+                                     split_special_tokens)
+        return self.hf.encode(text, add_special_tokens=add_special_tokens,
+                              split_special_tokens=split_special_tokens)
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)  # tensors and arrays too
@@ -337,11 +341,7 @@ class Tokenizer:
         only; in message content their text is plain text (a user can't forge a turn)."""
         ids = []
         for text, is_content in prompt.pieces:
-            if self._backend_encoder is not None:
-                ids += self._backend_ids(self._backend_encoder, text, False, is_content)
-            else:
-                ids += self.hf.encode(text, add_special_tokens=False,
-                                      split_special_tokens=is_content)
+            ids += self.encode(text, add_special_tokens=False, split_special_tokens=is_content)
         return ids
 
     def chat_token_ids(self, messages, add_generation_prompt: bool = True) -> list[int]:

@@ -140,7 +140,6 @@ class RequestStream:
         self._folded = False  # whether _pending's lists are copies of its own already
         self._waiter: Optional[asyncio.Future] = None
         self.finished = False
-        self._ended = False  # end_here: nothing more is read, whatever arrives
 
     def _put(self, item: StreamItem) -> None:  # event loop thread only
         pending = self._pending
@@ -171,7 +170,7 @@ class RequestStream:
                 await self._waiter
             finally:
                 self._waiter = None
-            if self._ended:  # ended while waiting, even if an item came in meanwhile
+            if self.finished:  # aborted while waiting: nothing more is read, whatever came
                 raise StopAsyncIteration
         item, self._pending = self._pending, None
         if item.finished:
@@ -190,7 +189,6 @@ class RequestStream:
     def end_here(self) -> None:  # event loop thread only
         """Abort, and end the iteration now: a reader waiting for the next item stops instead
         of waiting for the engine's abort to come back (which a dead engine never sends)."""
-        self._ended = True
         self.abort()
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
