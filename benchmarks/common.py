@@ -190,17 +190,18 @@ def diag_setup(num_prompts: int, extra: tuple = ()):
 
 
 def run_engine(engine, prompts, batch, max_tokens, temperature: float = 0.0,
-               top_p: float = 1.0, penalties: dict = None):
+               top_p: float = 1.0, penalties: dict = None, ignore_eos: bool = True):
     """Submit `batch` requests at once, repeatedly, over `prompts`; -> metrics dict.
     temperature > 0: sampled (unseeded) at that temperature and top_p. penalties: the
-    requests' repetition / frequency / presence penalties (SamplingParams fields)."""
+    requests' repetition / frequency / presence penalties (SamplingParams fields).
+    ignore_eos False: each request ends at its EOS (or max_tokens)."""
     from outpace import SamplingParams
     # Offline generation, as HF's generate and LLM.generate: only final outputs (per-step
     # outputs cost host time every batch-128 step; docs/decisions.md, "Offline generation
     # returns only final outputs")
     sampled = dict(temperature=temperature, top_p=top_p) if temperature > 0 else \
         dict(temperature=0.0)
-    sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True, output_kind="final_only",
+    sp = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos, output_kind="final_only",
                         **sampled, **(penalties or {}))
     spec0 = dict(engine.stats()["spec"])
     fused = engine.runner.fused

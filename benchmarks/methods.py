@@ -4,16 +4,19 @@
 
 Each method runs at its defaults (k = 3, the heads shipped for the default model) and with the
 draft-length cost model (`"adaptive": "cost"`), the model-free drafters also under a batch-size
-schedule that stops drafting above 16 requests (`-sched`), n-gram also with its lookup on the
-host (`"ngram_device": false`; its default on CUDA is the lookup in the graphs); greedy, 128 new
-tokens (EOS ignored), bf16 on CUDA (--device cpu: fp32, a smoke run). Three prompt sets:
+schedule that stops drafting above 16 requests (`-sched`; `-schedN` with --copy-k N: N drafts
+for a request alone in its batch), n-gram also with its lookup on the host (`"ngram_device":
+false`; its default on CUDA is the lookup in the graphs); greedy, 128 new tokens (EOS ignored;
+the copy set: below), bf16 on CUDA (--device cpu: fp32, a smoke run). Three prompt sets:
   chat  MT-bench first turns (batch 1: the first 16 one at a time; batch 8: the 80 in waves of
         8; batch 32: the 80 x 4; batch 128: the 80 x 5)
   chat1 the chat set's batch 1 alone (--depths: MTP with a random 3-module head, eagle and
         depths mode at force-accept 3, issue 35's synthetic comparison)
   copy  a copy-heavy set, batch 1 only: each of the first 16 HumanEval prompts with "rewrite
-        this with type hints and a docstring" (the answer repeats most of the prompt);
-        --copy-k 8: also n-gram on the device and suffix drafting up to 8 tokens there
+        this with type hints and a docstring" (the answer repeats most of the prompt), each to
+        its EOS or --copy-max-tokens (past its EOS the model starts a conversation of its own,
+        which is no longer a copy); --copy-k 8: also n-gram on the device and suffix drafting
+        up to 8 tokens there (and on chat1)
 All engines are built first, then timed in turns, round by round, the order rotating, so that
 the host's slow and fast periods fall on every engine alike; per (set, batch, config) the
 median tok/s over the rounds and the median of its ratio to no-spec's run of the same round.
@@ -48,11 +51,11 @@ def configs(k: int, heads: dict, depths_head=None, copy_ks=(), ngram_ref=False) 
     copy_ks: longer drafts for the model-free drafters on the copy-heavy set (`-kN` rows): a
     copied span is accepted whole, so k bounds what a step can emit there."""
     out = [("no-spec", None, ("chat", "copy"))]
-    for ck in copy_ks:
+    for ck in copy_ks:  # (and on chat prompts at batch 1: what the longer drafts cost there)
         out.append((f"ngram-device-k{ck}", {"method": "ngram", "num_speculative_tokens": ck,
-                                            "ngram_device": True}, ("copy",)))
+                                            "ngram_device": True}, ("chat1", "copy")))
         out.append((f"suffix-k{ck}", {"method": "suffix", "num_speculative_tokens": ck},
-                    ("copy",)))
+                    ("chat1", "copy")))
     if depths_head is not None:  # issue 35: depths mode within 10% of MTP-Eagle's tok/s
         for mode in ("eagle", "depths"):
             out.append((f"mtp3-{mode}-fa3 (synthetic)",
@@ -69,6 +72,10 @@ def configs(k: int, heads: dict, depths_head=None, copy_ks=(), ngram_ref=False) 
         out.append((f"{method}-cost", {**base, "adaptive": "cost"}, ("chat",)))
         if method in ("ngram", "suffix"):  # drafting only up to batch 16 (k = 0 above it)
             out.append((f"{method}-sched", {**base, "k_schedule": [[16, k]]}, ("chat",)))
+            for ck in copy_ks:  # ... and longer drafts alone in the batch
+                out.append((f"{method}-sched{ck}", {**base, "num_speculative_tokens": ck,
+                                                    "k_schedule": [[1, ck], [16, k]]},
+                            ("chat", "copy")))
         if method == "ngram":  # the lookup on the host, after each step's copy
             out.append(("ngram-host", {**base, "ngram_device": False}, ("chat", "copy")))
             if ngram_ref:  # the same with the lookup's tensor-op reference, not its kernel
@@ -105,7 +112,10 @@ def main():
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 128])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--k", type=int, default=3)
-    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--max-tokens", type=int, default=128,
+                    help="new tokens a request (EOS ignored) on the chat sets")
+    ap.add_argument("--copy-max-tokens", type=int, default=256,
+                    help="new tokens a request at most on the copy set (which stops at EOS)")
     ap.add_argument("--kv-blocks", type=int, default=4096)
     ap.add_argument("--configs", default="", help="only these (comma-separated names)")
     ap.add_argument("--depths", action="store_true",
@@ -155,7 +165,7 @@ def main():
             # graphs captured on first launch (a batch draining through smaller buckets, the
             # cost model's other lengths: they depend on its state) are captured before timing
             for b, ps in sets[s].items():
-                run_engine(eng, ps[:b], b, args.max_tokens)
+                run_engine(eng, ps[:b], b, **lengths(s, args))
         result["build_s"][name] = round(time.perf_counter() - tb, 1)
         cost = cost_model_of(eng)
         if cost is not None and cost.table is not None:  # the start-up table it weighs (ms):
@@ -180,7 +190,7 @@ def main():
                     cost = cost_model_of(eng)
                     measured = cost.measured if cost is not None else None
                     samples0 = measured.sample_counts() if measured is not None else {}
-                    r = run_engine(eng, ps, b, args.max_tokens)
+                    r = run_engine(eng, ps, b, **lengths(s, args))
                     row = {k: r[k] for k in ("tok_s", "mean_acceptance_length",
                                              "acceptance_per_position")}
                     if fused is not None and fused.replays > before[1]:
@@ -206,6 +216,14 @@ def main():
     print_table(result["table"], ["set", "batch", "config", "tok_s", "vs_no_spec",
                                   "mean_acceptance_length"])
     print("wrote", out_path)
+
+
+def lengths(prompt_set: str, args) -> dict:
+    """run_engine's output length for a prompt set: the chat sets a fixed number of tokens
+    (EOS ignored), the copy set each answer to its EOS."""
+    if prompt_set == "copy":
+        return {"max_tokens": args.copy_max_tokens, "ignore_eos": False}
+    return {"max_tokens": args.max_tokens}
 
 
 def cost_model_of(engine):
