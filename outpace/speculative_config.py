@@ -18,6 +18,10 @@ MAX_DRAFT_TOKENS = 16  # num_speculative_tokens at most (the verify graphs' quer
 # and a few graph nodes an n), while a suffix that long already pins its continuation: the
 # longer n rarely names another occurrence.
 NGRAM_DEVICE_MAX_N = 8
+# The model-free drafters' k_schedule on CUDA when none is given (`with_default_schedule`):
+# they draft up to this many requests a step and not above, where their steps cost more than
+# their acceptance on chat prompts returns (docs/decisions.md).
+MODEL_FREE_MAX_BATCH = 16
 
 
 def _int(name, v, lo=None, optional=False):
@@ -66,6 +70,7 @@ class SpecConfig:
     suffix_cache_requests: Optional[int] = None  # finished requests kept as a global cache
     suffix_periodic: bool = False
     # draft length: ((max_batch_size, k), ...) -> k at that batch size (0 beyond the last);
+    # None: every batch size, but n-gram and suffix on CUDA (`with_default_schedule`);
     # adaptive: each request's k follows its own acceptance (true: up or down by one a step;
     # "cost": the cost model picks every request's k in 0..k for the most tokens per second
     # of measured step time, speculative/cost_model.py)
@@ -200,6 +205,17 @@ class SpecConfig:
         on = (lookup_kernel and self.method == "ngram" and self.adaptive is False
               and self.prompt_lookup_max <= NGRAM_DEVICE_MAX_N and not self.relaxed)
         return dataclasses.replace(self, ngram_device=on)
+
+    def with_default_schedule(self, cuda: bool) -> "SpecConfig":
+        """This config with the model-free drafters' default `k_schedule` on CUDA: method ngram
+        or suffix, no k_schedule given and `adaptive` false -> drafting k up to
+        MODEL_FREE_MAX_BATCH requests a step, none above. A given schedule, the adaptive and
+        cost choices, the draft heads and other devices keep theirs."""
+        if (not cuda or self.k_schedule is not None or self.adaptive is not False
+                or self.method not in ("ngram", "suffix")):
+            return self
+        return dataclasses.replace(
+            self, k_schedule=((MODEL_FREE_MAX_BATCH, self.num_speculative_tokens),))
 
     @staticmethod
     def from_dict(d: Optional[dict]) -> "SpecConfig":

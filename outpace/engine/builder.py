@@ -208,7 +208,8 @@ def assemble(args: EngineArgs, checked, tp) -> Assembled:
     # will hold in the runner (a CUDA device, triton, the option on)
     lookup_kernel = (graphs and runner_cfg.kernel_options.ngram_lookup_kernel
                      and triton_available())
-    spec_cfg = spec_cfg.with_ngram_device(lookup_kernel)
+    spec_cfg = spec_cfg.with_ngram_device(lookup_kernel).with_default_schedule(
+        torch_device.type == "cuda")
 
     if a.loaded is not None:
         target, model_cfg, tokenizer = a.loaded

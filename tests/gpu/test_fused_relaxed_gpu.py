@@ -13,7 +13,8 @@ pytest.importorskip("triton")
 
 from outpace import SamplingParams  # noqa: E402
 from tests.engine_helpers import run_batch  # noqa: E402
-from tests.gpu.test_fused_step import gpu_engine, record_drafts, spec_for, steps_without_sync  # noqa: E402,E501
+from tests.gpu.test_fused_step import (drafts_by_order, gpu_engine, record_drafts, spec_for,  # noqa: E402
+                                       steps_without_sync)
 from tests.speculative.spec_helpers import repetitive_prompts  # noqa: E402
 from tests.speculative.test_draft_plane import RELAXED, THINK  # noqa: E402
 
@@ -41,7 +42,7 @@ def test_relaxed_graphs_replay_as_eager(cuda_loaded, cuda_heads, method, overlap
     graphed = gpu_engine(cuda_loaded, spec, eager=False, overlap=overlap)
     got_drafts = record_drafts(graphed)
     assert run_batch(graphed, _prompts(), GREEDY) == want
-    assert got_drafts == want_drafts
+    assert drafts_by_order(got_drafts, False) == drafts_by_order(want_drafts, False)
     assert graphed.runner.fused.replays > 10
     assert graphed.stats()["spec"] == eager.stats()["spec"]
 

@@ -394,5 +394,7 @@ def test_the_engine_decides_an_unset_ngram_device(tiny_loaded):
     unset = make_engine(tiny_loaded, speculative_config={"method": "ngram"}, **SMALL)
     assert unset.config.spec.ngram_device is False
     assert unset.runner.proposer.spec.ngram_device is False
+    # (the model-free drafters' default k_schedule is CUDA's: none here)
+    assert unset.config.spec.k_schedule is None and unset.runner.proposer.policy.schedule is None
     kept = make_engine(tiny_loaded, speculative_config=ngram(3, True), **SMALL)
     assert kept.config.spec.ngram_device is True

@@ -102,3 +102,24 @@ def test_ngram_device_default_follows_the_lookup_kernel():
         is False
     assert SpecConfig(method="ngram", ngram_device=True).with_ngram_device(False).ngram_device \
         is True
+
+
+def test_model_free_drafters_get_a_k_schedule_on_cuda():
+    """No k_schedule given: n-gram and suffix on CUDA draft k up to MODEL_FREE_MAX_BATCH
+    requests a step and nothing above; a given schedule, the adaptive and cost choices, the
+    draft heads and the CPU keep theirs."""
+    from outpace.speculative_config import MODEL_FREE_MAX_BATCH as B
+    for method in ("ngram", "suffix"):
+        s = SpecConfig(method=method, num_speculative_tokens=5)
+        assert s.k_schedule is None
+        assert s.with_default_schedule(True).k_schedule == ((B, 5),)
+        assert s.with_default_schedule(False).k_schedule is None
+        given = SpecConfig.from_dict({"method": method, "k_schedule": [[64, 3]]})
+        assert given.with_default_schedule(True).k_schedule == ((64, 3),)
+        for adaptive in (True, "cost"):
+            assert SpecConfig(method=method, adaptive=adaptive).with_default_schedule(
+                True).k_schedule is None
+    for method in ("eagle3", "mtp"):
+        assert SpecConfig(method=method, model="h").with_default_schedule(True).k_schedule \
+            is None
+    assert SpecConfig().with_default_schedule(True).k_schedule is None
