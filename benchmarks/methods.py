@@ -2,12 +2,13 @@
 
     python benchmarks/methods.py --gguf MODEL.gguf --out out [--batches 1 8 32 128] [--rounds 3]
 
-Each method runs at its defaults (k = 3, the heads shipped for the default model) and with the
-draft-length cost model (`"adaptive": "cost"`), the model-free drafters also under a batch-size
-schedule that stops drafting above 16 requests (`-sched`; `-schedN` with --copy-k N: N drafts
-for a request alone in its batch), n-gram also with its lookup on the host (`"ngram_device":
-false`; its default on CUDA is the lookup in the graphs); greedy, 128 new tokens (EOS ignored;
-the copy set: below), bf16 on CUDA (--device cpu: fp32, a smoke run). Three prompt sets:
+Each method runs at its defaults (k = 3, the heads shipped for the default model; on CUDA
+n-gram and suffix draft up to 16 requests a step) and with the draft-length cost model
+(`"adaptive": "cost"`), the model-free drafters also at every batch size (`-every`) and, with
+--copy-k N (N > k), N drafts for a request alone in its batch and k up to 16 (`-schedN`), n-gram
+also with its lookup on the host (`"ngram_device": false`; its default on CUDA is the lookup in
+the graphs); greedy, 128 new tokens (EOS ignored; the copy set: below), bf16 on CUDA (--device
+cpu: fp32, a smoke run). Three prompt sets:
   chat  MT-bench first turns (batch 1: the first 16 one at a time; batch 8: the 80 in waves of
         8; batch 32: the 80 x 4; batch 128: the 80 x 5)
   chat1 the chat set's batch 1 alone (--depths: MTP with a random 3-module head, eagle and
@@ -43,6 +44,7 @@ COPY_INSTRUCTION = ("Rewrite this Python code with type hints and a docstring. K
 
 
 NGRAM_REF = "ngram-device-ref"  # built with KernelOptions' ngram_lookup_kernel off
+EVERY = 1 << 16  # a k_schedule bound above any batch: drafting at every batch size
 
 
 def configs(k: int, heads: dict, depths_head=None, copy_ks=(), ngram_ref=False) -> list:
@@ -70,9 +72,10 @@ def configs(k: int, heads: dict, depths_head=None, copy_ks=(), ngram_ref=False) 
         sets = ("chat", "copy") if method != "mtp" else ("chat",)
         out.append((method, base, sets))
         out.append((f"{method}-cost", {**base, "adaptive": "cost"}, ("chat",)))
-        if method in ("ngram", "suffix"):  # drafting only up to batch 16 (k = 0 above it)
-            out.append((f"{method}-sched", {**base, "k_schedule": [[16, k]]}, ("chat",)))
-            for ck in copy_ks:  # ... and longer drafts alone in the batch
+        if method in ("ngram", "suffix"):  # (on CUDA their default drafts up to 16 requests
+            # a step): drafting at every batch size, and longer drafts alone in the batch
+            out.append((f"{method}-every", {**base, "k_schedule": [[EVERY, k]]}, ("chat",)))
+            for ck in (c for c in copy_ks if c > k):
                 out.append((f"{method}-sched{ck}", {**base, "num_speculative_tokens": ck,
                                                     "k_schedule": [[1, ck], [16, k]]},
                             ("chat", "copy")))

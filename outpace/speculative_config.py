@@ -19,8 +19,8 @@ MAX_DRAFT_TOKENS = 16  # num_speculative_tokens at most (the verify graphs' quer
 # longer n rarely names another occurrence.
 NGRAM_DEVICE_MAX_N = 8
 # The model-free drafters' k_schedule on CUDA when none is given (`with_default_schedule`):
-# they draft up to this many requests a step and not above, where their steps cost more than
-# their acceptance on chat prompts returns (docs/decisions.md).
+# they draft while at most this many requests run or wait and not above, where their steps
+# cost more than their acceptance on chat prompts returns (docs/decisions.md).
 MODEL_FREE_MAX_BATCH = 16
 
 
@@ -208,9 +208,10 @@ class SpecConfig:
 
     def with_default_schedule(self, cuda: bool) -> "SpecConfig":
         """This config with the model-free drafters' default `k_schedule` on CUDA: method ngram
-        or suffix, no k_schedule given and `adaptive` false -> drafting k up to
-        MODEL_FREE_MAX_BATCH requests a step, none above. A given schedule, the adaptive and
-        cost choices, the draft heads and other devices keep theirs."""
+        or suffix, no k_schedule given and `adaptive` false -> drafting k while at most
+        MODEL_FREE_MAX_BATCH requests run or wait (StepPlan.draft_batch_size), none above. A
+        given schedule, the adaptive and cost choices, the draft heads and other devices keep
+        theirs."""
         if (not cuda or self.k_schedule is not None or self.adaptive is not False
                 or self.method not in ("ngram", "suffix")):
             return self

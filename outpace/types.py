@@ -292,9 +292,10 @@ class ScheduledRequest:
 class StepPlan:
     scheduled: list = field(default_factory=list)  # [ScheduledRequest]
     preempted_ids: list = field(default_factory=list)
-    # Requests running or waiting when the step was planned (0: not recorded). The draft-length
-    # schedule reads it (draft_batch_size): under a queue the decode batches are about to grow,
-    # and drafting for the few requests of a ramp-up step would be verified at the full batch.
+    # Requests running or waiting when the step was planned, at most max_num_seqs (0: not
+    # recorded). The draft-length schedule reads it (draft_batch_size): under a queue the decode
+    # batches are about to grow, and drafting for the few requests of a ramp-up step would be
+    # verified at the full batch; they never grow past max_num_seqs.
     load: int = 0
 
     @property

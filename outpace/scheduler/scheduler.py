@@ -182,7 +182,12 @@ class Scheduler:
         if not step.preempted:  # 3. admission
             self._admit(step)
         return StepPlan(scheduled=list(step.scheduled.values()), preempted_ids=step.preempted,
-                        load=self.num_running + self.num_waiting)
+                        load=self._load())
+
+    def _load(self) -> int:
+        """The requests running or waiting, at most max_num_seqs: the batch a queue can grow
+        the decode steps to (StepPlan.load)."""
+        return min(self.num_running + self.num_waiting, self.cfg.max_num_seqs)
 
     def _tokens_left(self, req: Request) -> int:
         """Tokens req may still emit: up to max_tokens and the end of its context."""
@@ -362,7 +367,7 @@ class Scheduler:
                                    f"are missing")
             add(req, 1 + len(drafts), drafts, True, step)
         return StepPlan(scheduled=list(step.scheduled.values()), preempted_ids=[],
-                        load=self.num_running + self.num_waiting)
+                        load=self._load())
 
     # ---- update ---------------------------------------------------------------------------
     def update(self, plan: StepPlan, result: StepResult,

@@ -13,8 +13,8 @@ pytest.importorskip("triton")
 
 from outpace import SamplingParams  # noqa: E402
 from tests.engine_helpers import run_batch  # noqa: E402
-from tests.gpu.test_fused_step import (drafts_by_order, gpu_engine, record_drafts, spec_for,  # noqa: E402
-                                       steps_without_sync)
+from tests.gpu.test_fused_step import (drafts_by_order, gpu_engine, record_drafts,  # noqa: E402
+                                       spec_for, steps_without_sync)
 from tests.speculative.spec_helpers import repetitive_prompts  # noqa: E402
 from tests.speculative.test_draft_plane import RELAXED, THINK  # noqa: E402
 

@@ -262,6 +262,6 @@ def test_prefill_graphs_equal_eager_and_cpu(cuda_loaded, cuda_heads, method, k):
         want = run_batch(eager, [p], GREEDY)
         assert run_batch(graphed, [p], GREEDY) == want, len(p)
         assert run_batch(cpu, [p], GREEDY) == want, len(p)
-    assert graphed_drafts == eager_drafts
+    assert drafts_by_order(graphed_drafts, False) == drafts_by_order(eager_drafts, False)
     assert sizes == [(16, 15), (32, 17), (64, 64), (192, 130), (384, 300), (512, 470)]
 

@@ -167,18 +167,58 @@ def test_k_schedule_by_batch_size(tiny_loaded):
 
 @pytest.mark.parametrize("method", ["ngram", "eagle3"])
 def test_k_schedule_counts_waiting_requests(tiny_loaded, tiny_heads, method):
-    """Two running, two waiting (max_num_seqs=2) under [[2, 4]]: the load is 4, so nothing is
-    drafted while the queue lasts, although each step holds at most 2 requests (drafting then
-    would be verified at the batch the queue is about to fill). Once the queue has drained and
-    two or fewer remain, k = 4 again. Outputs equal the plain engine's."""
-    prompts = repetitive_prompts(4, 12)
+    """Four requests, max_num_seqs=4, a token budget that schedules two a step at first, under
+    [[2, 4]]: while more than two run or wait the load is above 2, so nothing is drafted,
+    although a ramp-up step holds at most 2 requests (drafting then would be verified at the
+    batch the queue is about to fill). Once two or fewer remain, k = 4 again. Outputs equal the
+    plain engine's."""
+    prompts = repetitive_prompts(4, 12)  # 18..21 tokens: a 20-token budget prefills one and
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
               for n in (8, 12, 30, 40)]
-    opts = {"k_schedule": [[2, 4]]}
-    spec = ({"method": "ngram", "num_speculative_tokens": 4, **opts} if method == "ngram"
-            else eagle3(tiny_heads, 4, **opts))
+    spec = schedule_spec(method, tiny_heads, [[2, 4]])
     steps = []  # (plan load, planned requests, drafts per request)
+    kw = {**KW, "max_num_batched_tokens": 20}  # a chunk of the next a step
+    run = run_waves(tiny_loaded, [prompts], params, on_engine=record_plans(steps),
+                    max_num_seqs=4, speculative_config=spec, **kw)
+    assert any(load > 2 and n <= 2 for load, n, _ in steps), steps  # the queue was seen
+    for (load, _, _), (_, _, drafts) in zip(steps, steps[1:]):
+        if load > 2:  # drafts verified next were proposed for this step's load
+            assert not any(drafts), steps
+    assert any(max(d, default=0) == 4 for _, _, d in steps), steps  # drafting came back
+    want = run_waves(tiny_loaded, [prompts], params, max_num_seqs=4, **kw).outputs
+    assert run.outputs == want
 
+
+@pytest.mark.parametrize("method", ["ngram", "eagle3"])
+def test_k_schedule_load_stops_at_max_num_seqs(tiny_loaded, tiny_heads, method):
+    """max_num_seqs=2 under [[2, 4]] with four requests: two wait, but the decode batch can
+    never pass 2, so the load is 2 and the running requests draft k = 4 while the others wait.
+    Outputs equal the plain engine's."""
+    prompts = repetitive_prompts(4, 12)
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    steps = []
+    run = run_waves(tiny_loaded, [prompts], params, on_engine=record_plans(steps),
+                    max_num_seqs=2, speculative_config=schedule_spec(method, tiny_heads,
+                                                                     [[2, 4]]), **KW)
+    assert all(load <= 2 for load, _, _ in steps), steps
+    engine = run.engine
+    assert engine.scheduler.num_waiting == 0
+    # some step drafted 4 while requests still waited (their prefill came later)
+    drafted_early = [i for i, (_, _, d) in enumerate(steps) if max(d, default=0) == 4]
+    assert drafted_early and drafted_early[0] < len(steps) // 2, steps
+    want = run_waves(tiny_loaded, [prompts], params, max_num_seqs=2, **KW).outputs
+    assert run.outputs == want
+
+
+def schedule_spec(method: str, heads, schedule: list) -> dict:
+    opts = {"k_schedule": schedule}
+    return ({"method": "ngram", "num_speculative_tokens": 4, **opts} if method == "ngram"
+            else eagle3(heads, 4, **opts))
+
+
+def record_plans(steps: list):
+    """on_engine for run_waves: each planned step's (load, requests, drafts per request) into
+    `steps`."""
     def record(engine):
         inner = engine.scheduler.schedule
 
@@ -188,16 +228,7 @@ def test_k_schedule_counts_waiting_requests(tiny_loaded, tiny_heads, method):
                           [len(sr.draft_token_ids) for sr in plan.scheduled]))
             return plan
         engine.scheduler.schedule = schedule
-
-    run = run_waves(tiny_loaded, [prompts], params, on_engine=record, max_num_seqs=2,
-                    speculative_config=spec, **KW)
-    assert any(load > 2 and n <= 2 for load, n, _ in steps), steps  # the queue was seen
-    for (load, _, _), (_, _, drafts) in zip(steps, steps[1:]):
-        if load > 2:  # drafts verified next were proposed for this step's load
-            assert not any(drafts), steps
-    assert any(max(d, default=0) == 4 for _, _, d in steps), steps  # drafting came back
-    want = run_waves(tiny_loaded, [prompts], params, max_num_seqs=2, **KW).outputs
-    assert run.outputs == want
+    return record
 
 
 def draft_lengths(run, rid="w0-0"):

@@ -105,8 +105,8 @@ def test_ngram_device_default_follows_the_lookup_kernel():
 
 
 def test_model_free_drafters_get_a_k_schedule_on_cuda():
-    """No k_schedule given: n-gram and suffix on CUDA draft k up to MODEL_FREE_MAX_BATCH
-    requests a step and nothing above; a given schedule, the adaptive and cost choices, the
+    """No k_schedule given: n-gram and suffix on CUDA draft k while at most MODEL_FREE_MAX_BATCH
+    requests run or wait and none above; a given schedule, the adaptive and cost choices, the
     draft heads and the CPU keep theirs."""
     from outpace.speculative_config import MODEL_FREE_MAX_BATCH as B
     for method in ("ngram", "suffix"):
