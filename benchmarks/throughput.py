@@ -31,9 +31,10 @@ CPU sections (--device cpu; the model: --gguf, default the catalog's smollm2-135
           greedy, a fixed number of new tokens per request (EOS ignored) for both systems;
           writes benchmarks/results/latest/cpu_smollm2.json (the default section)
   spec    (--spec) outpace without speculation against the shipped EAGLE-3 and MTP heads (real
-          acceptance), batch 1, fp32, greedy to EOS or --max-tokens (the outputs are the same, so
-          the token counts are too), in rounds that alternate the configurations; writes
-          benchmarks/results/latest/cpu_smollm2_spec.json
+          acceptance), batch 1 (--spec-batch N: N prompts at once), fp32, greedy to EOS or
+          --max-tokens (the outputs are the same, so the token counts are too), in rounds that
+          alternate the configurations; writes benchmarks/results/latest/cpu_smollm2_spec.json
+          (at --spec-batch N > 1: cpu_smollm2_spec_bN.json)
   --out names a folder for these files, or a .json file (one section).
   Tokens/s = new tokens / wall time, prefill included.
 
@@ -599,7 +600,8 @@ def section_vs_hf(a, results) -> None:
 
 
 def section_spec(a, results) -> None:
-    """No speculation against the shipped heads at batch 1, alternating round by round."""
+    """No speculation against the shipped heads at batch --spec-batch (1: each prompt alone),
+    alternating round by round."""
     from outpace import LLM, SamplingParams
     from outpace.models.loader import load_model
     loaded = load_model(a.gguf, dtype=torch.float32, device=torch.device("cpu"), quiet=True)
@@ -620,13 +622,13 @@ def section_spec(a, results) -> None:
         for n, llm in (list(llms.items())[rnd % len(llms):] + list(llms.items())[:rnd % len(llms)]):
             t0, n_tok, drafts, accepted = time.perf_counter(), 0, 0, 0
             outs = []
-            for ids in ids_list:
-                o = llm.generate([ids], sp)[0]
-                n_tok += len(o.token_ids)
-                outs.append(o.token_ids)
-                if o.spec_stats is not None:
-                    drafts += o.spec_stats.num_drafts
-                    accepted += o.spec_stats.num_accepted_tokens
+            for i in range(0, len(ids_list), a.spec_batch):
+                for o in llm.generate(ids_list[i:i + a.spec_batch], sp):
+                    n_tok += len(o.token_ids)
+                    outs.append(o.token_ids)
+                    if o.spec_stats is not None:
+                        drafts += o.spec_stats.num_drafts
+                        accepted += o.spec_stats.num_accepted_tokens
             runs[n].append(n_tok / (time.perf_counter() - t0))
             outputs[n] = outs
             acc[n] = round(1 + accepted / drafts, 3) if drafts else None
@@ -639,10 +641,12 @@ def section_spec(a, results) -> None:
     results["spec"] = rows
     print_table(rows, ["config", "tok_s", "vs_no_spec", "mean_acceptance_length",
                        "same_output_as_no_spec"])
-    path = write_result(out_file(a.out, "cpu_smollm2_spec.json"), {
+    name = "cpu_smollm2_spec.json" if a.spec_batch == 1 else \
+        f"cpu_smollm2_spec_b{a.spec_batch}.json"
+    path = write_result(out_file(a.out, name), {
         "benchmark": "cpu_spec_vs_no_spec", "device": device_name("cpu"),
         "threads": torch.get_num_threads(), "model": cpu_model_label(a),
-        "heads": "shipped (outpace/heads)", "dtype": "float32", "batch": 1,
+        "heads": "shipped (outpace/heads)", "dtype": "float32", "batch": a.spec_batch,
         "prompts": f"mtbench {a.num_prompts} spread over the set (one per category at 8)",
         "max_tokens": a.max_tokens,
         "rounds": a.rounds, "greedy": True, "ablate": a.ablate, "results": rows})
@@ -757,9 +761,14 @@ def parse_args():
     cpu.add_argument("--num-prompts", type=int, default=8,
                      help="vs_hf: the first N MT-bench prompts; spec: N spread over the set")
     cpu.add_argument("--rounds", type=int, default=3, help="spec: rounds alternating the configs")
+    cpu.add_argument("--spec-batch", type=int, default=1,
+                     help="spec: prompts run at once (1: each alone; more: writes "
+                     "cpu_smollm2_spec_bN.json)")
     a = ap.parse_args()
     if a.plot:
         return a, []
+    if a.spec_batch < 1:
+        ap.error(f"--spec-batch must be at least 1, got {a.spec_batch}")
     if a.spec:
         if a.device == "cuda" or a.sections not in (None, "spec"):
             ap.error("--spec is the CPU section spec (--device cpu --sections spec)")

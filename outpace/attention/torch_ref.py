@@ -3,13 +3,13 @@
 It is the oracle the Triton kernels are compared with, and the CPU engine's backend. It reads
 the host mirrors of the metadata, so it is not graph-capturable.
 
-On CPU a step where every sequence has one query token (plain decode, the lengths near
-enough) takes a batched path (see DecodePlan): a decode step is hundreds of tiny ops, so their
-count is what costs. So does a step of one sequence with a few query tokens (a verify step at
-batch 1, the draft head's first pass over it): one 4-D SDPA (the flash kernel) with a causal
-mask made once per step, where the general path builds the mask in every layer. Other steps
-(prefill chunks, chunks beside decodes) attend each sequence on the flash kernel too
-(attend_sequence_cpu); CUDA keeps the oracle's way (attend_sequence_oracle).
+On CPU a step where every sequence has a few query tokens (decode, verify, a draft head's
+pass; the lengths near enough to pad) takes a planned path (see DecodePlan): such a step is
+hundreds of tiny ops, so their count is what costs. Every sequence attends in one 4-D SDPA (the
+flash kernel) with the masks made once per step, where the general path makes them, gathers and
+attends a sequence at a time in every layer. Other steps (prefill chunks, chunks beside
+decodes) attend each sequence on the flash kernel too (attend_sequence_cpu); CUDA keeps the
+oracle's way (attend_sequence_oracle).
 """
 
 from __future__ import annotations
@@ -111,96 +111,118 @@ def _attend_split(qh, qf, kf, vf, scale: float) -> torch.Tensor:
 
 @dataclass
 class DecodePlan:
-    """What every layer of one plain-decode step (B sequences, one query token each) shares,
-    made once per step: layers differ only in their KV slot.
+    """What every layer of one few-query step (B sequences, 1.._FEW_QUERY_MAX query tokens
+    each: decode, verify, a draft head's pass) shares, made once per step: layers differ only
+    in their KV slot.
 
-      slots      [B] long: the write slots, padding (-1) already sent to the null block
-      kv_start   the single sequence's blocks are consecutive, so its K/V is the run of pool
+      slots      [T] long: the write slots of the step's T query tokens, padding (-1) already
+                 sent to the null block
+      kv_start   a single sequence whose blocks are consecutive: its K/V is the run of pool
                  slots kv_start .. kv_start + kv_len - 1 and attention reads a view, no copy;
                  None: gather block_ids instead
       block_ids  [B * nb] long: nb table entries per sequence (padded entries included)
       kv_len     KV positions attended to per sequence: the longest sequence's length
-      mask       [B, 1, 1, kv_len] float, -inf past a shorter sequence's end (None: all equal)
-      pad        [1, B, kv_len, 1, 1] bool, the same positions: their gathered K/V are zeroed
-                 so that stale values there (even inf/nan) can't leak through 0 * x
-      q_len      query tokens per sequence: 1, or n > 1 for a single sequence (a verify step
-                 at batch 1); mask is then the causal
-                 [n * group, kv_len] float mask of the folded queries (row i * group + g:
-                 query i, position kv_len - n + i)
+      q_len      query tokens per sequence: the most any sequence has (Q)
+      q_rows     [T] long: each query token's row in the padded [B * Q] layout, where the
+                 sequences have unequal query counts; None: each has Q (the rows are in order)
+      mask       float, -inf where a query may not look: [B, 1, 1, kv_len] past a shorter
+                 sequence's end for one query a sequence (None: all lengths equal); for Q > 1
+                 [B, 1, Q * group, kv_len], the folded queries (row i * group + g: query i,
+                 position len - q + i of a sequence of len keys and q queries) causal over
+                 their own keys, and a padded query row (i >= q) sees key 0 only (its output
+                 is dropped; a row seeing nothing would be NaN)
+      pad_rows   [P] long: the rows past each sequence's end in the gathered
+                 [B * nb * block_size] K/V rows, zeroed so that stale values there (even
+                 inf/nan) can't leak through 0 * x; None: no padding
     """
 
     slots: torch.Tensor
     kv_start: Optional[int]
     block_ids: Optional[torch.Tensor]
     kv_len: int
-    mask: Optional[torch.Tensor] = None
-    pad: Optional[torch.Tensor] = None
+    num_seqs: int
+    num_tokens: int
     q_len: int = 1
+    q_rows: Optional[torch.Tensor] = None
+    mask: Optional[torch.Tensor] = None
+    pad_rows: Optional[torch.Tensor] = None
 
 
-# Single-sequence steps of at most this many query tokens take the DecodePlan path too (a
-# verify block, the draft head's first pass over it); longer ones (prefill chunks) the general.
+# Steps whose sequences have at most this many query tokens each take the DecodePlan path (a
+# decode, a verify block, a draft head's pass over it); longer ones (prefill chunks) the
+# general one.
 _FEW_QUERY_MAX = 16
 
 
-# A plain-decode step pads its sequences' keys to the longest one's, and every layer gathers,
+# A planned step pads its sequences' keys to the longest one's, and every layer gathers,
 # zeroes and attends the padding; past this many padded keys a sequence on average (a long
 # context beside short ones) that costs more than a call per sequence, so the general path
-# attends each sequence over its own keys instead.
-_PADDING_PER_SEQ_MAX = 128
+# attends each sequence over its own keys instead. The general path's calls are many small
+# ops, each waking the other threads where a step runs on several: there padding pays off
+# longer.
+_PADDING_PER_SEQ_MAX = 128  # a step on one thread
+_PADDING_PER_SEQ_MAX_THREADS = 512  # a step on several
+
+
+def padding_per_seq_max() -> int:
+    """The most padded keys a sequence on average that a planned step takes, for the threads
+    the step runs on (models/cpu_fast_paths.cpu_threads_for picks them)."""
+    return _PADDING_PER_SEQ_MAX if torch.get_num_threads() == 1 else \
+        _PADDING_PER_SEQ_MAX_THREADS
 
 
 def make_decode_plan(meta: AttentionMetadata, block_size: int, dtype=torch.float32,
                      group: int = 1) -> Optional[DecodePlan]:
-    """A DecodePlan when every sequence has exactly one query token (and their lengths are
-    near enough: _PADDING_PER_SEQ_MAX), or when a single sequence has a few
-    (2.._FEW_QUERY_MAX), and the host mirrors are there (the CPU engine's decode and batch-1
-    verify steps); None otherwise (prefill, batched verify, graph metadata). dtype: the
-    queries' (the mask's); group: query heads per KV head."""
+    """A DecodePlan when every sequence has 1.._FEW_QUERY_MAX query tokens (and at most as
+    many as its keys), their lengths are near enough to pad (padding_per_seq_max), and the
+    host mirrors are there (the CPU engine's decode, verify and draft steps); None otherwise
+    (prefill chunks, graph metadata). dtype: the queries' (the mask's); group: query heads
+    per KV head."""
     qsl, seq_lens = meta.query_start_loc_host, meta.seq_lens_host
     b = len(seq_lens)
-    if b == 1 and len(qsl) == 2 and qsl[0] == 0 and 1 < qsl[1] <= min(_FEW_QUERY_MAX,
-                                                                          seq_lens[0]):
-        return _few_query_plan(meta, block_size, dtype, group, qsl[1], seq_lens[0])
-    if b == 0 or len(qsl) != b + 1 or qsl != list(range(b + 1)) or min(seq_lens) < 1:
+    if b == 0 or len(qsl) != b + 1 or qsl[0] != 0:
         return None
-    kv_len = max(seq_lens)
-    if b * kv_len - sum(seq_lens) > _PADDING_PER_SEQ_MAX * b:
+    q_lens = [qsl[s + 1] - qsl[s] for s in range(b)]
+    if not all(0 < q <= min(_FEW_QUERY_MAX, n) for q, n in zip(q_lens, seq_lens)):
+        return None
+    kv_len, q_max, t = max(seq_lens), max(q_lens), qsl[-1]
+    if b * kv_len - sum(seq_lens) > padding_per_seq_max() * b:
         return None  # lengths too unequal to pad (see _PADDING_PER_SEQ_MAX)
-    slots = meta.slot_mapping[:b]
+    slots = meta.slot_mapping[:t]
     slots = torch.where(slots < 0, NULL_BLOCK * block_size, slots)
+    dev = slots.device
     nb = (kv_len + block_size - 1) // block_size
     table = meta.block_tables[:b, :nb]
-    if b == 1:
-        ids = table[0].tolist()  # sync-ok: a CPU tensor
-        if ids[0] != NULL_BLOCK and ids == list(range(ids[0], ids[0] + nb)):
-            return DecodePlan(slots, ids[0] * block_size, None, kv_len)
-    plan = DecodePlan(slots, None, table.reshape(-1).long(), kv_len)
+    plan = DecodePlan(slots, None, None, kv_len, b, t, q_max)
+    ids = table[0].tolist() if b == 1 else None  # sync-ok: a CPU tensor
+    if ids and ids[0] != NULL_BLOCK and ids == list(range(ids[0], ids[0] + nb)):
+        plan.kv_start = ids[0] * block_size
+    else:
+        plan.block_ids = table.reshape(-1).long()
     if min(seq_lens) != kv_len:
-        dev = slots.device
-        pad = (torch.arange(kv_len, device=dev)[None, :]
-               >= torch.tensor(seq_lens, device=dev)[:, None])  # [B, kv_len]
-        plan.mask = torch.zeros(b, 1, 1, kv_len, dtype=dtype, device=dev).masked_fill_(
-            pad.view(b, 1, 1, kv_len), float("-inf"))
-        plan.pad = pad.view(1, b, kv_len, 1, 1)
+        span = nb * block_size
+        plan.pad_rows = torch.tensor([s * span + j for s, n in enumerate(seq_lens)
+                                      for j in range(n, kv_len)], dtype=torch.long, device=dev)
+    if min(q_lens) != q_max:
+        plan.q_rows = torch.tensor([s * q_max + i for s, q in enumerate(q_lens)
+                                    for i in range(q)], dtype=torch.long, device=dev)
+    if q_max == 1:
+        if min(seq_lens) != kv_len:
+            lens = torch.tensor(seq_lens, device=dev)
+            past = torch.arange(kv_len, device=dev)[None, :] >= lens[:, None]  # [B, kv_len]
+            plan.mask = torch.zeros(b, 1, 1, kv_len, dtype=dtype, device=dev).masked_fill_(
+                past.view(b, 1, 1, kv_len), float("-inf"))
+        return plan
+    # query i of sequence s (position len_s - q_s + i) sees key j <= len_s - q_s + i; a
+    # padded query (i >= q_s) sees key 0 only
+    i = torch.arange(q_max, device=dev)[None, :]  # [1, Q]
+    lens, qs = torch.tensor(seq_lens, device=dev), torch.tensor(q_lens, device=dev)
+    last = torch.where(i < qs[:, None], (lens - qs)[:, None] + i, 0)  # [B, Q]
+    seen = torch.arange(kv_len, device=dev)[None, None, :] <= last[:, :, None]  # [B, Q, L]
+    seen = seen.repeat_interleave(group, 1).view(b, 1, q_max * group, kv_len)
+    plan.mask = torch.zeros(seen.shape, dtype=dtype, device=dev).masked_fill_(
+        ~seen, float("-inf"))
     return plan
-
-
-def _few_query_plan(meta: AttentionMetadata, block_size: int, dtype, group: int, n: int,
-                    kv_len: int) -> Optional[DecodePlan]:
-    """make_decode_plan for one sequence of n > 1 query tokens: attention reads a view of the
-    pool when its blocks are consecutive, else gathers them (one copy a layer)."""
-    nb = (kv_len + block_size - 1) // block_size
-    table = meta.block_tables[0, :nb]
-    slots = meta.slot_mapping[:n]
-    slots = torch.where(slots < 0, NULL_BLOCK * block_size, slots)
-    # query i (position kv_len - n + i) sees kv j <= kv_len - n + i; rows i * group + g
-    mask = torch.zeros(n * group, kv_len, dtype=dtype, device=slots.device).masked_fill_(
-        ~causal_mask(n, kv_len, slots.device).repeat_interleave(group, 0), float("-inf"))
-    ids = table.tolist()  # sync-ok: a CPU tensor
-    if ids[0] != NULL_BLOCK and ids == list(range(ids[0], ids[0] + nb)):
-        return DecodePlan(slots, ids[0] * block_size, None, kv_len, mask=mask, q_len=n)
-    return DecodePlan(slots, None, table.long(), kv_len, mask=mask, q_len=n)
 
 
 class TorchRefBackend(AttentionBackend):
@@ -219,7 +241,7 @@ class TorchRefBackend(AttentionBackend):
                 self._plan_meta = meta
                 self._plan = make_decode_plan(meta, self.block_size, q.dtype,
                                               self.num_heads // self.num_kv_heads)
-            if self._plan is not None:
+            if self._plan is not None and q.shape[0] == self._plan.num_tokens:
                 return self.decode(layer, q, k, v, self._plan)
         return self.attend_each(layer, q, k, v, meta)
 
@@ -273,34 +295,34 @@ class TorchRefBackend(AttentionBackend):
         return self._runs
 
     def decode(self, layer, q, k, v, plan: DecodePlan):
-        """One query token per sequence: q [B, Hq, D], k/v [B, Hkv, D] -> [B, Hq, D]; or one
-        sequence of plan.q_len tokens: q [n, Hq, D], k/v [n, Hkv, D] -> [n, Hq, D].
+        """A planned step's attention: q [T, Hq, D], k/v [T, Hkv, D] (each sequence's query
+        tokens in order) -> [T, Hq, D].
 
         Every sequence in one 4-D SDPA call (the CPU flash kernel reads the strided K/V views
-        as they are), padded to the longest one; GQA folds each KV head's query group into
-        the query axis, as in the general path."""
+        as they are), its keys padded to the longest one's and its queries to the most any
+        has; GQA folds each KV head's query group into the query axis, as in the general
+        path."""
         _, _, num_blocks, bs, hkv, d = self.kv_cache.shape
         pool = self.kv_cache[layer].view(2, num_blocks * bs, hkv, d)  # [K|V, slot, Hkv, D]
         pool[0].index_copy_(0, plan.slots, k.to(pool.dtype))
         pool[1].index_copy_(0, plan.slots, v.to(pool.dtype))
-        b, n = (q.shape[0] if plan.q_len == 1 else 1), plan.kv_len
+        b, n, nq = plan.num_seqs, plan.kv_len, plan.q_len
         if plan.kv_start is not None:
             kv = pool[:, plan.kv_start:plan.kv_start + n].unsqueeze(1)  # [2, 1, L, Hkv, D]
         else:
             kv = (self.kv_cache[layer].view(2, num_blocks, bs * hkv * d)
-                  .index_select(1, plan.block_ids).view(2, b, -1, hkv, d)[:, :, :n])
-            if plan.pad is not None:
-                kv.masked_fill_(plan.pad, 0.0)  # a copy: the pool is untouched
+                  .index_select(1, plan.block_ids))  # a copy: the pool is untouched
+            if plan.pad_rows is not None:
+                kv.view(2, -1, hkv * d).index_fill_(1, plan.pad_rows, 0.0)
+            kv = kv.view(2, b, -1, hkv, d)[:, :, :n]
         if kv.dtype != q.dtype:
             kv = kv.to(q.dtype)
         ks, vs = kv[0].transpose(1, 2), kv[1].transpose(1, 2)  # [B, Hkv, L, D]
-        if plan.q_len > 1:  # one sequence, q [n, Hq, D]: fold (query, group) into one axis
-            hkv, group = self.num_kv_heads, self.num_heads // self.num_kv_heads
-            t = plan.q_len
-            qs = q.view(t, hkv, group, d).transpose(0, 1).reshape(1, hkv, t * group, d)
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=plan.mask,
-                                               scale=self.scale)  # [1, Hkv, n * group, D]
-            return o.view(hkv, t, group, d).transpose(0, 1).reshape(t, self.num_heads, d)
-        qs = q.reshape(b, hkv, self.num_heads // hkv, d)  # [B, Hkv, group, D], a view here
+        hq, group = self.num_heads, self.num_heads // hkv
+        if plan.q_rows is not None:  # unequal query counts: scatter into [B * Q] rows
+            q = q.new_zeros(b * nq, hq, d).index_copy_(0, plan.q_rows, q)
+        # [B * Q, Hq, D] -> [B, Hkv, Q * group, D], row i * group + g
+        qs = q.view(b, nq, hkv, group, d).transpose(1, 2).reshape(b, hkv, nq * group, d)
         o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=plan.mask, scale=self.scale)
-        return o.reshape(b, self.num_heads, d)
+        o = o.view(b, hkv, nq, group, d).transpose(1, 2).reshape(b * nq, hq, d)
+        return o if plan.q_rows is None else o.index_select(0, plan.q_rows)

@@ -1,5 +1,6 @@
-"""The CPU decode path of the reference backend (TorchRefBackend.decode, one SDPA for all
-sequences) against its general per-sequence path (attend_each), on fresh random inputs.
+"""The CPU planned path of the reference backend (TorchRefBackend.decode, one SDPA for all
+sequences of a decode, verify or draft step) against its general per-sequence path
+(attend_each), on fresh random inputs.
 
 Both run on copies of the same pool; outputs must agree to fp32 rounding and the pools must end
 up identical. Pools from kernel_cases.make_batch start as NaN everywhere nothing was written
@@ -82,11 +83,40 @@ def test_decode_single_sequence_view_or_gather(kv_len, contiguous):
     check(*run_both(q, k, v, kv_cache, meta, 1, hkv))
 
 
-def test_no_plan_for_prefill_or_verify_rows():
-    b = make_batch([(1, 10), (3, 12)], 3, 3, 64, torch.float32, "cpu")
+def test_no_plan_for_prefill_rows_or_padded_sequences():
+    b = make_batch([(1, 10), (17, 30)], 3, 3, 64, torch.float32, "cpu")
     assert make_decode_plan(b.meta, 16) is None
     b = make_batch([(1, 10)], 3, 3, 64, torch.float32, "cpu", pad_seqs=1)
     assert make_decode_plan(b.meta, 16) is None
+
+
+@pytest.mark.parametrize("seqs", [
+    [(3, 12), (3, 40), (3, 17)],  # a verify step at batch 3 (k = 2)
+    [(4, 20), (4, 20)],  # equal lengths: no padding
+    [(1, 10), (3, 12), (5, 30), (2, 2), (16, 33)],  # unequal query counts and lengths
+    [(2, 5), (1, 1)],
+], ids=["verify", "equal", "unequal", "short"])
+@pytest.mark.parametrize("hkv,group,head_dim", [(3, 3, 64), (1, 4, 16)])
+def test_batched_few_query_steps_match_general_path(seqs, hkv, group, head_dim):
+    """Several sequences of 1..16 query tokens each (a verify step at batch > 1, a draft
+    head's pass, decodes beside verifies) take the planned path: each sequence causal over its
+    own keys, padded keys and queries leaving no trace in the outputs or the pool."""
+    b = make_batch(seqs, hkv, group, head_dim, torch.float32, "cpu",
+                   seed=sum(q * 7 + n for q, n in seqs) + group)
+    plan = make_decode_plan(b.meta, 16, torch.float32, group)
+    assert plan is not None and plan.q_len == max(q for q, _ in seqs)
+    assert (plan.q_rows is None) == (len({q for q, _ in seqs}) == 1)
+    assert (plan.pad_rows is None) == (len({n for _, n in seqs}) == 1)
+    check(*run_both(b.q, b.k, b.v, b.kv_cache, b.meta, b.layer, hkv))
+
+
+def test_batched_few_query_bfloat16():
+    b = make_batch([(3, 9), (1, 21), (2, 16)], 2, 2, 32, torch.bfloat16, "cpu", seed=5)
+    out_fast, pool_fast, out_general, pool_general = run_both(
+        b.q, b.k, b.v, b.kv_cache, b.meta, b.layer, 2)
+    assert torch.isfinite(out_fast.float()).all()
+    torch.testing.assert_close(out_fast.float(), out_general.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(pool_fast, pool_general, atol=0, rtol=0, equal_nan=True)
 
 
 def test_decode_bfloat16_unequal_lengths():
@@ -138,14 +168,23 @@ def test_no_plan_past_the_few_query_bound():
     assert make_decode_plan(b.meta, 16) is None
 
 
-def test_no_plan_for_lengths_too_unequal_to_pad():
+@pytest.mark.parametrize("threads", [1, 2])
+def test_no_plan_for_lengths_too_unequal_to_pad(threads):
     """A long context beside short ones: padding every sequence to it would cost more than
     attending each over its own keys (the general path, whose outputs are checked in
-    test_torch_ref_prefill.py)."""
-    from outpace.attention.torch_ref import _PADDING_PER_SEQ_MAX as most
-    assert make_decode_plan(make_batch([(1, 40), (1, 2500)], 3, 3, 64, torch.float32,
-                                       "cpu").meta, 16) is None
-    near = [(1, 300), (1, 300 - 2 * most)]  # on average `most` padded keys a sequence
-    assert make_decode_plan(make_batch(near, 3, 3, 64, torch.float32, "cpu").meta, 16)
-    far = [(1, 300), (1, 300 - 2 * most - 1)]
-    assert make_decode_plan(make_batch(far, 3, 3, 64, torch.float32, "cpu").meta, 16) is None
+    test_torch_ref_prefill.py); on several threads the bound is higher."""
+    from outpace.attention.torch_ref import padding_per_seq_max
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        most = padding_per_seq_max()
+        assert most == (128 if threads == 1 else 512)
+        assert make_decode_plan(make_batch([(1, 40), (1, 2500)], 3, 3, 64, torch.float32,
+                                           "cpu").meta, 16) is None
+        near = [(1, 1100), (1, 1100 - 2 * most)]  # on average `most` padded keys a sequence
+        assert make_decode_plan(make_batch(near, 3, 3, 64, torch.float32, "cpu").meta, 16)
+        far = [(1, 1100), (1, 1100 - 2 * most - 1)]
+        assert make_decode_plan(make_batch(far, 3, 3, 64, torch.float32, "cpu").meta,
+                                16) is None
+    finally:
+        torch.set_num_threads(before)
