@@ -62,7 +62,7 @@ _SPLIT_MIN_QUERIES = 256
 
 
 def attend_sequence_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                        scale: float) -> torch.Tensor:
+                        scale: float, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
     """attend_sequence_oracle's result on the CPU flash kernel, which SDPA takes only for 4-D
     inputs (3-D ones, as the oracle passes, run its math kernel: several times slower on a
     prefill chunk). q [n, Hq, D], k/v [Hkv, L, D] -> [n, Hq, D].
@@ -72,7 +72,9 @@ def attend_sequence_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     chunk of fewer than _SPLIT_MIN_QUERIES queries takes one call with the folded causal mask;
     a longer one attends the prefix (keys 0 .. L - n - 1, seen by every query: no mask,
     folded) and the chunk's own keys (causal: SDPA's is_causal over the square, its K/V
-    expanded to the query heads) separately, and the two are merged with their logsumexps."""
+    expanded to the query heads) separately, and the two are merged with their logsumexps.
+    mask: the folded causal mask as folded_causal_mask makes it (a step's layers share one), or
+    None to make it here."""
     n, hq, d = q.shape
     hkv, kv_len = k.shape[0], k.shape[1]
     group = hq // hkv
@@ -82,11 +84,21 @@ def attend_sequence_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if n == 1:
         o = F.scaled_dot_product_attention(qf, kf, vf, scale=scale)
     elif n < _SPLIT_MIN_QUERIES:
-        mask = causal_mask(n, kv_len, q.device).repeat(group, 1)
+        if mask is None:
+            mask = folded_causal_mask(n, kv_len, group, q.dtype, q.device)
         o = F.scaled_dot_product_attention(qf, kf, vf, attn_mask=mask, scale=scale)
     else:
         o = _attend_split(qh, qf, kf, vf, scale)
     return o.view(hq, n, d).transpose(0, 1)
+
+
+def folded_causal_mask(n: int, kv_len: int, group: int, dtype, device) -> torch.Tensor:
+    """attend_sequence_cpu's mask for n < _SPLIT_MIN_QUERIES queries over kv_len keys:
+    [group * n, kv_len] float, 0 where row g * n + i (query i of a KV head's g-th query head)
+    may look, -inf elsewhere (SDPA adds it; a float mask is not converted every call)."""
+    seen = causal_mask(n, kv_len, device).repeat(group, 1)
+    return torch.zeros(seen.shape, dtype=dtype, device=device).masked_fill_(~seen,
+                                                                            float("-inf"))
 
 
 def _attend_split(qh, qf, kf, vf, scale: float) -> torch.Tensor:
@@ -232,6 +244,7 @@ class TorchRefBackend(AttentionBackend):
         self._plan: Optional[DecodePlan] = None
         self._runs_meta = None  # the metadata self._runs was made from (see _kv_runs)
         self._runs: list = []
+        self._masks: dict = {}  # (queries, keys) -> folded causal mask, one step's
 
     def forward(self, layer, q, k, v, meta: AttentionMetadata):
         if not q.is_cuda:  # (on CUDA this backend is the oracle: keep it to the general path)
@@ -274,14 +287,29 @@ class TorchRefBackend(AttentionBackend):
                 ks, vs = gather_kv(self.kv_cache, layer, meta.block_tables[s], kv_len)
             ks = ks.transpose(0, 1).to(q.dtype)  # [Hkv, L, D]
             vs = vs.transpose(0, 1).to(q.dtype)
-            out[a:b] = attend(q[a:b], ks, vs, self.scale)
+            if runs is None:
+                out[a:b] = attend(q[a:b], ks, vs, self.scale)
+            else:  # (the CPU with host mirrors: the step's masks made once)
+                out[a:b] = attend(q[a:b], ks, vs, self.scale, self._mask(b - a, kv_len, q))
         return out
+
+    def _mask(self, n: int, kv_len: int, q: torch.Tensor) -> Optional[torch.Tensor]:
+        """attend_sequence_cpu's folded causal mask for n queries over kv_len keys, made once a
+        step (every layer's is the same); None where it takes none."""
+        if n == 1 or n >= _SPLIT_MIN_QUERIES:
+            return None
+        mask = self._masks.get((n, kv_len))
+        if mask is None:
+            mask = folded_causal_mask(n, kv_len, self.num_heads // self.num_kv_heads, q.dtype,
+                                      q.device)
+            self._masks[(n, kv_len)] = mask
+        return mask
 
     def _kv_runs(self, meta: AttentionMetadata, seq_lens: list) -> list:
         """Per sequence, the first pool slot of its K/V where its blocks are consecutive (its
         K/V is then a run of slots, read as a view: no copy a layer), else None; made at a
         step's first layer (its metadata, made fresh each step with host mirrors, serves them
-        all)."""
+        all), which also starts the step's masks afresh."""
         if meta is not self._runs_meta:
             bs = self.block_size
             runs = []
@@ -291,7 +319,7 @@ class TorchRefBackend(AttentionBackend):
                 consecutive = ids and ids[0] != NULL_BLOCK and ids == list(
                     range(ids[0], ids[0] + nb))
                 runs.append(ids[0] * bs if consecutive else None)
-            self._runs_meta, self._runs = meta, runs
+            self._runs_meta, self._runs, self._masks = meta, runs, {}
         return self._runs
 
     def decode(self, layer, q, k, v, plan: DecodePlan):

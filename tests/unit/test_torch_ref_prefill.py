@@ -113,3 +113,28 @@ def test_backend_reads_consecutive_blocks_in_place(contiguous):
         ref = attend_sequence_oracle(q[qsl[s]:qsl[s + 1]], ks.transpose(0, 1),
                                      vs.transpose(0, 1), SCALE)
         torch.testing.assert_close(out[qsl[s]:qsl[s + 1]], ref, atol=1e-5, rtol=1e-5)
+
+
+def test_a_steps_masks_are_made_once_and_per_shape():
+    """The general path makes each (queries, keys) mask once a step and every layer reuses it:
+    chunks with the same query count over different lengths get masks of their own, both
+    layers of a step agree with the oracle, and a new step's metadata starts afresh."""
+    hkv, group, d = 3, 3, 64
+    backend = None
+    for step, seqs in enumerate([[(20, 40), (20, 90), (20, 40), (17, 60)],
+                                 [(20, 41), (5, 90)]]):
+        b = make_batch(seqs, hkv, group, d, torch.float32, "cpu", seed=11 + step)
+        pool = torch.cat([b.kv_cache, b.kv_cache])  # layers 1 and 3 hold the same K/V
+        if backend is None:
+            backend = TorchRefBackend(pool, hkv * group, hkv, d, SCALE)
+        backend.kv_cache = pool
+        qsl = b.meta.query_start_loc_host
+        for layer in (b.layer, b.layer + 2):
+            out = backend.attend_each(layer, b.q, b.k, b.v, b.meta)
+            assert torch.isfinite(out).all()
+            for s, (n, kv_len) in enumerate(seqs):
+                ks, vs = gather_kv(pool, layer, b.meta.block_tables[s], kv_len)
+                ref = attend_sequence_oracle(b.q[qsl[s]:qsl[s + 1]], ks.transpose(0, 1),
+                                             vs.transpose(0, 1), SCALE)
+                torch.testing.assert_close(out[qsl[s]:qsl[s + 1]], ref, atol=1e-5, rtol=1e-5)
+        assert sorted(backend._masks) == sorted({(n, kv) for n, kv in seqs})
