@@ -142,10 +142,13 @@ class DecodePlan:
                  [B, 1, Q * group, kv_len], the folded queries (row i * group + g: query i,
                  position len - q + i of a sequence of len keys and q queries) causal over
                  their own keys, and a padded query row (i >= q) sees key 0 only (its output
-                 is dropped; a row seeing nothing would be NaN)
+                 is dropped; a row that sees no key has no softmax to take)
       pad_rows   [P] long: the rows past each sequence's end in the gathered
                  [B * nb * block_size] K/V rows, zeroed so that stale values there (even
                  inf/nan) can't leak through 0 * x; None: no padding
+      kv_buf     the gather's destination, [2, B * nb, block_size * Hkv * D], made at the
+                 first layer and reused by the rest (a copy allocated a layer costs page
+                 faults where it is large enough to be mapped afresh each time)
     """
 
     slots: torch.Tensor
@@ -158,6 +161,7 @@ class DecodePlan:
     q_rows: Optional[torch.Tensor] = None
     mask: Optional[torch.Tensor] = None
     pad_rows: Optional[torch.Tensor] = None
+    kv_buf: Optional[torch.Tensor] = None
 
 
 # Steps whose sequences have at most this many query tokens each take the DecodePlan path (a
@@ -171,7 +175,8 @@ _FEW_QUERY_MAX = 16
 # context beside short ones) that costs more than a call per sequence, so the general path
 # attends each sequence over its own keys instead. The general path's calls are many small
 # ops, each waking the other threads where a step runs on several: there padding pays off
-# longer.
+# longer. A sequence's padded query rows attend every key too, so the bound counts padded
+# (query row, key) pairs: at most this many a sequence and query row.
 _PADDING_PER_SEQ_MAX = 128  # a step on one thread
 _PADDING_PER_SEQ_MAX_THREADS = 512  # a step on several
 
@@ -186,7 +191,8 @@ def padding_per_seq_max() -> int:
 def make_decode_plan(meta: AttentionMetadata, block_size: int, dtype=torch.float32,
                      group: int = 1) -> Optional[DecodePlan]:
     """A DecodePlan when every sequence has 1.._FEW_QUERY_MAX query tokens (and at most as
-    many as its keys), their lengths are near enough to pad (padding_per_seq_max), and the
+    many as its keys), their lengths and query counts are near enough to pad
+    (padding_per_seq_max, counting a padded query row's keys too), and the
     host mirrors are there (the CPU engine's decode, verify and draft steps); None otherwise
     (prefill chunks, graph metadata). dtype: the queries' (the mask's); group: query heads
     per KV head."""
@@ -198,8 +204,10 @@ def make_decode_plan(meta: AttentionMetadata, block_size: int, dtype=torch.float
     if not all(0 < q <= min(_FEW_QUERY_MAX, n) for q, n in zip(q_lens, seq_lens)):
         return None
     kv_len, q_max, t = max(seq_lens), max(q_lens), qsl[-1]
-    if b * kv_len - sum(seq_lens) > padding_per_seq_max() * b:
-        return None  # lengths too unequal to pad (see _PADDING_PER_SEQ_MAX)
+    # padded (query row, key) pairs: for equal query counts q_max times the padded keys
+    waste = b * q_max * kv_len - sum(q * n for q, n in zip(q_lens, seq_lens))
+    if waste > padding_per_seq_max() * b * q_max:
+        return None  # lengths or query counts too unequal to pad (see _PADDING_PER_SEQ_MAX)
     slots = meta.slot_mapping[:t]
     slots = torch.where(slots < 0, NULL_BLOCK * block_size, slots)
     dev = slots.device
@@ -338,8 +346,10 @@ class TorchRefBackend(AttentionBackend):
         if plan.kv_start is not None:
             kv = pool[:, plan.kv_start:plan.kv_start + n].unsqueeze(1)  # [2, 1, L, Hkv, D]
         else:
-            kv = (self.kv_cache[layer].view(2, num_blocks, bs * hkv * d)
-                  .index_select(1, plan.block_ids))  # a copy: the pool is untouched
+            src = self.kv_cache[layer].view(2, num_blocks, bs * hkv * d)
+            if plan.kv_buf is None:
+                plan.kv_buf = src.new_empty(2, plan.block_ids.numel(), bs * hkv * d)
+            kv = torch.index_select(src, 1, plan.block_ids, out=plan.kv_buf)  # (a copy)
             if plan.pad_rows is not None:
                 kv.view(2, -1, hkv * d).index_fill_(1, plan.pad_rows, 0.0)
             kv = kv.view(2, b, -1, hkv, d)[:, :, :n]

@@ -29,6 +29,7 @@ def _bf16(t):
 
 
 @pytest.mark.parametrize("seqs,decode_plan", [([(1, 37), (1, 5), (1, 64)], True),
+                                              ([(3, 20), (1, 9), (2, 30)], True),
                                               ([(17, 40), (1, 9)], False)])
 def test_backend_bf16_pool_equals_rounded_kv(seqs, decode_plan):
     b = make_batch(seqs, 3, 3, 64, torch.float32, "cpu", seed=len(seqs))

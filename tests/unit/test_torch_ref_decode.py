@@ -120,8 +120,9 @@ def test_batched_few_query_bfloat16():
 
 
 def test_decode_bfloat16_unequal_lengths():
-    """The padding mask takes the queries' dtype (SDPA needs them to match)."""
+    """The padding mask takes the queries' dtype."""
     b = make_batch([(1, 5), (1, 21)], 2, 2, 32, torch.bfloat16, "cpu", seed=3)
+    assert make_decode_plan(b.meta, 16, torch.bfloat16, 2).mask.dtype == torch.bfloat16
     out_fast, pool_fast, out_general, pool_general = run_both(
         b.q, b.k, b.v, b.kv_cache, b.meta, b.layer, 2)
     assert torch.isfinite(out_fast.float()).all()
@@ -188,3 +189,50 @@ def test_no_plan_for_lengths_too_unequal_to_pad(threads):
                                 16) is None
     finally:
         torch.set_num_threads(before)
+
+
+def test_no_plan_where_one_sequences_queries_would_pad_every_other():
+    """Up to 16 queries beside one-query decodes over long keys: every sequence would attend
+    16 query rows, so the padded query rows count against the bound too."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        lopsided = [(16, 3000)] + [(1, 3000)] * 7
+        assert make_decode_plan(make_batch(lopsided, 3, 3, 64, torch.float32, "cpu").meta,
+                                16) is None
+        chunk = [(16, 16)] + [(1, 1000)] * 7
+        assert make_decode_plan(make_batch(chunk, 3, 3, 64, torch.float32, "cpu").meta,
+                                16) is None
+        mild = [(4, 300)] + [(1, 300)] * 7
+        assert make_decode_plan(make_batch(mild, 3, 3, 64, torch.float32, "cpu").meta, 16)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_every_layer_of_a_planned_step_reads_its_own_keys():
+    """The gather's buffer is made at a step's first layer and reused: each layer's output
+    is still its own keys' (two layers of different K/V, then the first again)."""
+    b = make_batch([(3, 40), (1, 33), (2, 18)], 3, 3, 64, torch.float32, "cpu", seed=9)
+    pool = torch.cat([b.kv_cache, torch.randn_like(b.kv_cache)])  # layers 1 and 3 differ
+    pool[2:] = torch.where(b.kv_cache.isnan(), b.kv_cache, pool[2:])  # the same NaN slots
+    fast = TorchRefBackend(pool.clone(), 9, 3, 64, SCALE)
+    general = TorchRefBackend(pool.clone(), 9, 3, 64, SCALE)
+    for layer in (b.layer, b.layer + 2, b.layer):
+        out_fast = fast.forward(layer, b.q, b.k, b.v, b.meta)
+        out_general = general.attend_each(layer, b.q, b.k, b.v, b.meta)
+        check(out_fast, fast.kv_cache, out_general, general.kv_cache)
+    assert fast._plan is not None and fast._plan.kv_buf is not None
+
+
+def test_padding_tokens_fall_back_to_the_general_path():
+    """A step with padding rows past its sequences' tokens (more query rows than the plan's
+    tokens) attends on the general path: the real rows and the pool as there."""
+    b = make_batch([(2, 20), (1, 9)], 3, 3, 64, torch.float32, "cpu", seed=4, pad_tokens=2)
+    fast = TorchRefBackend(b.kv_cache.clone(), 9, 3, 64, SCALE)
+    general = TorchRefBackend(b.kv_cache.clone(), 9, 3, 64, SCALE)
+    out_fast = fast.forward(b.layer, b.q, b.k, b.v, b.meta)
+    out_general = general.attend_each(b.layer, b.q, b.k, b.v, b.meta)
+    real = b.num_real_tokens
+    torch.testing.assert_close(out_fast[:real], out_general[:real], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(fast.kv_cache, general.kv_cache, atol=0, rtol=0,
+                               equal_nan=True)
