@@ -219,24 +219,24 @@ def make_decode_plan(meta: AttentionMetadata, block_size: int, dtype=torch.float
         plan.kv_start = ids[0] * block_size
     else:
         plan.block_ids = table.reshape(-1).long()
+    lens = torch.tensor(seq_lens, device=dev)
+    past = None
     if min(seq_lens) != kv_len:
-        span = nb * block_size
-        plan.pad_rows = torch.tensor([s * span + j for s, n in enumerate(seq_lens)
-                                      for j in range(n, kv_len)], dtype=torch.long, device=dev)
+        past = torch.arange(kv_len, device=dev)[None, :] >= lens[:, None]  # [B, kv_len]
+        seq, key = past.nonzero(as_tuple=True)
+        plan.pad_rows = seq * (nb * block_size) + key
     if min(q_lens) != q_max:
         plan.q_rows = torch.tensor([s * q_max + i for s, q in enumerate(q_lens)
                                     for i in range(q)], dtype=torch.long, device=dev)
     if q_max == 1:
-        if min(seq_lens) != kv_len:
-            lens = torch.tensor(seq_lens, device=dev)
-            past = torch.arange(kv_len, device=dev)[None, :] >= lens[:, None]  # [B, kv_len]
+        if past is not None:
             plan.mask = torch.zeros(b, 1, 1, kv_len, dtype=dtype, device=dev).masked_fill_(
                 past.view(b, 1, 1, kv_len), float("-inf"))
         return plan
     # query i of sequence s (position len_s - q_s + i) sees key j <= len_s - q_s + i; a
     # padded query (i >= q_s) sees key 0 only
     i = torch.arange(q_max, device=dev)[None, :]  # [1, Q]
-    lens, qs = torch.tensor(seq_lens, device=dev), torch.tensor(q_lens, device=dev)
+    qs = torch.tensor(q_lens, device=dev)
     last = torch.where(i < qs[:, None], (lens - qs)[:, None] + i, 0)  # [B, Q]
     seen = torch.arange(kv_len, device=dev)[None, None, :] <= last[:, :, None]  # [B, Q, L]
     seen = seen.repeat_interleave(group, 1).view(b, 1, q_max * group, kv_len)
