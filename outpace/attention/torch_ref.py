@@ -182,8 +182,9 @@ _PADDING_PER_SEQ_MAX_THREADS = 512  # a step on several
 
 
 def padding_per_seq_max() -> int:
-    """The most padded keys a sequence on average that a planned step takes, for the threads
-    the step runs on (models/cpu_fast_paths.cpu_threads_for picks them)."""
+    """The most padded (query row, key) pairs a sequence and query row, on average, that a
+    planned step takes (with equal query counts: padded keys a sequence), for the threads the
+    step runs on (models/cpu_fast_paths.cpu_threads_for picks them)."""
     return _PADDING_PER_SEQ_MAX if torch.get_num_threads() == 1 else \
         _PADDING_PER_SEQ_MAX_THREADS
 
