@@ -606,9 +606,11 @@ def section_spec(a, results) -> None:
     from outpace.models.loader import load_model
     loaded = load_model(a.gguf, dtype=torch.float32, device=torch.device("cpu"), quiet=True)
     configs = {"no-spec": None}
-    for name in a.spec_configs.split(","):
-        method, k = name.rsplit("-k", 1)
-        configs[name] = {"method": method, "num_speculative_tokens": int(k)}
+    for name in a.spec_configs.split(","):  # METHOD-kN[+KEY=VALUE...]
+        base, *opts = name.split("+")
+        method, k = base.rsplit("-k", 1)
+        configs[name] = {"method": method, "num_speculative_tokens": int(k),
+                         **dict(opt.split("=", 1) for opt in opts)}
     llms = {n: LLM(a.gguf, device="cpu", dtype="float32", speculative_config=c,
                    quiet=True, loaded=loaded, kernel_options=a.kernel_options)
             for n, c in configs.items()}
@@ -757,7 +759,9 @@ def parse_args():
     cpu = ap.add_argument_group("cpu")
     cpu.add_argument("--spec", action="store_true",
                      help="no-spec vs the shipped heads: --device cpu --sections spec")
-    cpu.add_argument("--spec-configs", default="eagle3-k1,eagle3-k2,eagle3-k3,mtp-k1,mtp-k2")
+    cpu.add_argument("--spec-configs", default="eagle3-k1,eagle3-k2,eagle3-k3,mtp-k1,mtp-k2",
+                     help="spec: METHOD-kN[+KEY=VALUE...], the values speculative options "
+                     "(eagle3-k3+draft_weight_dtype=float32)")
     cpu.add_argument("--num-prompts", type=int, default=8,
                      help="vs_hf: the first N MT-bench prompts; spec: N spread over the set")
     cpu.add_argument("--rounds", type=int, default=3, help="spec: rounds alternating the configs")

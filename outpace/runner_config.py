@@ -154,6 +154,11 @@ class RunnerConfig:
         return "float32" if self.device == "cpu" else "bfloat16"
 
     @property
+    def dtype_name(self) -> str:
+        """The activation dtype's name, auto resolved ("float32" on CPU, else "bfloat16")."""
+        return self._resolved(self.dtype)
+
+    @property
     def torch_dtype(self):
         """The activation (and KV cache) dtype."""
         import torch

@@ -48,6 +48,19 @@ def _ids(name, v):
 RELAXED_OPTIONS = ("relaxed_top_k", "relaxed_delta", "think_begin_ids", "think_end_ids")
 
 
+def check_draft_weight_dtype(choice: str, activations: str) -> None:
+    """draft_weight_dtype against the engine's activation dtype (a name): a draft head's
+    weights may be read narrower than the activations, never wider, and a 16-bit dtype only
+    under its own or float32 (neither 16-bit format holds all of the other's values)."""
+    if choice == "auto" or choice == activations or activations == "float32":
+        return
+    why = ("is wider than" if choice == "float32" else
+           "does not hold every value of")
+    raise ConfigError(f"draft_weight_dtype {choice} {why} the engine's dtype {activations}: a "
+                      f"draft head's weights may be read narrower than the activations, never "
+                      f"wider; use auto", option="draft_weight_dtype")
+
+
 @dataclass(frozen=True)
 class SpecConfig:
     """Speculative decoding (vLLM-shaped `speculative_config`). method=None: off. Every option
@@ -80,6 +93,10 @@ class SpecConfig:
     enhancer_min_match: Optional[int] = None  # suffix drafts replace the head's at this match
     mtp_mode: Optional[str] = None  # "eagle" | "depths"; None: eagle for one module, else depths
     draft_lm_head_dtype: str = "auto"  # "int8": drafts from an int8 copy of the draft LM head
+    # the head's matrices: "auto" reads them as bf16 on a CPU with bf16 instructions under
+    # float32 activations, else as the target's weights; "float32" / "bfloat16" force it
+    # (models/draft_weights.py). Drafts only: the output is the target's either way.
+    draft_weight_dtype: str = "auto"
     # relaxed acceptance inside thinking spans (all four or none)
     relaxed_top_k: Optional[int] = None
     relaxed_delta: Optional[float] = None
@@ -167,6 +184,12 @@ class SpecConfig:
         if self.draft_lm_head_dtype not in ("auto", "int8"):
             raise ConfigError(f"draft_lm_head_dtype must be 'auto' (the head's dtype) or "
                               f"'int8', got {self.draft_lm_head_dtype!r}")
+        if self.draft_weight_dtype not in ("auto", "float32", "bfloat16"):
+            raise ConfigError(f"draft_weight_dtype must be 'auto', 'float32' or 'bfloat16', "
+                              f"got {self.draft_weight_dtype!r}", option="draft_weight_dtype")
+        if self.draft_weight_dtype != "auto" and self.method not in ("eagle3", "mtp"):
+            raise ConfigError(f"draft_weight_dtype is a draft head's; method {self.method!r} "
+                              f"has none: leave it out", option="draft_weight_dtype")
         given = [k for k in RELAXED_OPTIONS if getattr(self, k) is not None]
         if given:
             missing = [k for k in RELAXED_OPTIONS if k not in given]

@@ -21,7 +21,7 @@ from outpace.engine.args import EngineArgs
 from outpace.errors import ConfigError, ModelLoadError
 from outpace.model_config import ModelConfig
 from outpace.runner_config import KernelOptions, RunnerConfig
-from outpace.speculative_config import SpecConfig
+from outpace.speculative_config import SpecConfig, check_draft_weight_dtype
 
 DRAFT_PATH = "speculative_config['model']"  # the option a draft head's folder is given as
 
@@ -139,8 +139,9 @@ def check_engine_args(args: EngineArgs) -> CheckedArgs:
                           f"on), got {type(a.kernel_options).__name__}", option="kernel_options")
     # "auto" resolves to cuda or cpu once torch is loaded (the builder checks the dtypes again
     # there): here the rules that hold on either
-    RunnerConfig(device="cpu" if a.device == "auto" else a.device, dtype=a.dtype,
-                 weight_dtype=a.weight_dtype, kv_cache_dtype=a.kv_cache_dtype, seed=a.seed)
+    runner = RunnerConfig(device="cpu" if a.device == "auto" else a.device, dtype=a.dtype,
+                          weight_dtype=a.weight_dtype, kv_cache_dtype=a.kv_cache_dtype,
+                          seed=a.seed)
 
     if a.speculative_config is not None and not isinstance(a.speculative_config, dict):
         raise ConfigError(f"speculative_config must be a dict (vLLM's speculative_config, e.g. "
@@ -173,6 +174,8 @@ def check_engine_args(args: EngineArgs) -> CheckedArgs:
     cache = CacheConfig(block_size=a.block_size, num_blocks=a.num_kv_blocks,
                         enable_prefix_caching=a.enable_prefix_caching, **memory)
     check_mtp_mode(spec, a.block_size)
+    if a.device != "auto" or a.dtype != "auto":  # (else decided once the device is known)
+        check_draft_weight_dtype(spec.draft_weight_dtype, runner.dtype_name)
 
     template = None
     if a.chat_template is not None:

@@ -8,6 +8,8 @@ speed. CUDA never takes these paths.
 from __future__ import annotations
 
 import contextlib
+import functools
+from typing import Optional
 
 import torch
 from torch import nn
@@ -35,6 +37,12 @@ def linear(x: torch.Tensor, module: nn.Module, name: str, bias=None) -> torch.Te
     copies hold the same values. A weight stored narrower than x is upcast (weight_dtype.py)."""
     w = getattr(module, name)
     copies = module.__dict__
+    narrow = copies.get(name + "_bf16")
+    if narrow is not None:  # a draft head read in bf16 (add_weight_copies_'s `narrow`): the
+        # product of bf16 operands, summed in fp32 and rounded to bf16, then widened
+        b = None if bias is None else bias.to(torch.bfloat16)
+        return torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), narrow, b, "none", [],
+                                                  "").to(x.dtype)
     if x.shape[0] <= _FEW_ROWS:
         wt = copies.get(name + "_t")  # [in, out] contiguous: x @ wt is x @ w.T
         if wt is not None:
@@ -76,7 +84,37 @@ def cpu_threads_for(x: torch.Tensor, max_query_len: int = 1):
         torch.set_num_threads(n)
 
 
-def add_weight_copies_(model: nn.Module, dtype: torch.dtype) -> None:
+def cpu_has_bf16_dot(cpuinfo: Optional[str] = None) -> bool:
+    """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX-BF16) and oneDNN's packed
+    linear is there to use it: then a bf16 weight copy streams half the bytes at no extra
+    arithmetic cost. `cpuinfo`: /proc/cpuinfo's text (tests); elsewhere than Linux, False."""
+    if not cpu_packs_bf16():
+        return False
+    if cpuinfo is None:
+        return _linux_bf16_flags()
+    flags = set()
+    for line in cpuinfo.splitlines():
+        if line.startswith("flags"):
+            flags.update(line.partition(":")[2].split())
+    return bool(flags & {"avx512_bf16", "amx_bf16"})
+
+
+def cpu_packs_bf16() -> bool:
+    """Whether oneDNN's packed linear takes bf16 weights on this CPU (at least emulated)."""
+    return _HAS_PACKED_LINEAR and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+@functools.lru_cache(maxsize=1)  # the machine's facts do not change while it runs
+def _linux_bf16_flags() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return cpu_has_bf16_dot(f.read())
+    except OSError:
+        return False
+
+
+def add_weight_copies_(model: nn.Module, dtype: torch.dtype,
+                       narrow: Optional[torch.dtype] = None) -> None:
     """Keep faster-to-read copies of the projection weights next to them (same values, in the
     activation dtype `dtype`: weights stored narrower are upcast once here, not every call;
     `linear` picks one by the number of rows). Measured on the 2-core CI machine
@@ -90,12 +128,26 @@ def add_weight_copies_(model: nn.Module, dtype: torch.dtype) -> None:
         faster than MKL from a few rows and no slower for many.
 
     Costs up to two more copies of the weights in RAM (packed: float32 only); over bf16-stored
-    weights (weight_dtype) the copies are fp32, so the CPU keeps fp32 speed but not bf16 memory."""
+    weights (weight_dtype) the copies are fp32, so the CPU keeps fp32 speed but not bf16 memory.
+
+    narrow=torch.bfloat16 (a draft head on a CPU with bf16 instructions: cpu_has_bf16_dot):
+    one oneDNN-packed bf16 copy of each matrix instead, which `linear` multiplies with its
+    input rounded to bf16 (summed in fp32, the result rounded to bf16, then widened to
+    `dtype`; exact ties in a draft's argmax go to the lower id). A CPU step streams
+    every weight it reads from memory, so half the bytes is most of a draft pass's time; the
+    drafts may differ where two logits are within bf16's rounding, the output does not (the
+    target verifies every draft)."""
     for m in model.modules():
         for name in ("qkv_weight", "o_weight", "gate_up_weight", "down_weight",
                      "lm_head_weight", "fc_weight", "eh_proj_weight"):  # fc: EAGLE-3; eh_proj: MTP
             p = getattr(m, name, None)
             if not isinstance(p, torch.Tensor) or p.dim() != 2 or p.is_cuda:
+                continue
+            for kind in ("_t", "_packed", "_bf16"):  # one kind of copy: `linear` reads the
+                m.__dict__.pop(name + kind, None)  # bf16 one first
+            if narrow is not None:
+                m.__dict__[name + "_bf16"] = torch.ops.mkldnn._reorder_linear_weight(
+                    p.detach().to(narrow), 8)
                 continue
             w = p.detach().to(dtype)
             # (down_weight stored narrower gets one too: reading it as is would upcast it on

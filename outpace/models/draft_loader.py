@@ -410,7 +410,7 @@ def _method_of(config: dict, names):
 
 def load_draft_head(method: str, path: Union[str, Path], target_cfg: ModelConfig,
                     first_layer_slot: int, dtype=torch.float32, device="cpu", weight_dtype=None,
-                    max_positions: Optional[int] = None, tp=None):
+                    max_positions: Optional[int] = None, tp=None, cpu_copies=None):
     """Load an EAGLE-3 (`method='eagle3'`) or MTP (`'mtp'`) head for `target_cfg`.
 
     Its attention layers use KV slots first_layer_slot.. (normally target_cfg.num_hidden_layers).
@@ -420,6 +420,8 @@ def load_draft_head(method: str, path: Union[str, Path], target_cfg: ModelConfig
     Raises ModelLoadError (with what to change) when the folder, config or weights are unusable
     or don't fit the target. `tp`: a tensor-parallel rank's share (None: the whole head): its
     decoder layers sharded as the target's, the rest whole (loaded whole, then cut).
+    `cpu_copies`: on the CPU, the dtype of the matrices' fast copies (None: `dtype`;
+    models/draft_weights.py).
     """
     if method not in DRAFT_METHODS:
         raise ConfigError(f"draft head method {method!r} is unknown; use one of "
@@ -474,5 +476,5 @@ def load_draft_head(method: str, path: Union[str, Path], target_cfg: ModelConfig
         store_weights_in_(head, weight_dtype)
     if torch.device(device).type == "cpu":
         # the target's CPU fast paths for the head's matrices too (as the model loader does)
-        add_weight_copies_(head, dtype)
+        add_weight_copies_(head, dtype, narrow=cpu_copies)
     return head.eval()

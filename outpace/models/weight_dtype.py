@@ -44,7 +44,7 @@ def store_weights_in_(model: nn.Module, dtype: torch.dtype) -> None:
             p = m._parameters.get(name)
             if p is None:
                 continue
-            for suffix in ("_t", "_packed"):
+            for suffix in ("_t", "_packed", "_bf16"):
                 m.__dict__.pop(name + suffix, None)
             if id(p) not in seen and p.dtype != dtype:
                 p.data = p.data.to(dtype)

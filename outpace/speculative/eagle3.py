@@ -15,11 +15,14 @@ class Eagle3Proposer(HeadProposer):
     def __init__(self, spec, policy, target, model_cfg, runner_cfg):
         super().__init__(policy, target, spec)
         from outpace.models.draft_loader import load_draft_head
+        from outpace.models.draft_weights import draft_weights
+        weights = draft_weights(spec.draft_weight_dtype, runner_cfg)
         # the head's rope tables cover the positions the target's do
         self.head = load_draft_head("eagle3", spec.model, model_cfg,
                                     first_layer_slot=model_cfg.num_hidden_layers,
                                     dtype=runner_cfg.torch_dtype, device=runner_cfg.device,
-                                    weight_dtype=runner_cfg.torch_weight_dtype,
+                                    weight_dtype=weights.stored,
+                                    cpu_copies=weights.cpu_copies,
                                     max_positions=target.rotary.max_positions,
                                     tp=getattr(target, "tp", None))
         self.num_kv_layers = 1

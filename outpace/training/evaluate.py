@@ -61,8 +61,14 @@ def eval_draft(method: str, draft: Optional[str], target: str, prompt_sets: dict
     tok = loaded[2]
     ids = {name: [prompt_ids(tok, p["prompt"]) for p in ps] for name, ps in sets.items()}
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, output_kind="final_only")
+    from outpace.models.draft_weights import draft_weights
+    from outpace.runner_config import RunnerConfig
+    # the dtype the drafts' matrices were read in (bf16 copies on a CPU that has them)
+    weights = draft_weights((spec_options or {}).get("draft_weight_dtype", "auto"),
+                            RunnerConfig(device=device, dtype=dtype))
     result = {"method": method, "draft": draft, "target": target, "device": device,
               "dtype": dtype, "max_tokens": max_tokens, "ks": ks,
+              "draft_weights": str(weights.cpu_copies or weights.stored).removeprefix("torch."),
               "prompts": {n: len(v) for n, v in ids.items()}, "sets": {n: {} for n in ids}}
     for k in ks:
         spec = {"method": method, "num_speculative_tokens": k, **(spec_options or {})}

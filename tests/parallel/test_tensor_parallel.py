@@ -16,6 +16,7 @@ from outpace import LLM, SamplingParams
 from outpace.engine.tp_executor import WorkerDiedError
 from tests.models.helpers import tiny_hf, word_tokenizer
 from tests.process_helpers import wait_all_ended
+from tests.speculative.spec_helpers import EXACT_DRAFTS
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n", "Once upon a time, a dragon",
            "List three colors, then list them again:"]
@@ -127,7 +128,7 @@ def test_a_draft_heads_drafts_are_the_same_over_two_ranks(tiny_folder, tiny_head
     engine's only if the sharded head drafts exactly what the whole one does (its layer cut
     right, its KV plane in each rank's pool)."""
     spec = {"method": method, "model": tiny_heads[method], "num_speculative_tokens": 3,
-            "force_accept_mean": 2.0}
+            "force_accept_mean": 2.0, **EXACT_DRAFTS}
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     outs = []
     for size in (1, 2):

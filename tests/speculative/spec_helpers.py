@@ -18,6 +18,10 @@ from outpace.models.llama import LlamaForCausalLM
 from outpace.speculative.base import DraftBatch
 from tests.engine_helpers import make_engine
 
+# A draft head's matrices read in fp32 (SpecConfig.draft_weight_dtype): the tests that compare
+# its draft plane, hidden states or drafts with fp32 oracles or across paths (on a CPU with bf16
+# instructions the default reads them as bf16, whose rounding depends on a launch's shape).
+EXACT_DRAFTS = {"draft_weight_dtype": "float32"}
 TINY_VOCAB = 96
 TINY_LAYERS = 4  # EAGLE-3 aux layers (1, 1, 0): clamped defaults of a shallow target
 TINY_BLOCK = 4  # small blocks: many block boundaries, prefix hits and lookahead edges

@@ -24,7 +24,8 @@ from outpace.speculative.draft_length import DraftLengthPolicy
 from outpace.speculative.step_times import StepTimes
 from outpace.speculative_config import SpecConfig
 from tests.speculative.conftest import rerun_capture
-from tests.speculative.spec_helpers import TINY_BLOCK, repetitive_prompts, run_waves
+from tests.speculative.spec_helpers import (EXACT_DRAFTS, TINY_BLOCK, repetitive_prompts,
+                                            run_waves)
 from tests.speculative.test_spec_engine import StepLog
 
 K = 4
@@ -335,7 +336,7 @@ KW = dict(block_size=TINY_BLOCK, max_num_batched_tokens=32)
 def spec_of(tiny_heads, method, k=3, **opts):
     spec = {"method": method, "num_speculative_tokens": k, "adaptive": "cost", **opts}
     if method in ("eagle3", "mtp"):
-        spec["model"] = str(tiny_heads[method])
+        spec.update(model=str(tiny_heads[method]), **EXACT_DRAFTS)
     if method == "mtp":
         spec["mtp_mode"] = "eagle"
     return spec

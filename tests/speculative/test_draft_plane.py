@@ -26,8 +26,9 @@ import torch
 from outpace import SamplingParams
 from outpace.errors import ConfigError
 from tests.engine_helpers import make_engine
-from tests.speculative.spec_helpers import (TINY_BLOCK, ChainRecorder, dense_chain, dense_draft_plane,
-                                     engine_draft_plane, repetitive_prompts, run_waves)
+from tests.speculative.spec_helpers import (EXACT_DRAFTS, TINY_BLOCK, ChainRecorder, dense_chain,
+                                            dense_draft_plane, engine_draft_plane,
+                                            repetitive_prompts, run_waves)
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 # (whole-budget prefill chunks beside decodes, not the CPU default's bound: the scenarios'
@@ -45,7 +46,8 @@ def waves():
 
 
 def head_spec(heads, method, k, **opts):
-    spec = {"method": method, "model": str(heads[method]), "num_speculative_tokens": k, **opts}
+    spec = {"method": method, "model": str(heads[method]), "num_speculative_tokens": k,
+            **EXACT_DRAFTS, **opts}
     if method == "mtp":
         spec["mtp_mode"] = "eagle"
     return spec

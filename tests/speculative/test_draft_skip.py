@@ -16,8 +16,8 @@ import torch
 
 from outpace.speculative.draft_length import DraftLengthPolicy
 from tests.speculative.conftest import rerun_capture
-from tests.speculative.spec_helpers import (ChainRecorder, dense_chain, dense_draft_plane,
-                                            engine_draft_plane, run_waves)
+from tests.speculative.spec_helpers import (EXACT_DRAFTS, ChainRecorder, dense_chain,
+                                            dense_draft_plane, engine_draft_plane, run_waves)
 from tests.speculative.test_draft_plane import GREEDY, SMALL, PlaneChecker, head_spec, waves
 
 # Per request (by its index in its wave), the draft lengths it is given at successive calls:
@@ -167,7 +167,7 @@ def test_k0_skips_the_mtp_window(tiny_loaded, tiny_heads, reference):
         proposer.policy = AlternatingPolicy(proposer.policy.k)
 
     spec = {"method": "mtp", "model": str(tiny_heads["mtp"]), "num_speculative_tokens": 1,
-            "mtp_mode": "depths", "enhancer_min_match": 2}
+            "mtp_mode": "depths", "enhancer_min_match": 2, **EXACT_DRAFTS}
     run = run_waves(tiny_loaded, waves(), GREEDY, on_engine=on_engine,
                     speculative_config=spec, **SMALL)
     work = run.engine.runner.proposer.work

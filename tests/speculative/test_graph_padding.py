@@ -8,6 +8,7 @@ import pytest
 from outpace import SamplingParams
 from tests.engine_helpers import make_engine, run_batch
 from tests.speculative.conftest import rerun_capture
+from tests.speculative.spec_helpers import EXACT_DRAFTS
 
 
 @pytest.mark.parametrize("spec", [None, {"method": "ngram", "num_speculative_tokens": 3}])
@@ -52,7 +53,8 @@ def test_prefill_graphs_match_eager(tiny_loaded, tiny_heads, spec):
     past the largest graph run eagerly."""
     import random
     if spec in ("eagle3", "mtp"):
-        spec = {"method": spec, "model": str(tiny_heads[spec]), "num_speculative_tokens": 3}
+        spec = {"method": spec, "model": str(tiny_heads[spec]), "num_speculative_tokens": 3,
+                **EXACT_DRAFTS}
     rng = random.Random(3)
     vocab = tiny_loaded[1].vocab_size
     lengths = [1, 15, 16, 17, 50, 130, 460]

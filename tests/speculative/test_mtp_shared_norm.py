@@ -14,7 +14,7 @@ from outpace.models.draft_loader import mtp_config_dict, save_draft_head
 from outpace.models.mtp import MTPHead
 from outpace.training.init_draft import random_head_tensors
 from tests.engine_helpers import make_engine
-from tests.speculative.spec_helpers import (TINY_BLOCK, dense_ctx, dense_target,
+from tests.speculative.spec_helpers import (EXACT_DRAFTS, TINY_BLOCK, dense_ctx, dense_target,
                                             repetitive_prompts, run_waves)
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
@@ -92,7 +92,7 @@ def test_drafts_read_each_modules_own_norm(tiny_loaded, shared_norm_head, mode, 
     prompts = repetitive_prompts(3, 11)
     want = run_waves(tiny_loaded, [prompts], GREEDY, block_size=TINY_BLOCK).outputs
     spec = {"method": "mtp", "model": str(shared_norm_head), "num_speculative_tokens": k,
-            "mtp_mode": mode}
+            "mtp_mode": mode, **EXACT_DRAFTS}
     eng = make_engine(tiny_loaded, speculative_config=spec, block_size=TINY_BLOCK)
     head = eng.runner.proposer.head
     assert head.has_shared_head_norm
@@ -130,7 +130,7 @@ def test_fused_step_reads_the_modules_norm(tiny_loaded, shared_norm_head):
     (above)."""
     from tests.speculative.test_fused_step import FEW_SEQS, record_drafts
     spec = {"method": "mtp", "model": str(shared_norm_head), "num_speculative_tokens": 3,
-            "mtp_mode": "eagle"}
+            "mtp_mode": "eagle", **EXACT_DRAFTS}
     prompts = [repetitive_prompts(4, 13)]
     want, got = [], []
     eager = run_waves(tiny_loaded, prompts, GREEDY, speculative_config=spec,

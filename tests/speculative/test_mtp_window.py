@@ -27,9 +27,9 @@ from outpace.attention.torch_ref import TorchRefBackend
 from outpace.models.draft_loader import mtp_config_dict, save_draft_head
 from outpace.models.mtp import MTPHead
 from outpace.training.init_draft import random_head_tensors
-from tests.speculative.spec_helpers import (MIN_MARGIN, TINY_BLOCK, dense_target, first_divergence,
-                                     min_greedy_margin, repetitive_prompts, run_waves,
-                                     tiny_target)
+from tests.speculative.spec_helpers import (EXACT_DRAFTS, MIN_MARGIN, TINY_BLOCK, dense_target,
+                                            first_divergence, min_greedy_margin,
+                                            repetitive_prompts, run_waves, tiny_target)
 
 ENGINE = dict(block_size=TINY_BLOCK, max_num_batched_tokens=16, num_kv_blocks=40)
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
@@ -186,7 +186,7 @@ class PlaneOracle:
 
 def spec_config(head_dir, k, enhancer, **opts):
     cfg = {"method": "mtp", "model": str(head_dir), "num_speculative_tokens": k,
-           "mtp_mode": "depths", **opts}
+           "mtp_mode": "depths", **EXACT_DRAFTS, **opts}
     if enhancer:
         cfg["enhancer_min_match"] = 2
     return cfg
