@@ -268,6 +268,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--device", default="auto", help="cpu or cuda (auto: cuda when available)")
     e.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
                    help="activations and weights (auto: float32 on CPU, bfloat16 on CUDA)")
+    e.add_argument("--spec-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra speculative option of every engine (repeatable), e.g. "
+                        "draft_weight_dtype=float32 (docs/configuration.md)")
     e.add_argument("--out", default="eval_draft.json", help="JSON results")
     e.add_argument("--plot", default=None, help="PNG of acceptance per position")
     e.add_argument("--quiet", action="store_true", help="no progress output")

@@ -8,7 +8,8 @@ import sys
 import time
 
 from outpace.entrypoints.cli_options import (SAMPLING_FLAGS, SERVER_FLAGS, engine_args,
-                                             engine_flags, load_engine, sampling_params)
+                                             engine_flags, load_engine, sampling_params,
+                                             spec_options)
 from outpace.errors import ConfigError, OutpaceError, spelled
 
 
@@ -194,6 +195,10 @@ def cmd_train_draft(a) -> int:
 
 def cmd_eval_draft(a) -> int:
     from outpace.training.evaluate import eval_draft, plot_acceptance, result_table
+    options = spec_options(a.spec_option)
+    owned = {"method": "--method", "num_speculative_tokens": "--k", "model": "--draft"}
+    for key in owned.keys() & options.keys():
+        raise OutpaceError(f"--spec-option {key}: eval-draft sets it from {owned[key]}")
     sets = {}
     for item in a.prompts:
         name, sep, path = item.partition("=")
@@ -203,7 +208,8 @@ def cmd_eval_draft(a) -> int:
         sets[name] = path
     result = eval_draft(a.method, a.draft, a.target, sets, ks=a.k, max_tokens=a.max_tokens,
                         max_prompts=a.max_prompts, device=a.device, dtype=a.dtype,
-                        max_num_seqs=a.max_num_seqs, out_json=a.out, quiet=a.quiet)
+                        max_num_seqs=a.max_num_seqs, out_json=a.out, quiet=a.quiet,
+                        spec_options=options or None)
     # the result is printed with --quiet too: it drops progress only
     png = plot_acceptance(result, a.plot, quiet=True) if a.plot else None
     print("\n".join(result_table(result)))

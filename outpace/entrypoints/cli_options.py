@@ -46,6 +46,17 @@ def engine_flags(a: argparse.Namespace) -> dict:
     return {**ENGINE_FLAGS, **({} if a.speculative_config is not None else SPEC_FLAGS)}
 
 
+def spec_options(items: list) -> dict:
+    """--spec-option KEY=VALUE items -> {key: value} (values as JSON where they parse)."""
+    out = {}
+    for kv in items:
+        if "=" not in kv:
+            raise OutpaceError(f"--spec-option wants KEY=VALUE, got {kv!r}")
+        key, val = kv.split("=", 1)
+        out[key] = _parse_value(val)
+    return out
+
+
 def engine_kwargs(a: argparse.Namespace) -> dict:
     spec = None
     if a.speculative_config is not None:
@@ -69,11 +80,7 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
         spec = {"method": a.spec, "num_speculative_tokens": 3 if a.k is None else a.k}
         if a.draft:
             spec["model"] = a.draft
-        for kv in a.spec_option:
-            if "=" not in kv:
-                raise OutpaceError(f"--spec-option wants KEY=VALUE, got {kv!r}")
-            key, val = kv.split("=", 1)
-            spec[key] = _parse_value(val)
+        spec.update(spec_options(a.spec_option))
     return dict(device=a.device, dtype=a.dtype, weight_dtype=a.weight_dtype,
                 kv_cache_dtype=a.kv_cache_dtype,
                 max_model_len=a.max_model_len,

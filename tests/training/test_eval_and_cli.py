@@ -58,6 +58,27 @@ def test_eval_draft_cli_prints_its_result_with_quiet_too(tiny_model_dir, tiny_pr
     assert "outpace: eagle3 k=2 tiny: mean acceptance length" in outs[False].err
 
 
+def test_eval_draft_takes_speculative_options(tiny_model_dir, tiny_prompts, tmp_path, capsys):
+    """--spec-option reaches every engine (the dtype the drafts were read in is recorded); the
+    keys eval-draft sets itself are refused, naming the flag that sets them."""
+    from outpace.models.cpu_fast_paths import cpu_has_bf16_dot
+    target = str(tiny_model_dir)
+    assert main(["init-draft", "--method", "mtp", "--target", target, "--out",
+                 str(tmp_path / "head"), "--quiet"]) == 0
+    base = ["eval-draft", "--method", "mtp", "--draft", str(tmp_path / "head"), "--target",
+            target, "--prompts", f"tiny={tiny_prompts}", "--k", "2", "--max-tokens", "4",
+            "--max-prompts", "2", "--device", "cpu", "--quiet"]
+    for opts, want in (([], "bfloat16" if cpu_has_bf16_dot() else "float32"),
+                       (["--spec-option", "draft_weight_dtype=float32"], "float32")):
+        out_json = tmp_path / f"e{len(opts)}.json"
+        assert main([*base, *opts, "--out", str(out_json)]) == 0
+        assert json.loads(out_json.read_text())["draft_weights"] == want
+    capsys.readouterr()
+    assert main([*base, "--spec-option", "num_speculative_tokens=5"]) == 2
+    assert "--spec-option num_speculative_tokens: eval-draft sets it from --k" in \
+        capsys.readouterr().err
+
+
 def test_train_draft_flags_reach_the_config():
     a = build_parser().parse_args(["train-draft", "--method", "mtp", "--data", "d.jsonl",
                                    "--out", "o", "--num-modules", "2", "--epochs", "3",
