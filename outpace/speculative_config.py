@@ -46,12 +46,16 @@ def _ids(name, v):
 
 
 RELAXED_OPTIONS = ("relaxed_top_k", "relaxed_delta", "think_begin_ids", "think_end_ids")
+DRAFT_WEIGHT_DTYPES = ("auto", "float32", "bfloat16")  # SpecConfig.draft_weight_dtype
 
 
 def check_draft_weight_dtype(choice: str, activations: str) -> None:
     """draft_weight_dtype against the engine's activation dtype (a name): a draft head's
     weights may be read narrower than the activations, never wider, and a 16-bit dtype only
     under its own or float32 (neither 16-bit format holds all of the other's values)."""
+    if choice not in DRAFT_WEIGHT_DTYPES:
+        raise ConfigError(f"draft_weight_dtype must be one of {', '.join(DRAFT_WEIGHT_DTYPES)}, "
+                          f"got {choice!r}", option="draft_weight_dtype")
     if choice == "auto" or choice == activations or activations == "float32":
         return
     why = ("is wider than" if choice == "float32" else
@@ -184,9 +188,8 @@ class SpecConfig:
         if self.draft_lm_head_dtype not in ("auto", "int8"):
             raise ConfigError(f"draft_lm_head_dtype must be 'auto' (the head's dtype) or "
                               f"'int8', got {self.draft_lm_head_dtype!r}")
-        if self.draft_weight_dtype not in ("auto", "float32", "bfloat16"):
-            raise ConfigError(f"draft_weight_dtype must be 'auto', 'float32' or 'bfloat16', "
-                              f"got {self.draft_weight_dtype!r}", option="draft_weight_dtype")
+        check_draft_weight_dtype(self.draft_weight_dtype, "float32")  # (its name; the dtype
+        # against the engine's once that is known: preflight, models/draft_weights.py)
         if self.draft_weight_dtype != "auto" and self.method not in ("eagle3", "mtp"):
             raise ConfigError(f"draft_weight_dtype is a draft head's; method {self.method!r} "
                               f"has none: leave it out", option="draft_weight_dtype")

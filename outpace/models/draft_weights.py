@@ -7,11 +7,8 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from outpace.errors import ConfigError
 from outpace.models.cpu_fast_paths import cpu_has_bf16_dot, cpu_packs_bf16
 from outpace.speculative_config import check_draft_weight_dtype
-
-DRAFT_WEIGHT_DTYPES = ("auto", "float32", "bfloat16")
 
 
 class DraftWeights(NamedTuple):
@@ -30,16 +27,13 @@ def draft_weights(choice: str, runner_cfg, cpuinfo: Optional[str] = None) -> Dra
     the activations). A draft's dtype changes which tokens are proposed where two logits are
     within its rounding, never the output: the target verifies every draft.
     `cpuinfo`: /proc/cpuinfo's text (tests)."""
-    if choice not in DRAFT_WEIGHT_DTYPES:
-        raise ConfigError(f"draft_weight_dtype must be one of {', '.join(DRAFT_WEIGHT_DTYPES)}, "
-                          f"got {choice!r}", option="draft_weight_dtype")
+    check_draft_weight_dtype(choice, runner_cfg.dtype_name)
     act, stored = runner_cfg.torch_dtype, runner_cfg.torch_weight_dtype
     cpu = torch.device(runner_cfg.device).type == "cpu"
     if choice == "auto":
         if cpu and act == torch.float32 and cpu_has_bf16_dot(cpuinfo):
             return DraftWeights(stored, torch.bfloat16)
         return DraftWeights(stored, None)
-    check_draft_weight_dtype(choice, str(act).removeprefix("torch."))
     want = getattr(torch, choice)
     if cpu and want == torch.bfloat16 and act == torch.float32 and cpu_packs_bf16():
         return DraftWeights(stored, torch.bfloat16)
